@@ -1,0 +1,64 @@
+"""posttrain: post-training for language models with TRL's API.
+
+Public names are imported lazily (PEP 562), so ``import posttrain`` and ``posttrain --help`` stay fast: torch and
+transformers load only when a trainer, config or utility is first touched.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from posttrain._version import __version__
+
+# public name -> module that defines it
+_LAZY: dict[str, str] = {
+    # trainers and configs
+    "SFTConfig": "posttrain.trainers.sft",
+    "SFTTrainer": "posttrain.trainers.sft",
+    "DPOConfig": "posttrain.trainers.dpo",
+    "DPOTrainer": "posttrain.trainers.dpo",
+    "KTOConfig": "posttrain.trainers.kto",
+    "KTOTrainer": "posttrain.trainers.kto",
+    "RewardConfig": "posttrain.trainers.reward",
+    "RewardTrainer": "posttrain.trainers.reward",
+    "GRPOConfig": "posttrain.trainers.grpo",
+    "GRPOTrainer": "posttrain.trainers.grpo",
+    "RLOOConfig": "posttrain.trainers.rloo",
+    "RLOOTrainer": "posttrain.trainers.rloo",
+    # data utilities (TRL's trl.data_utils names)
+    "apply_chat_template": "posttrain.data_utils",
+    "maybe_apply_chat_template": "posttrain.data_utils",
+    "extract_prompt": "posttrain.data_utils",
+    "maybe_extract_prompt": "posttrain.data_utils",
+    "is_conversational": "posttrain.data_utils",
+    "is_conversational_from_value": "posttrain.data_utils",
+    "maybe_convert_to_chatml": "posttrain.data_utils",
+    "unpair_preference_dataset": "posttrain.data_utils",
+    "maybe_unpair_preference_dataset": "posttrain.data_utils",
+    "pack_dataset": "posttrain.data_utils",
+    "truncate_dataset": "posttrain.data_utils",
+    "clone_chat_template": "posttrain.chat_template_utils",
+    # models
+    "create_reference_model": "posttrain.models.peft_utils",
+    "disable_dropout_in_model": "posttrain.models.loading",
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _LAZY.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'posttrain' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module_name), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+if TYPE_CHECKING:  # pragma: no cover
+    pass

@@ -1,0 +1,1 @@
+"""The ``posttrain`` command line."""

@@ -1,0 +1,136 @@
+"""Load models and processing classes from hub ids, local paths or objects, with TRL's defaults.
+
+``create_model_from_path`` follows TRL: the architecture comes from ``config.architectures[0]``, ``dtype`` defaults
+to float32 (strings "bfloat16" | "float16" | "float32" | "auto" accepted), and ``device_map`` is left to the caller
+(on a CPU-only machine no device map is needed). A model that cannot be found offline gets a one-paragraph error
+instead of a network traceback.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+
+class ModelNotFoundError(OSError):
+    """Raised when a model id/path cannot be resolved (e.g. a hub id while offline)."""
+
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "auto": "auto"}
+
+
+def resolve_dtype(dtype: Any) -> Any:
+    """Map TRL's dtype strings to torch dtypes; ``None`` means float32 (TRL's default)."""
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, torch.dtype) or dtype == "auto":
+        return dtype
+    if isinstance(dtype, str):
+        key = dtype.removeprefix("torch.")
+        if key in _DTYPES:
+            return _DTYPES[key]
+    raise ValueError(
+        f"Invalid dtype {dtype!r} in model_init_kwargs. Use one of 'bfloat16', 'float16', 'float32', 'auto' or a "
+        "torch.dtype."
+    )
+
+
+def _not_found(model_id: str, err: Exception) -> ModelNotFoundError:
+    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
+    hint = (
+        "HF_HUB_OFFLINE is set, so only local paths and models already in the cache can be loaded."
+        if offline
+        else "If this is a hub id, check the spelling and your network access; if it is a local folder, check the path."
+    )
+    return ModelNotFoundError(
+        f"Could not load model {model_id!r}: it is neither a local folder with a config.json nor a model that could "
+        f"be fetched. {hint} Offline, build a tiny local model with "
+        f"`posttrain.models.tiny.save_tiny_model(path)` and pass its path. (Cause: {type(err).__name__}: "
+        f"{str(err).splitlines()[0] if str(err) else ''})"
+    )
+
+
+def load_config(model_id: str, **kwargs):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(model_id, **kwargs)
+    except (OSError, ValueError) as err:
+        raise _not_found(model_id, err) from err
+
+
+def create_model_from_path(model_id: str, *, task: str = "causal-lm", **model_init_kwargs):
+    """Instantiate a model from a hub id or local path with TRL's loading rules.
+
+    Args:
+        model_id: Hub id or local folder.
+        task: ``"causal-lm"`` (architecture from the config) or ``"sequence-classification"`` (``num_labels=1``
+            unless given).
+        **model_init_kwargs: Forwarded to ``from_pretrained``; ``dtype`` defaults to float32.
+    """
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    kwargs = dict(model_init_kwargs)
+    if "torch_dtype" in kwargs and "dtype" not in kwargs:
+        kwargs["dtype"] = kwargs.pop("torch_dtype")
+    kwargs["dtype"] = resolve_dtype(kwargs.get("dtype"))
+    trust = kwargs.get("trust_remote_code", False)
+    config = load_config(model_id, trust_remote_code=trust, revision=kwargs.get("revision"))
+    try:
+        if task == "sequence-classification":
+            kwargs.setdefault("num_labels", 1)
+            return AutoModelForSequenceClassification.from_pretrained(model_id, **kwargs)
+        architectures = getattr(config, "architectures", None) or []
+        arch_cls = getattr(transformers, architectures[0], None) if architectures else None
+        if arch_cls is not None and "ForCausalLM" in architectures[0]:
+            return arch_cls.from_pretrained(model_id, **kwargs)
+        return AutoModelForCausalLM.from_pretrained(model_id, **kwargs)
+    except OSError as err:
+        raise _not_found(model_id, err) from err
+
+
+def load_processing_class(model_id: str, *, padding_side: str | None = None, truncation_side: str | None = None,
+                          **kwargs):
+    """Load the tokenizer for ``model_id``; a missing pad token falls back to EOS (as TRL)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_id, **kwargs)
+    except (OSError, ValueError) as err:
+        raise _not_found(model_id, err) from err
+    if padding_side is not None:
+        tokenizer.padding_side = padding_side
+    if truncation_side is not None:
+        tokenizer.truncation_side = truncation_side
+    ensure_pad_token(tokenizer)
+    return tokenizer
+
+
+def ensure_pad_token(tokenizer) -> None:
+    """Use EOS as the pad token when the tokenizer has none; error if it has neither."""
+    tok = getattr(tokenizer, "tokenizer", tokenizer)
+    if tok.pad_token is None:
+        if tok.eos_token is None:
+            raise ValueError(
+                "The tokenizer has neither a pad token nor an EOS token. Set `tokenizer.pad_token = ...` before "
+                "passing it as processing_class."
+            )
+        tok.pad_token = tok.eos_token
+
+
+def model_name(model: Any) -> str:
+    """Short name of a model for default output dirs and metric names (last path component)."""
+    if isinstance(model, str):
+        return model.rstrip("/").split("/")[-1]
+    name = getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__
+    return str(name).rstrip("/").split("/")[-1]
+
+
+def disable_dropout_in_model(model: torch.nn.Module) -> None:
+    """Set every dropout probability to 0 (TRL's ``disable_dropout``)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0

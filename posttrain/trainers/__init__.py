@@ -1,0 +1,1 @@
+"""Trainers: one config + trainer module per method, all on ``transformers.Trainer``."""

@@ -1,0 +1,53 @@
+"""Shared fixtures: offline tiny models saved once per session, deterministic seeds, offline hub."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("WANDB_DISABLED", "true")
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    import random
+
+    import torch
+
+    random.seed(0)
+    torch.manual_seed(0)
+    yield
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory) -> str:
+    """A saved tiny Qwen2 causal LM + byte-level tokenizer (loadable by path)."""
+    from posttrain.models.tiny import save_tiny_model
+
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), arch="qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_path(tmp_path_factory) -> str:
+    from posttrain.models.tiny import save_tiny_model
+
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"), arch="llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_reward_model_path(tmp_path_factory) -> str:
+    """A saved tiny Qwen2 sequence classifier with one label."""
+    from posttrain.models.tiny import save_tiny_model
+
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-rm"), arch="qwen2", task="sequence-classification")
+
+
+@pytest.fixture()
+def tiny_tokenizer():
+    from posttrain.models.tiny import build_tiny_tokenizer
+
+    return build_tiny_tokenizer()
