@@ -134,3 +134,62 @@ def disable_dropout_in_model(model: torch.nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
+
+
+def resolve_model(model: Any, args: Any = None, *, task: str = "causal-lm", peft_config: Any = None,
+                  quantization_config: Any = None):
+    """The trainer's model from a hub id / path / object, wrapped with ``peft_config`` when given.
+
+    Strings are loaded with ``args.model_init_kwargs`` (float32 by default) and ``args.trust_remote_code``; a
+    ``quantization_config`` is merged into them (error if also present there). Objects are used as they are
+    (``model_init_kwargs`` then has no effect and a warning says so).
+    """
+    import warnings
+
+    from posttrain.models.peft_utils import prepare_peft_model
+
+    init_kwargs = dict(getattr(args, "model_init_kwargs", None) or {})
+    if isinstance(model, str):
+        if quantization_config is not None:
+            if "quantization_config" in init_kwargs:
+                raise ValueError(
+                    "quantization_config was given both to the trainer and in args.model_init_kwargs; keep one."
+                )
+            init_kwargs["quantization_config"] = quantization_config
+        if getattr(args, "trust_remote_code", False):
+            init_kwargs.setdefault("trust_remote_code", True)
+        model = create_model_from_path(model, task=task, **init_kwargs)
+    else:
+        if init_kwargs:
+            warnings.warn(
+                "args.model_init_kwargs is ignored because the model is already instantiated; pass a model id or "
+                "path to use it.",
+                stacklevel=3,
+            )
+        if quantization_config is not None:
+            warnings.warn("quantization_config is ignored because the model is already instantiated.", stacklevel=3)
+    if peft_config is not None:
+        model = prepare_peft_model(
+            model, peft_config, gradient_checkpointing=bool(getattr(args, "gradient_checkpointing", False))
+        )
+    return model
+
+
+def resolve_processing_class(model: Any, processing_class: Any = None, *, padding_side: str | None = None,
+                             truncation_side: str | None = None):
+    """The tokenizer given, or the one saved with ``model`` (pad token falls back to EOS)."""
+    if processing_class is None:
+        source = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", None)
+        if not source:
+            raise ValueError(
+                "processing_class is None and the model has no `name_or_path` to load a tokenizer from; pass "
+                "processing_class=AutoTokenizer.from_pretrained(...)."
+            )
+        return load_processing_class(source, padding_side=padding_side, truncation_side=truncation_side)
+    tok = getattr(processing_class, "tokenizer", processing_class)
+    if padding_side is not None:
+        tok.padding_side = padding_side
+    if truncation_side is not None:
+        tok.truncation_side = truncation_side
+    ensure_pad_token(tok)
+    return processing_class

@@ -72,3 +72,22 @@ def test_create_reference_model_is_frozen_copy(tiny_model_path):
     ref = create_reference_model(model)
     assert not ref.training and all(not p.requires_grad for p in ref.parameters())
     assert ref.model.embed_tokens.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()
+
+
+def test_resolve_model_and_processing_class(tiny_model_path):
+    from peft import LoraConfig, PeftModel
+
+    from posttrain.models.loading import resolve_model, resolve_processing_class
+
+    class Args:
+        model_init_kwargs = {"dtype": "float32"}
+        gradient_checkpointing = False
+
+    model = resolve_model(tiny_model_path, Args(), peft_config=LoraConfig(r=2, target_modules=["q_proj"]))
+    assert isinstance(model, PeftModel)
+    with pytest.warns(UserWarning, match="model_init_kwargs is ignored"):
+        resolve_model(create_model_from_path(tiny_model_path), Args())
+    tok = resolve_processing_class(tiny_model_path, padding_side="left")
+    assert tok.padding_side == "left"
+    tok = resolve_processing_class(model, None)
+    assert tok.eos_token == "<|im_end|>"
