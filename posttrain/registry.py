@@ -51,9 +51,7 @@ class Registry(Generic[T]):
         try:
             return self._items[key]
         except KeyError:
-            raise ValueError(
-                f"Unknown {self.kind} {key!r}. Valid names: {', '.join(sorted(self._items))}."
-            ) from None
+            raise ValueError(f"Unknown {self.kind} {key!r}. Valid names: {', '.join(sorted(self._items))}.") from None
 
     def names(self) -> list[str]:
         return sorted(self._items)

@@ -51,3 +51,7 @@ def tiny_tokenizer():
     from posttrain.models.tiny import build_tiny_tokenizer
 
     return build_tiny_tokenizer()
+
+
+# Trainer tests don't need the end-of-training HTML report; tests/report turns it back on explicitly.
+os.environ.setdefault("POSTTRAIN_NO_REPORT", "1")

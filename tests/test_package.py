@@ -33,16 +33,19 @@ def test_unknown_attribute_raises():
 
 
 def test_console_script_version_and_help():
-    version = subprocess.run([sys.executable, "-m", "posttrain.cli.main", "--version"], capture_output=True,
-                             text=True, check=True).stdout
+    version = subprocess.run(
+        [sys.executable, "-m", "posttrain.cli.main", "--version"], capture_output=True, text=True, check=True
+    ).stdout
     assert version.startswith("posttrain ")
-    help_text = subprocess.run([sys.executable, "-m", "posttrain.cli.main", "--help"], capture_output=True,
-                               text=True, check=True).stdout
+    help_text = subprocess.run(
+        [sys.executable, "-m", "posttrain.cli.main", "--help"], capture_output=True, text=True, check=True
+    ).stdout
     assert "usage: posttrain" in help_text and "env" in help_text
 
 
 def test_env_command_lists_versions():
-    out = subprocess.run([sys.executable, "-m", "posttrain.cli.main", "env"], capture_output=True, text=True,
-                         check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "posttrain.cli.main", "env"], capture_output=True, text=True, check=True
+    ).stdout
     for key in ["posttrain version", "PyTorch version", "Transformers version", "vLLM version"]:
         assert key in out

@@ -20,8 +20,9 @@ def _git_sha() -> str | None:
     if not (root / ".git").exists():
         return None
     try:
-        out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=7", "HEAD"], capture_output=True,
-                             text=True, timeout=5)
+        out = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short=7", "HEAD"], capture_output=True, text=True, timeout=5
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() or None
@@ -29,9 +30,9 @@ def _git_sha() -> str | None:
 
 def collect_env() -> dict[str, str]:
     """Key → value lines describing this installation."""
-    from posttrain import __version__
-
     import torch
+
+    from posttrain import __version__
 
     if torch.cuda.is_available():
         devices = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))

@@ -92,8 +92,9 @@ def create_model_from_path(model_id: str, *, task: str = "causal-lm", **model_in
         raise _not_found(model_id, err) from err
 
 
-def load_processing_class(model_id: str, *, padding_side: str | None = None, truncation_side: str | None = None,
-                          **kwargs):
+def load_processing_class(
+    model_id: str, *, padding_side: str | None = None, truncation_side: str | None = None, **kwargs
+):
     """Load the tokenizer for ``model_id``; a missing pad token falls back to EOS (as TRL)."""
     from transformers import AutoTokenizer
 
@@ -136,8 +137,9 @@ def disable_dropout_in_model(model: torch.nn.Module) -> None:
             module.p = 0.0
 
 
-def resolve_model(model: Any, args: Any = None, *, task: str = "causal-lm", peft_config: Any = None,
-                  quantization_config: Any = None):
+def resolve_model(
+    model: Any, args: Any = None, *, task: str = "causal-lm", peft_config: Any = None, quantization_config: Any = None
+):
     """The trainer's model from a hub id / path / object, wrapped with ``peft_config`` when given.
 
     Strings are loaded with ``args.model_init_kwargs`` (float32 by default) and ``args.trust_remote_code``; a
@@ -175,8 +177,9 @@ def resolve_model(model: Any, args: Any = None, *, task: str = "causal-lm", peft
     return model
 
 
-def resolve_processing_class(model: Any, processing_class: Any = None, *, padding_side: str | None = None,
-                             truncation_side: str | None = None):
+def resolve_processing_class(
+    model: Any, processing_class: Any = None, *, padding_side: str | None = None, truncation_side: str | None = None
+):
     """The tokenizer given, or the one saved with ``model`` (pad token falls back to EOS)."""
     if processing_class is None:
         source = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", None)

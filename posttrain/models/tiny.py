@@ -63,7 +63,9 @@ def build_tiny_tokenizer(padding_side: Literal["left", "right"] = "right"):
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte → printable-unicode table (the ByteLevel pre-tokenizer's alphabet)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     cs = bs[:]
     n = 0
     for b in range(256):

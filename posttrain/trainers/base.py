@@ -51,7 +51,17 @@ class BaseConfig(TrainingArguments):
         metadata={"help": "Keyword arguments for `from_pretrained` when `model` is a string (JSON string allowed)."},
     )
 
+    write_report: bool | None = field(
+        default=None,
+        metadata={
+            "help": "posttrain only: write PNG plots and report/index.html into output_dir when training ends. None: "
+            "on, unless the environment variable POSTTRAIN_NO_REPORT=1 is set."
+        },
+    )
+
     def __post_init__(self):
+        if self.write_report is None:
+            self.write_report = os.environ.get("POSTTRAIN_NO_REPORT", "0") in ("0", "", "false", "False")
         if self.bf16 is None:
             self.bf16 = (not self.fp16) and _bf16_supported()
         if isinstance(self.model_init_kwargs, str):
@@ -80,6 +90,16 @@ class BaseTrainer(Trainer):
     def __init__(self, *args, **kwargs):
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
         super().__init__(*args, **kwargs)
+        from posttrain.callbacks import MetricsLoggerCallback, ReportCallback
+
+        self.add_callback(MetricsLoggerCallback())
+        if getattr(self.args, "write_report", False):
+            self.add_callback(ReportCallback(trainer_name=self._report_name()))
+
+    def _report_name(self) -> str | None:
+        """Which report panels fit this trainer (``"sft"``, ``"grpo"``...); None lets the report guess."""
+        tags = [t for t in self._tag_names if t != "posttrain"]
+        return tags[0] if tags else None
 
     # -- metrics -------------------------------------------------------------------------------------------------
     def _mode(self) -> str:

@@ -51,8 +51,10 @@ def test_peft_reference_is_base_model_with_adapters_disabled(tiny_model_path):
     base = create_model_from_path(tiny_model_path)
     ids = torch.tensor([[1, 2, 3, 4]])
     base_logits = base(ids).logits.detach()
-    model = prepare_peft_model(create_model_from_path(tiny_model_path),
-                               LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    model = prepare_peft_model(
+        create_model_from_path(tiny_model_path),
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
+    )
     assert not torch.allclose(model(ids).logits, base_logits)
     with use_adapter(model, None):
         assert torch.allclose(model(ids).logits, base_logits, atol=1e-6)

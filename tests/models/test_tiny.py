@@ -19,11 +19,15 @@ def test_tokenizer_is_byte_level_and_round_trips():
 
 def test_chat_template_generation_prompt_and_assistant_mask():
     tok = build_tiny_tokenizer()
-    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"},
-            {"role": "assistant", "content": "yo"}]
+    msgs = [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "yo"},
+    ]
     text = tok.apply_chat_template(msgs, tokenize=False)
-    assert text == ("<|im_start|>system\ns<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
-                    "<|im_start|>assistant\nyo<|im_end|>\n")
+    assert text == (
+        "<|im_start|>system\ns<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nyo<|im_end|>\n"
+    )
     prompt = tok.apply_chat_template(msgs[:2], tokenize=False, add_generation_prompt=True)
     assert prompt.endswith("<|im_start|>assistant\n") and text.startswith(prompt)
     out = tok.apply_chat_template(msgs, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
@@ -46,8 +50,10 @@ def test_chat_template_renders_tools_and_tool_calls():
 
     msgs = [
         {"role": "user", "content": "1+2?"},
-        {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "add",
-                                                                               "arguments": {"a": 1, "b": 2}}}]},
+        {
+            "role": "assistant",
+            "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}],
+        },
         {"role": "tool", "name": "add", "content": "3"},
     ]
     text = tok.apply_chat_template(msgs, tools=[add], tokenize=False, add_generation_prompt=True)
