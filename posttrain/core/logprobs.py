@@ -1,0 +1,364 @@
+"""Per-token log-probabilities and entropies without materialising full-vocabulary logits for a whole batch.
+
+Three entry points:
+
+* :func:`selective_log_softmax` — log p(index) from logits you already have, ``(..., V) -> (...)``.
+* :func:`entropy_from_logits` — H = −Σ_v p_v log p_v from logits, ``(..., V) -> (...)``.
+* :func:`chunked_logprobs_from_hidden` — log p(label) (and optionally H) straight from the last hidden states and
+  the LM-head weight. Logits exist one chunk of tokens at a time, in the forward pass *and* in the backward pass
+  (recomputed there), so peak memory grows with ``chunk_size × V``, not ``N × V``. This is the path the trainers
+  use for policy, old and reference log-probs (design §3.1).
+
+All three compute in float32 whatever the input dtype (bf16 log-softmax loses ~2 digits) and return float32. They
+are custom ``torch.autograd.Function`` s that save only their inputs plus one float per token (the log-sum-exp, and
+the entropy when it must be differentiated), and write the gradient chunk by chunk:
+
+    ∂ log p_y / ∂ z_v = 1[v = y] − p_v          ∂ H / ∂ z_v = −p_v (log p_v + H)
+
+where z are the (temperature-scaled) logits of one position.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.autograd.function import once_differentiable
+
+__all__ = ["chunked_logprobs_from_hidden", "entropy_from_logits", "selective_log_softmax"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Chunk kernels shared by the autograd functions. ``z`` is always a float32 (c, V) buffer that the kernel may
+# overwrite, so each chunk costs at most two (c, V) float32 buffers.
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _forward_chunk(
+    z: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, compute_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Return (logp of labels (c,), logsumexp (c,), entropy (c,) or None). Overwrites ``z`` when computing H."""
+    lse = torch.logsumexp(z, dim=-1)
+    safe_labels = torch.where(valid, labels, torch.zeros_like(labels))
+    logp = z.gather(-1, safe_labels.unsqueeze(-1)).squeeze(-1) - lse
+    logp = torch.where(valid, logp, torch.zeros_like(logp))
+    entropy = None
+    if compute_entropy:
+        probs = z.sub_(lse.unsqueeze(-1)).exp_()  # in place: z is a scratch buffer
+        entropy = torch.special.entr(probs).sum(-1)  # entr(p) = −p log p, and entr(0) = 0 (underflowed p)
+    return logp, lse, entropy
+
+
+def _backward_chunk(
+    z: torch.Tensor,
+    lse: torch.Tensor,
+    labels: torch.Tensor,
+    valid: torch.Tensor,
+    grad_logp: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    entropy: torch.Tensor | None,
+) -> torch.Tensor:
+    """Return dL/dz (c, V) float32 for one chunk, given upstream grads of logp and entropy. Overwrites ``z``."""
+    log_probs = z.sub_(lse.unsqueeze(-1))  # (c, V), in place
+    probs = log_probs.exp()
+    grad = None
+    if grad_entropy is not None:
+        # ∂H/∂z = −p (log p + H); computed inside the log_probs buffer to avoid a third (c, V) tensor.
+        grad = log_probs.add_(entropy.unsqueeze(-1)).mul_(probs).mul_(-grad_entropy.unsqueeze(-1))
+        grad.nan_to_num_(nan=0.0)  # a −inf logit gives p = 0 and (−inf)·0 = NaN; its true gradient is 0
+    if grad_logp is not None:
+        g = torch.where(valid, grad_logp, torch.zeros_like(grad_logp))  # ignored positions get no gradient
+        term = probs.mul_(-g.unsqueeze(-1))
+        safe_labels = torch.where(valid, labels, torch.zeros_like(labels))
+        term.scatter_add_(1, safe_labels.unsqueeze(-1), g.unsqueeze(-1))  # ∂logp/∂z = onehot(y) − p
+        grad = term if grad is None else grad.add_(term)
+    if grad is None:
+        grad = log_probs.zero_()
+    return grad
+
+
+def _chunks(n: int, chunk_size: int):
+    for start in range(0, n, chunk_size):
+        yield start, min(start + chunk_size, n)
+
+
+def _no_autocast(device: torch.device):
+    """Float32 math even inside ``torch.autocast`` (mixed-precision training would run the matmuls in bf16)."""
+    if device.type in ("cuda", "cpu", "xpu", "mps"):
+        return torch.autocast(device_type=device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def _scratch_float(x: torch.Tensor) -> torch.Tensor:
+    """A float32 copy of ``x`` that the kernels may overwrite (``.float()`` alone aliases float32 inputs)."""
+    z = x.float()
+    return z.clone() if z.data_ptr() == x.data_ptr() else z
+
+
+def _check_chunk_size(chunk_size: int) -> None:
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}.")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# From logits
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class _LogitsLogSoftmaxStats(torch.autograd.Function):
+    """(logits (N, V), labels (N,)) -> (logp (N,), entropy (N,) or empty), computed chunk by chunk in float32."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, chunk_size, ignore_index, compute_entropy):
+        n = logits.shape[0]
+        valid = labels != ignore_index
+        logps = torch.empty(n, dtype=torch.float32, device=logits.device)
+        lses = torch.empty(n, dtype=torch.float32, device=logits.device)
+        entropies = torch.empty(n if compute_entropy else 0, dtype=torch.float32, device=logits.device)
+        with _no_autocast(logits.device):
+            for s, e in _chunks(n, chunk_size):
+                z = _scratch_float(logits[s:e]) if compute_entropy else logits[s:e].float()
+                logp, lse, ent = _forward_chunk(z, labels[s:e], valid[s:e], compute_entropy)
+                logps[s:e], lses[s:e] = logp, lse
+                if compute_entropy:
+                    entropies[s:e] = ent
+        ctx.save_for_backward(logits, labels, lses, entropies)
+        ctx.set_materialize_grads(False)  # an unused output then sends None, and its gradient term is skipped
+        ctx.chunk_size, ctx.ignore_index = chunk_size, ignore_index
+        if not compute_entropy:
+            ctx.mark_non_differentiable(entropies)
+        return logps, entropies
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_logps, grad_entropies):
+        logits, labels, lses, entropies = ctx.saved_tensors
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None, None
+        if entropies.numel() == 0:
+            grad_entropies = None
+        valid = labels != ctx.ignore_index
+        grad_logits = torch.empty_like(logits)
+        with _no_autocast(logits.device):
+            for s, e in _chunks(logits.shape[0], ctx.chunk_size):
+                g = _backward_chunk(
+                    _scratch_float(logits[s:e]),
+                    lses[s:e],
+                    labels[s:e],
+                    valid[s:e],
+                    None if grad_logps is None else grad_logps[s:e],
+                    None if grad_entropies is None else grad_entropies[s:e],
+                    entropies[s:e] if grad_entropies is not None else None,
+                )
+                grad_logits[s:e] = g.to(logits.dtype)
+        return grad_logits, None, None, None, None
+
+
+def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor, *, chunk_size: int = 1024) -> torch.Tensor:
+    """log softmax(logits)[index], without a full ``(..., V)`` log-softmax tensor.
+
+    logp = z_index − logsumexp_v(z_v), computed ``chunk_size`` positions at a time in float32. Only ``logits`` and
+    one log-sum-exp per position are kept for backward (the autograd default would also keep a float32 copy of
+    bf16 logits).
+
+    Args:
+        logits: ``(..., V)`` logits, any float dtype.
+        index: ``(...)`` token ids in ``[0, V)``.
+        chunk_size: positions per chunk; bounds the float32 scratch memory to ``chunk_size × V``.
+
+    Returns:
+        ``(...)`` float32 log-probabilities.
+    """
+    _check_chunk_size(chunk_size)
+    if logits.shape[:-1] != index.shape:
+        raise ValueError(
+            f"index shape {tuple(index.shape)} must equal the logits shape without the vocab dim "
+            f"{tuple(logits.shape[:-1])}."
+        )
+    flat_logits = logits.reshape(-1, logits.shape[-1])
+    flat_index = index.reshape(-1).long()
+    # No index is ignored here: the ignore value only has to be one a real token id cannot take.
+    logps, _ = _LogitsLogSoftmaxStats.apply(flat_logits, flat_index, chunk_size, -(2**62), False)
+    return logps.reshape(index.shape)
+
+
+def entropy_from_logits(logits: torch.Tensor, chunk_size: int = 128) -> torch.Tensor:
+    """Entropy of the categorical distribution at every position: H = −Σ_v p_v log p_v, p = softmax(logits).
+
+    Computed ``chunk_size`` positions at a time in float32; differentiable (∂H/∂z_v = −p_v (log p_v + H)), with
+    only ``logits`` and two floats per position saved for backward.
+
+    Args:
+        logits: ``(..., V)`` logits, any float dtype.
+        chunk_size: positions per chunk.
+
+    Returns:
+        ``(...)`` float32 entropies in nats.
+    """
+    _check_chunk_size(chunk_size)
+    flat_logits = logits.reshape(-1, logits.shape[-1])
+    dummy = torch.full((flat_logits.shape[0],), -100, dtype=torch.long, device=logits.device)
+    _, entropies = _LogitsLogSoftmaxStats.apply(flat_logits, dummy, chunk_size, -100, True)
+    return entropies.reshape(logits.shape[:-1])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# From hidden states (fused LM head)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class _ChunkedHiddenLogProbs(torch.autograd.Function):
+    """(hidden (N,H), weight (V,H), bias (V,)|None, labels (N,)) -> (logp (N,), entropy (N,) or empty)."""
+
+    @staticmethod
+    def forward(
+        ctx, hidden, weight, bias, labels, temperature, chunk_size, ignore_index, compute_entropy, entropy_grad
+    ):
+        n = hidden.shape[0]
+        with _no_autocast(hidden.device):
+            # One float32 copy of a low-precision head for the duration of the call (not saved): logits in float32.
+            w32 = weight.float()
+            b32 = None if bias is None else bias.float()
+            valid = labels != ignore_index
+            logps = torch.empty(n, dtype=torch.float32, device=hidden.device)
+            lses = torch.empty(n, dtype=torch.float32, device=hidden.device)
+            entropies = torch.empty(n if compute_entropy else 0, dtype=torch.float32, device=hidden.device)
+            for s, e in _chunks(n, chunk_size):
+                z = _chunk_logits(hidden[s:e], w32, b32, temperature)
+                logp, lse, ent = _forward_chunk(z, labels[s:e], valid[s:e], compute_entropy)
+                logps[s:e], lses[s:e] = logp, lse
+                if compute_entropy:
+                    entropies[s:e] = ent
+        saved_entropy = entropies if entropy_grad else None
+        ctx.save_for_backward(hidden, weight, bias, labels, lses, saved_entropy)
+        ctx.set_materialize_grads(False)  # an unused output then sends None, and its gradient term is skipped
+        ctx.temperature, ctx.chunk_size, ctx.ignore_index = temperature, chunk_size, ignore_index
+        if not entropy_grad:
+            ctx.mark_non_differentiable(entropies)
+        return logps, entropies
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_logps, grad_entropies):
+        hidden, weight, bias, labels, lses, entropies = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        if not (need_h or need_w or need_b):
+            return (None,) * 9
+        if entropies is None:
+            grad_entropies = None
+        temperature = ctx.temperature
+        w32 = weight.float()
+        b32 = None if bias is None else bias.float()
+        valid = labels != ctx.ignore_index
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros_like(w32) if need_w else None
+        grad_b = torch.zeros_like(b32) if need_b else None
+        with _no_autocast(hidden.device):
+            for s, e in _chunks(hidden.shape[0], ctx.chunk_size):
+                h32 = hidden[s:e].float()
+                z = _chunk_logits(h32, w32, b32, temperature)
+                gz = _backward_chunk(
+                    z,
+                    lses[s:e],
+                    labels[s:e],
+                    valid[s:e],
+                    None if grad_logps is None else grad_logps[s:e],
+                    None if grad_entropies is None else grad_entropies[s:e],
+                    None if entropies is None else entropies[s:e],
+                )
+                if temperature != 1.0:
+                    gz.div_(temperature)  # z = raw / T, so dL/draw = dL/dz / T
+                if need_h:
+                    grad_h[s:e] = (gz @ w32).to(hidden.dtype)
+                if need_w:
+                    grad_w.addmm_(gz.T, h32)
+                if need_b:
+                    grad_b.add_(gz.sum(0))
+        grad_w = None if grad_w is None else grad_w.to(weight.dtype)
+        grad_b = None if grad_b is None else grad_b.to(bias.dtype)
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None
+
+
+def _chunk_logits(
+    hidden_chunk: torch.Tensor, w32: torch.Tensor, b32: torch.Tensor | None, temperature: float
+) -> torch.Tensor:
+    h32 = hidden_chunk.float()
+    z = h32 @ w32.T if b32 is None else torch.addmm(b32, h32, w32.T)  # (c, V) float32
+    if temperature != 1.0:
+        z.div_(temperature)
+    return z
+
+
+def chunked_logprobs_from_hidden(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    compute_entropy: bool = False,
+    ignore_index: int = -100,
+    entropy_requires_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probabilities of ``labels`` (and entropies) from last hidden states, never holding ``N × V`` logits.
+
+    For each chunk of ``chunk_size`` positions, in float32:
+
+        z = (hidden_chunk @ weightᵀ + bias) / temperature          # (c, V)
+        logp = z_label − logsumexp(z)        H = −Σ_v softmax(z)_v log softmax(z)_v
+
+    The custom autograd function saves only ``hidden``, ``weight``, ``bias``, ``labels`` and one log-sum-exp per
+    position, and recomputes each chunk's logits in backward, so the extra memory of forward + backward is
+    O(chunk_size × V) instead of O(N × V) (design §3.1; the same idea as Liger's fused linear cross-entropy).
+    Gradients flow to ``hidden``, ``weight`` and ``bias`` — each only if it requires grad, so a frozen LM head
+    costs no weight-gradient matmul. A low-precision ``weight`` is upcast to float32 once per forward and once per
+    backward call (transient, V × H floats).
+
+    Args:
+        hidden: ``(N, H)`` or ``(B, T, H)`` hidden states (fp32 or bf16/fp16), already aligned with ``labels``
+            (position t predicts ``labels[t]``).
+        weight: ``(V, H)`` LM-head weight (``lm_head.weight``).
+        labels: ``(N,)`` or ``(B, T)`` target ids; positions equal to ``ignore_index`` get logp 0 and no gradient.
+        bias: optional ``(V,)`` LM-head bias.
+        temperature: logits are divided by it (GRPO's sampling temperature); must be > 0.
+        chunk_size: positions per chunk; scratch memory is about ``2 × chunk_size × V`` floats.
+        compute_entropy: also return per-position entropies (at every position, ignored ones included).
+        ignore_index: label value marking positions to skip (prompt, padding).
+        entropy_requires_grad: by default the entropy is returned **detached** (it is a logged metric and the input
+            of the entropy mask). Set True when the entropy enters the loss (entropy bonus); its gradient
+            −p (log p + H) is then recomputed chunk-wise too.
+
+    Returns:
+        ``(logps, entropy)``: float32 tensors with the leading shape of ``labels``; ``entropy`` is None unless
+        ``compute_entropy``.
+    """
+    _check_chunk_size(chunk_size)
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}.")
+    if hidden.shape[:-1] != labels.shape:
+        raise ValueError(
+            f"labels shape {tuple(labels.shape)} must equal the hidden shape without the hidden dim "
+            f"{tuple(hidden.shape[:-1])}."
+        )
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"weight must have shape (V, H={hidden.shape[-1]}) like lm_head.weight, got {tuple(weight.shape)}."
+        )
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(f"bias must have shape (V={weight.shape[0]},), got {tuple(bias.shape)}.")
+    leading = labels.shape
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    flat_labels = labels.reshape(-1).long()
+    logps, entropies = _ChunkedHiddenLogProbs.apply(
+        flat_hidden,
+        weight,
+        bias,
+        flat_labels,
+        float(temperature),
+        chunk_size,
+        ignore_index,
+        compute_entropy,
+        compute_entropy and entropy_requires_grad,
+    )
+    return logps.reshape(leading), (entropies.reshape(leading) if compute_entropy else None)

@@ -1,0 +1,287 @@
+"""Per-token policy-gradient objectives for GRPO-family losses, and their importance weights.
+
+Each objective maps (log-probs under π_θ, log-probs under π_old, advantages, mask) to a per-token loss
+``(B, T)`` (or ``(B, 1)`` for a purely sequence-level loss) plus a dict of per-token indicator tensors for metrics.
+How the per-token loss is reduced to a scalar is a separate choice (``posttrain.core.aggregation``); TRL's
+``loss_type`` strings are pairs of the two (``posttrain.core.presets``).
+
+Notation: ℓ_t = logp_t − old_t, w the importance weight (token: exp ℓ_t; sequence/GSPO: exp of the masked mean of
+ℓ), A the advantage broadcast to the weight's shape, sg = stop-gradient.
+
+* ``clip``  (PPO/GRPO, DAPO's asymmetric ε, INTELLECT-2's δ):  L = −min(min(w, δ)·A, clip(w, 1−ε_low, 1+ε_high)·A)
+* ``cispo`` (MiniMax-M1):  L = −sg(min(w, ε_high))·A·logp — ``epsilon_high`` is an absolute cap here (recommended 5)
+* ``sapo``  (Qwen, arXiv 2511.20347):  L = −(4/τ)·σ(τ(w − 1))·A, τ = τ_pos if A > 0 else τ_neg
+* ``vespo`` (arXiv 2602.10693):  L = −sg(φ(W))·A·logp with the gamma kernel φ(W) = e^λ W^k e^{−λW} of the
+  *sequence* ratio W = exp Σ_t m·ℓ_t, (k, λ) = (k_pos, λ_pos) if A ≥ 0 else (k_neg, λ_neg).
+
+Advantages may be ``(B,)``, ``(B, 1)`` or ``(B, T)``. Extra keyword arguments are accepted and ignored, so a trainer
+can pass one kwargs dict to whichever objective is configured.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+
+from posttrain.core.masking import masked_sum
+from posttrain.registry import Registry
+
+__all__ = [
+    "POLICY_OBJECTIVES",
+    "cispo_objective",
+    "clip_objective",
+    "importance_weights",
+    "sapo_objective",
+    "vespo_gamma_weights",
+    "vespo_objective",
+]
+
+ObjectiveFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
+POLICY_OBJECTIVES: Registry[ObjectiveFn] = Registry("policy objective")
+
+ImportanceLevel = Literal["token", "sequence", "sequence_sum"]
+
+
+def importance_weights(
+    logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, level: ImportanceLevel = "token"
+) -> torch.Tensor:
+    """Importance weight π_θ/π_old per token or per sequence.
+
+    * ``"token"``: w_t = exp(logp_t − old_t), shape ``(B, T)``.
+    * ``"sequence"`` (GSPO, Zheng et al. 2025): w_i = exp(Σ_t m (logp − old) / max(Σ_t m, 1)), shape ``(B, 1)`` —
+      the geometric mean of the token ratios, so long sequences are not penalised.
+    * ``"sequence_sum"`` (RLOO's sequence-level PPO ratio): w_i = exp(Σ_t m (logp − old)), shape ``(B, 1)``.
+
+    Args:
+        logp: ``(B, T)`` log-probs under the current policy (carries the gradient).
+        old_logp: ``(B, T)`` log-probs under the sampling-time policy.
+        mask: ``(B, T)`` completion mask.
+        level: ``"token"``, ``"sequence"`` or ``"sequence_sum"``.
+    """
+    log_ratio = logp - old_logp
+    if level == "token":
+        return torch.exp(log_ratio)
+    if level == "sequence":
+        length = mask.sum(dim=-1, keepdim=True).to(logp.dtype).clamp(min=1.0)
+        return torch.exp(masked_sum(log_ratio, mask, dim=-1).unsqueeze(-1) / length)
+    if level == "sequence_sum":
+        return torch.exp(masked_sum(log_ratio, mask, dim=-1).unsqueeze(-1))
+    raise ValueError(
+        f"Unknown importance_sampling_level {level!r}. Valid values: 'token', 'sequence' (GSPO), 'sequence_sum'."
+    )
+
+
+def _scalar(value: float, like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(value, dtype=like.dtype, device=like.device)
+
+
+def _advantages_2d(advantages: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+    """(B,) -> (B, 1); (B, 1) and (B, T) pass through (subclasses such as MiniLLM give per-token advantages)."""
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1)
+    if advantages.dim() != 2 or advantages.shape[0] != logp.shape[0] or advantages.shape[1] not in (1, logp.shape[1]):
+        raise ValueError(
+            f"advantages must have shape (B,), (B, 1) or (B, T) with (B, T) = {tuple(logp.shape)}, "
+            f"got {tuple(advantages.shape)}."
+        )
+    return advantages.to(logp.dtype)
+
+
+@POLICY_OBJECTIVES.register("clip")
+def clip_objective(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    importance_sampling_level: ImportanceLevel = "token",
+    epsilon_low: float = 0.2,
+    epsilon_high: float | None = 0.2,
+    delta: float | None = None,
+    **_,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped surrogate (PPO; GRPO/DAPO/Dr. GRPO/BNPO/LUSPO/GSPO share it).
+
+    L = −min(w₁·A, w₂·A), w₂ = clip(w, 1 − ε_low, 1 + ε_high), w₁ = min(w, δ) if ``delta`` else w
+    (INTELLECT-2's two-sided clip: also bounds the ratio when A < 0).
+
+    Args:
+        logp, old_logp, mask: ``(B, T)``.
+        advantages: ``(B,)``, ``(B, 1)`` or ``(B, T)``.
+        importance_sampling_level: see :func:`importance_weights`.
+        epsilon_low: ε_low (TRL ``epsilon``).
+        epsilon_high: ε_high (DAPO's clip-higher, 0.28 in the paper); None = ``epsilon_low``.
+        delta: optional upper cap δ on the unclipped ratio (> 1 + ε_high).
+
+    Returns:
+        ``(per_token_loss, stats)``: loss of shape broadcast(w, A) — ``(B, T)`` for token level, ``(B, 1)`` for
+        sequence level with per-sequence advantages. ``stats`` holds float indicators (same shape) for the metrics:
+        ``is_low_clipped`` (w < 1 − ε_low and A < 0), ``is_high_clipped`` (w > 1 + ε_high and A > 0) and
+        ``is_region_clipped`` (either); reduce them with ``masking.masked_batch_mean``.
+    """
+    epsilon_high = epsilon_low if epsilon_high is None else epsilon_high
+    adv = _advantages_2d(advantages, logp)
+    coef_1 = importance_weights(logp, old_logp, mask, importance_sampling_level)
+    coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + epsilon_high)
+    capped = coef_1 if delta is None else torch.clamp(coef_1, max=delta)
+    per_token_loss = -torch.min(capped * adv, coef_2 * adv)
+    with torch.no_grad():
+        is_low = (coef_1 < 1 - epsilon_low) & (adv < 0)
+        is_high = (coef_1 > 1 + epsilon_high) & (adv > 0)
+        stats = {
+            "is_low_clipped": is_low.float(),
+            "is_high_clipped": is_high.float(),
+            "is_region_clipped": (is_low | is_high).float(),
+        }
+    return per_token_loss, stats
+
+
+@POLICY_OBJECTIVES.register("cispo")
+def cispo_objective(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    importance_sampling_level: ImportanceLevel = "token",
+    epsilon_low: float = 0.2,
+    epsilon_high: float | None = 0.2,
+    **_,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """CISPO (MiniMax-M1, 2025): clip the importance weight, not the update, and keep every token's gradient.
+
+    L = −sg(min(w, ε_high)) · A · logp. ``epsilon_high`` is the absolute cap on w (ScaleRL recommends 5.0; TRL
+    falls back to ``epsilon`` when it is None, which caps at 0.2 — ``presets.validate_grpo_loss_config`` warns).
+
+    Returns:
+        ``(per_token_loss (B, T), {"cispo_clip": float indicator of w > ε_high and A > 0})``.
+    """
+    epsilon_high = epsilon_low if epsilon_high is None else epsilon_high
+    adv = _advantages_2d(advantages, logp)
+    coef_1 = importance_weights(logp, old_logp, mask, importance_sampling_level)
+    clamped = torch.clamp(coef_1, max=epsilon_high).detach()
+    per_token_loss = -clamped * adv * logp
+    with torch.no_grad():
+        stats = {"cispo_clip": ((coef_1 > epsilon_high) & (adv > 0)).float()}
+    return per_token_loss, stats
+
+
+@POLICY_OBJECTIVES.register("sapo")
+def sapo_objective(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    importance_sampling_level: ImportanceLevel = "token",
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
+    **_,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """SAPO (Qwen, arXiv 2511.20347): a smooth, temperature-controlled gate instead of hard clipping.
+
+    f(w) = σ(τ(w − 1)) · 4/τ with τ = τ_pos if A > 0 else τ_neg;  L = −f(w) · A. At w = 1 the gradient equals the
+    unclipped surrogate's (f'(1) = 1); far from 1 it decays smoothly. τ_neg > τ_pos damps negative updates faster.
+
+    Returns:
+        ``(per_token_loss, {})`` with loss shape broadcast(w, A).
+    """
+    adv = _advantages_2d(advantages, logp)
+    coef_1 = importance_weights(logp, old_logp, mask, importance_sampling_level)
+    tau = torch.where(adv > 0, _scalar(sapo_temperature_pos, coef_1), _scalar(sapo_temperature_neg, coef_1))
+    gate = torch.sigmoid(tau * (coef_1 - 1)) * 4 / tau
+    return -gate * adv, {}
+
+
+def vespo_gamma_weights(
+    advantages: torch.Tensor,
+    log_ratio: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    k_pos: float = 2.0,
+    lambda_pos: float = 3.0,
+    k_neg: float = 3.0,
+    lambda_neg: float = 2.0,
+    rollout_log_ratio: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """VESPO's detached gamma kernel φ of the sequence-level importance ratio (arXiv 2602.10693, §3.4).
+
+    s = Σ_t m·clamp(ℓ_t, −20, 20) (+ Σ_t m·clamp(rollout_log_ratio_t, log 1e-8, 20) when the sampler's log-probs
+    differ from π_old's), clamped to [log 1e-8, 20]; then, in log space,
+    log φ = λ + k·s − λ·e^s, i.e. φ(W) = e^λ W^k e^{−λW} with φ(1) = 1; (k, λ) = pos if A ≥ 0 else neg.
+
+    Args:
+        advantages: ``(B, 1)`` (or ``(B, T)``).
+        log_ratio: ``(B, T)`` logp − old_logp.
+        mask: ``(B, T)``.
+        k_pos, lambda_pos, k_neg, lambda_neg: kernel parameters (c1, c2 in the paper).
+        rollout_log_ratio: optional ``(B, T)`` log of the token-level rollout IS ratio π_old/π_sampler (after
+            truncation/masking; −inf for masked tokens is fine).
+
+    Returns:
+        ``(B, 1)`` φ, detached, NaN/inf mapped to 0.
+    """
+    lower = math.log(1e-8)
+    seq_log_ratio = masked_sum(torch.clamp(log_ratio, -20.0, 20.0), mask, dim=-1).unsqueeze(-1)
+    if rollout_log_ratio is not None:
+        seq_log_ratio = seq_log_ratio + masked_sum(
+            torch.clamp(rollout_log_ratio, lower, 20.0), mask, dim=-1
+        ).unsqueeze(-1)
+    log_w = torch.clamp(seq_log_ratio, lower, 20.0)
+    nonneg = advantages >= 0
+    k = torch.where(nonneg, _scalar(k_pos, log_w), _scalar(k_neg, log_w))
+    lam = torch.where(nonneg, _scalar(lambda_pos, log_w), _scalar(lambda_neg, log_w))
+    phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
+    return torch.nan_to_num(phi, nan=0.0, posinf=0.0, neginf=0.0).detach()
+
+
+@POLICY_OBJECTIVES.register("vespo")
+def vespo_objective(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    vespo_k_pos: float = 2.0,
+    vespo_lambda_pos: float = 3.0,
+    vespo_k_neg: float = 3.0,
+    vespo_lambda_neg: float = 2.0,
+    rollout_log_ratio: torch.Tensor | None = None,
+    importance_sampling_ratio: torch.Tensor | None = None,
+    **_,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """VESPO (arXiv 2602.10693): REINFORCE on the sequence, reweighted by a detached gamma kernel φ(W).
+
+    L = −φ(W) · A · logp, φ from :func:`vespo_gamma_weights`. The sequence ratio W is always the *sum* of token
+    log-ratios, so ``importance_sampling_level`` is ignored (TRL warns when it is "sequence"). The rollout IS
+    correction enters φ instead of multiplying the loss: pass either ``rollout_log_ratio`` (log ρ_t) or TRL's
+    token-level ``importance_sampling_ratio`` (ρ_t, ``(B, T)``), and do not multiply the loss by ρ afterwards.
+
+    Returns:
+        ``(per_token_loss (B, T), {"phi_seq": (B, 1) φ})``.
+    """
+    adv = _advantages_2d(advantages, logp)
+    if importance_sampling_ratio is not None:
+        if rollout_log_ratio is not None:
+            raise ValueError("Pass either rollout_log_ratio or importance_sampling_ratio to vespo, not both.")
+        if importance_sampling_ratio.shape[-1] == 1 and logp.shape[-1] != 1:
+            raise ValueError(
+                "VESPO needs a token-level rollout importance ratio (B, T): set vllm_importance_sampling_mode to "
+                "'token_truncate' or 'token_mask'."
+            )
+        rollout_log_ratio = torch.log(importance_sampling_ratio)
+    phi = vespo_gamma_weights(
+        adv,
+        logp - old_logp,
+        mask,
+        k_pos=vespo_k_pos,
+        lambda_pos=vespo_lambda_pos,
+        k_neg=vespo_k_neg,
+        lambda_neg=vespo_lambda_neg,
+        rollout_log_ratio=rollout_log_ratio,
+    )
+    per_token_loss = -phi * adv * logp
+    return per_token_loss, {"phi_seq": phi}

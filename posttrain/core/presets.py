@@ -1,0 +1,147 @@
+"""TRL's GRPO ``loss_type`` strings as presets over two orthogonal axes: objective × aggregation.
+
+``GRPO_LOSS_PRESETS[loss_type] = (objective, aggregation)`` names an entry of
+``policy_objectives.POLICY_OBJECTIVES`` and one of ``aggregation.AGGREGATIONS``. Adding a loss type is one row here
+(plus a function if either axis is new). ``validate_grpo_loss_config`` reproduces TRL's warnings for combinations
+that work but are probably not what the user meant, and raises for the ones that cannot work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from posttrain.core.aggregation import AGGREGATIONS
+from posttrain.core.policy_objectives import POLICY_OBJECTIVES
+
+__all__ = [
+    "GRPO_LOSS_PRESETS",
+    "RLOO_LOSS_PRESET",
+    "needs_grad_accum_division",
+    "resolve_grpo_loss",
+    "validate_grpo_loss_config",
+]
+
+GRPO_LOSS_PRESETS: dict[str, tuple[str, str]] = {
+    "grpo": ("clip", "seq_mean_token_mean"),
+    "bnpo": ("clip", "token_mean_local"),
+    "dr_grpo": ("clip", "constant_norm"),
+    "dapo": ("clip", "token_mean_global"),
+    "cispo": ("cispo", "token_mean_global"),
+    "sapo": ("sapo", "seq_mean_token_mean"),
+    "luspo": ("clip", "length_weighted"),
+    "vespo": ("vespo", "token_mean_global"),
+}
+
+# RLOO: sequence-level PPO clip on the summed log-ratio, averaged over sequences (HF Trainer then divides by GA).
+RLOO_LOSS_PRESET: dict[str, str] = {
+    "objective": "clip",
+    "aggregation": "sequence_mean",
+    "importance_sampling_level": "sequence_sum",
+}
+
+# Aggregations already normalised by the whole optimizer step's token count: the trainer must not divide them by
+# the number of gradient-accumulation steps.
+_GLOBALLY_NORMALISED = frozenset({"token_mean_global"})
+
+_SEQUENCE_LEVEL_DISCOURAGED = ("bnpo", "dr_grpo", "dapo", "cispo")
+
+
+def resolve_grpo_loss(
+    loss_type: str | Sequence[str | Callable],
+) -> tuple[Callable, Callable]:
+    """Return ``(objective_fn, aggregation_fn)`` for a TRL ``loss_type``.
+
+    Args:
+        loss_type: one of ``GRPO_LOSS_PRESETS`` (``"grpo"``, ``"bnpo"``, ``"dr_grpo"``, ``"dapo"``, ``"cispo"``,
+            ``"sapo"``, ``"luspo"``, ``"vespo"``), or a pair ``(objective, aggregation)`` of registry names or
+            callables for a custom combination.
+
+    Raises:
+        ValueError: unknown loss type (the message lists the valid ones).
+    """
+    if isinstance(loss_type, str):
+        if loss_type not in GRPO_LOSS_PRESETS:
+            raise ValueError(
+                f"Unknown loss_type {loss_type!r}. Valid loss types: {', '.join(GRPO_LOSS_PRESETS)} "
+                "(or a pair (objective, aggregation))."
+            )
+        objective, aggregation = GRPO_LOSS_PRESETS[loss_type]
+    elif isinstance(loss_type, (tuple, list)) and len(loss_type) == 2:
+        objective, aggregation = loss_type
+    else:
+        raise ValueError(
+            f"loss_type must be one of {', '.join(GRPO_LOSS_PRESETS)} or a pair (objective, aggregation), "
+            f"got {loss_type!r}."
+        )
+    return POLICY_OBJECTIVES.get(objective), AGGREGATIONS.get(aggregation)
+
+
+def needs_grad_accum_division(loss_type: str | Sequence[str | Callable]) -> bool:
+    """Whether the trainer divides the aggregated loss by the gradient-accumulation steps (TRL semantics).
+
+    False for the globally normalised ``dapo``/``cispo``/``vespo`` (``token_mean_global``), True for the others.
+    """
+    resolve_grpo_loss(loss_type)  # validates
+    aggregation = GRPO_LOSS_PRESETS[loss_type][1] if isinstance(loss_type, str) else loss_type[1]
+    return aggregation not in _GLOBALLY_NORMALISED
+
+
+def validate_grpo_loss_config(
+    loss_type: str,
+    importance_sampling_level: str = "token",
+    *,
+    epsilon: float = 0.2,
+    epsilon_high: float | None = None,
+    vllm_importance_sampling_mode: str | None = None,
+) -> list[str]:
+    """Check a GRPO loss configuration; return warning messages (TRL logs these), raise on impossible ones.
+
+    Warnings (as TRL): ``luspo`` without sequence-level importance sampling; ``vespo`` with sequence-level
+    importance sampling (it builds its own sequence ratio); sequence-level importance sampling with ``bnpo``,
+    ``dr_grpo``, ``dapo`` or ``cispo`` (GSPO normalises per sequence: ``loss_type="grpo"``); ``cispo`` with
+    ``epsilon_high=None`` (the weight cap silently becomes ``epsilon``).
+
+    Args:
+        loss_type: TRL loss type.
+        importance_sampling_level: ``"token"`` or ``"sequence"``.
+        epsilon: lower clip ε (used in the cispo message).
+        epsilon_high: upper clip ε_high (None = ``epsilon``).
+        vllm_importance_sampling_mode: the rollout IS mode when the correction is active, else None.
+
+    Raises:
+        ValueError: unknown ``loss_type`` or ``importance_sampling_level``; ``vespo`` with a sequence-level rollout
+            IS mode (VESPO folds a token-level ratio into its kernel).
+    """
+    resolve_grpo_loss(loss_type)
+    if importance_sampling_level not in ("token", "sequence"):
+        raise ValueError(
+            f"Unknown importance_sampling_level {importance_sampling_level!r}. Valid values: 'token', 'sequence'."
+        )
+    if loss_type == "vespo" and vllm_importance_sampling_mode not in (None, "token_truncate", "token_mask"):
+        raise ValueError(
+            f"loss_type='vespo' needs a token-level importance-sampling correction, got "
+            f"vllm_importance_sampling_mode={vllm_importance_sampling_mode!r}: set it to 'token_truncate' or "
+            "'token_mask' (or disable vllm_importance_sampling_correction)."
+        )
+    warnings: list[str] = []
+    if loss_type == "luspo" and importance_sampling_level != "sequence":
+        warnings.append(
+            "loss_type='luspo' scales a sequence-level (GSPO) loss by sequence length; the LUSPO paper uses "
+            "importance_sampling_level='sequence'. Set importance_sampling_level='sequence' to reproduce it."
+        )
+    if loss_type == "vespo" and importance_sampling_level == "sequence":
+        warnings.append(
+            "loss_type='vespo' computes its own sequence-level importance weight; importance_sampling_level="
+            "'sequence' has no effect on it. Use importance_sampling_level='token' (the default)."
+        )
+    if importance_sampling_level == "sequence" and loss_type in _SEQUENCE_LEVEL_DISCOURAGED:
+        warnings.append(
+            f"Sequence-level importance sampling (GSPO) with loss_type={loss_type!r} mixes a per-sequence ratio "
+            "with per-token normalisation; GSPO uses per-sequence normalisation, so loss_type='grpo' is recommended."
+        )
+    if loss_type == "cispo" and epsilon_high is None:
+        warnings.append(
+            f"loss_type='cispo' caps the importance weight at epsilon_high, which is None and so falls back to "
+            f"epsilon={epsilon}. CISPO/ScaleRL use a cap well above 1: set epsilon_high=5.0."
+        )
+    return warnings

@@ -1,0 +1,111 @@
+"""posttrain.core.presets: loss_type table, resolution, and TRL's configuration warnings."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from posttrain.core.aggregation import AGGREGATIONS
+from posttrain.core.policy_objectives import POLICY_OBJECTIVES
+from posttrain.core.presets import (
+    GRPO_LOSS_PRESETS,
+    RLOO_LOSS_PRESET,
+    needs_grad_accum_division,
+    resolve_grpo_loss,
+    validate_grpo_loss_config,
+)
+
+
+def test_preset_table_is_trls():
+    assert GRPO_LOSS_PRESETS == {
+        "grpo": ("clip", "seq_mean_token_mean"),
+        "bnpo": ("clip", "token_mean_local"),
+        "dr_grpo": ("clip", "constant_norm"),
+        "dapo": ("clip", "token_mean_global"),
+        "cispo": ("cispo", "token_mean_global"),
+        "sapo": ("sapo", "seq_mean_token_mean"),
+        "luspo": ("clip", "length_weighted"),
+        "vespo": ("vespo", "token_mean_global"),
+    }
+
+
+def test_resolve_every_loss_type():
+    for loss_type, (objective, aggregation) in GRPO_LOSS_PRESETS.items():
+        assert resolve_grpo_loss(loss_type) == (POLICY_OBJECTIVES.get(objective), AGGREGATIONS.get(aggregation))
+
+
+def test_resolve_custom_pair_and_errors():
+    def my_agg(loss, mask, **_):
+        return loss.sum()
+
+    objective, aggregation = resolve_grpo_loss(("sapo", my_agg))
+    assert objective is POLICY_OBJECTIVES.get("sapo") and aggregation is my_agg
+    with pytest.raises(ValueError, match="Valid loss types: grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo, vespo"):
+        resolve_grpo_loss("ppo")
+    with pytest.raises(ValueError, match="Valid names"):
+        resolve_grpo_loss(("clip", "nope"))
+    with pytest.raises(ValueError, match="pair"):
+        resolve_grpo_loss(3)
+
+
+def test_needs_grad_accum_division():
+    assert [lt for lt in GRPO_LOSS_PRESETS if not needs_grad_accum_division(lt)] == ["dapo", "cispo", "vespo"]
+
+
+def test_dapo_end_to_end_hand_computed():
+    """dapo on w = 1 (on-policy), A = [1, −1], m = [[1, 1], [1, 0]]: L = −A per token = [[−1, −1], [1, ·]];
+    Σ L·m = −1, normalised by 3 tokens over 1 process -> −1/3."""
+    objective, aggregation = resolve_grpo_loss("dapo")
+    logp = torch.zeros(2, 2, requires_grad=True)
+    mask = torch.tensor([[1, 1], [1, 0]])
+    per_token, _ = objective(logp, logp.detach(), torch.tensor([1.0, -1.0]), mask, epsilon_low=0.2)
+    loss = aggregation(per_token, mask, num_items_in_batch=3, num_processes=1, max_completion_length=8)
+    assert loss.item() == pytest.approx(-1 / 3)
+
+
+def test_rloo_preset_hand_computed():
+    """RLOO: ratio exp(Σ m (logp − old)) per sequence, clip, mean over sequences. On-policy, A = [2, −1]:
+    L = [−2, 1] -> mean −0.5."""
+    objective = POLICY_OBJECTIVES.get(RLOO_LOSS_PRESET["objective"])
+    aggregation = AGGREGATIONS.get(RLOO_LOSS_PRESET["aggregation"])
+    logp = torch.zeros(2, 3, requires_grad=True)
+    mask = torch.ones(2, 3)
+    per_seq, _ = objective(
+        logp,
+        logp.detach(),
+        torch.tensor([2.0, -1.0]),
+        mask,
+        importance_sampling_level=RLOO_LOSS_PRESET["importance_sampling_level"],
+    )
+    assert per_seq.shape == (2, 1)
+    assert aggregation(per_seq, mask).item() == pytest.approx(-0.5)
+
+
+def test_validate_defaults_are_silent():
+    assert validate_grpo_loss_config("dapo") == []
+    assert validate_grpo_loss_config("grpo", "sequence") == []
+    assert validate_grpo_loss_config("luspo", "sequence") == []
+    assert validate_grpo_loss_config("cispo", epsilon_high=5.0) == []
+
+
+def test_validate_warnings():
+    (luspo,) = validate_grpo_loss_config("luspo", "token")
+    assert "importance_sampling_level='sequence'" in luspo
+    (vespo,) = validate_grpo_loss_config("vespo", "sequence")
+    assert "importance_sampling_level='token'" in vespo
+    for loss_type in ["bnpo", "dr_grpo", "dapo"]:
+        (gspo,) = validate_grpo_loss_config(loss_type, "sequence")
+        assert "loss_type='grpo'" in gspo
+    cispo = validate_grpo_loss_config("cispo", "sequence", epsilon=0.2, epsilon_high=None)
+    assert len(cispo) == 2
+    assert "epsilon=0.2" in cispo[1] and "epsilon_high=5.0" in cispo[1]
+
+
+def test_validate_errors():
+    with pytest.raises(ValueError, match="Valid loss types"):
+        validate_grpo_loss_config("ppo")
+    with pytest.raises(ValueError, match="importance_sampling_level 'tokens'"):
+        validate_grpo_loss_config("grpo", "tokens")
+    with pytest.raises(ValueError, match="'token_truncate' or 'token_mask'"):
+        validate_grpo_loss_config("vespo", vllm_importance_sampling_mode="sequence_mask")
+    assert validate_grpo_loss_config("vespo", vllm_importance_sampling_mode="token_mask") == []
