@@ -1,0 +1,281 @@
+"""Dataset loading for scripts and the CLI: local files/folders and hub names, and TRL's dataset mixtures.
+
+``load_dataset_from_spec`` loads json/jsonl/csv/parquet/arrow/txt files, folders of such files and
+``save_to_disk`` folders locally, and anything else through ``datasets.load_dataset`` (hub names, for users who
+are online). A name that cannot be resolved (offline mode, no connection, unknown name) raises
+``DatasetNotFoundError`` with one paragraph saying what was tried and how to fix it, not a long traceback.
+
+``DatasetConfig`` / ``DatasetMixtureConfig`` / ``get_dataset`` are TRL's ``trl.scripts`` mixture API (YAML
+``datasets:`` lists). Per-source ``fraction`` values (all-or-none) are normalised to weights w_i = f_i / Σf; the
+mixture size is the largest N with w_i·N ≤ len_i for every source (no source is oversampled), and source i
+contributes its first round(w_i·N) rows.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+_EXTENSION_BUILDERS = {
+    ".json": "json",
+    ".jsonl": "json",
+    ".csv": "csv",
+    ".tsv": "csv",
+    ".parquet": "parquet",
+    ".arrow": "arrow",
+    ".txt": "text",
+}
+
+
+class DatasetNotFoundError(FileNotFoundError):
+    """A dataset name or path could not be resolved (not a local file/folder, and not loadable from the hub)."""
+
+
+def _truthy(value: str | None) -> bool:
+    return (value or "").strip().upper() in ("1", "ON", "YES", "TRUE")
+
+
+def is_offline() -> bool:
+    """True when Hugging Face hub access is disabled (``HF_HUB_OFFLINE`` / ``HF_DATASETS_OFFLINE``)."""
+    if _truthy(os.environ.get("HF_HUB_OFFLINE")) or _truthy(os.environ.get("HF_DATASETS_OFFLINE")):
+        return True
+    try:
+        import datasets
+
+        return bool(getattr(datasets.config, "HF_HUB_OFFLINE", False))
+    except ImportError:  # pragma: no cover - datasets is a dependency
+        return False
+
+
+def _is_saved_to_disk(path: Path) -> bool:
+    return path.is_dir() and (
+        (path / "dataset_dict.json").exists()
+        or ((path / "state.json").exists() and (path / "dataset_info.json").exists())
+    )
+
+
+def _not_found(name: str, reason: str) -> DatasetNotFoundError:
+    return DatasetNotFoundError(
+        f"Could not load dataset {name!r}: {reason} It is not a local file or folder (checked relative to "
+        f"{os.getcwd()}). Pass a local path (json, jsonl, csv, parquet, arrow or txt file, a folder of them, or a "
+        "folder written by Dataset.save_to_disk), or, to use a Hugging Face Hub dataset, check the name and go online "
+        "(unset HF_HUB_OFFLINE / HF_DATASETS_OFFLINE)."
+    )
+
+
+def _select_split(dataset: Any, split: str | None, name: str) -> Any:
+    import datasets
+
+    if split is None or not isinstance(dataset, (datasets.DatasetDict, datasets.IterableDatasetDict)):
+        return dataset
+    if split not in dataset:
+        raise ValueError(f"Dataset {name!r} has no split {split!r}; available splits: {sorted(dataset)}.")
+    return dataset[split]
+
+
+def load_dataset_from_spec(
+    name_or_path: str,
+    config: str | None = None,
+    split: str | None = None,
+    data_files: str | list[str] | dict[str, Any] | None = None,
+    data_dir: str | None = None,
+    streaming: bool = False,
+) -> Any:
+    """Load a dataset from a local path or a hub name.
+
+    Args:
+        name_or_path: A file (``.json``, ``.jsonl``, ``.csv``, ``.tsv``, ``.parquet``, ``.arrow``, ``.txt``), a folder
+            of such files, a ``save_to_disk`` folder, or a hub dataset name.
+        config: Dataset configuration name (hub datasets).
+        split: Split to return (``None`` returns every split as a ``DatasetDict``). Single files have one split,
+            ``"train"``; split slicing like ``"train[:10%]"`` works where ``datasets`` supports it.
+        data_files: Files to load inside a folder or hub repository.
+        data_dir: Sub-folder to load from.
+        streaming: Return an ``IterableDataset`` (``to_iterable_dataset`` for ``save_to_disk`` folders).
+
+    Raises:
+        DatasetNotFoundError: The name is not a local path and cannot be loaded from the hub (offline, no
+            connection, or unknown name).
+    """
+    import datasets
+
+    path = Path(os.path.expanduser(name_or_path))
+    if _is_saved_to_disk(path):
+        dataset = _select_split(datasets.load_from_disk(str(path)), split, name_or_path)
+        if streaming:
+            if isinstance(dataset, datasets.DatasetDict):
+                dataset = datasets.IterableDatasetDict({k: v.to_iterable_dataset() for k, v in dataset.items()})
+            else:
+                dataset = dataset.to_iterable_dataset()
+        return dataset
+    if path.is_file():
+        builder = _EXTENSION_BUILDERS.get(path.suffix.lower())
+        if builder is None:
+            raise ValueError(
+                f"Cannot load {name_or_path!r}: unknown file type {path.suffix!r}. Supported: "
+                f"{', '.join(sorted(_EXTENSION_BUILDERS))}, or a save_to_disk folder."
+            )
+        kwargs = {"delimiter": "\t"} if path.suffix.lower() == ".tsv" else {}
+        return datasets.load_dataset(
+            builder, data_files={"train": str(path)}, split=split, streaming=streaming, **kwargs
+        )
+    if path.is_dir():
+        return datasets.load_dataset(
+            str(path), name=config, data_dir=data_dir, data_files=data_files, split=split, streaming=streaming
+        )
+    if path.is_absolute() or name_or_path.startswith((".", "~")) or name_or_path.count("/") > 1:
+        raise _not_found(name_or_path, "no such file or folder.")
+    if is_offline():
+        raise _not_found(name_or_path, "Hugging Face Hub access is disabled (offline mode).")
+    try:
+        return datasets.load_dataset(
+            name_or_path, name=config, data_dir=data_dir, data_files=data_files, split=split, streaming=streaming
+        )
+    except _hub_errors() as err:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise _not_found(name_or_path, f"the hub did not return it ({type(err).__name__}: {reason}).") from None
+
+
+def _hub_errors() -> tuple[type[BaseException], ...]:
+    """Exception types meaning "the hub could not give us this dataset" (unknown name, offline, no connection)."""
+    import datasets
+
+    errors: list[type[BaseException]] = [ConnectionError, OSError, datasets.exceptions.DatasetNotFoundError]
+    try:
+        from huggingface_hub import errors as hub_errors
+
+        errors += [hub_errors.HfHubHTTPError, hub_errors.OfflineModeIsEnabled]
+    except (ImportError, AttributeError):  # pragma: no cover - older huggingface_hub
+        pass
+    try:
+        import httpx
+
+        errors.append(httpx.TransportError)
+    except ImportError:  # pragma: no cover - huggingface_hub < 1.0 uses requests (OSError subclasses)
+        pass
+    return tuple(errors)
+
+
+@dataclass
+class DatasetConfig:
+    """One dataset of a mixture (TRL's ``trl.scripts.utils.DatasetConfig``).
+
+    Args:
+        path: Local path or hub name (``load_dataset_from_spec``).
+        name: Dataset configuration name.
+        data_dir: Sub-folder to load.
+        data_files: Files to load.
+        split: Split to use.
+        columns: Keep only these columns (mixtures need the same columns in every source).
+        fraction: Share of this source in the mixture (all sources or none must set it; see module docstring).
+    """
+
+    path: str
+    name: str | None = None
+    data_dir: str | None = None
+    data_files: str | list[str] | dict[str, str] | None = None
+    split: str = "train"
+    columns: list[str] | None = None
+    fraction: float | None = None
+
+
+@dataclass
+class DatasetMixtureConfig:
+    """A mixture of datasets (TRL's ``DatasetMixtureConfig``); YAML ``datasets:`` entries may be dicts.
+
+    Args:
+        datasets: The sources, as ``DatasetConfig`` objects or dicts of its fields.
+        streaming: Load every source as an ``IterableDataset`` (fractions are not supported then).
+        test_split_size: If set, split the mixture into ``train``/``test`` with this test size (fraction or count).
+    """
+
+    datasets: list[DatasetConfig] = field(default_factory=list)
+    streaming: bool = False
+    test_split_size: float | None = None
+
+    def __post_init__(self):
+        converted = []
+        for i, ds in enumerate(self.datasets):
+            if isinstance(ds, DatasetConfig):
+                converted.append(ds)
+            elif isinstance(ds, dict):
+                unknown = set(ds) - set(DatasetConfig.__dataclass_fields__)
+                if unknown:
+                    raise ValueError(
+                        f"datasets[{i}] has unknown keys {sorted(unknown)}; valid keys: "
+                        f"{', '.join(DatasetConfig.__dataclass_fields__)}."
+                    )
+                converted.append(DatasetConfig(**ds))
+            else:
+                raise TypeError(f"datasets[{i}] must be a DatasetConfig or a dict, got {type(ds).__name__}.")
+        self.datasets = converted
+        fractions = [ds.fraction for ds in self.datasets]
+        given = [f is not None for f in fractions]
+        if any(given) and not all(given):
+            missing = [ds.path for ds in self.datasets if ds.fraction is None]
+            raise ValueError(
+                f"Either every dataset of the mixture sets `fraction` or none does; missing for {missing}."
+            )
+        if all(given) and self.datasets:
+            bad = [(ds.path, ds.fraction) for ds in self.datasets if not ds.fraction or ds.fraction <= 0]
+            if bad:
+                raise ValueError(f"Dataset fractions must be > 0, got {bad}.")
+            if self.streaming:
+                raise ValueError("Dataset fractions need dataset lengths and are not supported with streaming=True.")
+
+
+def _mixture_sizes(lengths: list[int], fractions: list[float]) -> list[int]:
+    """Rows taken per source: weights w_i = f_i/Σf, N = min_i len_i/w_i, n_i = min(round(w_i N), len_i)."""
+    total = sum(fractions)
+    weights = [f / total for f in fractions]
+    n = min(length / w for length, w in zip(lengths, weights))
+    return [min(round(w * n), length) for w, length in zip(weights, lengths)]
+
+
+def get_dataset(mixture_config: DatasetMixtureConfig) -> Any:
+    """Load and concatenate the mixture's datasets; returns a ``DatasetDict`` with ``train`` (and ``test`` when
+    ``test_split_size`` is set)."""
+    import datasets
+
+    if not mixture_config.datasets:
+        raise ValueError("The dataset mixture is empty: add at least one entry to `datasets`.")
+    loaded = []
+    for cfg in mixture_config.datasets:
+        logger.info("Loading dataset for mixture: %s (config %s)", cfg.path, cfg.name)
+        ds = load_dataset_from_spec(
+            cfg.path,
+            config=cfg.name,
+            split=cfg.split,
+            data_files=cfg.data_files,
+            data_dir=cfg.data_dir,
+            streaming=mixture_config.streaming,
+        )
+        if cfg.columns is not None:
+            missing = [c for c in cfg.columns if c not in (ds.column_names or [])]
+            if missing and ds.column_names is not None:
+                raise ValueError(f"Dataset {cfg.path!r} has no columns {missing}; it has {ds.column_names}.")
+            ds = ds.select_columns(cfg.columns)
+        loaded.append(ds)
+    if mixture_config.datasets[0].fraction is not None:
+        sizes = _mixture_sizes([len(ds) for ds in loaded], [cfg.fraction for cfg in mixture_config.datasets])
+        loaded = [ds.select(range(n)) for ds, n in zip(loaded, sizes)]
+    names = [ds.column_names for ds in loaded]
+    if any(n is not None and set(n) != set(names[0]) for n in names):
+        raise ValueError(
+            "The mixture's datasets have different columns: "
+            + "; ".join(f"{cfg.path}: {n}" for cfg, n in zip(mixture_config.datasets, names))
+            + ". Use `columns` on each entry to keep the same ones."
+        )
+    combined = datasets.concatenate_datasets(loaded) if len(loaded) > 1 else loaded[0]
+    if mixture_config.test_split_size is not None:
+        if mixture_config.streaming:
+            raise ValueError("test_split_size needs a map-style dataset; it is not supported with streaming=True.")
+        return combined.train_test_split(test_size=mixture_config.test_split_size)
+    if mixture_config.streaming:
+        return datasets.IterableDatasetDict({"train": combined})
+    return datasets.DatasetDict({"train": combined})
