@@ -1,0 +1,52 @@
+"""Generation backends behind one small protocol (design §1.6, §3.2).
+
+``SamplingConfig`` + prompt ids in, ``Completions`` out, through any ``GenerationBackend``:
+
+- ``"posttrain"`` (default): ``GroupSampler``, one prefill per unique prompt, KV cache expanded G ways, finished
+  rows dropped from the decode batch;
+- ``"transformers"``: ``TransformersBackend``, ``model.generate`` as TRL calls it;
+- ``"vllm_colocate"`` / ``"vllm_server"``: need ``pip install posttrain[vllm]`` and a CUDA GPU;
+- ``"rollout_func"``: ``RolloutFuncBackend``, the user's ``rollout_func(prompts, trainer)``.
+
+Backends are imported lazily (``get_backend``), so importing this package imports neither torch nor transformers.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from posttrain.generation.base import Completions, GenerationBackend, SamplingConfig, truncate_at_eos
+from posttrain.generation.registry import BACKENDS, DEFAULT_BACKEND, backend_names, get_backend
+
+if TYPE_CHECKING:
+    from posttrain.generation.group_sampler import GroupSampler
+    from posttrain.generation.rollout_func import RolloutFuncBackend
+    from posttrain.generation.transformers_backend import TransformersBackend
+
+_LAZY = {
+    "GroupSampler": "posttrain.generation.group_sampler",
+    "TransformersBackend": "posttrain.generation.transformers_backend",
+    "RolloutFuncBackend": "posttrain.generation.rollout_func",
+}
+
+__all__ = [
+    "BACKENDS",
+    "DEFAULT_BACKEND",
+    "Completions",
+    "GenerationBackend",
+    "GroupSampler",
+    "RolloutFuncBackend",
+    "SamplingConfig",
+    "TransformersBackend",
+    "backend_names",
+    "get_backend",
+    "truncate_at_eos",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'posttrain.generation' has no attribute {name!r}")

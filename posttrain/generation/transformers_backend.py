@@ -1,0 +1,156 @@
+"""The ``transformers`` generation backend: ``model.generate`` exactly as TRL calls it, plus shared helpers.
+
+``TransformersBackend`` left-pads the prompts, repeats each one ``num_generations`` times, and calls
+``model.generate`` with a ``GenerationConfig`` built from the ``SamplingConfig`` (``generation_kwargs`` merged last,
+``disable_compile=True``), then cuts every completion after its first EOS. Sampling log-probs come from
+``output_scores`` (transformers' *processed* scores, i.e. after repetition penalty/temperature/top-k/top-p/min-p).
+Note that ``output_scores`` keeps one ``(B, V)`` float tensor per generated token until ``generate`` returns; with
+large vocabularies set ``return_logprobs=False`` or use the ``posttrain`` backend (``GroupSampler``), which keeps
+only the current step's scores.
+
+The helpers ``left_pad``, ``sampling_mode`` and ``unwrap_model`` are shared with ``group_sampler``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from posttrain.generation.base import Completions, SamplingConfig, truncate_at_eos
+
+
+def unwrap_model(model: Any) -> Any:
+    """Strip DDP/FSDP-style ``.module`` wrappers (not PEFT: a PEFT model generates with its adapters)."""
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+        model = model.module
+    return model
+
+
+def model_device(model: Any) -> torch.device:
+    """Device of the model's input embeddings (where input ids must live)."""
+    try:
+        return model.get_input_embeddings().weight.device
+    except (AttributeError, NotImplementedError):
+        return next(model.parameters()).device
+
+
+def left_pad(
+    prompt_ids: list[list[int]], pad_token_id: int, device: torch.device | str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad id lists into ``input_ids`` and ``attention_mask``, both ``(B, T_max)`` long tensors.
+
+    Raises ``ValueError`` naming the row when a prompt is empty (a causal LM needs at least one token to condition
+    on).
+    """
+    for i, ids in enumerate(prompt_ids):
+        if len(ids) == 0:
+            raise ValueError(f"prompt_ids[{i}] is empty; every prompt needs at least one token.")
+    width = max(len(ids) for ids in prompt_ids)
+    input_ids = torch.full((len(prompt_ids), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompt_ids), width), dtype=torch.long)
+    for i, ids in enumerate(prompt_ids):
+        input_ids[i, width - len(ids) :] = torch.as_tensor(ids, dtype=torch.long)
+        attention_mask[i, width - len(ids) :] = 1
+    return input_ids.to(device), attention_mask.to(device)
+
+
+@contextlib.contextmanager
+def sampling_mode(model: torch.nn.Module) -> Iterator[None]:
+    """``model.eval()`` + ``torch.inference_mode()`` for the duration, then restore the training flag.
+
+    Eval mode turns dropout off (the sampling distribution is the model's, not a dropped-out copy) and lets the
+    KV cache work with gradient checkpointing enabled.
+    """
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode():
+            yield
+    finally:
+        model.train(was_training)
+
+
+def generation_config_from_sampling(sampling: SamplingConfig, tokenizer: Any = None) -> Any:
+    """The ``transformers.GenerationConfig`` TRL builds for ``model.generate`` (§B1.8).
+
+    ``top_k`` 0/None is passed as 0 (off) because ``GenerationConfig`` would otherwise fall back to 50.
+    ``generation_kwargs`` are merged last and override every other field.
+    """
+    from transformers import GenerationConfig
+
+    tok = getattr(tokenizer, "tokenizer", tokenizer)
+    kwargs: dict[str, Any] = dict(
+        max_new_tokens=sampling.max_new_tokens,
+        do_sample=sampling.do_sample,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k or 0,
+        min_p=sampling.min_p,
+        repetition_penalty=sampling.repetition_penalty,
+        cache_implementation=sampling.cache_implementation,
+        pad_token_id=sampling.pad_token_id,
+        bos_token_id=getattr(tok, "bos_token_id", None),
+        eos_token_id=list(sampling.eos_token_ids),
+        disable_compile=True,
+    )
+    kwargs.update(sampling.generation_kwargs or {})
+    return GenerationConfig(**kwargs)
+
+
+class TransformersBackend:
+    """Generate with ``model.generate`` (TRL's default backend).
+
+    Args:
+        model: A causal LM (optionally PEFT-wrapped); DDP-style ``.module`` wrappers are stripped.
+        tokenizer: Its tokenizer or processor (used for ``bos_token_id``).
+        return_logprobs: Return per-token sampling log-probs (from ``output_scores``).
+    """
+
+    def __init__(self, model: Any, tokenizer: Any = None, return_logprobs: bool = True):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.return_logprobs = return_logprobs
+
+    def sync_weights(self, model: Any) -> None:
+        """No-op: generation runs on the trainer's own model object."""
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig, num_generations: int = 1) -> Completions:
+        """Sample ``num_generations`` completions per prompt; rows ordered ``[p0 g0, p0 g1, ..., p1 g0, ...]``."""
+        if num_generations < 1:
+            raise ValueError(f"num_generations must be >= 1, got {num_generations}.")
+        if not prompt_ids:
+            return Completions([], [] if self.return_logprobs else None, [], [])
+        s = sampling.resolved()  # generation_kwargs that name a field are applied (and validated) here
+        model = unwrap_model(self.model)
+        gen_config = generation_config_from_sampling(s, self.tokenizer)
+        gen_config.return_dict_in_generate = True
+        gen_config.output_scores = self.return_logprobs
+        eos = set(s.eos_token_ids)
+        rows = [list(p) for p in prompt_ids for _ in range(num_generations)]
+        input_ids, attention_mask = left_pad(rows, s.pad_token_id, model_device(model))
+        with sampling_mode(model):
+            out = model.generate(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                generation_config=gen_config,
+            )
+        completion = out.sequences[:, input_ids.shape[1] :]  # (B, T)
+        token_logprobs = None
+        if self.return_logprobs:
+            # scores[t] is (B, V), processed; log p = score[token] - logsumexp(scores).
+            per_step = [
+                (s.float().gather(-1, completion[:, t : t + 1]) - torch.logsumexp(s.float(), dim=-1, keepdim=True))
+                for t, s in enumerate(out.scores)
+            ]
+            token_logprobs = torch.cat(per_step, dim=1).tolist()  # (B, T)
+        ids_out, lps_out, finished = [], [] if self.return_logprobs else None, []
+        for i, ids in enumerate(completion.tolist()):
+            ids, done = truncate_at_eos(ids, eos)
+            ids_out.append(ids)
+            finished.append(done)
+            if token_logprobs is not None:
+                lps_out.append(token_logprobs[i][: len(ids)])
+        return Completions(ids_out, lps_out, finished, rows)
