@@ -7,7 +7,7 @@ transformers load only when a trainer, config or utility is first touched.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from posttrain._version import __version__
 
@@ -39,6 +39,20 @@ _LAZY: dict[str, str] = {
     "pack_dataset": "posttrain.data_utils",
     "truncate_dataset": "posttrain.data_utils",
     "clone_chat_template": "posttrain.chat_template_utils",
+    # command line / scripts (trl.scripts names)
+    "TrlParser": "posttrain.cli.parser",
+    "ModelConfig": "posttrain.cli.configs",
+    "ScriptArguments": "posttrain.cli.configs",
+    "get_peft_config": "posttrain.cli.configs",
+    "get_quantization_config": "posttrain.cli.configs",
+    "get_kbit_device_map": "posttrain.cli.configs",
+    "DatasetConfig": "posttrain.data.loading",
+    "DatasetMixtureConfig": "posttrain.data.loading",
+    "get_dataset": "posttrain.data.loading",
+    # callbacks
+    "RichProgressCallback": "posttrain.callbacks",
+    "LogCompletionsCallback": "posttrain.callbacks",
+    "SyncRefModelCallback": "posttrain.callbacks",
     # models
     "create_reference_model": "posttrain.models.peft_utils",
     "disable_dropout_in_model": "posttrain.models.loading",
@@ -59,6 +73,3 @@ def __getattr__(name: str) -> Any:
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
-
-if TYPE_CHECKING:  # pragma: no cover
-    pass

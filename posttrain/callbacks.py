@@ -121,7 +121,10 @@ class RichProgressCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or not logs:
             return
-        self._last.update({k: v for k, v in logs.items() if k in self.KEYS and isinstance(v, (int, float))})
+        fresh = {k: v for k, v in logs.items() if k in self.KEYS and isinstance(v, (int, float))}
+        if not fresh:  # e.g. the end-of-training summary (train_runtime, ...): nothing new to show
+            return
+        self._last.update(fresh)
         if self.plain:
             print(f"[step {state.global_step}/{state.max_steps}] {self._summary()}", flush=True)
         elif self._progress is not None:

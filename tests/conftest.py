@@ -12,6 +12,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_DISABLED", "true")
 
 
+def pytest_configure(config):
+    # The suite runs with one worker per core (pytest -n 2); tiny matmuls are much faster single-threaded than
+    # with two workers each spawning threads over the same two cores.
+    import torch
+
+    torch.set_num_threads(1)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     import random

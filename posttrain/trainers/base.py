@@ -6,7 +6,17 @@
 (a CUDA GPU with bf16), so the first run on a laptop CPU trains in float32 instead of slow emulated bf16.
 
 ``BaseTrainer`` accumulates per-step metrics in ``self._metrics[mode]`` and averages them (ignoring NaN) at each
-``log()``, with ``eval_`` prefixes in evaluation, and writes saved models atomically.
+``log()``, with ``eval_`` prefixes in evaluation, and writes saved models atomically. It also carries the
+reliability layer every trainer inherits (helpers in ``posttrain.reliability``):
+
+- crash-safe checkpoints: each ``checkpoint-N`` is staged in ``tmp-checkpoint-N`` and renamed into place only when
+  complete; ``resume_from_checkpoint=True`` finds the newest complete one; rotation never deletes the newest;
+- exact resume: besides HF's model/optimizer/scheduler/RNG/data position, each process saves
+  ``posttrain_state_{process}.pt`` from ``resume_state_dict()``, which trainers extend with their own state;
+- the numerics guard (``nan_policy``): a NaN/inf loss or gradient norm stops training with a report of the step and
+  the batch, or skips the step and counts it in ``numerics/skipped_steps``;
+- generic up-front checks at ``train()``: writable output_dir, non-empty train dataset, batch arithmetic, a
+  tokenizer that can pad, a valid checkpoint to resume from.
 """
 
 from __future__ import annotations
@@ -21,10 +31,24 @@ from typing import Any
 
 import torch
 from transformers import Trainer, TrainingArguments
+from transformers.trainer_callback import ExportableState
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
+
+from posttrain.reliability import checkpointing, validation
+from posttrain.reliability.numerics import NAN_POLICIES, NumericsGuard
+
+RESUME_STATE_FILE = "posttrain_state_{process_index}.pt"
 
 
 def _bf16_supported() -> bool:
     return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+
+
+def _accelerator_available() -> bool:
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None and hasattr(accelerator, "is_available"):
+        return bool(accelerator.is_available())
+    return bool(torch.cuda.is_available())
 
 
 @dataclass
@@ -59,7 +83,31 @@ class BaseConfig(TrainingArguments):
         },
     )
 
+    nan_policy: str = field(
+        default="stop",
+        metadata={
+            "help": "posttrain only: what to do when a loss or the gradient norm is NaN/inf. 'stop': raise an error "
+            "naming the step and the batch (saved under output_dir/numerics). 'skip': drop that optimizer step "
+            "(no parameter update; the LR schedule still advances) and count it in `numerics/skipped_steps`.",
+            "choices": list(NAN_POLICIES),
+        },
+    )
+
     def __post_init__(self):
+        # TRL's (and our) name is `gradient_checkpointing`; transformers 5 renamed it `activation_checkpointing` and
+        # warns on every config built with the old name. Map it ourselves unless the new name was set explicitly.
+        for old, new in (
+            ("gradient_checkpointing", "activation_checkpointing"),
+            ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"),
+        ):
+            if getattr(self, new, None) is None and getattr(self, old, None) is not None:
+                setattr(self, new, getattr(self, old))
+        if self.nan_policy not in NAN_POLICIES:
+            raise ValueError(f"nan_policy={self.nan_policy!r} is not valid; use one of {list(NAN_POLICIES)}.")
+        if not self.use_cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not _accelerator_available():
+            # torchrun on a CPU-only machine: without use_cpu, HF/accelerate set up no DDP (MULTI_CPU needs it) and
+            # every process would silently train its own copy of the model on the full batch.
+            self.use_cpu = True
         if self.write_report is None:
             self.write_report = os.environ.get("POSTTRAIN_NO_REPORT", "0") in ("0", "", "false", "False")
         if self.bf16 is None:
@@ -83,18 +131,50 @@ def nanmean_or_none(values: list[float]) -> float | None:
 
 
 class BaseTrainer(Trainer):
-    """``transformers.Trainer`` plus metric accumulation and atomic saving shared by all posttrain trainers."""
+    """``transformers.Trainer`` plus what all posttrain trainers share: metric accumulation, atomic saves,
+    crash-safe checkpoints with exact resume (``resume_state_dict`` hooks), the numerics guard and up-front checks.
+    """
 
     _tag_names: list[str] = ["posttrain"]
 
     def __init__(self, *args, **kwargs):
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if training_args is not None and getattr(training_args, "should_save", True):
+            # HF's __init__ creates output_dir; fail first with an error that names the option and the fix.
+            validation.check_output_dir_writable(training_args.output_dir)
         super().__init__(*args, **kwargs)
+        nan_policy = getattr(self.args, "nan_policy", "stop")
+        if nan_policy == "skip" and self.is_deepspeed_enabled:
+            raise ValueError(
+                "nan_policy='skip' is not supported with DeepSpeed (its engine owns the gradients and the optimizer "
+                "step); use nan_policy='stop'."
+            )
+        self._check_distributed_setup()
+        self._numerics = NumericsGuard(
+            nan_policy,
+            dump_dir=os.path.join(self.args.output_dir, "numerics") if self.args.output_dir else None,
+            process_index=self.args.process_index,
+        )
         from posttrain.callbacks import MetricsLoggerCallback, ReportCallback
 
         self.add_callback(MetricsLoggerCallback())
         if getattr(self.args, "write_report", False):
             self.add_callback(ReportCallback(trainer_name=self._report_name()))
+
+    def _check_distributed_setup(self) -> None:
+        """Refuse to run N independent copies: a launcher started several processes but HF set up no DDP."""
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        launched = dist.get_world_size()
+        if launched > 1 and self.args.world_size == 1:
+            raise ValueError(
+                f"{launched} processes were launched (torch.distributed is initialized) but the Trainer runs "
+                "without data parallelism, so each process would train its own copy of the model. On a CPU-only "
+                "machine set use_cpu=True (or ACCELERATE_USE_CPU=true) so accelerate uses MULTI_CPU (gloo); on "
+                "GPUs launch with `accelerate launch` or torchrun so that each process gets its own device."
+            )
 
     def _report_name(self) -> str | None:
         """Which report panels fit this trainer (``"sft"``, ``"grpo"``...); None lets the report guess."""
@@ -116,6 +196,8 @@ class BaseTrainer(Trainer):
         averaged = {name: nanmean_or_none(vals) for name, vals in self._metrics[mode].items()}
         if mode == "eval":
             averaged = {f"eval_{k}": v for k, v in averaged.items()}
+        elif self._numerics.policy == "skip":
+            averaged["numerics/skipped_steps"] = self._numerics.skipped_steps
         logs = {**logs, **averaged}
         self._metrics[mode].clear()
         super().log(logs, start_time)
@@ -143,3 +225,134 @@ class BaseTrainer(Trainer):
                     os.replace(src, dst)
         finally:
             shutil.rmtree(tmp_dir, ignore_errors=True)
+
+    # -- up-front checks and resume ------------------------------------------------------------------------------
+    def validate_before_training(self) -> None:
+        """Generic checks run at the start of ``train()`` (trainers add their own in ``__init__``).
+
+        Raises ValueError/TypeError naming the option and the fix: unwritable output_dir, missing or empty train
+        dataset, non-positive batch sizes, a drop-last loader that drops every row, a tokenizer that cannot pad.
+        """
+        validation.check_train_dataset(self.train_dataset, type(self).__name__)
+        validation.check_batch_arithmetic(self.args, self.train_dataset)
+        validation.check_tokenizer(self.processing_class)
+        validation.check_output_dir_writable(self.args.output_dir)
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None, **kwargs):
+        """HF ``Trainer.train`` after the up-front checks, resolving ``resume_from_checkpoint`` crash-safely.
+
+        ``resume_from_checkpoint=True`` resumes from the newest *complete* ``checkpoint-N`` in ``output_dir``
+        (``tmp-checkpoint-N`` staging folders left by a crash are ignored and removed); a path must be a complete
+        checkpoint. posttrain's per-process resume state (``resume_state_dict``) is restored before training.
+        """
+        self.validate_before_training()
+        checkpoint = checkpointing.resolve_resume_checkpoint(resume_from_checkpoint, self.args.output_dir)
+        if self.args.should_save:
+            checkpointing.remove_stale_staging(self.args.output_dir)
+        if checkpoint is not None:
+            self._load_resume_state(checkpoint)
+        return super().train(resume_from_checkpoint=checkpoint, trial=trial, **kwargs)
+
+    def resume_state_dict(self) -> dict[str, Any]:
+        """This process's state that a resumed run needs beyond model/optimizer/scheduler/RNG/``trainer_state``.
+
+        Saved with ``torch.save`` into ``posttrain_state_{process_index}.pt`` in every checkpoint and loaded with
+        ``weights_only=True``: keep to tensors, numbers, strings and lists/dicts of them. Subclasses extend it::
+
+            def resume_state_dict(self):
+                return {**super().resume_state_dict(), "controller": self.controller.state_dict()}
+        """
+        return {"numerics": self._numerics.state_dict()}
+
+    def load_resume_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what ``resume_state_dict`` returned (subclasses call ``super()`` and read their own keys)."""
+        if "numerics" in state:
+            self._numerics.load_state_dict(state["numerics"])
+
+    def _resume_state_path(self, folder: str) -> str:
+        return os.path.join(folder, RESUME_STATE_FILE.format(process_index=self.args.process_index))
+
+    def _load_resume_state(self, checkpoint: str) -> None:
+        path = self._resume_state_path(checkpoint)
+        if os.path.isfile(path):  # checkpoints written by other tools have none: HF's state is still restored
+            self.load_resume_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+
+    # -- numerics guard ------------------------------------------------------------------------------------------
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self._numerics.observe_loss(loss, inputs)
+        return loss
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        # HF calls this right before optimizer.step() on every optimizer step, with the pre-clip total norm.
+        grad_norm = super()._get_grad_norm(model, grad_norm)
+        self._numerics.check_step(
+            grad_norm,
+            step=self.state.global_step + 1,
+            parameters=model.parameters,
+            reduce_any=self._reduce_any if self.accelerator.num_processes > 1 else None,
+        )
+        return grad_norm
+
+    def _reduce_any(self, flag: bool) -> bool:
+        """True on every process if ``flag`` is True on any process (keeps stop/skip decisions in lockstep)."""
+        value = torch.tensor([1.0 if flag else 0.0], device=self.accelerator.device)
+        return bool(self.accelerator.reduce(value, reduction="sum").item() > 0)
+
+    # -- checkpoints ---------------------------------------------------------------------------------------------
+    def _save_checkpoint(self, model, trial) -> None:
+        """HF's checkpoint contents, staged in ``tmp-checkpoint-N`` and renamed to ``checkpoint-N`` when complete.
+
+        Order: model → optimizer/scheduler/scaler → RNG (per process) → posttrain resume state (per process) →
+        ``trainer_state.json`` → flush → rename (main process) → push/rotate. A process killed at any point leaves
+        the previous checkpoints untouched and at most a ``tmp-checkpoint-N`` folder, which discovery ignores.
+        """
+        if self.hp_search_backend is None and trial is None:
+            self.store_flos()
+        run_dir = self._get_output_dir(trial=trial)
+        final_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        tmp_dir = checkpointing.staging_dir(final_dir)
+        if self.args.should_save:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+            os.makedirs(tmp_dir, exist_ok=True)
+        self.accelerator.wait_for_everyone()  # the staging folder exists (and is empty) before anyone writes
+
+        self.save_model(tmp_dir, _internal_call=True)
+        if self.args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST):
+            best_step = self.state.best_global_step
+            if best_step:
+                best_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{best_step}")
+                if best_step == self.state.global_step or os.path.exists(best_dir):
+                    self.state.best_model_checkpoint = best_dir
+        if not self.args.save_only_model:
+            self._save_optimizer_and_scheduler(tmp_dir)
+            self._save_scaler(tmp_dir)
+            self._save_rng_state(tmp_dir)
+        self._save_checkpoint_extras(tmp_dir)
+        if self.args.should_save:
+            for cb in [c for c in self.callback_handler.callbacks + [self.control] if isinstance(c, ExportableState)]:
+                name = cb.__class__.__name__
+                if isinstance(self.state.stateful_callbacks.get(name), list):
+                    self.state.stateful_callbacks[name].append(cb.state())
+                else:
+                    self.state.stateful_callbacks[name] = cb.state()
+            self.state.save_to_json(os.path.join(tmp_dir, checkpointing.TRAINER_STATE_FILE))
+        self.accelerator.wait_for_everyone()  # every process has written its files
+        if self.args.should_save:
+            checkpointing.publish_checkpoint(tmp_dir, final_dir)
+        self.accelerator.wait_for_everyone()  # checkpoint-N is in place for every process
+
+        if self.args.push_to_hub:
+            self._push_from_checkpoint(final_dir)
+        if self.args.should_save:
+            checkpointing.rotate_checkpoints(
+                run_dir, self.args.save_total_limit, keep=(final_dir, self.state.best_model_checkpoint)
+            )
+
+    def _save_checkpoint_extras(self, output_dir: str) -> None:
+        """Write this process's extra checkpoint files into the staging folder (runs on every process).
+
+        The default writes ``resume_state_dict()``; trainers with files of their own override this and call
+        ``super()`` so that everything lands in the folder before it is published.
+        """
+        torch.save(self.resume_state_dict(), self._resume_state_path(output_dir))

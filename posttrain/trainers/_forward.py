@@ -1,0 +1,571 @@
+"""One forward pass → per-token log-probs of the next tokens, without full-vocabulary logits for the batch.
+
+Every trainer that scores tokens (SFT's loss, DPO/KTO log-ratios, GRPO/RLOO policy/old/ref log-probs) calls
+:func:`token_logprobs` or :func:`forward_token_stats`. The model runs its normal ``forward`` (so DDP, PEFT, MoE
+router losses and gradient checkpointing behave as usual), but a pre-hook on the LM head captures the last hidden
+states and hands the head an empty slice, so the model itself never builds ``(B, T, V)`` logits. The log-probs of
+the target tokens are then computed from the captured hidden states by
+:func:`posttrain.core.logprobs.chunked_logprobs_from_hidden`, one chunk of tokens at a time in forward *and*
+backward (design §3.1), and only at the positions that are scored (completion/label positions).
+
+Heads the chunked path cannot reproduce fall back to the plain path (full logits from ``model(...)``), logged once:
+
+* a LoRA adapter or any wrapper on the LM head itself, a sharded head weight (ZeRO-3, FSDP ``DTensor``);
+* final-logit soft-capping (Gemma 2/3/4), which is not linear.
+
+A constant logit scale (Cohere ``logit_scale``, Granite ``logits_scaling``) is folded into the temperature. On the
+first call per head the hook also lets the model compute logits for one position per row and checks them against
+the chunked head; any other unknown transform is caught there and the model switches to the plain path.
+
+Alignment convention (shared by all trainers): ``logps[:, t] = log p(target[:, t] | tokens < t)``, with
+``target = input_ids`` unless ``labels`` is given; position 0 has no prediction and gets 0, as does every position
+that is not scored.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from posttrain.core.logprobs import chunked_logprobs_from_hidden, entropy_from_logits, selective_log_softmax
+
+logger = logging.getLogger(__name__)
+
+IGNORE_INDEX = -100
+
+__all__ = [
+    "TokenStats",
+    "forward_token_stats",
+    "prepare_attention_mask",
+    "token_logprobs",
+    "token_stats_from_logits",
+    "unwrap_model",
+]
+
+# Heads whose chunked computation was checked against the model's own logits (True) or found different (False).
+_HEAD_VERIFIED: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
+_LOGGED: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    if message not in _LOGGED:
+        _LOGGED.add(message)
+        logger.warning(message)
+
+
+@dataclass
+class TokenStats:
+    """What one scored forward pass returns. All tensors have the output shape ``(B, T)`` (or ``(B, K)`` with
+    ``logits_to_keep=K``); unscored positions hold 0 / False.
+
+    Attributes:
+        logps: float32 log-probabilities of the targets, differentiable.
+        mask: bool, the scored positions (targets not ignored, inside the kept window, t ≥ 1).
+        entropy: float32 entropy of the next-token distribution at scored positions (detached), or None.
+        correct: bool, the top-1 prediction equals the target at scored positions, or None.
+        aux_loss: the MoE load-balancing loss reported by the model (``outputs.aux_loss``), or None.
+        chunked: whether the chunked path was used (False: plain full-logits path).
+    """
+
+    logps: torch.Tensor
+    mask: torch.Tensor
+    entropy: torch.Tensor | None = None
+    correct: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
+    chunked: bool = True
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Model introspection
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model inside DDP / DeepSpeed / FSDP / ``torch.compile`` / PEFT wrappers."""
+    from transformers import PreTrainedModel
+
+    inner = model
+    if not isinstance(inner, PreTrainedModel) and not type(inner).__module__.startswith("peft"):
+        from accelerate.utils import extract_model_from_parallel  # slow-ish (probes optional packages): only here
+
+        inner = extract_model_from_parallel(inner)
+    get_base = getattr(inner, "get_base_model", None)
+    if callable(get_base) and type(inner).__module__.startswith("peft"):
+        inner = get_base()
+    return inner
+
+
+def _config(model: torch.nn.Module) -> Any:
+    return getattr(model, "config", None)
+
+
+def _text_configs(model: torch.nn.Module) -> list[Any]:
+    config = _config(model)
+    if config is None:
+        return []
+    configs = [config]
+    get_text = getattr(config, "get_text_config", None)
+    if callable(get_text):
+        text = get_text()
+        if text is not None and text is not config:
+            configs.append(text)
+    return configs
+
+
+@dataclass
+class _Head:
+    module: torch.nn.Module
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    scale: float  # effective logits = scale · (h Wᵀ + b)
+
+
+def _effective_linear(head: torch.nn.Module) -> torch.nn.Module | None:
+    """The module that computes the logits: for PEFT's ``ModulesToSaveWrapper`` (``modules_to_save=["lm_head"]``,
+    e.g. after ``clone_chat_template``) the active trained copy, or the original head when adapters are off."""
+    if type(head).__name__ != "ModulesToSaveWrapper":
+        return head
+    active = list(getattr(head, "active_adapters", None) or [])
+    copies = head.modules_to_save
+    if head.disable_adapters or not active or any(name not in copies for name in active):
+        return head.original_module
+    return copies[active[0]] if len(active) == 1 else None
+
+
+def _resolve_head(inner: torch.nn.Module) -> _Head | str:
+    """The LM head as a plain linear map plus a constant logit scale, or the reason the chunked path cannot be used."""
+    get_out = getattr(inner, "get_output_embeddings", None)
+    head = get_out() if callable(get_out) else None
+    if head is None:
+        return f"{type(inner).__name__} has no output embeddings (get_output_embeddings() is None)"
+    linear = _effective_linear(head)
+    # A LoRA adapter or a custom head changes the computation beyond `weight`: use the model's logits.
+    if (
+        linear is None
+        or not isinstance(linear, torch.nn.Linear)
+        or type(linear).forward is not torch.nn.Linear.forward
+    ):
+        return f"the LM head is a {type(head).__name__}, not a plain torch.nn.Linear (e.g. a LoRA adapter on lm_head)"
+    weight = linear.weight
+    if hasattr(weight, "ds_id") or type(weight).__name__ == "DTensor" or weight.numel() == 0:
+        return "the LM head weight is sharded (DeepSpeed ZeRO-3 or FSDP)"
+    scale = 1.0
+    for config in _text_configs(inner):
+        for name in ("final_logit_softcapping", "logit_softcapping", "output_logit_softcapping"):
+            if getattr(config, name, None) not in (None, 0, 0.0):
+                return f"the model soft-caps its logits (config.{name}={getattr(config, name)})"
+        logit_scale = getattr(config, "logit_scale", None)  # Cohere: logits = logits * logit_scale
+        if isinstance(logit_scale, (int, float)) and logit_scale not in (0, 1):
+            scale = float(logit_scale)
+        logits_scaling = getattr(config, "logits_scaling", None)  # Granite: logits = logits / logits_scaling
+        if isinstance(logits_scaling, (int, float)) and logits_scaling not in (0, 1):
+            scale = 1.0 / float(logits_scaling)
+    if scale <= 0:
+        return f"the model scales its logits by a non-positive factor ({scale})"
+    return _Head(head, weight, linear.bias, scale)
+
+
+def prepare_attention_mask(model: torch.nn.Module, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """Adapt a 4-D block-diagonal boolean mask (padding-free batches) to the model's attention implementation.
+
+    The padding-free collator emits ``(1, 1, L, L)`` boolean masks (True = may attend) because on CPU, under sdpa
+    and eager attention, ``position_ids`` alone do not keep packed sequences apart. Per implementation:
+
+    * ``sdpa``: passed as is (boolean masks are native);
+    * flash-attention variants: dropped — they read sequence boundaries from ``position_ids``;
+    * ``eager`` and others: converted to an additive float mask (0 where allowed, the float32 minimum elsewhere),
+      because eager attention *adds* the mask to the scores;
+    * ``flex_attention``: not supported with a custom 4-D mask (clear error).
+
+    2-D masks and ``None`` are returned unchanged.
+    """
+    if attention_mask is None or attention_mask.dim() != 4:
+        return attention_mask
+    config = _config(unwrap_model(model))
+    impl = str(getattr(config, "_attn_implementation", None) or "sdpa")
+    if "flash" in impl:
+        return None
+    if impl == "flex_attention":
+        raise ValueError(
+            "A 4-D block-diagonal attention mask (padding_free=True / packing) cannot be used with "
+            "attn_implementation='flex_attention'. Load the model with attn_implementation='sdpa', 'eager' or a "
+            "flash-attention implementation."
+        )
+    if attention_mask.dtype != torch.bool or impl == "sdpa":
+        return attention_mask
+    additive = torch.zeros(attention_mask.shape, dtype=torch.float32, device=attention_mask.device)
+    return additive.masked_fill_(~attention_mask, torch.finfo(torch.float32).min)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Targets and masks
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _targets_and_mask(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    labels: torch.Tensor | None,
+    labels_mask: torch.Tensor | None,
+    width: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(targets (B, T) long, scored (B, T) bool) with position 0 and positions before the kept window unscored."""
+    batch, seq_len = input_ids.shape
+    if labels is not None:
+        if labels.shape != input_ids.shape:
+            raise ValueError(
+                f"labels shape {tuple(labels.shape)} must equal input_ids shape {tuple(input_ids.shape)}."
+            )
+        mask = labels != IGNORE_INDEX
+        targets = torch.where(mask, labels, torch.zeros_like(labels))
+    else:
+        targets = input_ids
+        if attention_mask is not None and attention_mask.dim() == 2:
+            mask = attention_mask.bool()
+        else:
+            mask = torch.ones_like(input_ids, dtype=torch.bool)
+    if labels_mask is not None:
+        if labels_mask.shape == (batch, width) and width != seq_len:
+            labels_mask = torch.nn.functional.pad(labels_mask, (seq_len - width, 0))
+        if labels_mask.shape != input_ids.shape:
+            raise ValueError(
+                f"labels_mask shape {tuple(labels_mask.shape)} must be {tuple(input_ids.shape)} (or (B, "
+                f"logits_to_keep)=({batch}, {width}))."
+            )
+        mask = mask & labels_mask.bool()
+    mask = mask.clone()
+    mask[:, : max(seq_len - width, 1)] = False
+    return targets, mask
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The two paths
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _accepts(model: torch.nn.Module, name: str) -> bool:
+    try:
+        params = inspect.signature(unwrap_model(model).forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params
+
+
+@torch.no_grad()
+def _chunked_argmax(hidden: torch.Tensor, head: _Head, chunk_size: int) -> torch.Tensor:
+    """Top-1 token per row of ``hidden`` (N, H), computed a chunk at a time (a positive scale cannot change it)."""
+    weight = head.weight.float()
+    bias = None if head.bias is None else head.bias.float()
+    out = torch.empty(hidden.shape[0], dtype=torch.long, device=hidden.device)
+    for start in range(0, hidden.shape[0], chunk_size):
+        h = hidden[start : start + chunk_size].float()
+        z = h @ weight.T if bias is None else torch.addmm(bias, h, weight.T)
+        out[start : start + chunk_size] = z.argmax(-1)
+    return out
+
+
+def _scatter(values: torch.Tensor, sel: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Place ``values`` (N,) at the True positions of ``sel`` (B, T-1) and prepend the empty position 0 → (B, T)."""
+    out = torch.zeros(sel.shape, dtype=dtype, device=sel.device).masked_scatter(sel, values.to(dtype))
+    return torch.nn.functional.pad(out, (1, 0))
+
+
+def _call_model(model, input_ids, attention_mask, position_ids, model_kwargs, **extra):
+    kwargs = dict(model_kwargs)
+    if position_ids is not None:
+        kwargs["position_ids"] = position_ids
+    kwargs.setdefault("use_cache", False)
+    return model(input_ids=input_ids, attention_mask=attention_mask, **kwargs, **extra)
+
+
+def _chunked_path(
+    model,
+    head: _Head,
+    input_ids,
+    attention_mask,
+    position_ids,
+    targets,
+    mask,
+    temperature,
+    chunk_size,
+    compute_entropy,
+    compute_accuracy,
+    model_kwargs,
+) -> TokenStats | None:
+    """Chunked path; returns None when the one-time check finds the model's logits differ from the chunked head."""
+    captured: dict[str, torch.Tensor] = {}
+    verify = head.module not in _HEAD_VERIFIED
+
+    def pre_hook(module, args, kwargs):
+        hidden = args[0] if args else kwargs["input"]
+        captured["hidden"] = hidden
+        # The head only ever sees an empty (or, once, a one-position) slice: no (B, T, V) logits are built.
+        stub = hidden[..., :1, :] if verify and hidden.dim() == 3 else hidden[..., :0, :]
+        captured["stub"] = stub
+        return ((stub, *args[1:]), kwargs) if args else (args, {**kwargs, "input": stub})
+
+    handle = head.module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+    try:
+        outputs = _call_model(model, input_ids, attention_mask, position_ids, model_kwargs)
+    finally:
+        handle.remove()
+    if "hidden" not in captured:
+        raise RuntimeError(f"{type(unwrap_model(model)).__name__}.forward never called its LM head.")
+    hidden = captured["hidden"]
+    if verify and captured["stub"].numel() > 0:
+        with torch.no_grad():
+            stub = captured["stub"].float()
+            ours = stub @ head.weight.float().T
+            if head.bias is not None:
+                ours = ours + head.bias.float()
+            ours = ours * head.scale
+            theirs = getattr(outputs, "logits", None)
+            same = theirs is not None and theirs.shape == ours.shape
+            if same:
+                tol = 1e-4 if theirs.dtype == torch.float32 else 3e-2
+                same = torch.allclose(theirs.float(), ours, rtol=tol, atol=tol * (1.0 + ours.abs().max().item()))
+        _HEAD_VERIFIED[head.module] = bool(same)
+        if not same:
+            return None
+    seq_len = input_ids.shape[1]
+    if hidden.shape[1] > seq_len:  # PEFT prompt learning prepends virtual tokens
+        hidden = hidden[:, -seq_len:]
+    sel = mask[:, 1:]  # (B, T-1): position t predicts targets[:, t+1]
+    h = hidden[:, :-1][sel]  # (N, H)
+    y = targets[:, 1:][sel]  # (N,)
+    logp, entropy = chunked_logprobs_from_hidden(
+        h,
+        head.weight,
+        y,
+        bias=head.bias,
+        temperature=temperature / head.scale,
+        chunk_size=chunk_size,
+        compute_entropy=compute_entropy,
+    )
+    correct = None
+    if compute_accuracy:
+        correct = _scatter(_chunked_argmax(h.detach(), head, chunk_size) == y, sel, torch.bool)
+    return TokenStats(
+        logps=_scatter(logp, sel),
+        mask=mask,
+        entropy=None if entropy is None else _scatter(entropy.detach(), sel),
+        correct=correct,
+        aux_loss=getattr(outputs, "aux_loss", None),
+        chunked=True,
+    )
+
+
+def _plain_path(
+    model,
+    input_ids,
+    attention_mask,
+    position_ids,
+    targets,
+    mask,
+    width,
+    temperature,
+    chunk_size,
+    compute_entropy,
+    compute_accuracy,
+    model_kwargs,
+) -> TokenStats:
+    """Full-logits path: the model's own logits (with every head transform), then log-softmax at scored positions."""
+    seq_len = input_ids.shape[1]
+    extra = {}
+    if width < seq_len and _accepts(model, "logits_to_keep"):
+        extra["logits_to_keep"] = width + 1  # logits for the last width+1 positions predict the last width tokens
+    outputs = _call_model(model, input_ids, attention_mask, position_ids, model_kwargs, **extra)
+    stats = _stats_from_logits(
+        outputs.logits, targets, mask, temperature, chunk_size, compute_entropy, compute_accuracy
+    )
+    stats.aux_loss = getattr(outputs, "aux_loss", None)
+    return stats
+
+
+def _stats_from_logits(
+    logits, targets, mask, temperature, chunk_size, compute_entropy, compute_accuracy
+) -> TokenStats:
+    seq_len = targets.shape[1]
+    if logits.shape[1] > seq_len:  # PEFT prompt learning prepends virtual tokens
+        logits = logits[:, -seq_len:]
+    # The kept logits belong to positions [T - kept, T); logits[:, :-1] predict positions [T - kept + 1, T).
+    kept = logits.shape[1]
+    full_sel = torch.zeros_like(mask[:, 1:])  # (B, T-1), index j ↔ position j + 1
+    sel = mask[:, seq_len - kept + 1 :]
+    full_sel[:, seq_len - kept :] = sel
+    z = logits[:, :-1][sel]  # (N, V)
+    if temperature != 1.0:
+        z = z / temperature
+    y = targets[:, seq_len - kept + 1 :][sel]
+    logp = selective_log_softmax(z, y, chunk_size=chunk_size)
+    entropy = correct = None
+    if compute_entropy:
+        with torch.no_grad():
+            entropy = _scatter(entropy_from_logits(z.detach(), chunk_size=min(chunk_size, 128)), full_sel)
+    if compute_accuracy:
+        correct = _scatter(z.detach().argmax(-1) == y, full_sel, torch.bool)
+    return TokenStats(logps=_scatter(logp, full_sel), mask=mask, entropy=entropy, correct=correct, chunked=False)
+
+
+def token_stats_from_logits(
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    labels: torch.Tensor | None = None,
+    labels_mask: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    compute_entropy: bool = False,
+    compute_accuracy: bool = False,
+    chunk_size: int = 1024,
+) -> TokenStats:
+    """:class:`TokenStats` from logits you already have (e.g. a ``compute_loss_func`` forward), same conventions.
+
+    Args:
+        logits: ``(B, T, V)`` logits aligned with ``input_ids`` (``logits[:, t]`` predicts token ``t + 1``).
+        input_ids, attention_mask, labels, labels_mask, temperature, compute_entropy, compute_accuracy,
+            chunk_size: as for :func:`forward_token_stats`.
+    """
+    seq_len = input_ids.shape[1]
+    targets, mask = _targets_and_mask(input_ids, attention_mask, labels, labels_mask, seq_len)
+    return _stats_from_logits(logits, targets, mask, temperature, chunk_size, compute_entropy, compute_accuracy)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Public API
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def forward_token_stats(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    labels: torch.Tensor | None = None,
+    labels_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    logits_to_keep: int | None = None,
+    temperature: float = 1.0,
+    compute_entropy: bool = False,
+    compute_accuracy: bool = False,
+    chunk_size: int = 1024,
+    chunked: bool = True,
+    **model_kwargs: Any,
+) -> TokenStats:
+    """Run ``model`` once and return per-token log-probs of the next tokens (plus entropy, top-1 hits, aux loss).
+
+    ``logps[:, t] = log softmax(z_{t-1} / temperature)[target_t]`` where ``z_{t-1}`` are the logits after token
+    ``t-1`` and ``target = labels`` (``-100`` = not scored) or ``input_ids``. Scored positions are those with a
+    target, ``labels_mask`` True (if given), ``attention_mask`` 1 (2-D masks, when no ``labels``), ``t ≥ 1`` and
+    inside the last ``logits_to_keep`` positions. Only scored positions reach the LM head.
+
+    Args:
+        model: a causal LM (``PreTrainedModel``, ``PeftModel``, or one wrapped by accelerate).
+        input_ids: ``(B, T)`` token ids.
+        attention_mask: ``(B, T)`` padding mask, or a ``(1, 1, L, L)`` block-diagonal bool mask from the
+            padding-free collator (adapted by :func:`prepare_attention_mask`).
+        labels: optional ``(B, T)`` targets with ``-100`` at unscored positions (SFT's labels).
+        labels_mask: optional ``(B, T)`` (or ``(B, K)`` with ``logits_to_keep=K``) mask of positions to score,
+            e.g. a completion mask.
+        position_ids: optional ``(B, T)`` positions (restarting per packed sequence).
+        logits_to_keep: score only the last K tokens and return ``(B, K)`` tensors (TRL's GRPO convention:
+            ``logps[:, -K:]`` are the completion tokens).
+        temperature: logits are divided by it (GRPO's sampling temperature).
+        compute_entropy: also return the (detached) entropy of each scored position's distribution.
+        compute_accuracy: also return whether the top-1 prediction equals the target (a no-grad chunked argmax
+            pass over the same hidden states on the chunked path).
+        chunk_size: tokens per chunk; the chunked path's scratch memory is about ``2 × chunk_size × V`` floats.
+        chunked: False forces the plain full-logits path (TRL's ``nll`` loss type, and reference checks).
+        **model_kwargs: passed to the model (e.g. ``pixel_values``).
+
+    Returns:
+        :class:`TokenStats` with ``(B, T)`` (or ``(B, K)``) float32 ``logps`` that carry gradients.
+    """
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be (B, T), got shape {tuple(input_ids.shape)}.")
+    seq_len = input_ids.shape[1]
+    width = seq_len if logits_to_keep is None else int(logits_to_keep)
+    if not 1 <= width <= seq_len:
+        raise ValueError(f"logits_to_keep must be in [1, T={seq_len}], got {logits_to_keep}.")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}.")
+    targets, mask = _targets_and_mask(input_ids, attention_mask, labels, labels_mask, width)
+    attention_mask = prepare_attention_mask(model, attention_mask)
+    common = dict(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        targets=targets,
+        mask=mask,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        compute_entropy=compute_entropy,
+        compute_accuracy=compute_accuracy,
+        model_kwargs=model_kwargs,
+    )
+    stats = None
+    if chunked:
+        inner = unwrap_model(model)
+        head = _resolve_head(inner)
+        if isinstance(head, _Head) and _HEAD_VERIFIED.get(head.module, True) is False:
+            head = "its logits differ from hidden_states @ lm_head.weight (an unknown head transform)"
+        if isinstance(head, _Head):
+            stats = _chunked_path(model, head, **common)
+            if stats is None:
+                head = "its logits differ from hidden_states @ lm_head.weight (an unknown head transform)"
+        if stats is None:
+            _log_once(
+                f"posttrain: chunked log-probs are not used for {type(inner).__name__} because {head}; falling back "
+                "to full-vocabulary logits (more memory, same result)."
+            )
+    if stats is None:
+        stats = _plain_path(model, width=width, **common)
+    if width != seq_len:
+        keep = slice(seq_len - width, None)
+        stats.logps, stats.mask = stats.logps[:, keep], stats.mask[:, keep]
+        stats.entropy = None if stats.entropy is None else stats.entropy[:, keep]
+        stats.correct = None if stats.correct is None else stats.correct[:, keep]
+    return stats
+
+
+def token_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    *,
+    position_ids: torch.Tensor | None = None,
+    logits_to_keep: int | None = None,
+    temperature: float = 1.0,
+    compute_entropy: bool = False,
+    chunk_size: int = 1024,
+    labels_mask: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs ``log p(input_ids[:, t] | < t)`` (and entropies) from one forward pass.
+
+    Shapes: ``(B, T)``, or ``(B, K)`` for the last ``K = logits_to_keep`` tokens (so ``logps[:, -K:]`` is the same
+    tensor either way). Position 0, padding (``attention_mask`` 0) and positions outside ``labels_mask`` get 0.
+    Computed with :func:`forward_token_stats` (chunked, no ``(B, T, V)`` logits); extra keyword arguments
+    (``labels``, ``chunked``, model inputs) are passed through to it.
+
+    Returns:
+        ``(logps, entropy)``: float32 tensors; ``entropy`` is detached and None unless ``compute_entropy``.
+    """
+    stats = forward_token_stats(
+        model,
+        input_ids,
+        attention_mask,
+        position_ids=position_ids,
+        logits_to_keep=logits_to_keep,
+        temperature=temperature,
+        compute_entropy=compute_entropy,
+        chunk_size=chunk_size,
+        labels_mask=labels_mask,
+        **kwargs,
+    )
+    return stats.logps, stats.entropy

@@ -1,0 +1,435 @@
+"""KTOConfig and KTOTrainer: Kahneman–Tversky Optimization from unpaired desirable / undesirable completions.
+
+Paper: https://huggingface.co/papers/2402.01306. Pipeline (features.md §B5/§C2):
+
+1. Data: unpaired preference rows (``prompt``, ``completion``, ``label``), standard or conversational; paired
+   preference data is unpaired automatically (implicit prompts extracted first). Rows are tokenized with
+   :func:`posttrain.data.tokenization.tokenize_unpaired`, rows whose prompt alone fills ``max_length`` are dropped,
+   and the train set is shuffled once (seed ``data_seed``, else ``seed``) — TRL does this too, because the default
+   ``train_sampling_strategy`` is ``"sequential"`` and unpairing puts all desirable rows before the undesirable ones.
+2. KL baseline (``loss_type="kto"``): each row gets a mismatched completion, ``KL_completion_ids``, by rotating the
+   completions by one inside each block of ``per_device_train_batch_size`` rows, so with sequential sampling every
+   batch pairs its prompts with its own completions shifted by one. The reference point
+   z = max(0, mean(π(y'|x) − π_ref(y'|x))) is averaged over processes and detached (the policy pass on the KL rows
+   runs without gradient).
+3. Loss: :func:`posttrain.core.preference.kto_loss` with ``desirable_weight`` / ``undesirable_weight``.
+
+Deliberate difference: TRL raises unless ``train_sampling_strategy == "sequential"``. Here the mismatched pairs are
+fixed per row in the dataset, so any sampler gives valid (mismatched) KL pairs; ``"sequential"`` stays the default.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import TrainingArguments
+
+from posttrain.core.preference import KTO_LOSSES, kto_kl_estimate, kto_loss, kto_weight_range_warning
+from posttrain.models.loading import disable_dropout_in_model, resolve_model, resolve_processing_class
+from posttrain.trainers._reference import (
+    SyncRefModelCallback,
+    create_reference_policy,
+    precompute_reference_columns,
+)
+from posttrain.trainers.base import BaseConfig, BaseTrainer
+from posttrain.trainers.dpo import (
+    CompletionScores,
+    _PromptFits,
+    _router_aux_loss_coef,
+    activation_offloading_context,
+    coerce_config,
+    configure_iterable_dataset,
+    enable_router_aux_loss,
+    filter_dataset,
+    gather_masked_mean,
+    is_iterable_dataset,
+    map_dataset,
+    score_completions,
+    tokenize_dataset,
+)
+
+__all__ = ["KTOConfig", "KTOTrainer"]
+
+BATCH_SIZE_ERROR = (
+    "Actual (not effective) batch size must be > 1. KTO will not work properly because the KL term will be "
+    "equivalent to the implied reward. Set per_device_train_batch_size >= 2 (or use loss_type='apo_zero_unpaired', "
+    "which has no KL term)."
+)
+
+
+@dataclass
+class KTOConfig(BaseConfig):
+    """Configuration for :class:`KTOTrainer` (TRL's ``KTOConfig`` fields and defaults).
+
+    Everything else is ``transformers.TrainingArguments`` with TRL's overrides (``logging_steps=10``,
+    ``gradient_checkpointing=True``, ``bf16`` automatic, ``learning_rate=1e-6``,
+    ``train_sampling_strategy="sequential"``).
+    """
+
+    learning_rate: float = field(default=1e-6, metadata={"help": "Initial AdamW learning rate."})
+    train_sampling_strategy: str = field(
+        default="sequential",
+        metadata={
+            "help": "Sampler for training. KTO defaults to 'sequential' so each batch pairs its prompts with its own "
+            "rotated completions for the KL estimate (the train set is shuffled once beforehand).",
+            "choices": ["random", "sequential", "group_by_length", "batch_rebalance"],
+        },
+    )
+    disable_dropout: bool = field(default=True, metadata={"help": "Disable dropout in the policy and reference."})
+    dataset_num_proc: int | None = field(default=None, metadata={"help": "Processes used to tokenize the dataset."})
+    max_length: int | None = field(
+        default=1024,
+        metadata={
+            "help": "Maximum length of prompt+completion; longer sequences keep their start, rows whose prompt alone "
+            "reaches it are dropped. None: no limit."
+        },
+    )
+    pad_to_multiple_of: int | None = field(default=None, metadata={"help": "Pad each batch to a multiple of this."})
+    precompute_ref_log_probs: bool = field(
+        default=False,
+        metadata={
+            "help": "Compute the reference log-probs (ref_logps, ref_KL_logps) of the whole dataset once before "
+            "training, then free the reference. Not for IterableDataset."
+        },
+    )
+    precompute_ref_batch_size: int | None = field(
+        default=None,
+        metadata={"help": "Batch size of the precompute pass; None: the per-device train / eval batch size."},
+    )
+    loss_type: str = field(
+        default="kto",
+        metadata={
+            "help": "'kto' (with the KL reference point) or 'apo_zero_unpaired' (anchored, no KL term).",
+            "choices": ["kto", "apo_zero_unpaired"],
+        },
+    )
+    beta: float = field(default=0.1, metadata={"help": "β: strength of the deviation from the reference."})
+    desirable_weight: float = field(
+        default=1.0, metadata={"help": "Weight of the desirable losses (counter class imbalance)."}
+    )
+    undesirable_weight: float = field(
+        default=1.0, metadata={"help": "Weight of the undesirable losses (counter class imbalance)."}
+    )
+    activation_offloading: bool = field(
+        default=False, metadata={"help": "Keep activations saved for backward in CPU memory (save_on_cpu)."}
+    )
+    sync_ref_model: bool = field(
+        default=False, metadata={"help": "TR-DPO-style: mix the policy into the reference every N steps."}
+    )
+    ref_model_mixup_alpha: float = field(default=0.6, metadata={"help": "ref ← α·policy + (1−α)·ref."})
+    ref_model_sync_steps: int = field(default=512, metadata={"help": "Steps between reference syncs."})
+
+    def __post_init__(self):
+        KTO_LOSSES.get(self.loss_type)  # unknown names: ValueError listing the valid ones
+        if self.sync_ref_model and self.precompute_ref_log_probs:
+            raise ValueError(
+                "sync_ref_model=True cannot be combined with precompute_ref_log_probs=True: a synced reference changes "
+                "during training. Set one of them to False."
+            )
+        if self.precompute_ref_batch_size is not None and self.precompute_ref_batch_size < 1:
+            raise ValueError(f"precompute_ref_batch_size must be >= 1, got {self.precompute_ref_batch_size}.")
+        super().__post_init__()
+
+
+class _RotateCompletions:
+    """Batched map: ``KL_completion_ids`` = the block's ``completion_ids`` rotated by one (row i gets row i−1's)."""
+
+    def __call__(self, batch: Mapping[str, list]) -> dict[str, list]:
+        completions = list(batch["completion_ids"])
+        return {"KL_completion_ids": completions[-1:] + completions[:-1]}
+
+
+class KTOTrainer(BaseTrainer):
+    """Trainer for KTO (https://huggingface.co/papers/2402.01306).
+
+    Args:
+        model: Hub id / local path, ``PreTrainedModel`` or ``PeftModel``.
+        ref_model: Reference policy (model, hub id / path, or None: PEFT adapters disabled, else a frozen copy).
+        args: ``KTOConfig``; a plain ``TrainingArguments`` is converted; None → ``KTOConfig(f"{model_name}-KTO")``.
+        train_dataset: Unpaired (``prompt``, ``completion``, ``label``) or paired preference data, or pre-tokenized
+            ``prompt_ids`` / ``completion_ids`` / ``label``.
+        eval_dataset: Same formats, or a dict of them.
+        processing_class: Tokenizer; None loads it from the model's path.
+        data_collator: Defaults to ``DataCollatorForUnpairedPreference``.
+        callbacks, optimizers, optimizer_cls_and_kwargs, preprocess_logits_for_metrics, compute_metrics: As
+            ``transformers.Trainer``.
+        peft_config: A ``peft.PeftConfig`` to wrap ``model`` with.
+    """
+
+    _tag_names = ["trl", "kto"]
+    loss_is_scaled_for_ga = False  # the loss is a mean over the micro-batch; Trainer divides by the GA steps
+    _signature_columns_extra = (
+        "prompt_ids",
+        "completion_ids",
+        "label",
+        "KL_completion_ids",
+        "ref_logps",
+        "ref_KL_logps",
+    )
+
+    def __init__(
+        self,
+        model: str | torch.nn.Module,
+        ref_model: str | torch.nn.Module | None = None,
+        args: KTOConfig | TrainingArguments | None = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        processing_class: Any = None,
+        data_collator: Callable | None = None,
+        callbacks: list | None = None,
+        optimizers: tuple = (None, None),
+        optimizer_cls_and_kwargs: tuple | None = None,
+        preprocess_logits_for_metrics: Callable | None = None,
+        peft_config: Any = None,
+        compute_metrics: Callable | None = None,
+    ):
+        args = coerce_config(args, KTOConfig, model, "KTO")
+        if args.loss_type == "kto" and args.per_device_train_batch_size <= 1:
+            raise ValueError(BATCH_SIZE_ERROR)
+        model_id = model if isinstance(model, str) else None
+        processing_class = resolve_processing_class(model, processing_class)
+        policy = resolve_model(model, args, peft_config=peft_config)
+        if args.disable_dropout:
+            disable_dropout_in_model(policy)
+        self.reference = create_reference_policy(
+            policy,
+            ref_model,
+            precompute=args.precompute_ref_log_probs,
+            sync_ref_model=args.sync_ref_model,
+            adapter_created_by_trainer=peft_config is not None,
+            reload_from=model_id,
+            model_init_kwargs=args.model_init_kwargs,
+        )
+        if self.reference.model is not None and args.disable_dropout:
+            disable_dropout_in_model(self.reference.model)
+        enable_router_aux_loss(policy)
+        configure_iterable_dataset(args, train_dataset)
+        tok = getattr(processing_class, "tokenizer", processing_class)
+        if data_collator is None:
+            from posttrain.data.collators import DataCollatorForUnpairedPreference
+
+            data_collator = DataCollatorForUnpairedPreference(
+                pad_token_id=tok.pad_token_id, pad_to_multiple_of=args.pad_to_multiple_of, max_length=args.max_length
+            )
+        datasets_ = [train_dataset] + (
+            list(eval_dataset.values()) if isinstance(eval_dataset, dict) else [eval_dataset]
+        )
+        if args.precompute_ref_log_probs and any(d is not None and is_iterable_dataset(d) for d in datasets_):
+            raise ValueError(
+                "precompute_ref_log_probs=True is not supported with an IterableDataset (train or eval): the "
+                "reference log-probs are stored as dataset columns. Use a map-style Dataset or set it to False."
+            )
+        train_dataset = self._prepare_dataset(
+            train_dataset, tok, args, "train", args.per_device_train_batch_size, shuffle=True
+        )
+        if isinstance(eval_dataset, dict):
+            eval_dataset = {
+                k: self._prepare_dataset(v, tok, args, f"eval/{k}", args.per_device_eval_batch_size)
+                for k, v in eval_dataset.items()
+            }
+        else:
+            eval_dataset = self._prepare_dataset(eval_dataset, tok, args, "eval", args.per_device_eval_batch_size)
+        self._warn_weight_range(train_dataset, args)
+
+        super().__init__(
+            model=policy,
+            args=args,
+            data_collator=data_collator,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            compute_metrics=compute_metrics,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
+            preprocess_logits_for_metrics=preprocess_logits_for_metrics,
+        )
+        self.model_accepts_loss_kwargs = False
+        self._total_train_tokens = 0
+        self.reference.prepare(self.accelerator)
+        if args.sync_ref_model:
+            self.add_callback(SyncRefModelCallback(ref_model=self.reference.model, accelerator=self.accelerator))
+        if args.precompute_ref_log_probs:
+            self._precompute_reference()
+
+    # -- data ----------------------------------------------------------------------------------------------------
+    def _prepare_dataset(
+        self, dataset: Any, tok: Any, args: KTOConfig, name: str, block_size: int, shuffle: bool = False
+    ) -> Any:
+        """Validate, unpair, tokenize, drop over-long prompts, shuffle once (train) and add the KL completions."""
+        if dataset is None:
+            return None
+        from posttrain.data.formats import (
+            PREFERENCE,
+            TOKENIZED_UNPAIRED_PREFERENCE,
+            UNPAIRED_PREFERENCE,
+            validate_format,
+        )
+        from posttrain.data.tokenization import tokenize_unpaired
+        from posttrain.data.utils import maybe_extract_prompt, unpair_preference_dataset
+
+        accepted = [UNPAIRED_PREFERENCE, PREFERENCE, TOKENIZED_UNPAIRED_PREFERENCE]
+        fmt = validate_format(dataset, accepted, trainer="KTOTrainer")
+        iterable = is_iterable_dataset(dataset)
+        if fmt.type == PREFERENCE:
+            if fmt.implicit_prompt:
+                dataset = map_dataset(dataset, maybe_extract_prompt, args, f"Extracting prompts ({name})")
+            dataset = unpair_preference_dataset(
+                dataset,
+                num_proc=None if iterable else args.dataset_num_proc,
+                desc=None if iterable else f"Unpairing {name} dataset",
+            )
+        if fmt.type != TOKENIZED_UNPAIRED_PREFERENCE:
+            dataset = tokenize_dataset(
+                dataset, tokenize_unpaired, tok, args, f"{name} dataset", add_eos=not fmt.conversational
+            )
+        if args.max_length is not None:
+            dataset = filter_dataset(dataset, _PromptFits(args.max_length), args, f"Dropping long prompts ({name})")
+        if shuffle:  # streams are shuffled through a buffer (unpairing puts a block of desirable rows first)
+            seed = args.data_seed if args.data_seed is not None else args.seed
+            dataset = dataset.shuffle(seed=seed, buffer_size=1000) if iterable else dataset.shuffle(seed=seed)
+        if args.loss_type == "kto" and "KL_completion_ids" not in (dataset.column_names or []):
+            dataset = map_dataset(
+                dataset, _RotateCompletions(), args, f"Building KL pairs ({name})", batched=True, batch_size=block_size
+            )
+        return dataset
+
+    @staticmethod
+    def _warn_weight_range(dataset: Any, args: KTOConfig) -> None:
+        if dataset is None or is_iterable_dataset(dataset):
+            return
+        labels = [bool(x) for x in dataset["label"]]
+        n_desirable = sum(labels)
+        message = kto_weight_range_warning(
+            n_desirable, len(labels) - n_desirable, args.desirable_weight, args.undesirable_weight
+        )
+        if message:
+            warnings.warn(message, UserWarning, stacklevel=3)
+
+    def _set_signature_columns_if_needed(self):
+        if self._signature_columns is None:
+            self._signature_columns = list(self._signature_columns_extra)
+
+    # -- reference -----------------------------------------------------------------------------------------------
+    def _ref_forward(self, model: torch.nn.Module, inputs: dict[str, Any], prefix: str) -> torch.Tensor:
+        with torch.no_grad(), self.reference.activate(model) as ref_model:
+            scores = score_completions(
+                ref_model,
+                inputs[f"{prefix}input_ids"],
+                inputs[f"{prefix}attention_mask"],
+                inputs[f"{prefix}completion_mask"],
+            )
+        return scores.sequence_sums().detach()
+
+    def _reference_logps(self, model, inputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(ref log-probs of the completions (B,), of the KL completions (B,) or None without a KL term)."""
+        need_kl = self.args.loss_type == "kto"
+        if "ref_logps" in inputs and (not need_kl or "ref_KL_logps" in inputs):
+            return inputs["ref_logps"].float(), inputs["ref_KL_logps"].float() if need_kl else None
+        if not self.reference.needs_forward:
+            raise ValueError(
+                "The batch has no precomputed ref_logps / ref_KL_logps columns but the reference model was freed "
+                "after precomputation. Do not pass datasets without the precomputed columns to this trainer."
+            )
+        ref_logps = self._ref_forward(model, inputs, "")
+        ref_kl = self._ref_forward(model, inputs, "KL_") if need_kl else None
+        return ref_logps, ref_kl
+
+    def _precompute_reference(self) -> None:
+        """Add ``ref_logps`` (and, with the KL term, ``ref_KL_logps``) columns to the datasets, then free the
+        reference."""
+
+        def compute(batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+            ref_logps, ref_kl = self._reference_logps(self.model, batch)
+            return {"ref_logps": ref_logps} if ref_kl is None else {"ref_logps": ref_logps, "ref_KL_logps": ref_kl}
+
+        precompute_reference_columns(
+            self, compute, input_columns=self._signature_columns_extra[:4], marker_column="ref_logps"
+        )
+
+    # -- loss ----------------------------------------------------------------------------------------------------
+    def _kl_reference_point(self, model, inputs, ref_kl: torch.Tensor | None) -> torch.Tensor:
+        """z = max(0, mean over all processes of (π − π_ref) on the mismatched pairs), detached; 0 without KL."""
+        if ref_kl is None:
+            return torch.zeros((), device=inputs["input_ids"].device)
+        with torch.no_grad():
+            kl_scores = score_completions(
+                model, inputs["KL_input_ids"], inputs["KL_attention_mask"], inputs["KL_completion_mask"]
+            )
+        local = kto_kl_estimate(kl_scores.sequence_sums(), ref_kl.to(kl_scores.logps.dtype), clamp=False)
+        return self.accelerator.gather(local.reshape(1)).mean().clamp(min=0.0).detach()
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        mode = "train" if model.training else "eval"
+        args = self.args
+        # Reference and KL passes first (no grad): their activations are freed before the policy graph is built.
+        ref_logps, ref_kl = self._reference_logps(model, inputs)
+        kl = self._kl_reference_point(model, inputs, ref_kl)
+        with activation_offloading_context(args.activation_offloading):
+            scores = score_completions(
+                model,
+                inputs["input_ids"],
+                inputs["attention_mask"],
+                inputs["completion_mask"],
+                compute_entropy=True,
+                compute_mean_logits=True,
+            )
+        policy_logps = scores.sequence_sums()
+        labels = inputs["labels"].to(torch.bool)
+        loss, _, _ = kto_loss(
+            policy_logps,
+            ref_logps.to(policy_logps.dtype),
+            labels,
+            kl,
+            beta=args.beta,
+            loss_type=args.loss_type,
+            desirable_weight=args.desirable_weight,
+            undesirable_weight=args.undesirable_weight,
+        )
+        aux_coef = _router_aux_loss_coef(model)
+        if scores.aux_loss is not None and aux_coef:
+            loss = loss + aux_coef * scores.aux_loss
+            self._metrics[mode]["aux_loss"].append(
+                self.accelerator.gather(scores.aux_loss.detach().reshape(1)).mean().item()
+            )
+        rewards = (args.beta * (policy_logps - ref_logps.to(policy_logps.dtype))).detach()
+        self._log_kto_metrics(mode, inputs, scores, policy_logps.detach(), rewards, labels, kl)
+        if return_outputs:
+            return loss, {"rewards": rewards, "labels": labels}
+        return loss
+
+    def _log_kto_metrics(
+        self, mode: str, inputs, scores: CompletionScores, logps: torch.Tensor, rewards, labels, kl
+    ) -> None:
+        acc = self.accelerator
+        metrics = self._metrics[mode]
+        if mode == "train":
+            self._total_train_tokens += int(acc.gather(inputs["attention_mask"].sum().reshape(1)).sum().item())
+            metrics["num_tokens"] = [float(self._total_train_tokens)]
+        metrics["kl"].append(kl.item())
+        metrics["entropy"].append(gather_masked_mean(acc, scores.entropy, scores.mask))
+        desirable = labels.unsqueeze(1) & scores.mask
+        undesirable = (~labels).unsqueeze(1) & scores.mask
+        if scores.mean_logits is not None:
+            metrics["logits/chosen"].append(gather_masked_mean(acc, scores.mean_logits, desirable))
+            metrics["logits/rejected"].append(gather_masked_mean(acc, scores.mean_logits, undesirable))
+        chosen_reward = gather_masked_mean(acc, rewards, labels)
+        rejected_reward = gather_masked_mean(acc, rewards, ~labels)
+        metrics["rewards/chosen"].append(chosen_reward)
+        metrics["rewards/rejected"].append(rejected_reward)
+        metrics["rewards/margins"].append(chosen_reward - rejected_reward)
+        metrics["logps/chosen"].append(gather_masked_mean(acc, logps, labels))
+        metrics["logps/rejected"].append(gather_masked_mean(acc, logps, ~labels))
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss, out = self.compute_loss(model, inputs, return_outputs=True)
+        loss = loss.detach()
+        if prediction_loss_only:
+            return loss, None, None
+        return loss, out["rewards"], out["labels"].long()

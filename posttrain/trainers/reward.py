@@ -1,0 +1,265 @@
+"""RewardConfig and RewardTrainer: a Bradley–Terry reward model on preference pairs (features.md §B6/§C3).
+
+The model is a sequence classifier with one label (``AutoModelForSequenceClassification(num_labels=1)``); its score
+at the last non-pad token is the reward. Each batch stacks the chosen and rejected sequences into one ``(2B, L)``
+forward pass, and the loss is
+
+    L = −mean log σ(r_c − r_r − m) + η · mean((r_c + r_r)²)
+
+with m the optional ``margin`` column (Llama 2) and η = ``center_rewards_coefficient`` (off by default).
+
+Data: preference rows with an implicit (recommended) or explicit prompt — the prompt is prepended to chosen and
+rejected before tokenizing — standard (EOS appended) or conversational (the chat template over the whole
+conversation), or pre-tokenized ``chosen_ids`` / ``rejected_ids`` (legacy ``chosen_input_ids`` /
+``rejected_input_ids`` are renamed with a FutureWarning). As in TRL, pairs longer than ``max_length`` are dropped,
+not truncated: a truncated pair could lose exactly the tokens that make one answer better.
+
+Metrics (TRL's names): ``accuracy`` (r_c > r_r), ``margin`` (mean r_c − r_r), ``min_reward``, ``mean_reward``,
+``max_reward``, ``num_tokens``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import TrainingArguments
+
+from posttrain.core.preference import bradley_terry_loss
+from posttrain.models.loading import disable_dropout_in_model, resolve_model, resolve_processing_class
+from posttrain.trainers.base import BaseConfig, BaseTrainer
+from posttrain.trainers.dpo import (
+    activation_offloading_context,
+    coerce_config,
+    configure_iterable_dataset,
+    filter_dataset,
+    gather_mean,
+    resolve_pad_token,
+    tokenize_dataset,
+)
+
+__all__ = ["RewardConfig", "RewardTrainer"]
+
+
+@dataclass
+class RewardConfig(BaseConfig):
+    """Configuration for :class:`RewardTrainer` (TRL's ``RewardConfig`` fields and defaults).
+
+    Everything else is ``transformers.TrainingArguments`` with TRL's overrides (``logging_steps=10``,
+    ``gradient_checkpointing=True``, ``bf16`` automatic, ``learning_rate=1e-4``).
+    """
+
+    learning_rate: float = field(default=1e-4, metadata={"help": "Initial AdamW learning rate."})
+    chat_template_path: str | None = field(
+        default=None,
+        metadata={
+            "help": "A .jinja chat template file to use, or a tokenizer path whose chat template (and special tokens) "
+            "is cloned into the model's tokenizer."
+        },
+    )
+    disable_dropout: bool = field(default=True, metadata={"help": "Disable dropout in the model."})
+    dataset_num_proc: int | None = field(default=None, metadata={"help": "Processes used to tokenize the dataset."})
+    eos_token: str | None = field(
+        default=None, metadata={"help": "Override the tokenizer's EOS token (appended to standard sequences)."}
+    )
+    max_length: int | None = field(
+        default=1024,
+        metadata={
+            "help": "Pairs whose chosen or rejected sequence is longer are dropped (not truncated). None: keep all."
+        },
+    )
+    pad_to_multiple_of: int | None = field(default=None, metadata={"help": "Pad each batch to a multiple of this."})
+    center_rewards_coefficient: float | None = field(
+        default=None,
+        metadata={"help": "η of the auxiliary loss η·mean((r_c + r_r)²) pushing rewards to zero mean (e.g. 0.01)."},
+    )
+    activation_offloading: bool = field(
+        default=False, metadata={"help": "Keep activations saved for backward in CPU memory (save_on_cpu)."}
+    )
+    pad_token: str | None = field(
+        default=None, metadata={"help": "Deprecated: set the tokenizer's pad token before building the trainer."}
+    )
+
+
+class _PairFits:
+    """Picklable filter: keep pairs whose chosen and rejected sequences both fit in ``max_length``."""
+
+    def __init__(self, max_length: int):
+        self.max_length = max_length
+
+    def __call__(self, row: Mapping[str, Any]) -> bool:
+        return len(row["chosen_ids"]) <= self.max_length and len(row["rejected_ids"]) <= self.max_length
+
+
+class RewardTrainer(BaseTrainer):
+    """Trainer for Bradley–Terry reward models.
+
+    Args:
+        model: Hub id / local path (loaded as a sequence classifier with ``num_labels=1``), or a model whose
+            ``config.num_labels == 1`` (PEFT-wrapped allowed).
+        args: ``RewardConfig``; a plain ``TrainingArguments`` is converted; None →
+            ``RewardConfig(f"{model_name}-Reward")``.
+        data_collator: Defaults to ``DataCollatorForRewardPreference``.
+        train_dataset: Preference data (implicit or explicit prompt, optional ``margin``) or pre-tokenized
+            ``chosen_ids`` / ``rejected_ids``.
+        eval_dataset: Same formats, or a dict of them.
+        processing_class: Tokenizer; None loads it from the model's path.
+        compute_metrics: Receives per-pair ``(r_c, r_r)`` predictions and zero labels (index of the chosen column).
+        callbacks, optimizers, optimizer_cls_and_kwargs, preprocess_logits_for_metrics: As ``transformers.Trainer``.
+        peft_config: A ``peft.PeftConfig`` (use ``task_type="SEQ_CLS"`` so the score head is trained too).
+    """
+
+    _tag_names = ["trl", "reward-trainer"]
+    loss_is_scaled_for_ga = False  # the loss is a mean over pairs; Trainer divides by the accumulation steps
+    _signature_columns_extra = ("chosen_ids", "rejected_ids", "margin")
+
+    def __init__(
+        self,
+        model: str | torch.nn.Module,
+        args: RewardConfig | TrainingArguments | None = None,
+        data_collator: Callable | None = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        processing_class: Any = None,
+        compute_metrics: Callable | None = None,
+        callbacks: list | None = None,
+        optimizers: tuple = (None, None),
+        optimizer_cls_and_kwargs: tuple | None = None,
+        preprocess_logits_for_metrics: Callable | None = None,
+        peft_config: Any = None,
+    ):
+        from posttrain.models.peft_utils import prepare_peft_model
+
+        args = coerce_config(args, RewardConfig, model, "Reward")
+        reward_model = resolve_model(model, args, task="sequence-classification")
+        num_labels = getattr(getattr(reward_model, "config", None), "num_labels", None)
+        if num_labels != 1:
+            raise ValueError(
+                f"RewardTrainer needs a sequence-classification model with one label (the reward), got num_labels="
+                f"{num_labels}. Load it with AutoModelForSequenceClassification.from_pretrained(..., num_labels=1)."
+            )
+        processing_class = resolve_processing_class(model, processing_class)
+        tok = getattr(processing_class, "tokenizer", processing_class)
+        if args.eos_token is not None:
+            if tok.convert_tokens_to_ids(args.eos_token) in (None, getattr(tok, "unk_token_id", None)):
+                raise ValueError(
+                    f"eos_token {args.eos_token!r} is not in the tokenizer's vocabulary; choose an existing token."
+                )
+            tok.eos_token = args.eos_token
+        if args.chat_template_path is not None:
+            from posttrain.data.chat_templates import apply_chat_template_path
+
+            reward_model, tok, added = apply_chat_template_path(reward_model, tok, args.chat_template_path)
+            if added and peft_config is not None and hasattr(peft_config, "trainable_token_indices"):
+                # The new special tokens have fresh embedding rows; let PEFT train them (TRL does the same).
+                peft_config.trainable_token_indices = {"embed_tokens": list(added)}
+        if peft_config is not None:
+            reward_model = prepare_peft_model(
+                reward_model, peft_config, gradient_checkpointing=bool(args.gradient_checkpointing)
+            )
+        if args.disable_dropout:
+            disable_dropout_in_model(reward_model)
+        configure_iterable_dataset(args, train_dataset)
+        pad_id = resolve_pad_token(tok, args.pad_token)
+        # The classifier reads the reward at the last token that is not padding.
+        reward_model.config.pad_token_id = pad_id
+        if data_collator is None:
+            from posttrain.data.collators import DataCollatorForRewardPreference
+
+            data_collator = DataCollatorForRewardPreference(
+                pad_token_id=pad_id, pad_to_multiple_of=args.pad_to_multiple_of
+            )
+        if isinstance(eval_dataset, dict):
+            eval_dataset = {k: self._prepare_dataset(v, tok, args, f"eval/{k}") for k, v in eval_dataset.items()}
+        else:
+            eval_dataset = self._prepare_dataset(eval_dataset, tok, args, "eval")
+        train_dataset = self._prepare_dataset(train_dataset, tok, args, "train")
+
+        super().__init__(
+            model=reward_model,
+            args=args,
+            data_collator=data_collator,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            compute_metrics=compute_metrics,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
+            preprocess_logits_for_metrics=preprocess_logits_for_metrics,
+        )
+        self.model_accepts_loss_kwargs = False
+        self._total_train_tokens = 0
+
+    # -- data ----------------------------------------------------------------------------------------------------
+    def _prepare_dataset(self, dataset: Any, tok: Any, args: RewardConfig, name: str) -> Any:
+        """Validate, tokenize whole chosen/rejected sequences, and drop pairs longer than ``max_length``."""
+        if dataset is None:
+            return None
+        from posttrain.data.formats import PREFERENCE, TOKENIZED_PREFERENCE, column_names, validate_format
+        from posttrain.data.tokenization import tokenize_reward_pair
+
+        names = column_names(dataset)
+        if {"chosen_input_ids", "rejected_input_ids"} <= set(names) and "chosen_ids" not in names:
+            warnings.warn(
+                "The columns chosen_input_ids / rejected_input_ids are deprecated (as in TRL); rename them to "
+                "chosen_ids / rejected_ids. They are renamed for you this time.",
+                FutureWarning,
+                stacklevel=3,
+            )
+            dataset = dataset.rename_columns({"chosen_input_ids": "chosen_ids", "rejected_input_ids": "rejected_ids"})
+        fmt = validate_format(dataset, [PREFERENCE, TOKENIZED_PREFERENCE], trainer="RewardTrainer")
+        if fmt.type == PREFERENCE:
+            dataset = tokenize_dataset(
+                dataset, tokenize_reward_pair, tok, args, f"{name} dataset", add_eos=not fmt.conversational
+            )
+        if args.max_length is not None:
+            dataset = filter_dataset(dataset, _PairFits(args.max_length), args, f"Dropping long pairs ({name})")
+        return dataset
+
+    def _set_signature_columns_if_needed(self):
+        if self._signature_columns is None:
+            self._signature_columns = list(self._signature_columns_extra)
+
+    # -- loss ----------------------------------------------------------------------------------------------------
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        mode = "train" if model.training else "eval"
+        with activation_offloading_context(self.args.activation_offloading):
+            outputs = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], use_cache=False)
+        rewards = outputs.logits[:, 0].float()  # (2B,)
+        half = rewards.shape[0] // 2
+        chosen, rejected = rewards[:half], rewards[half:]
+        loss = bradley_terry_loss(
+            chosen, rejected, inputs.get("margin"), center_rewards_coefficient=self.args.center_rewards_coefficient
+        )
+        self._log_reward_metrics(mode, inputs, chosen.detach(), rejected.detach())
+        if return_outputs:
+            return loss, {"rewards_chosen": chosen, "rewards_rejected": rejected}
+        return loss
+
+    def _log_reward_metrics(self, mode: str, inputs, chosen: torch.Tensor, rejected: torch.Tensor) -> None:
+        acc = self.accelerator
+        metrics = self._metrics[mode]
+        if mode == "train":
+            self._total_train_tokens += int(acc.gather(inputs["attention_mask"].sum().reshape(1)).sum().item())
+            metrics["num_tokens"] = [float(self._total_train_tokens)]
+        all_rewards = acc.gather_for_metrics(torch.cat([chosen, rejected]))
+        metrics["min_reward"].append(all_rewards.min().item())
+        metrics["mean_reward"].append(all_rewards.mean().item())
+        metrics["max_reward"].append(all_rewards.max().item())
+        metrics["accuracy"].append(gather_mean(acc, (chosen > rejected).float()))
+        metrics["margin"].append(gather_mean(acc, chosen - rejected))
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss, out = self.compute_loss(model, inputs, return_outputs=True)
+        loss = loss.detach()
+        if prediction_loss_only:
+            return loss, None, None
+        logits = torch.stack([out["rewards_chosen"], out["rewards_rejected"]], dim=1).detach()
+        labels = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
+        return loss, logits, labels
