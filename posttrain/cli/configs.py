@@ -62,6 +62,9 @@ class ModelConfig:
         quantization_config = get_quantization_config(self)
         if quantization_config is not None:
             kwargs["quantization_config"] = quantization_config
+            device_map = get_kbit_device_map()
+            if device_map is not None:
+                kwargs["device_map"] = device_map
         return kwargs
 
 
@@ -86,6 +89,17 @@ def get_quantization_config(model_args: ModelConfig):
             bnb_4bit_quant_storage=model_args.bnb_4bit_quant_storage,
         )
     return BitsAndBytesConfig(load_in_8bit=True)
+
+
+def get_kbit_device_map() -> dict[str, int] | None:
+    """``device_map`` for 4-/8-bit models: the whole model on this process's GPU (TRL's helper); None without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    from accelerate import PartialState
+
+    return {"": PartialState().local_process_index}
 
 
 def get_peft_config(model_args: ModelConfig):
@@ -142,5 +156,10 @@ class GRPOScriptArguments(ScriptArguments):
 
 
 @dataclass
+class RLOOScriptArguments(GRPOScriptArguments):
+    """Dataset arguments plus the reward sources for ``posttrain rloo`` (same fields as GRPO's)."""
+
+
+@dataclass
 class DistillationScriptArguments(ScriptArguments):
-    """Dataset arguments for ``posttrain distillation``."""
+    """Dataset arguments for ``posttrain distillation`` (the teacher is named in ``DistillationConfig``)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import platform
 import subprocess
 from pathlib import Path
@@ -26,6 +27,21 @@ def _git_sha() -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() or None
+
+
+def accelerate_config_summary() -> str:
+    """The default accelerate config file as indented ``- key: value`` lines, or ``"not found"``."""
+    try:
+        from accelerate.commands.config import default_config_file, load_config_from_file
+    except ImportError:
+        return "not found"
+    if not os.path.isfile(default_config_file):
+        return "not found"
+    try:
+        config = load_config_from_file(default_config_file).to_dict()
+    except Exception as err:  # a broken config file must not break a bug report
+        return f"unreadable ({default_config_file}: {err})"
+    return "".join(f"\n  - {key}: {value}" for key, value in config.items())
 
 
 def collect_env() -> dict[str, str]:
@@ -63,6 +79,8 @@ def collect_env() -> dict[str, str]:
         ("vLLM", "vllm"),
     ]:
         info[f"{label} version"] = _version(dist)
+        if dist == "accelerate":
+            info["Accelerate config"] = accelerate_config_summary()
     return info
 
 

@@ -1,7 +1,8 @@
 """Entry point of the ``posttrain`` command.
 
 Sub-commands are looked up in ``COMMANDS`` (name → "module:function" plus a one-line help) and imported only when
-run, so ``posttrain --help`` and ``posttrain --version`` do not import torch.
+run, so ``posttrain --help`` and ``posttrain --version`` do not import torch. Training verbs point at
+``posttrain.scripts.<verb>:cli``; their options come from the script's ``TrlParser`` (``posttrain <verb> --help``).
 """
 
 from __future__ import annotations
@@ -10,9 +11,20 @@ import argparse
 import importlib
 import sys
 
-# verb -> (module:function taking argv list and returning an exit code, help line)
+# verb -> (module:function taking the argv list after the verb and returning an exit code, help line)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "env": ("posttrain.cli.main:_run_env", "Print versions and devices for bug reports."),
+    "sft": ("posttrain.scripts.sft:cli", "Supervised fine-tuning (SFTTrainer)."),
+    "dpo": ("posttrain.scripts.dpo:cli", "Direct Preference Optimization (DPOTrainer)."),
+    "kto": ("posttrain.scripts.kto:cli", "Kahneman-Tversky Optimization (KTOTrainer)."),
+    "reward": ("posttrain.scripts.reward:cli", "Train a reward model (RewardTrainer)."),
+    "grpo": ("posttrain.scripts.grpo:cli", "Group Relative Policy Optimization (GRPOTrainer)."),
+    "rloo": ("posttrain.scripts.rloo:cli", "REINFORCE Leave-One-Out (RLOOTrainer)."),
+    "distillation": (
+        "posttrain.scripts.distillation:cli",
+        "On-policy distillation of a teacher into a student (DistillationTrainer).",
+    ),
+    "env": ("posttrain.cli.main:_run_env", "Print versions, devices and the accelerate config for bug reports."),
+    "report": ("posttrain.cli.main:_run_report", "Write the HTML training report for an output directory."),
 }
 
 
@@ -25,12 +37,36 @@ def _run_env(argv: list[str]) -> int:
     return 0
 
 
+def _run_report(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="posttrain report",
+        description="Draw the metric plots and write OUTPUT_DIR/report/index.html from OUTPUT_DIR/metrics.jsonl.",
+    )
+    parser.add_argument("output_dir", metavar="OUTPUT_DIR", help="A training output directory.")
+    parser.add_argument("--title", default=None, help="Report title (default: 'posttrain training report').")
+    args = parser.parse_args(argv)
+    from posttrain.cli.run import guarded
+
+    def work() -> int:
+        import os
+
+        from posttrain.report import write_report
+
+        if not os.path.isdir(args.output_dir):
+            raise FileNotFoundError(f"{args.output_dir!r} is not a directory; pass a training output_dir.")
+        print(write_report(args.output_dir, title=args.title))
+        return 0
+
+    return guarded("posttrain report", work)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from posttrain._version import __version__
 
     parser = argparse.ArgumentParser(
         prog="posttrain",
-        description="Post-train language models (SFT, DPO, KTO, reward modelling, GRPO, RLOO) with TRL's API.",
+        description="Post-train language models (SFT, DPO, KTO, reward modelling, GRPO, RLOO, distillation) with "
+        "TRL's API. Run `posttrain COMMAND --help` for a command's options.",
         allow_abbrev=False,
     )
     parser.add_argument("--version", action="version", version=f"posttrain {__version__}")

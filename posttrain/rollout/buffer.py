@@ -1,0 +1,174 @@
+"""The generation buffer: one generated batch, shuffled and split into micro-batches, replayed over iterations.
+
+A rollout batch is a ``dict`` whose tensor values share the batch dimension (``(N, ...)``), whose list values have
+length ``N`` (e.g. decoded texts), and whose 0-d tensors / plain scalars apply to the whole batch (e.g.
+``num_items_in_batch``). The trainer generates one batch every ``steps_per_generation × num_iterations``
+micro-steps, shuffles it, splits it into ``steps_per_generation`` micro-batches and serves micro-batch
+``step % steps_per_generation`` at each micro-step (TRL's scheme), so that every completion is seen once per
+iteration.
+
+Micro-batches are re-trimmed after the split: prompt columns that are padding in every row (left padding) and
+completion columns past the longest completion of the micro-batch are dropped, so a micro-batch of short
+completions does not pay for the generation batch's longest one.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+RolloutBatch = dict[str, Any]
+
+# Keys aligned with the prompt tokens (left-padded) and with the completion tokens (right-padded).
+PROMPT_KEYS = ("prompt_ids", "prompt_mask")
+COMPLETION_KEYS = (
+    "completion_ids",
+    "completion_mask",
+    "old_per_token_logps",
+    "ref_per_token_logps",
+    "sampling_per_token_logps",
+    "tool_mask",
+    "importance_sampling_ratio",
+)
+
+
+def batch_size_of(batch: RolloutBatch) -> int:
+    """Number of rows ``N`` (the leading dimension of ``completion_ids``)."""
+    return int(batch["completion_ids"].shape[0])
+
+
+def _is_row_aligned(value: Any, n: int) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.dim() > 0 and value.shape[0] == n
+    return isinstance(value, list) and len(value) == n
+
+
+def _index_rows(value: Any, index: torch.Tensor) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value[index.to(value.device)]
+    return [value[i] for i in index.tolist()]
+
+
+def shuffle_sequence_dict(batch: RolloutBatch, generator: torch.Generator | None = None) -> RolloutBatch:
+    """Permute every row-aligned value of ``batch`` with the same random permutation (scalars untouched)."""
+    n = batch_size_of(batch)
+    perm = torch.randperm(n, generator=generator)
+    return {k: (_index_rows(v, perm) if _is_row_aligned(v, n) else v) for k, v in batch.items()}
+
+
+def split_tensor_dict(batch: RolloutBatch, num_chunks: int) -> list[RolloutBatch]:
+    """Split ``batch`` into ``num_chunks`` equal micro-batches along the rows; scalars are copied to each.
+
+    Raises a ``ValueError`` when the rows do not divide evenly (the batch arithmetic guarantees they do).
+    """
+    n = batch_size_of(batch)
+    if n % num_chunks != 0:
+        raise ValueError(f"Cannot split a rollout batch of {n} rows into {num_chunks} equal micro-batches.")
+    size = n // num_chunks
+    chunks = []
+    for i in range(num_chunks):
+        index = torch.arange(i * size, (i + 1) * size)
+        chunks.append({k: (_index_rows(v, index) if _is_row_aligned(v, n) else v) for k, v in batch.items()})
+    return chunks
+
+
+def trim_padding(batch: RolloutBatch) -> RolloutBatch:
+    """Drop prompt columns that are padding in every row and completion columns past the longest completion."""
+    out = dict(batch)
+    prompt_mask = batch.get("prompt_mask")
+    if prompt_mask is not None and prompt_mask.numel():
+        used = prompt_mask.any(dim=0).nonzero()
+        start = int(used[0]) if used.numel() else prompt_mask.shape[1]
+        for key in PROMPT_KEYS:
+            if key in out and out[key] is not None:
+                out[key] = out[key][:, start:]
+    completion_mask = batch.get("completion_mask")
+    if completion_mask is not None and completion_mask.numel():
+        # Keep columns up to the longest *generated* completion (the loss mask may be all zero for masked rows).
+        lengths = batch.get("completion_lengths")
+        if lengths is not None and lengths.numel():
+            end = int(lengths.max())
+        else:
+            used = completion_mask.any(dim=0).nonzero()
+            end = int(used[-1]) + 1 if used.numel() else 0
+        end = max(end, 1)
+        for key in COMPLETION_KEYS:
+            value = out.get(key)
+            if isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[1] > 1:
+                out[key] = value[:, :end]
+    return out
+
+
+class RolloutBuffer:
+    """Holds the micro-batches of the current generation round and says when to generate the next one.
+
+    Args:
+        steps_per_generation: Micro-batches per generated batch.
+        num_iterations: Optimisation passes over each generated batch (TRL's μ).
+        seed: Seed of the shuffle applied before splitting.
+    """
+
+    def __init__(self, steps_per_generation: int, num_iterations: int = 1, seed: int = 0):
+        self.steps_per_generation = int(steps_per_generation)
+        self.num_iterations = int(num_iterations)
+        self.generator = torch.Generator().manual_seed(int(seed))
+        self.micro_batches: list[RolloutBatch] | None = None
+        self.step = 0  # micro-steps served so far (TRL's ``_step``)
+
+    @property
+    def generate_every(self) -> int:
+        """Micro-steps served by one generated batch."""
+        return self.steps_per_generation * self.num_iterations
+
+    def needs_generation(self) -> bool:
+        """True at the first micro-step of each round, and whenever the buffer is empty (e.g. after resume)."""
+        return self.micro_batches is None or self.step % self.generate_every == 0
+
+    def fill(self, batch: RolloutBatch, shuffle: bool = True) -> None:
+        """Shuffle ``batch`` (optionally) and split it into ``steps_per_generation`` trimmed micro-batches."""
+        if shuffle:
+            batch = shuffle_sequence_dict(batch, self.generator)
+        self.micro_batches = [trim_padding(mb) for mb in split_tensor_dict(batch, self.steps_per_generation)]
+
+    def next(self) -> RolloutBatch:
+        """The micro-batch of the current micro-step; advances the step counter."""
+        if self.micro_batches is None:
+            raise RuntimeError("The rollout buffer is empty: call fill() with a generated batch first.")
+        batch = self.micro_batches[self.step % self.steps_per_generation]
+        self.step += 1
+        return batch
+
+    # -- checkpointing -----------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue after a resume (tensors moved to CPU).
+
+        The micro-batches are kept only mid-round (``step`` not a multiple of ``generate_every``); at a round
+        boundary the next micro-step generates anyway, so only the step and the shuffle RNG are stored.
+        """
+
+        def to_cpu(value):
+            return value.detach().cpu() if isinstance(value, torch.Tensor) else value
+
+        batches = None
+        if self.micro_batches is not None and self.step % self.generate_every != 0:
+            batches = [{k: to_cpu(v) for k, v in mb.items()} for mb in self.micro_batches]
+        return {"step": self.step, "micro_batches": batches, "generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any], device: torch.device | str | None = None) -> None:
+        """Restore ``state_dict()``; micro-batch tensors are moved to ``device`` when given."""
+        self.step = int(state["step"])
+        batches = state["micro_batches"]
+        if device is not None and batches is not None:
+            batches = [
+                {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in mb.items()} for mb in batches
+            ]
+        self.micro_batches = batches
+        self.generator.set_state(state["generator"])
+
+    def save(self, path: str | os.PathLike) -> None:
+        torch.save(self.state_dict(), path)
+
+    def load(self, path: str | os.PathLike, device: torch.device | str | None = None) -> None:
+        self.load_state_dict(torch.load(path, map_location="cpu", weights_only=True), device=device)

@@ -1,0 +1,140 @@
+"""Advantage estimators: the one place where GRPO and RLOO differ inside the rollout pipeline.
+
+An estimator turns the rewards of a whole generation batch (gathered over processes) into one advantage per
+completion. It is called by ``RolloutPipeline`` after scoring and after the old/reference log-probs were computed,
+so an estimator that folds the KL penalty into the reward (RLOO) finds them in the local batch.
+
+- ``GroupRelativeEstimator`` (GRPO): r = Σ_k w_k r_k, then group-mean baseline and ``scale_rewards``
+  (``"group"``/``"batch"``/``"none"``); or GDPO's ``normalize_then_sum``.
+- ``LeaveOneOutEstimator`` (RLOO): r = Σ_k w_k r_k, optional clip to ``reward_clip_range``, minus
+  β·Σ_t(old − ref) (k1 KL summed over the sequence), leave-one-out baseline, optional batch normalisation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from posttrain.core.advantages import (
+    combine_rewards,
+    group_advantages,
+    group_mean_std,
+    leave_one_out_advantages,
+    normalize_advantages,
+    normalize_then_sum_advantages,
+)
+from posttrain.core.masking import masked_sum
+
+Gather = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class AdvantageResult:
+    """What an estimator returns for the whole (gathered) generation batch.
+
+    Attributes:
+        advantages: ``(N,)`` one per completion (0 for unscorable rows).
+        rewards: ``(N,)`` the combined reward logged as ``reward`` (NaN = unscorable).
+        std: ``(N,)`` the std behind ``frac_reward_zero_std`` (None to skip that metric).
+        metrics: extra scalar metrics (e.g. RLOO's ``kl``).
+    """
+
+    advantages: torch.Tensor
+    rewards: torch.Tensor
+    std: torch.Tensor | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class AdvantageEstimator(Protocol):
+    """``estimator(rewards_per_func, weights, num_generations, batch=..., gather=...) -> AdvantageResult``."""
+
+    needs_old_logps: bool
+    needs_ref_logps: bool
+
+    def __call__(
+        self,
+        rewards_per_func: torch.Tensor,
+        weights: torch.Tensor,
+        num_generations: int,
+        *,
+        batch: dict[str, Any],
+        gather: Gather,
+    ) -> AdvantageResult: ...
+
+
+@dataclass
+class GroupRelativeEstimator:
+    """GRPO advantages (DeepSeekMath; Dr. GRPO's ``scale_rewards="none"``; GDPO's ``normalize_then_sum``).
+
+    Args:
+        scale_rewards: ``"group"`` (or True), ``"batch"``, ``"none"`` (or False).
+        multi_objective_aggregation: ``"sum_then_normalize"`` (TRL default) or ``"normalize_then_sum"`` (GDPO).
+    """
+
+    scale_rewards: str | bool = "group"
+    multi_objective_aggregation: str = "sum_then_normalize"
+    needs_old_logps: bool = False
+    needs_ref_logps: bool = False
+
+    def __post_init__(self) -> None:
+        if self.multi_objective_aggregation not in ("sum_then_normalize", "normalize_then_sum"):
+            raise ValueError(
+                f"Invalid multi_objective_aggregation {self.multi_objective_aggregation!r}. Valid values: "
+                "'sum_then_normalize', 'normalize_then_sum'."
+            )
+
+    def __call__(self, rewards_per_func, weights, num_generations, *, batch=None, gather=None) -> AdvantageResult:
+        rewards = combine_rewards(rewards_per_func, weights)
+        if self.multi_objective_aggregation == "normalize_then_sum":
+            advantages = normalize_then_sum_advantages(rewards_per_func, weights, num_generations)
+            std = group_mean_std(rewards, num_generations)[1]
+            return AdvantageResult(advantages, rewards, std)
+        advantages, std = group_advantages(rewards, num_generations, self.scale_rewards)
+        return AdvantageResult(advantages, rewards, std)
+
+
+@dataclass
+class LeaveOneOutEstimator:
+    """RLOO advantages (Ahmadian et al. 2024, "Back to Basics"; REINFORCE++ with ``normalize_advantages``).
+
+    r_i = Σ_k w_k r_ik, clamped to ``reward_clip_range``, then r_i ← r_i − β·Σ_t m·(old_t − ref_t) when β ≠ 0;
+    A_i = r_i − mean of the other scored completions of its group; optionally A ← (A − mean)/(std + 1e-4).
+
+    Args:
+        beta: KL coefficient folded into the reward (RLOO default 0.05).
+        reward_clip_range: ``(min, max)`` clamp of the summed reward, or None.
+        normalize_advantages: batch z-score of the advantages.
+    """
+
+    beta: float = 0.05
+    reward_clip_range: tuple[float, float] | None = None
+    normalize_advantages: bool = False
+    needs_old_logps: bool = True  # RLOO always recomputes π_old (its KL term and the sequence ratio need it)
+
+    @property
+    def needs_ref_logps(self) -> bool:
+        return self.beta != 0.0
+
+    def __call__(self, rewards_per_func, weights, num_generations, *, batch, gather) -> AdvantageResult:
+        raw = combine_rewards(rewards_per_func, weights)
+        rewards = raw
+        if self.reward_clip_range is not None:
+            low, high = self.reward_clip_range
+            rewards = torch.clamp(rewards, min=low, max=high)
+        metrics: dict[str, float] = {}
+        if self.beta != 0.0:
+            mask = batch["completion_mask"]
+            per_token_kl = batch["old_per_token_logps"] - batch["ref_per_token_logps"]  # k1, may be negative
+            sequence_kl = gather(masked_sum(per_token_kl, mask, dim=-1))  # (N,)
+            rewards = rewards - self.beta * sequence_kl.to(rewards.device, rewards.dtype)
+            token_sum = gather(masked_sum(per_token_kl, mask).reshape(1)).sum()
+            token_count = gather(mask.sum().reshape(1).to(per_token_kl.dtype)).sum()
+            metrics["kl"] = float(token_sum / token_count.clamp(min=1.0))
+        advantages = leave_one_out_advantages(rewards, num_generations)
+        if self.normalize_advantages:
+            advantages = normalize_advantages(advantages, mask=~torch.isnan(rewards))
+        std = group_mean_std(raw, num_generations)[1]
+        return AdvantageResult(advantages, raw, std, metrics)

@@ -1,0 +1,415 @@
+"""The shared online-RL rollout: prompts → completions → rewards → log-probs → advantages, as one tensor batch.
+
+``RolloutPipeline.run(rows)`` is the whole recipe of TRL's ``_generate_and_score_completions``, shared by GRPO, RLOO
+and (later) on-policy distillation; they differ only in the ``AdvantageEstimator`` they pass in and in how their
+loss reads the batch:
+
+1. ``render_prompts`` — conversational prompts through the chat template (``chat_template_kwargs``), then tokenized
+   without special tokens; standard prompts tokenized as they are.
+2. ``generate`` — the backend samples G completions per prompt. Rows arrive as whole groups of identical prompts
+   (``RepeatSampler``), so each unique prompt is handed over once with ``num_generations=G`` (the ``posttrain``
+   backend prefills it once); a ``rollout_func`` gets the raw prompts instead, as in TRL.
+3. ``collate`` — left-padded prompts, right-padded completions, the loss mask (EOS-cut × tool mask × truncation
+   mask when ``mask_truncated_completions``), sampling log-probs when the backend returned them.
+4. ``decode`` — completion text; for conversational prompts ``[{"role": "assistant", "content": text}]``.
+5. log-probs — π_old (only when needed) and π_ref (β ≠ 0) in no-grad passes of ``logprob_batch_size`` rows.
+6. ``score`` — the ``RewardScorer`` with TRL's keyword contract, gathered over processes.
+7. advantages — the estimator on the gathered batch; this process keeps its slice.
+8. metrics (TRL's names), the sampling importance-sampling ratio, and the completions table for ``log_completions``.
+
+The returned batch holds ``prompt_ids``/``prompt_mask`` ``(B, P)``, ``completion_ids``/``completion_mask`` ``(B, C)``,
+``completion_lengths`` ``(B,)``, ``advantages`` ``(B,)``, optional ``old_per_token_logps``,
+``ref_per_token_logps``, ``sampling_per_token_logps``, ``importance_sampling_ratio``, and ``num_items_in_batch``
+(0-d: loss tokens of the whole generation batch over all processes, for DAPO-style normalisation).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from posttrain.core.importance import rollout_importance_weights
+from posttrain.data.tokenization import tokenize_prompt
+from posttrain.data.utils import is_conversational
+from posttrain.generation.base import Completions, SamplingConfig
+from posttrain.rollout.buffer import RolloutBatch
+from posttrain.rollout.estimators import AdvantageEstimator
+from posttrain.rollout.metrics import completion_length_metrics, reward_metrics
+
+MetricSink = Callable[[str, float], None]
+LogpsFn = Callable[[RolloutBatch], torch.Tensor]
+
+
+@dataclass
+class ImportanceSamplingSettings:
+    """The sampler-vs-trainer correction (TRL's ``vllm_importance_sampling_*`` fields)."""
+
+    mode: str = "sequence_mask"
+    clip_min: float | None = None
+    clip_max: float | None = 3.0
+
+
+@dataclass
+class RolloutSettings:
+    """What the pipeline needs from the trainer's config, resolved once.
+
+    Attributes:
+        num_generations / num_generations_eval: G in training / evaluation.
+        logprob_batch_size: rows per no-grad log-prob pass (TRL: the per-device batch size).
+        mask_truncated_completions: zero the loss mask of completions that hit ``max_completion_length``.
+        pad_to_multiple_of: pad prompt and completion tensors to a multiple of this.
+        chat_template_kwargs: passed to every ``apply_chat_template`` call.
+        compute_old_logps: the trainer needs π_old for this batch (besides what the estimator needs).
+        compute_ref_logps: the trainer needs π_ref (β ≠ 0 in the loss).
+        importance_sampling: apply the sampling-log-prob correction when the backend returned log-probs.
+        keep_completions: keep a table of prompts/completions/rewards/advantages for ``log_completions``.
+    """
+
+    num_generations: int
+    num_generations_eval: int
+    logprob_batch_size: int = 1
+    mask_truncated_completions: bool = False
+    pad_to_multiple_of: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    compute_old_logps: bool = False
+    compute_ref_logps: bool = False
+    importance_sampling: ImportanceSamplingSettings | None = None
+    keep_completions: bool = False
+
+
+@dataclass
+class CompletionsTable:
+    """The last generation batch, for ``log_completions`` (gathered over processes)."""
+
+    columns: dict[str, list] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(next(iter(self.columns.values()), []))
+
+
+def render_prompts(
+    rows: Sequence[dict[str, Any]], tokenizer: Any, chat_template_kwargs: dict[str, Any] | None = None
+) -> tuple[list[str], list[list[int]]]:
+    """Prompt text and token ids of each row, as TRL's GRPO renders them (``data.tokenization.tokenize_prompt``).
+
+    Conversational prompts (message lists) go through the chat template with the generation prompt (or continuing
+    a final assistant message), honouring per-row ``tools`` / ``chat_template_kwargs`` columns; standard prompts are
+    used as they are. Text is tokenized without adding special tokens (the template has them).
+    """
+    texts, ids = [], []
+    for index, row in enumerate(rows):
+        out = tokenize_prompt(row, tokenizer, chat_template_kwargs=chat_template_kwargs, row_index=index)
+        texts.append(out["prompt_text"])
+        ids.append([int(t) for t in out["prompt_ids"]])
+    return texts, ids
+
+
+def completions_as_messages(prompts: Sequence[Any], texts: Sequence[str]) -> list:
+    """Completions in the prompts' format: plain text, or ``[{"role": "assistant", "content": ...}]``.
+
+    As TRL, a conversational prompt ending with a (prefilled) assistant message has that content prepended.
+    """
+    out = []
+    for prompt, text in zip(prompts, texts):
+        if is_conversational({"prompt": prompt}):
+            bootstrap = prompt[-1]["content"] if prompt[-1]["role"] == "assistant" else ""
+            out.append([{"role": "assistant", "content": f"{bootstrap}{text}"}])
+        else:
+            out.append(text)
+    return out
+
+
+def _pad(rows: Sequence[Sequence[float]], value: float, dtype: torch.dtype, side: str, multiple: int | None):
+    length = max((len(r) for r in rows), default=0)
+    if multiple:
+        length = -(-length // multiple) * multiple
+    out = torch.full((len(rows), max(length, 1)), value, dtype=dtype)
+    for i, row in enumerate(rows):
+        if len(row):
+            if side == "left":
+                out[i, out.shape[1] - len(row) :] = torch.tensor(row, dtype=dtype)
+            else:
+                out[i, : len(row)] = torch.tensor(row, dtype=dtype)
+    return out
+
+
+def collate_completions(
+    completions: Completions,
+    *,
+    pad_token_id: int,
+    mask_truncated_completions: bool = False,
+    pad_to_multiple_of: int | None = None,
+) -> RolloutBatch:
+    """Tensors of a generated batch: left-padded prompts, right-padded completions and masks.
+
+    ``completion_mask`` is the loss mask: 1 on generated tokens, times the tool mask (``env_mask``: 0 on
+    tool-result tokens), times 0 for the whole row when ``mask_truncated_completions`` and the completion did not
+    end with EOS.
+    """
+    lengths = torch.tensor([len(c) for c in completions.completion_ids], dtype=torch.long)
+    batch: RolloutBatch = {
+        "prompt_ids": _pad(completions.prompt_ids, pad_token_id, torch.long, "left", pad_to_multiple_of),
+        "prompt_mask": _pad([[1] * len(p) for p in completions.prompt_ids], 0, torch.long, "left", pad_to_multiple_of),
+        "completion_ids": _pad(completions.completion_ids, pad_token_id, torch.long, "right", pad_to_multiple_of),
+        "completion_lengths": lengths,
+        "finished": torch.tensor(completions.finished, dtype=torch.bool),
+    }
+    width = batch["completion_ids"].shape[1]
+    mask = (torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)).long()
+    env_mask = completions.extra.get("env_mask")
+    if env_mask is not None:
+        tool_mask = _pad(env_mask, 0, torch.long, "right", pad_to_multiple_of)[:, :width]
+        batch["tool_mask"] = tool_mask
+        mask = mask * tool_mask
+    if mask_truncated_completions:
+        mask = mask * batch["finished"].long().unsqueeze(1)
+    batch["completion_mask"] = mask
+    if completions.logprobs is not None:
+        batch["sampling_per_token_logps"] = _pad(completions.logprobs, 0.0, torch.float32, "right", pad_to_multiple_of)
+    return batch
+
+
+class RolloutPipeline:
+    """Generate, score and prepare one batch of online-RL data (see the module docstring for the stages).
+
+    Args:
+        tokenizer: The policy's tokenizer (left padding is applied here, whatever its ``padding_side``).
+        backend: A ``GenerationBackend`` (or a ``RolloutFuncBackend``, which receives raw prompts).
+        scorer: A ``RewardScorer`` (``names``, ``weights``, ``score(...)``).
+        sampling: The ``SamplingConfig`` (already resolved).
+        settings: ``RolloutSettings``.
+        estimator: The ``AdvantageEstimator`` (GRPO's group-relative, RLOO's leave-one-out, ...).
+        policy_logps: ``batch -> (B, C)`` no-grad log-probs of the completion tokens under the current policy.
+        ref_logps: the same under the reference policy (None when there is no reference).
+        accelerator: For gathering over processes (None = single process).
+    """
+
+    def __init__(
+        self,
+        *,
+        tokenizer: Any,
+        backend: Any,
+        scorer: Any,
+        sampling: SamplingConfig,
+        settings: RolloutSettings,
+        estimator: AdvantageEstimator,
+        policy_logps: LogpsFn,
+        ref_logps: LogpsFn | None = None,
+        accelerator: Any = None,
+    ):
+        self.tokenizer = tokenizer
+        self.backend = backend
+        self.scorer = scorer
+        self.sampling = sampling
+        self.settings = settings
+        self.estimator = estimator
+        self.policy_logps = policy_logps
+        self.ref_logps = ref_logps
+        self.accelerator = accelerator
+        self.last_completions: CompletionsTable | None = None
+        tok = getattr(tokenizer, "tokenizer", tokenizer)
+        self.pad_token_id = int(tok.pad_token_id if tok.pad_token_id is not None else sampling.pad_token_id)
+
+    # -- distributed helpers -----------------------------------------------------------------------------------
+    @property
+    def num_processes(self) -> int:
+        return getattr(self.accelerator, "num_processes", 1) if self.accelerator is not None else 1
+
+    @property
+    def process_index(self) -> int:
+        return getattr(self.accelerator, "process_index", 0) if self.accelerator is not None else 0
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Concatenate ``tensor`` over processes along dim 0 (identity on one process)."""
+        if self.num_processes == 1:
+            return tensor
+        device = getattr(self.accelerator, "device", tensor.device)
+        return self.accelerator.gather(tensor.to(device))
+
+    def gather_object(self, values: list) -> list:
+        if self.num_processes == 1:
+            return values
+        from accelerate.utils import gather_object
+
+        return gather_object(values)
+
+    # -- stages ------------------------------------------------------------------------------------------------
+    def generate(self, prompts: list[Any], prompt_ids: list[list[int]], num_generations: int) -> Completions:
+        """Sample one completion per row; rows come as whole groups of ``num_generations`` identical prompts."""
+        if hasattr(self.backend, "generate_from_prompts"):
+            # TRL's rollout_func contract: the raw per-process prompts, one per completion.
+            return self.backend.generate_from_prompts(prompts, self.sampling, 1)
+        n = len(prompt_ids)
+        grouped = n % num_generations == 0 and all(
+            prompt_ids[i] == prompt_ids[i - i % num_generations] for i in range(n)
+        )
+        if grouped:
+            unique = prompt_ids[::num_generations]
+            return self.backend.generate(unique, self.sampling, num_generations)
+        # A group split across processes (or a custom sampler): one completion per row.
+        return self.backend.generate(prompt_ids, self.sampling, 1)
+
+    def score(
+        self,
+        *,
+        prompts: list[Any],
+        completions: list[Any],
+        completion_ids: list[list[int]],
+        columns: dict[str, list],
+        trainer_state: Any,
+        log_extra: Callable[[str, list], None],
+        log_metric: Callable[[str, float], None],
+    ) -> torch.Tensor:
+        """``(N_local, K)`` rewards (NaN = None) from the scorer, called with TRL's keyword contract."""
+        return self.scorer.score(
+            prompts=[copy.deepcopy(p) for p in prompts],
+            completions=completions,
+            completion_ids=completion_ids,
+            columns=columns,
+            trainer_state=trainer_state,
+            log_extra=log_extra,
+            log_metric=log_metric,
+        )
+
+    def _logps_in_chunks(self, fn: LogpsFn, batch: RolloutBatch, device: torch.device) -> torch.Tensor:
+        size = max(1, int(self.settings.logprob_batch_size))
+        keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "completion_lengths")
+        outputs = []
+        with torch.no_grad():
+            for start in range(0, batch["completion_ids"].shape[0], size):
+                chunk = {k: batch[k][start : start + size].to(device) for k in keys}
+                outputs.append(fn(chunk).float())
+        return torch.cat(outputs, dim=0)
+
+    # -- the recipe --------------------------------------------------------------------------------------------
+    def run(
+        self,
+        rows: list[dict[str, Any]],
+        *,
+        mode: str = "train",
+        device: torch.device | str = "cpu",
+        trainer_state: Any = None,
+        record_metric: MetricSink | None = None,
+    ) -> RolloutBatch:
+        """Generate, score and prepare ``rows`` (this process's share of the generation batch).
+
+        Args:
+            rows: Dataset rows with a ``prompt`` column (each prompt repeated G times, consecutively).
+            mode: ``"train"`` or ``"eval"`` (G = ``num_generations_eval`` in eval).
+            device: Where the returned tensors live.
+            trainer_state: Passed to reward functions as ``trainer_state``.
+            record_metric: ``(name, value)`` sink for metrics (and for reward functions' ``log_metric``).
+        """
+        record = record_metric or (lambda name, value: None)
+        settings = self.settings
+        g = settings.num_generations if mode == "train" else settings.num_generations_eval
+        if any("prompt" not in row for row in rows):
+            raise ValueError(
+                f"Every row needs a 'prompt' column; got columns {sorted(rows[0]) if rows else []}. Rename your "
+                "prompt column to 'prompt' (prompt-only format: {'prompt': 'text'} or {'prompt': [messages]})."
+            )
+        prompts = [row["prompt"] for row in rows]
+        prompt_texts, prompt_ids = render_prompts(rows, self.tokenizer, settings.chat_template_kwargs)
+
+        completions = self.generate(prompts, prompt_ids, g)
+        if len(completions) != len(rows):
+            raise ValueError(
+                f"The generation backend returned {len(completions)} completions for {len(rows)} rows; it must "
+                "return exactly one completion per row (a rollout_func gets each prompt once per completion)."
+            )
+        batch = collate_completions(
+            completions,
+            pad_token_id=self.pad_token_id,
+            mask_truncated_completions=settings.mask_truncated_completions,
+            pad_to_multiple_of=settings.pad_to_multiple_of,
+        )
+        texts = self.tokenizer.batch_decode(completions.completion_ids, skip_special_tokens=True)
+        completion_objs = completions_as_messages(prompts, texts)
+
+        device = torch.device(device)
+        importance = settings.importance_sampling if "sampling_per_token_logps" in batch else None
+        need_old = settings.compute_old_logps or self.estimator.needs_old_logps or importance is not None
+        if need_old:
+            batch["old_per_token_logps"] = self._logps_in_chunks(self.policy_logps, batch, device).cpu()
+        if (settings.compute_ref_logps or self.estimator.needs_ref_logps) and self.ref_logps is not None:
+            batch["ref_per_token_logps"] = self._logps_in_chunks(self.ref_logps, batch, device).cpu()
+
+        # Rewards: every dataset column but the prompt, plus the rollout function's extra fields.
+        columns: dict[str, list] = defaultdict(list)
+        for row in rows:
+            for key, value in row.items():
+                if key not in ("prompt", "completion", "completion_ids"):
+                    columns[key].append(value)
+        for key, values in completions.extra.items():
+            if key not in ("env_mask",):
+                columns[key] = list(values)
+        extra_columns: dict[str, list] = {}
+        rewards_local = self.score(
+            prompts=prompts,
+            completions=completion_objs,
+            completion_ids=completions.completion_ids,
+            columns=dict(columns),
+            trainer_state=trainer_state,
+            log_extra=lambda column, values: extra_columns.__setitem__(column, list(values)),
+            log_metric=record,
+        )
+        rewards_per_func = self.gather(rewards_local.float())
+        weights = torch.as_tensor(self.scorer.weights, dtype=torch.float32).to(rewards_per_func.device)
+        result = self.estimator(rewards_per_func, weights, g, batch=batch, gather=self.gather)
+        n_local = len(rows)
+        local = slice(self.process_index * n_local, (self.process_index + 1) * n_local)
+        batch["advantages"] = result.advantages[local].float().cpu()
+
+        # Metrics (over the gathered batch).
+        lengths = batch["completion_lengths"]
+        if "tool_mask" in batch:
+            lengths = batch["tool_mask"].sum(dim=1)
+        record("num_tokens", float(self.gather((batch["prompt_mask"].sum() + lengths.sum()).reshape(1)).sum()))
+        for name, value in completion_length_metrics(
+            self.gather(lengths), self.gather(batch["finished"].long()).bool()
+        ).items():
+            record(name, value)
+        for name, value in reward_metrics(
+            rewards_per_func, list(self.scorer.names), result.rewards, result.std
+        ).items():
+            record(name, value)
+        for name, value in result.metrics.items():
+            record(name, value)
+
+        if importance is not None:
+            ratio, stats = rollout_importance_weights(
+                batch["old_per_token_logps"],
+                batch["sampling_per_token_logps"],
+                batch["completion_mask"],
+                mode=importance.mode,
+                clip_min=importance.clip_min,
+                clip_max=importance.clip_max,
+            )
+            batch["importance_sampling_ratio"] = ratio
+            for name, value in stats.items():
+                gathered = self.gather(value.reshape(1).float())
+                reduce = name.rsplit("/", 1)[-1]
+                reduced = {"mean": gathered.mean(), "max": gathered.max(), "min": gathered.min()}[reduce]
+                record(f"sampling/{name}", float(reduced))
+
+        batch["num_items_in_batch"] = self.gather(batch["completion_mask"].sum().reshape(1)).sum()
+
+        if settings.keep_completions:
+            table = {
+                "prompt": self.gather_object(prompt_texts),
+                "completion": self.gather_object(texts),
+            }
+            for k, name in enumerate(self.scorer.names):
+                table[name] = rewards_per_func[:, k].tolist()
+            for column in sorted(extra_columns):
+                table[column] = self.gather_object(extra_columns[column])
+            table["advantage"] = result.advantages.tolist()
+            self.last_completions = CompletionsTable(table)
+
+        batch.pop("finished")
+        return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}

@@ -1,0 +1,713 @@
+"""The online-RL trainer base shared by GRPO, RLOO (and later on-policy distillation).
+
+``OnlineRLConfig`` holds the fields GRPOConfig and RLOOConfig share (TRL's names and defaults: data, generation,
+vLLM, reference/KL, batch arithmetic, logging) plus posttrain's ``generation_backend``. ``OnlineTrainerBase`` wires
+the parts: model and tokenizer (left padding), reward functions into a ``RewardScorer``, the reference policy
+(β ≠ 0 only), a generation backend, the ``RolloutPipeline`` with the subclass's advantage estimator, and the
+``RolloutBuffer``. It replaces HF Trainer's data path the way TRL does:
+
+- the dataloader yields ``per_device_train_batch_size × steps_per_generation`` raw rows per micro-step from a
+  ``RepeatSampler`` (identity collator);
+- ``_prepare_inputs`` generates once every ``steps_per_generation × num_iterations`` micro-steps and serves the
+  buffered micro-batches in between (evaluation generates for every batch, with ``num_generations_eval``);
+- ``compute_loss`` calls the subclass's ``_compute_loss(model, inputs)``, which does its own gradient-accumulation
+  scaling (``loss_is_scaled_for_ga``), so HF Trainer does not divide again.
+
+Subclasses provide ``config_class``, ``_trainer_name``, ``_make_estimator()``, ``_compute_loss()`` and may extend
+``_rollout_settings()`` and the checkpoint hooks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import TrainingArguments
+
+from posttrain.core.masking import masked_batch_mean, masked_mean
+from posttrain.generation.base import SamplingConfig
+from posttrain.models.loading import (
+    create_model_from_path,
+    disable_dropout_in_model,
+    model_name,
+    resolve_model,
+    resolve_processing_class,
+)
+from posttrain.rollout.buffer import RolloutBatch, RolloutBuffer
+from posttrain.rollout.completions_log import print_completions_table, write_completions_parquet
+from posttrain.rollout.metrics import clip_ratio_metrics
+from posttrain.rollout.pipeline import ImportanceSamplingSettings, RolloutPipeline, RolloutSettings
+from posttrain.rollout.sampler import (
+    RepeatSampler,
+    check_eval_batch,
+    repeat_iterable_dataset,
+    resolve_generation_batch,
+)
+from posttrain.trainers._forward import TokenStats, forward_token_stats
+from posttrain.trainers._reference import SyncRefModelCallback, create_reference_policy
+from posttrain.trainers.base import BaseConfig, BaseTrainer
+
+GENERATION_BACKENDS = ("posttrain", "transformers")
+
+
+@dataclass
+class OnlineRLConfig(BaseConfig):
+    """Fields shared by ``GRPOConfig`` and ``RLOOConfig`` (TRL's names and defaults)."""
+
+    learning_rate: float = field(default=1e-6, metadata={"help": "The initial learning rate for AdamW."})
+    remove_unused_columns: bool | None = field(
+        default=False,
+        metadata={"help": "Keep only the 'prompt' column. Keep False when reward functions read other columns."},
+    )
+    trust_remote_code: bool = field(
+        default=False,
+        metadata={"help": "Allow models/tokenizers with custom code (also for reward models and their tokenizers)."},
+    )
+    router_aux_loss_coef: float = field(
+        default=0.001,
+        metadata={"help": "Weight of the MoE load-balancing loss (models with `output_router_logits`); no-op else."},
+    )
+    disable_dropout: bool = field(default=False, metadata={"help": "Disable dropout in the policy and reference."})
+    # -- data ----------------------------------------------------------------------------------------------------
+    num_generations: int | None = field(
+        default=8,
+        metadata={"help": "Completions sampled per prompt (G, >= 2). The generation batch must hold whole groups."},
+    )
+    num_generations_eval: int | None = field(
+        default=None, metadata={"help": "Completions per prompt during evaluation; None = `num_generations`."}
+    )
+    max_completion_length: int | None = field(default=512, metadata={"help": "Maximum generated tokens."})
+    ds3_gather_for_generation: bool = field(
+        default=True, metadata={"help": "DeepSpeed ZeRO-3: gather the policy weights for generation."}
+    )
+    shuffle_dataset: bool | None = field(default=True, metadata={"help": "Shuffle the training prompts."})
+    pad_to_multiple_of: int | None = field(
+        default=None, metadata={"help": "Pad prompt and completion tensors to a multiple of this value."}
+    )
+    # -- generation ----------------------------------------------------------------------------------------------
+    generation_batch_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "Completions per generation round over all processes. None = per_device_train_batch_size × "
+            "num_processes × steps_per_generation. Mutually exclusive with `steps_per_generation`."
+        },
+    )
+    steps_per_generation: int | None = field(
+        default=None,
+        metadata={
+            "help": "Micro-steps served by one generation round; None = gradient_accumulation_steps. Mutually "
+            "exclusive with `generation_batch_size`."
+        },
+    )
+    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (also divides the logits)."})
+    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass in (0, 1]; 1.0 = off."})
+    top_k: int = field(default=0, metadata={"help": "Top-k filtering; 0 = off."})
+    min_p: float | None = field(default=None, metadata={"help": "Min-p filtering in [0, 1]; None = off."})
+    repetition_penalty: float = field(default=1.0, metadata={"help": "Repetition penalty; 1.0 = off."})
+    generation_kwargs: dict | str | None = field(
+        default=None, metadata={"help": "Extra generation arguments, merged last (they override the fields above)."}
+    )
+    chat_template_kwargs: dict | str | None = field(
+        default=None, metadata={"help": "Keyword arguments for every `apply_chat_template` call."}
+    )
+    cache_implementation: str | None = field(
+        default=None, metadata={"help": "KV-cache implementation for the 'transformers' generation backend."}
+    )
+    generation_backend: str = field(
+        default="posttrain",
+        metadata={
+            "help": "Generation backend when use_vllm=False and no rollout_func is given: 'posttrain' (default: "
+            "posttrain's group sampler — each prompt prefilled once, KV cache shared by its G completions, finished "
+            "rows dropped, sampling log-probs returned) or 'transformers' (`model.generate`, as TRL)."
+        },
+    )
+    use_transformers_continuous_batching: bool = field(
+        default=False,
+        metadata={
+            "help": "TRL's transformers continuous batching. posttrain generates with the 'transformers' backend "
+            "instead (same sampling), with a warning."
+        },
+    )
+    transformers_continuous_batching_config: dict | str | None = field(
+        default=None, metadata={"help": "Kwargs for `ContinuousBatchingConfig` (unused, see above)."}
+    )
+    use_transformers_paged: bool = field(
+        default=False, metadata={"help": "Deprecated: use `use_transformers_continuous_batching`."}
+    )
+    # -- vLLM ----------------------------------------------------------------------------------------------------
+    use_vllm: bool = field(
+        default=False,
+        metadata={"help": "Generate with vLLM (needs `pip install posttrain[vllm]` and a CUDA GPU)."},
+    )
+    vllm_mode: str = field(default="colocate", metadata={"help": "'colocate' (in-process) or 'server'."})
+    vllm_model_impl: str = field(default="vllm", metadata={"help": "'vllm' or 'transformers' model implementation."})
+    vllm_structured_outputs_regex: str | None = field(default=None, metadata={"help": "Regex-constrained decoding."})
+    vllm_server_base_url: str | None = field(default=None, metadata={"help": "Server URL (overrides host/port)."})
+    vllm_server_host: str = field(default="0.0.0.0", metadata={"help": "vLLM server host."})
+    vllm_server_port: int = field(default=8000, metadata={"help": "vLLM server port."})
+    vllm_server_timeout: float = field(default=240.0, metadata={"help": "Seconds to wait for the server."})
+    vllm_group_port: int = field(default=51216, metadata={"help": "Port of the weight-update group."})
+    vllm_gpu_memory_utilization: float = field(default=0.3, metadata={"help": "Colocate: GPU memory fraction."})
+    vllm_max_model_length: int | None = field(default=None, metadata={"help": "Colocate: context window."})
+    vllm_tensor_parallel_size: int = field(default=1, metadata={"help": "Colocate: tensor parallel size."})
+    vllm_enable_sleep_mode: bool = field(default=False, metadata={"help": "Colocate: sleep between rollouts."})
+    # -- training ------------------------------------------------------------------------------------------------
+    beta: float = field(
+        default=0.0, metadata={"help": "KL coefficient. 0.0 loads no reference model (less memory, faster)."}
+    )
+    num_iterations: int = field(default=1, metadata={"help": "Optimisation passes per generated batch (μ)."})
+    epsilon: float = field(default=0.2, metadata={"help": "Lower clipping bound ε (ratio ≥ 1 − ε)."})
+    epsilon_high: float | None = field(
+        default=None, metadata={"help": "Upper clipping bound ε_high; None = `epsilon` (DAPO recommends 0.28)."}
+    )
+    reward_weights: list[float] | None = field(
+        default=None, metadata={"help": "One weight per reward function; None = all 1.0."}
+    )
+    mask_truncated_completions: bool = field(
+        default=False, metadata={"help": "Exclude completions that hit max_completion_length from the loss (DAPO)."}
+    )
+    sync_ref_model: bool = field(
+        default=False, metadata={"help": "TR-DPO: mix the policy into the reference every `ref_model_sync_steps`."}
+    )
+    ref_model_mixup_alpha: float = field(default=0.6, metadata={"help": "TR-DPO α: ref ← α·θ + (1 − α)·ref."})
+    ref_model_sync_steps: int = field(default=512, metadata={"help": "TR-DPO τ: steps between reference syncs."})
+    # -- logging -------------------------------------------------------------------------------------------------
+    log_completions: bool = field(
+        default=False,
+        metadata={
+            "help": "At each logging step, print the last generation batch with rich and write it to "
+            "output_dir/completions/completions_{step:05d}.parquet."
+        },
+    )
+    log_multimodal: bool = field(default=True, metadata={"help": "Include images in logged tables."})
+    num_completions_to_print: int | None = field(
+        default=None, metadata={"help": "Rows printed by `log_completions` (None = all)."}
+    )
+    log_unique_prompts: bool = field(default=False, metadata={"help": "Log each prompt once in the table."})
+
+    _trainer_name = "GRPO"
+    # Dict fields that also accept a JSON string (command line / YAML), as TRL's configs.
+    _VALID_DICT_FIELDS = [
+        *TrainingArguments._VALID_DICT_FIELDS,
+        "model_init_kwargs",
+        "generation_kwargs",
+        "chat_template_kwargs",
+        "transformers_continuous_batching_config",
+    ]
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.use_transformers_paged:
+            warnings.warn(
+                "use_transformers_paged is deprecated; use use_transformers_continuous_batching.",
+                FutureWarning,
+                stacklevel=2,
+            )
+            self.use_transformers_continuous_batching = True
+        if self.generation_backend not in GENERATION_BACKENDS:
+            raise ValueError(
+                f"Unknown generation_backend {self.generation_backend!r}. Valid values: "
+                f"{', '.join(GENERATION_BACKENDS)} (use use_vllm=True for vLLM)."
+            )
+        if self.vllm_mode not in ("colocate", "server"):
+            raise ValueError(f"vllm_mode must be 'colocate' or 'server', got {self.vllm_mode!r}.")
+        if self.auto_find_batch_size:
+            raise ValueError(
+                f"auto_find_batch_size=True is not supported by {self._trainer_name}: changing the batch size "
+                "would break the prompt groups (num_generations completions per prompt). Set the batch size "
+                "explicitly."
+            )
+        pc = self.parallelism_config
+        if pc is not None and (getattr(pc, "cp_size", 1) > 1 or getattr(pc, "sp_size", 1) > 1):
+            raise ValueError(
+                f"Context/sequence parallelism is not supported by {self._trainer_name}; remove cp_size/sp_size "
+                "from parallelism_config."
+            )
+        if self.num_iterations < 1:
+            raise ValueError(f"num_iterations must be >= 1, got {self.num_iterations}.")
+        if self.max_completion_length is None or self.max_completion_length < 1:
+            raise ValueError(f"max_completion_length must be a positive integer, got {self.max_completion_length}.")
+        plan = resolve_generation_batch(
+            per_device_train_batch_size=self.per_device_train_batch_size,
+            gradient_accumulation_steps=self.gradient_accumulation_steps,
+            num_generations=self.num_generations,
+            world_size=self.world_size,
+            generation_batch_size=self.generation_batch_size,
+            steps_per_generation=self.steps_per_generation,
+            trainer_name=self._trainer_name,
+        )
+        self.generation_batch_size = plan.generation_batch_size
+        self.steps_per_generation = plan.steps_per_generation
+        if self.do_eval and str(getattr(self.eval_strategy, "value", self.eval_strategy)) != "no":
+            check_eval_batch(
+                self.per_device_eval_batch_size, self.world_size, self.num_generations_eval or self.num_generations
+            )
+
+
+def _identity_collator(features: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows go to ``_prepare_inputs`` untouched (the rollout pipeline does its own batching)."""
+    return features
+
+
+def _loss_is_already_scaled(*args, **kwargs):
+    """Marker: a non-None ``compute_loss_func`` tells HF Trainer not to rescale the loss by gradient accumulation.
+
+    Online-RL trainers compute their loss in ``compute_loss`` and scale it themselves (TRL does the same).
+    """
+    raise RuntimeError("OnlineTrainerBase computes its loss in compute_loss; this marker is never called.")
+
+
+def completion_inputs(batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Model inputs for scoring completions: ``(input_ids, attention_mask, position_ids, completion_attention)``.
+
+    ``input_ids = [prompt_ids | completion_ids]`` ``(B, P + C)``; the attention mask is the left-padded prompt mask
+    followed by the generated tokens of each completion (tool-result tokens included: they are context, just not
+    trained on); ``position_ids`` count from each row's first real token; ``completion_attention`` ``(B, C)`` marks
+    the generated tokens.
+    """
+    completion_ids = batch["completion_ids"]
+    width = completion_ids.shape[1]
+    lengths = batch["completion_lengths"].to(completion_ids.device)
+    completion_attention = torch.arange(width, device=completion_ids.device).unsqueeze(0) < lengths.unsqueeze(1)
+    input_ids = torch.cat([batch["prompt_ids"], completion_ids], dim=1)
+    attention_mask = torch.cat([batch["prompt_mask"], completion_attention.long()], dim=1)
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    return input_ids, attention_mask, position_ids, completion_attention
+
+
+def completion_token_stats(
+    model: torch.nn.Module, batch: RolloutBatch, *, temperature: float = 1.0, compute_entropy: bool = False
+) -> TokenStats:
+    """Log-probs ``(B, C)`` of the completion tokens given their prompts, from one chunked forward pass.
+
+    See :func:`completion_inputs` for the inputs. Logits are divided by ``temperature`` (the sampling temperature,
+    as TRL). Positions past a completion's end get log-prob 0.
+    """
+    input_ids, attention_mask, position_ids, completion_attention = completion_inputs(batch)
+    return forward_token_stats(
+        model,
+        input_ids,
+        attention_mask,
+        position_ids=position_ids,
+        logits_to_keep=completion_attention.shape[1],
+        temperature=temperature,
+        compute_entropy=compute_entropy,
+        labels_mask=completion_attention,
+    )
+
+
+class OnlineTrainerBase(BaseTrainer):
+    """Shared constructor, data path, rollout and checkpoint handling of GRPO/RLOO (see the module docstring)."""
+
+    config_class: type[OnlineRLConfig] = OnlineRLConfig
+    _trainer_name = "GRPO"
+    loss_is_scaled_for_ga = True
+
+    def __init__(
+        self,
+        model: str | torch.nn.Module,
+        reward_funcs: Any = None,
+        args: OnlineRLConfig | None = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        processing_class: Any = None,
+        reward_processing_classes: Any = None,
+        callbacks: list | None = None,
+        optimizers: tuple = (None, None),
+        quantization_config: Any = None,
+        peft_config: Any = None,
+        rollout_func: Any = None,
+    ):
+        args = self._resolve_args(model, args)
+        if train_dataset is None:
+            raise ValueError(f"{self._trainer_name}Trainer needs a train_dataset with a 'prompt' column.")
+        model_id = model if isinstance(model, str) else None
+        model = resolve_model(model, args, peft_config=peft_config, quantization_config=quantization_config)
+        processing_class = resolve_processing_class(
+            model_id or model, processing_class, padding_side="left", truncation_side="left"
+        )
+        if args.disable_dropout:
+            disable_dropout_in_model(model)
+        self._prepare_model(model, args)
+
+        reward_funcs = self._resolve_reward_funcs(reward_funcs, args)
+        from posttrain.rewards.scoring import RewardScorer
+
+        self.scorer = RewardScorer(
+            reward_funcs,
+            reward_processing_classes=reward_processing_classes,
+            reward_weights=args.reward_weights,
+            chat_template_kwargs=args.chat_template_kwargs,
+        )
+        self.reward_funcs = reward_funcs
+        self.reward_func_names = list(self.scorer.names)
+
+        self.reference = create_reference_policy(
+            model,
+            required=args.beta != 0.0,
+            sync_ref_model=args.sync_ref_model,
+            adapter_created_by_trainer=peft_config is not None,
+            reload_from=model_id,
+            model_init_kwargs=dict(args.model_init_kwargs or {}),
+        )
+        if self.reference.model is not None and args.disable_dropout:
+            disable_dropout_in_model(self.reference.model)
+
+        self._is_iterable = isinstance(train_dataset, torch.utils.data.IterableDataset)
+        if self._is_iterable:
+            if args.max_steps is None or args.max_steps <= 0:
+                raise ValueError(
+                    "A streaming (IterableDataset) train_dataset has no length: set max_steps to a positive number."
+                )
+            if args.dataloader_num_workers:
+                warnings.warn("IterableDataset training forces dataloader_num_workers=0.", stacklevel=2)
+                args.dataloader_num_workers = 0
+            args.accelerator_config.dispatch_batches = False
+
+        prompts_per_round = args.generation_batch_size // args.num_generations
+        if not self._is_iterable and len(train_dataset) < prompts_per_round:
+            raise ValueError(
+                f"train_dataset has {len(train_dataset)} prompts but one generation round needs "
+                f"generation_batch_size / num_generations = {args.generation_batch_size} / {args.num_generations} = "
+                f"{prompts_per_round}; add prompts or lower per_device_train_batch_size / steps_per_generation."
+            )
+        super().__init__(
+            model=model,
+            args=args,
+            data_collator=_identity_collator,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            compute_loss_func=_loss_is_already_scaled,
+        )
+        from accelerate.utils import set_seed
+
+        set_seed(args.seed, device_specific=True)  # each process samples different completions (TRL)
+        self.reference.prepare(self.accelerator)
+        for func in self.reward_funcs:
+            if isinstance(func, torch.nn.Module):
+                func.to(self.accelerator.device).eval()
+        if args.sync_ref_model:
+            self.add_callback(SyncRefModelCallback(self.reference.model, self.accelerator))
+
+        self.num_generations = args.num_generations
+        self.num_generations_eval = args.num_generations_eval or args.num_generations
+        self.sampling = SamplingConfig.from_args(args, processing_class).resolved()
+        self.rollout_func = rollout_func
+        self.backend = self._make_backend(rollout_func)
+        self.pipeline = RolloutPipeline(
+            tokenizer=processing_class,
+            backend=self.backend,
+            scorer=self.scorer,
+            sampling=self.sampling,
+            settings=self._rollout_settings(),
+            estimator=self._make_estimator(),
+            policy_logps=self._policy_logps_no_grad,
+            ref_logps=self._ref_logps if self.reference.kind != "none" else None,
+            accelerator=self.accelerator,
+        )
+        self.buffer = RolloutBuffer(
+            args.steps_per_generation, args.num_iterations, seed=args.seed + self.accelerator.process_index
+        )
+        self._last_synced_step = -1
+        self._pending_completions = None
+
+    # -- construction helpers ----------------------------------------------------------------------------------
+    def _resolve_args(self, model: Any, args: Any) -> OnlineRLConfig:
+        if args is None:
+            return self.config_class(output_dir=f"{model_name(model)}-{self._trainer_name}")
+        if not isinstance(args, self.config_class):
+            if not isinstance(args, TrainingArguments):
+                raise TypeError(f"args must be a {self.config_class.__name__}, got {type(args).__name__}.")
+            names = {f.name for f in dataclasses.fields(self.config_class) if f.init}
+            values = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init and f.name in names}
+            args = self.config_class(**values)
+        return args
+
+    def _resolve_reward_funcs(self, reward_funcs: Any, args: OnlineRLConfig) -> list[Any]:
+        """Reward functions as callables or loaded reward models (TRL's rules; tokenizers are the scorer's job).
+
+        Strings: a local folder or an ``org/name`` hub id is a reward model, loaded with
+        ``AutoModelForSequenceClassification`` (``num_labels=1``, ``args.model_init_kwargs``); anything else is a
+        registered reward-function name (``"accuracy_reward"``) or a dotted import path (``"my_rewards.func"``).
+        """
+        if reward_funcs is None or (isinstance(reward_funcs, (list, tuple)) and not reward_funcs):
+            raise ValueError(
+                "No reward source provided. Pass reward_funcs, or an environment_factory whose environment defines "
+                "a get_reward method."
+            )
+        if not isinstance(reward_funcs, (list, tuple)):
+            reward_funcs = [reward_funcs]
+        return [self._resolve_reward_func(func, args) for func in reward_funcs]
+
+    @staticmethod
+    def _resolve_reward_func(func: Any, args: OnlineRLConfig) -> Any:
+        """A local folder or an ``org/name`` id is a reward model; other strings are reward names or dotted paths."""
+        if not isinstance(func, str):
+            return func
+        if not os.path.isdir(func) and "/" not in func:
+            from posttrain.rewards.registry import resolve_reward_func
+
+            return resolve_reward_func(func)
+        kwargs = dict(args.model_init_kwargs or {})
+        if args.trust_remote_code:
+            kwargs.setdefault("trust_remote_code", True)
+        return create_model_from_path(func, task="sequence-classification", **kwargs)
+
+    def _make_backend(self, rollout_func: Any) -> Any:
+        from posttrain.generation.registry import get_backend
+
+        args = self.args
+        model = self.accelerator.unwrap_model(self.model)
+        if rollout_func is not None:
+            from posttrain.generation.rollout_func import RolloutFuncBackend
+
+            return RolloutFuncBackend(rollout_func, self, tokenizer=self.processing_class)
+        if args.use_vllm:
+            return get_backend(f"vllm_{args.vllm_mode}", model, self.processing_class, args=args)
+        name = args.generation_backend
+        if args.use_transformers_continuous_batching:
+            warnings.warn(
+                "use_transformers_continuous_batching: posttrain generates with the 'transformers' backend "
+                "(model.generate) instead; set generation_backend='posttrain' for shared-prefix group sampling.",
+                stacklevel=3,
+            )
+            name = "transformers"
+        if name == "posttrain" and self.sampling.generation_kwargs:
+            raise ValueError(
+                f"generation_kwargs {sorted(self.sampling.generation_kwargs)} cannot be used with "
+                "generation_backend='posttrain', which accepts only keys that override sampling fields "
+                "(max_new_tokens, temperature, top_p, top_k, min_p, repetition_penalty, do_sample, eos_token_id, "
+                "pad_token_id). Set generation_backend='transformers' to pass other GenerationConfig arguments."
+            )
+        return get_backend(name, model, self.processing_class, return_logprobs=self._wants_sampling_logprobs())
+
+    # -- subclass hooks ----------------------------------------------------------------------------------------
+    def _prepare_model(self, model: torch.nn.Module, args: OnlineRLConfig) -> None:
+        """Adjust the policy before the reference is derived from it (e.g. GRPO's ``cast_lm_head_to_fp32``)."""
+
+    def _make_estimator(self):
+        raise TypeError(f"{type(self).__name__} must define _make_estimator().")
+
+    def _compute_loss(self, model: torch.nn.Module, inputs: RolloutBatch) -> torch.Tensor:
+        raise TypeError(f"{type(self).__name__} must define _compute_loss().")
+
+    def _importance_sampling(self) -> ImportanceSamplingSettings | None:
+        """The sampler-vs-trainer correction to apply when the backend returns log-probs (None = off)."""
+        return None
+
+    def _wants_sampling_logprobs(self) -> bool:
+        return self._importance_sampling() is not None
+
+    def _needs_old_logps(self) -> bool:
+        """TRL's rule: π_old differs from π_θ when the batch outlives one optimizer step."""
+        args = self.args
+        return args.gradient_accumulation_steps % (args.steps_per_generation * args.num_iterations) != 0
+
+    def _rollout_settings(self) -> RolloutSettings:
+        args = self.args
+        return RolloutSettings(
+            num_generations=self.num_generations,
+            num_generations_eval=self.num_generations_eval,
+            logprob_batch_size=args.per_device_train_batch_size,
+            mask_truncated_completions=args.mask_truncated_completions,
+            pad_to_multiple_of=args.pad_to_multiple_of,
+            chat_template_kwargs=args.chat_template_kwargs,
+            compute_old_logps=self._needs_old_logps(),
+            compute_ref_logps=args.beta != 0.0,
+            importance_sampling=self._importance_sampling(),
+            keep_completions=args.log_completions,
+        )
+
+    # -- log-probs ---------------------------------------------------------------------------------------------
+    def _token_stats(self, model: torch.nn.Module, batch: RolloutBatch, compute_entropy: bool = False) -> TokenStats:
+        return completion_token_stats(
+            model, batch, temperature=self.sampling.temperature, compute_entropy=compute_entropy
+        )
+
+    def _policy_logps_no_grad(self, batch: RolloutBatch) -> torch.Tensor:
+        return self._token_stats(self.model, batch).logps
+
+    def _ref_logps(self, batch: RolloutBatch) -> torch.Tensor:
+        with self.reference.activate(self.model) as ref_model:
+            return self._token_stats(ref_model, batch).logps
+
+    # -- data path ---------------------------------------------------------------------------------------------
+    def _set_signature_columns_if_needed(self):
+        if self._signature_columns is None:
+            self._signature_columns = ["prompt", "image", "images"]
+
+    def _get_train_sampler(self, train_dataset=None) -> RepeatSampler:
+        dataset = train_dataset if train_dataset is not None else self.train_dataset
+        args = self.args
+        return RepeatSampler(
+            dataset,
+            mini_repeat_count=self.num_generations,
+            batch_size=args.generation_batch_size // self.num_generations,
+            repeat_count=args.num_iterations * args.steps_per_generation,
+            shuffle=args.shuffle_dataset,
+            seed=args.seed,
+        )
+
+    def _get_eval_sampler(self, eval_dataset) -> RepeatSampler:
+        return RepeatSampler(eval_dataset, mini_repeat_count=self.num_generations_eval, seed=self.args.seed)
+
+    def get_train_dataloader(self):
+        args = self.args
+        dataset = self.train_dataset
+        if self._is_iterable:
+            dataset = repeat_iterable_dataset(
+                dataset,
+                mini_repeat_count=self.num_generations,
+                batch_size=args.generation_batch_size // self.num_generations,
+                repeat_count=args.num_iterations * args.steps_per_generation,
+                shuffle=args.shuffle_dataset,
+                seed=args.seed,
+            )
+        return self._get_dataloader(
+            dataset=dataset,
+            description="Training",
+            batch_size=self._train_batch_size * args.steps_per_generation,
+            sampler_fn=self._get_train_sampler,
+            is_training=True,
+        )
+
+    def _prepare_inputs(self, inputs: list[dict[str, Any]]) -> RolloutBatch:
+        mode = self._mode()
+        if mode == "eval":
+            return self._generate_and_score(inputs, mode)
+        if self.buffer.needs_generation():
+            self.buffer.fill(self._generate_and_score(inputs, mode))
+        return self.buffer.next()
+
+    def _record(self, mode: str):
+        def sink(name: str, value: float) -> None:
+            if name == "num_tokens":  # the pipeline reports this batch's tokens; TRL logs the running total
+                if mode == "train":
+                    self.state.num_input_tokens_seen += int(value)
+                    self.record_metric("num_tokens", self.state.num_input_tokens_seen, mode=mode)
+                return
+            self.record_metric(name, value, mode=mode)
+
+        return sink
+
+    def _generate_and_score(self, rows: list[dict[str, Any]], mode: str) -> RolloutBatch:
+        if self.state.global_step != self._last_synced_step:
+            self.backend.sync_weights(self.accelerator.unwrap_model(self.model))
+            self._last_synced_step = self.state.global_step
+        batch = self.pipeline.run(
+            rows,
+            mode=mode,
+            device=self.accelerator.device,
+            trainer_state=self.state,
+            record_metric=self._record(mode),
+        )
+        if self.pipeline.last_completions is not None:
+            self._pending_completions = self.pipeline.last_completions
+        return batch
+
+    # -- loss --------------------------------------------------------------------------------------------------
+    def _grad_accum_divisor(self) -> int:
+        """Micro-batches of the current optimizer step in training (HF's count), 1 in evaluation."""
+        if self._mode() == "eval":
+            return 1
+        return int(getattr(self, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps))
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if return_outputs:
+            raise ValueError(f"The {self._trainer_name}Trainer does not support returning outputs.")
+        return self._compute_loss(model, inputs)
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs).mean().detach()
+        return loss, None, None
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        start = time.perf_counter()
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self.record_metric("step_time", time.perf_counter() - start, mode="train")
+        if self.accelerator.sync_gradients:
+            self._on_optimizer_step()
+        return loss
+
+    def _on_optimizer_step(self) -> None:
+        """Called after the last micro-batch of each optimizer step (adaptive controllers update here)."""
+
+    def _record_policy_metrics(
+        self, entropies: torch.Tensor, mask: torch.Tensor, objective_stats: dict[str, torch.Tensor], mode: str
+    ) -> None:
+        """``entropy`` (masked mean over the micro-batch) and, for clipping objectives, ``clip_ratio/*``."""
+        self.record_metric("entropy", self._gather_mean(masked_mean(entropies.detach(), mask)), mode=mode)
+        if "is_low_clipped" not in objective_stats:
+            return
+        fractions = [
+            masked_batch_mean(objective_stats[key], mask).reshape(1).to(self.accelerator.device)
+            for key in ("is_low_clipped", "is_high_clipped", "is_region_clipped")
+        ]
+        if self.accelerator.num_processes > 1:
+            fractions = [self.accelerator.gather(f) for f in fractions]
+        for name, value in clip_ratio_metrics(*fractions).items():
+            self.record_metric(name, value, mode=mode)
+
+    def _gather_mean(self, value: torch.Tensor) -> float:
+        """Mean over processes of a per-process scalar (NaN-aware)."""
+        value = value.detach().float().reshape(1).to(self.accelerator.device)
+        gathered = self.accelerator.gather(value) if self.accelerator.num_processes > 1 else value
+        return float(torch.nanmean(gathered))
+
+    # -- logging -----------------------------------------------------------------------------------------------
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        super().log(logs, start_time)
+        table, self._pending_completions = self._pending_completions, None
+        if table is None or not self.args.log_completions or not self.accelerator.is_main_process:
+            return
+        step = self.state.global_step
+        print_completions_table(table, step, self.args.num_completions_to_print, self.args.log_unique_prompts)
+        write_completions_parquet(table, self.args.output_dir, step, self.args.log_unique_prompts)
+
+    # -- checkpoints -------------------------------------------------------------------------------------------
+    def _extra_checkpoint_state(self) -> dict[str, Any]:
+        """``{file name: JSON-serialisable state}`` written into each checkpoint (controllers)."""
+        return {}
+
+    def _load_extra_checkpoint_state(self, states: dict[str, Any]) -> None:
+        """Restore what ``_extra_checkpoint_state`` wrote (only the files that exist are passed)."""
+
+    def _save_checkpoint_extras(self, output_dir: str) -> None:
+        super()._save_checkpoint_extras(output_dir)
+        if not self.args.should_save:
+            return
+        for name, state in self._extra_checkpoint_state().items():
+            tmp = os.path.join(output_dir, f".{name}.tmp")
+            with open(tmp, "w") as f:
+                json.dump(state, f)
+            os.replace(tmp, os.path.join(output_dir, name))
+
+    def _load_resume_state(self, checkpoint: str) -> None:
+        super()._load_resume_state(checkpoint)
+        states = {}
+        for name in self._extra_checkpoint_state():
+            path = os.path.join(checkpoint, name)
+            if os.path.isfile(path):
+                with open(path) as f:
+                    states[name] = json.load(f)
+        self._load_extra_checkpoint_state(states)
+
+    def resume_state_dict(self) -> dict[str, Any]:
+        """Adds the rollout buffer: its step counter, shuffle RNG and, mid-round, the remaining micro-batches."""
+        return {**super().resume_state_dict(), "rollout_buffer": self.buffer.state_dict()}
+
+    def load_resume_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_resume_state_dict(state)
+        if "rollout_buffer" in state:
+            self.buffer.load_state_dict(state["rollout_buffer"], device=self.accelerator.device)

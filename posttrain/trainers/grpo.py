@@ -1,0 +1,531 @@
+"""GRPOTrainer / GRPOConfig: Group Relative Policy Optimization (DeepSeekMath, arXiv 2402.03300) with TRL's API.
+
+The rollout (generation, rewards, group-relative advantages) is the shared pipeline of ``posttrain.rollout``; this
+module adds GRPO's config fields and its loss, which reads as TRL's ``_compute_loss``:
+
+1. log-probs (and entropies) of the completion tokens under π_θ, chunked (no full-vocabulary logits);
+2. the per-token objective of ``loss_type`` (``core.presets``: clip / cispo / sapo / vespo) with token- or
+   sequence-level (GSPO) importance weights, ε_low/ε_high, δ;
+3. masks: off-policy sequences (DeepSeek-V3.2), top-ρ entropy tokens (Wang et al. 2025), the sampler-vs-trainer
+   importance ratio when active;
+4. β·KL(π_θ‖π_ref) with the k3 estimator (optionally IS-weighted, ``use_bias_correction_kl``);
+5. the aggregation of ``loss_type`` (DAPO's global token mean over the whole generation batch and all processes;
+   the others divided by the gradient-accumulation steps, so accumulation and data parallelism leave the loss
+   unchanged);
+6. the entropy bonus (static, or Skywork-OR1's adaptive coefficient, saved in ``entropy_ctrl_state.json``).
+
+Deliberate differences from TRL: the ``vllm_importance_sampling_*`` correction can also be applied to posttrain's
+own sampler, which returns sampling log-probs (``rollout_importance_sampling=True``; TRL applies it only with
+vLLM, and so does posttrain by default); tools / environment_factory are not supported yet.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from posttrain.core.importance import entropy_quantile_mask, entropy_threshold, off_policy_sequence_mask
+from posttrain.core.kl import kl_k3
+from posttrain.core.masking import masked_batch_mean, masked_mean, masked_sum
+from posttrain.core.policy_objectives import importance_weights
+from posttrain.core.presets import needs_grad_accum_division, resolve_grpo_loss, validate_grpo_loss_config
+from posttrain.rollout.buffer import RolloutBatch
+from posttrain.rollout.estimators import GroupRelativeEstimator
+from posttrain.rollout.pipeline import ImportanceSamplingSettings
+from posttrain.trainers._forward import TokenStats, unwrap_model
+from posttrain.trainers._online import OnlineRLConfig, OnlineTrainerBase, completion_inputs
+
+logger = logging.getLogger(__name__)
+
+ENTROPY_CTRL_STATE = "entropy_ctrl_state.json"
+_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+@dataclass
+class GRPOConfig(OnlineRLConfig):
+    """Configuration of :class:`GRPOTrainer`: TRL's ``GRPOConfig`` fields and defaults (features.md §B1.1).
+
+    Shared online-RL fields (generation, batch arithmetic, vLLM, β, logging) are documented on
+    ``OnlineRLConfig``; ``generation_backend`` ("posttrain" | "transformers") and ``rollout_importance_sampling``
+    are posttrain additions.
+    """
+
+    cast_lm_head_to_fp32: bool = field(
+        default=False,
+        metadata={"help": "Run the LM head in float32 (ScaleRL). Needs untied embeddings and no adapter on it."},
+    )
+    delta: float | None = field(
+        default=None, metadata={"help": "INTELLECT-2 two-sided clipping: cap the unclipped ratio at δ (> 1 + ε)."}
+    )
+    sapo_temperature_neg: float = field(default=1.05, metadata={"help": "SAPO τ for non-positive advantages."})
+    sapo_temperature_pos: float = field(default=1.0, metadata={"help": "SAPO τ for positive advantages."})
+    vespo_k_pos: float = field(default=2.0, metadata={"help": "VESPO k for non-negative advantages."})
+    vespo_lambda_pos: float = field(default=3.0, metadata={"help": "VESPO λ for non-negative advantages."})
+    vespo_k_neg: float = field(default=3.0, metadata={"help": "VESPO k for negative advantages."})
+    vespo_lambda_neg: float = field(default=2.0, metadata={"help": "VESPO λ for negative advantages."})
+    importance_sampling_level: str = field(
+        default="token",
+        metadata={"help": "'token' (per-token ratios) or 'sequence' (GSPO: geometric mean ratio per sequence)."},
+    )
+    multi_objective_aggregation: str = field(
+        default="sum_then_normalize",
+        metadata={"help": "'sum_then_normalize' (weighted sum, then scale_rewards) or 'normalize_then_sum' (GDPO)."},
+    )
+    scale_rewards: str = field(
+        default="group",
+        metadata={"help": "'group' (or True): divide by the group std; 'batch': by the batch std; 'none' (False)."},
+    )
+    loss_type: str = field(
+        default="dapo",
+        metadata={"help": "'grpo', 'dr_grpo', 'dapo' (default), 'bnpo', 'cispo', 'sapo', 'luspo' or 'vespo'."},
+    )
+    top_entropy_quantile: float = field(
+        default=1.0, metadata={"help": "ρ: keep only the top-ρ fraction of tokens by entropy in the loss (0.2)."}
+    )
+    entropy_coef: float = field(
+        default=0.0, metadata={"help": "Entropy bonus coefficient (initial value when adaptive); 0 = off."}
+    )
+    use_adaptive_entropy: bool = field(
+        default=False, metadata={"help": "Skywork-OR1 adaptive entropy coefficient, updated each optimizer step."}
+    )
+    entropy_coef_min: float = field(default=0.0, metadata={"help": "Adaptive entropy: lower bound."})
+    entropy_coef_max: float = field(default=1.0, metadata={"help": "Adaptive entropy: upper bound."})
+    entropy_coef_delta: float = field(default=0.005, metadata={"help": "Adaptive entropy: step per update."})
+    entropy_target: float = field(
+        default=0.2, metadata={"help": "Adaptive entropy: the bonus applies while entropy ≤ this (nats)."}
+    )
+    max_tool_calling_iterations: int | None = field(
+        default=None, metadata={"help": "Cap on tool-calling turns (agent training; tools are not supported yet)."}
+    )
+    vllm_importance_sampling_correction: bool = field(
+        default=True,
+        metadata={
+            "help": "Correct the sampler-vs-trainer log-prob mismatch with importance sampling. Applied with "
+            "use_vllm=True (as TRL), or with any backend returning sampling log-probs when "
+            "rollout_importance_sampling=True."
+        },
+    )
+    vllm_importance_sampling_mode: str = field(
+        default="sequence_mask",
+        metadata={"help": "'token_truncate', 'token_mask', 'sequence_truncate' or 'sequence_mask'."},
+    )
+    vllm_importance_sampling_clip_max: float | None = field(default=3.0, metadata={"help": "IS upper bound C_max."})
+    vllm_importance_sampling_clip_min: float | None = field(default=None, metadata={"help": "IS lower bound C_min."})
+    vllm_importance_sampling_cap: float | None = field(
+        default=None, metadata={"help": "Deprecated: use vllm_importance_sampling_clip_max."}
+    )
+    rollout_importance_sampling: bool | None = field(
+        default=None,
+        metadata={
+            "help": "posttrain: apply the vllm_importance_sampling_* correction to backends other than vLLM that "
+            "return sampling log-probs (generation_backend='posttrain', a rollout_func returning logprobs). None: "
+            "only with use_vllm (TRL's behaviour)."
+        },
+    )
+    off_policy_mask_threshold: float | None = field(
+        default=None,
+        metadata={"help": "DeepSeek-V3.2 δ: drop negative-advantage sequences whose mean KL to the sampler > δ."},
+    )
+    use_bias_correction_kl: bool = field(
+        default=False, metadata={"help": "Multiply the KL term by the importance ratio (DeepSeek-V3.2)."}
+    )
+    log_completions_hub_repo: str | None = field(
+        default=None, metadata={"help": "Hub dataset repo for completions parquet files (requires log_completions)."}
+    )
+
+    _trainer_name = "GRPO"
+
+    def __post_init__(self):
+        if isinstance(self.scale_rewards, bool) or str(self.scale_rewards).lower() in ("true", "false"):
+            self.scale_rewards = "group" if str(self.scale_rewards).lower() == "true" else "none"
+        if self.vllm_importance_sampling_cap is not None:
+            warnings.warn(
+                "vllm_importance_sampling_cap is deprecated; use vllm_importance_sampling_clip_max.",
+                FutureWarning,
+                stacklevel=2,
+            )
+            self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
+        super().__post_init__()
+        if self.scale_rewards not in ("group", "batch", "none"):
+            raise ValueError(
+                f"Invalid scale_rewards {self.scale_rewards!r}. Valid values: 'group' (or True), 'batch', 'none' "
+                "(or False)."
+            )
+        if self.vllm_importance_sampling_mode not in _IS_MODES:
+            raise ValueError(
+                f"Invalid vllm_importance_sampling_mode {self.vllm_importance_sampling_mode!r}. Valid modes: "
+                f"{', '.join(_IS_MODES)}."
+            )
+        low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+        if low is not None and high is not None and low >= high:
+            raise ValueError(
+                f"vllm_importance_sampling_clip_min ({low}) must be smaller than vllm_importance_sampling_clip_max "
+                f"({high})."
+            )
+        if self.vllm_importance_sampling_mode.endswith("_truncate") and low is None and high is None:
+            raise ValueError(
+                f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r} needs "
+                "vllm_importance_sampling_clip_min or vllm_importance_sampling_clip_max."
+            )
+        if self.log_completions_hub_repo is not None and not self.log_completions:
+            raise ValueError("log_completions_hub_repo requires log_completions=True.")
+        if not 0.0 <= self.top_entropy_quantile <= 1.0:
+            raise ValueError(f"top_entropy_quantile must be in [0, 1], got {self.top_entropy_quantile}.")
+        if self.entropy_coef_min > self.entropy_coef_max:
+            raise ValueError(
+                f"entropy_coef_min ({self.entropy_coef_min}) must not exceed entropy_coef_max ({self.entropy_coef_max})."
+            )
+
+
+@dataclass
+class EntropyController:
+    """Entropy-bonus coefficient: static, or adaptive (Skywork-OR1, arXiv 2505.22312).
+
+    Adaptive: at each optimizer step the mean entropy H of the step (over the loss's token set, all processes)
+    moves the coefficient, c ← min(c + Δ, c_max) if H ≤ target else max(c − Δ, c_min), and the bonus of the next
+    step is applied only if H ≤ target. Before the first measurement it is not applied.
+    """
+
+    coef: float = 0.0
+    adaptive: bool = False
+    coef_min: float = 0.0
+    coef_max: float = 1.0
+    delta: float = 0.005
+    target: float = 0.2
+    below_target: bool = False
+    last_entropy: float | None = None
+    _sum: float = 0.0
+    _count: float = 0.0
+
+    @property
+    def enabled(self) -> bool:
+        return self.adaptive or self.coef != 0.0
+
+    def effective_coef(self) -> float:
+        if not self.adaptive:
+            return self.coef
+        return self.coef if self.below_target else 0.0
+
+    def accumulate(self, entropy_sum: float, count: float) -> None:
+        self._sum += entropy_sum
+        self._count += count
+
+    def window(self) -> tuple[float, float]:
+        """(Σ entropy, token count) accumulated since the last update (this process)."""
+        return self._sum, self._count
+
+    def update(self, entropy: float) -> None:
+        """One optimizer-step update from the window's mean entropy (already averaged over processes)."""
+        self._sum = self._count = 0.0
+        if not self.adaptive or entropy != entropy:  # NaN: no valid token this step
+            return
+        self.last_entropy = entropy
+        self.below_target = entropy <= self.target
+        if self.below_target:
+            self.coef = min(self.coef + self.delta, self.coef_max)
+        else:
+            self.coef = max(self.coef - self.delta, self.coef_min)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"entropy_coef": self.coef, "below_target": self.below_target, "last_entropy": self.last_entropy}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.coef = float(state["entropy_coef"])
+        self.below_target = bool(state.get("below_target", False))
+        self.last_entropy = state.get("last_entropy")
+
+
+class GRPOTrainer(OnlineTrainerBase):
+    """Trainer for GRPO (Shao et al. 2024, DeepSeekMath) with TRL's constructor, config and metrics.
+
+    Args:
+        model: Hub id / local path (loaded with ``args.model_init_kwargs``, float32 by default), a
+            ``PreTrainedModel`` causal LM, or a ``PeftModel``.
+        reward_funcs: One or a list of: callables (sync or ``async def``; keyword-only TRL contract, may return
+            ``None``), reward-model ids/paths or ``PreTrainedModel`` sequence classifiers, registered reward names
+            (``"accuracy_reward"``) or dotted import paths.
+        args: :class:`GRPOConfig`; None → defaults with ``output_dir=f"{model_name}-GRPO"``.
+        train_dataset: Prompt-only dataset (``"prompt"``: text or messages); other columns go to reward functions.
+            A ``datasets.IterableDataset`` needs ``max_steps``.
+        eval_dataset: Same format (``num_generations_eval`` completions per prompt).
+        processing_class: Tokenizer (left padding is set); None → loaded from the model.
+        reward_processing_classes: Tokenizers of reward models (one per reward function; None entries are loaded).
+        callbacks / optimizers: As ``transformers.Trainer``.
+        quantization_config: Merged into ``model_init_kwargs`` when ``model`` is a string (QLoRA with peft_config).
+        peft_config: Wraps the model; the reference is then the base model with adapters disabled.
+        tools / environment_factory: Agent training (not supported yet: passing them raises a ``ValueError``).
+        rollout_func: ``rollout_func(prompts, trainer) -> {"prompt_ids", "completion_ids", "logprobs", ...}``.
+    """
+
+    config_class = GRPOConfig
+    _trainer_name = "GRPO"
+    _tag_names = ["posttrain", "grpo"]
+
+    def __init__(
+        self,
+        model: str | torch.nn.Module,
+        reward_funcs: Any = None,
+        args: GRPOConfig | None = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        processing_class: Any = None,
+        reward_processing_classes: Any = None,
+        callbacks: list | None = None,
+        optimizers: tuple = (None, None),
+        quantization_config: Any = None,
+        peft_config: Any = None,
+        tools: list | None = None,
+        rollout_func: Any = None,
+        environment_factory: Any = None,
+    ):
+        if tools or environment_factory is not None:
+            raise ValueError(
+                "posttrain's GRPOTrainer does not support tools / environment_factory (agent training) yet; "
+                "use a rollout_func that runs the tool loop and returns prompt_ids, completion_ids, logprobs and "
+                "env_mask (0 on tool-result tokens)."
+            )
+        super().__init__(
+            model,
+            reward_funcs,
+            args,
+            train_dataset,
+            eval_dataset,
+            processing_class,
+            reward_processing_classes,
+            callbacks,
+            optimizers,
+            quantization_config,
+            peft_config,
+            rollout_func,
+        )
+        args = self.args
+        self.objective, self.aggregation = resolve_grpo_loss(args.loss_type)
+        self.divide_by_grad_accum = needs_grad_accum_division(args.loss_type)
+        is_settings = self._importance_sampling()
+        for message in validate_grpo_loss_config(
+            args.loss_type,
+            args.importance_sampling_level,
+            epsilon=args.epsilon,
+            epsilon_high=args.epsilon_high,
+            vllm_importance_sampling_mode=is_settings.mode if is_settings is not None else None,
+        ):
+            warnings.warn(message, UserWarning, stacklevel=2)
+        self.entropy_ctrl = EntropyController(
+            coef=args.entropy_coef,
+            adaptive=args.use_adaptive_entropy,
+            coef_min=args.entropy_coef_min,
+            coef_max=args.entropy_coef_max,
+            delta=args.entropy_coef_delta,
+            target=args.entropy_target,
+        )
+        if self.entropy_ctrl.enabled:
+            logger.info("GRPO entropy bonus: entropies get gradients, so the loss forward uses full logits.")
+        config = getattr(unwrap_model(self.model), "config", None)
+        self.aux_loss_enabled = bool(getattr(config, "output_router_logits", False)) and args.router_aux_loss_coef != 0
+
+    # -- construction hooks ------------------------------------------------------------------------------------
+    def _make_estimator(self) -> GroupRelativeEstimator:
+        return GroupRelativeEstimator(self.args.scale_rewards, self.args.multi_objective_aggregation)
+
+    def _importance_sampling(self) -> ImportanceSamplingSettings | None:
+        args = self.args
+        if not args.vllm_importance_sampling_correction:
+            return None
+        if not (args.use_vllm or args.rollout_importance_sampling):
+            return None
+        return ImportanceSamplingSettings(
+            mode=args.vllm_importance_sampling_mode,
+            clip_min=args.vllm_importance_sampling_clip_min,
+            clip_max=args.vllm_importance_sampling_clip_max,
+        )
+
+    def _prepare_model(self, model: torch.nn.Module, args: GRPOConfig) -> None:
+        if not args.cast_lm_head_to_fp32:
+            return
+        inner = unwrap_model(model)
+        if getattr(getattr(inner, "config", None), "tie_word_embeddings", False):
+            raise ValueError(
+                "cast_lm_head_to_fp32=True needs untied word embeddings and LM head (config.tie_word_embeddings is "
+                "True); set cast_lm_head_to_fp32=False for this model."
+            )
+        head = inner.get_output_embeddings()
+        if type(head) is not torch.nn.Linear:
+            raise ValueError(
+                f"cast_lm_head_to_fp32=True cannot be used when the LM head is a {type(head).__name__} (e.g. a PEFT "
+                "adapter on lm_head); remove lm_head from the adapter's target_modules."
+            )
+        head.float()
+        head.register_forward_pre_hook(lambda module, inputs: tuple(x.float() for x in inputs))
+
+    # -- forward -----------------------------------------------------------------------------------------------
+    def _token_stats_with_entropy_grad(self, model: torch.nn.Module, batch: RolloutBatch) -> TokenStats:
+        """Log-probs and *differentiable* entropies from full logits (the entropy bonus needs their gradient)."""
+        input_ids, attention_mask, position_ids, completion_attention = completion_inputs(batch)
+        width = completion_attention.shape[1]
+        outputs = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            logits_to_keep=width + 1,
+            use_cache=False,
+        )
+        logits = outputs.logits[:, :-1].float() / self.sampling.temperature  # (B, C, V)
+        log_probs = torch.log_softmax(logits, dim=-1)
+        logps = log_probs.gather(-1, batch["completion_ids"].unsqueeze(-1)).squeeze(-1)
+        entropy = -(log_probs.exp() * log_probs).sum(dim=-1)
+        logps = torch.where(completion_attention, logps, torch.zeros_like(logps))
+        entropy = torch.where(completion_attention, entropy, torch.zeros_like(entropy))
+        return TokenStats(logps, completion_attention, entropy, aux_loss=getattr(outputs, "aux_loss", None))
+
+    def _gather_1d(self, values: torch.Tensor) -> torch.Tensor:
+        """Concatenate variable-length 1-D tensors from every process (NaN-padded, padding dropped)."""
+        if self.accelerator.num_processes == 1:
+            return values
+        padded = self.accelerator.pad_across_processes(values.float(), dim=0, pad_index=float("nan"))
+        gathered = self.accelerator.gather(padded)
+        return gathered[~torch.isnan(gathered)]
+
+    # -- loss --------------------------------------------------------------------------------------------------
+    def _compute_loss(self, model: torch.nn.Module, inputs: RolloutBatch) -> torch.Tensor:
+        """TRL's GRPO loss on one micro-batch (see the module docstring for the recipe)."""
+        args = self.args
+        mode = self._mode()
+        if self.entropy_ctrl.enabled:
+            stats = self._token_stats_with_entropy_grad(model, inputs)
+        else:
+            stats = self._token_stats(model, inputs, compute_entropy=True)
+        logps, entropies = stats.logps, stats.entropy  # (B, C) each
+        mask = inputs["completion_mask"].to(logps.dtype)  # (B, C) loss mask
+        old_logps = inputs.get("old_per_token_logps")
+        old_logps = logps.detach() if old_logps is None else old_logps  # on-policy: ratio ≡ 1
+
+        entropy_mask = self._entropy_mask(entropies, mask)
+        per_token_loss, objective_stats = self._policy_term(logps, old_logps, inputs, mask, entropy_mask)
+        if args.beta != 0.0:
+            per_token_kl = kl_k3(logps, inputs["ref_per_token_logps"])
+            if args.use_bias_correction_kl:
+                per_token_kl = per_token_kl * importance_weights(
+                    logps, old_logps, mask, args.importance_sampling_level
+                )
+            per_token_loss = per_token_loss + args.beta * per_token_kl
+            self.record_metric("kl", self._gather_mean(masked_mean(per_token_kl.detach(), mask)), mode=mode)
+
+        loss = self.aggregation(
+            per_token_loss,
+            mask,
+            max_completion_length=args.max_completion_length,
+            num_items_in_batch=inputs["num_items_in_batch"],
+            num_processes=self.accelerator.num_processes,
+        )
+        if self.divide_by_grad_accum:
+            loss = loss / self._grad_accum_divisor()
+        if self.entropy_ctrl.enabled:
+            loss = self._add_entropy_bonus(loss, entropies, entropy_mask if entropy_mask is not None else mask, inputs)
+        if self.aux_loss_enabled and stats.aux_loss is not None:
+            loss = loss + args.router_aux_loss_coef * stats.aux_loss / self._grad_accum_divisor()
+            self.record_metric("aux_loss", self._gather_mean(stats.aux_loss), mode=mode)
+        self._record_loss_metrics(entropies, mask, objective_stats, mode)
+        return loss
+
+    def _entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
+        """Top-ρ entropy tokens (Wang et al. 2025), ρ = ``top_entropy_quantile``; the quantile is over all processes."""
+        rho = self.args.top_entropy_quantile
+        if rho >= 1.0:
+            return None
+        valid = self._gather_1d(entropies.detach()[mask.bool()])
+        if rho > 0:
+            threshold = entropy_threshold(valid, rho)
+        else:  # ρ = 0 keeps only the highest-entropy token
+            threshold = valid.max() if valid.numel() else torch.tensor(float("inf"))
+        return entropy_quantile_mask(entropies.detach(), mask, rho, threshold=threshold.to(mask.device))
+
+    def _policy_term(
+        self,
+        logps: torch.Tensor,
+        old_logps: torch.Tensor,
+        inputs: RolloutBatch,
+        mask: torch.Tensor,
+        entropy_mask: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Per-token policy loss of ``loss_type``, times the off-policy, entropy and sampling-IS masks (TRL's order)."""
+        args = self.args
+        advantages = inputs["advantages"]  # (B,)
+        is_ratio = inputs.get("importance_sampling_ratio")  # (B, C) or (B, 1), when the correction is active
+        vespo = args.loss_type == "vespo"
+        objective_kwargs = dict(
+            importance_sampling_level=args.importance_sampling_level,
+            epsilon_low=args.epsilon,
+            epsilon_high=args.epsilon_high,
+            delta=args.delta,
+            sapo_temperature_pos=args.sapo_temperature_pos,
+            sapo_temperature_neg=args.sapo_temperature_neg,
+            vespo_k_pos=args.vespo_k_pos,
+            vespo_lambda_pos=args.vespo_lambda_pos,
+            vespo_k_neg=args.vespo_k_neg,
+            vespo_lambda_neg=args.vespo_lambda_neg,
+        )
+        if vespo and is_ratio is not None:  # VESPO folds the sampler correction into its kernel
+            objective_kwargs["importance_sampling_ratio"] = is_ratio
+        per_token_loss, objective_stats = self.objective(logps, old_logps, advantages, mask, **objective_kwargs)
+        if args.off_policy_mask_threshold is not None:
+            # The sampler's log-probs when the correction is active (TRL: vLLM's), else π_old's.
+            sampling_logps = inputs.get("sampling_per_token_logps") if is_ratio is not None else None
+            sampling_logps = old_logps if sampling_logps is None else sampling_logps
+            per_token_loss = per_token_loss * off_policy_sequence_mask(
+                advantages, sampling_logps, logps, mask, args.off_policy_mask_threshold
+            )
+        if entropy_mask is not None:
+            per_token_loss = per_token_loss * entropy_mask
+        if is_ratio is not None and not vespo:
+            per_token_loss = per_token_loss * is_ratio
+        return per_token_loss, objective_stats
+
+    def _add_entropy_bonus(
+        self, loss: torch.Tensor, entropies: torch.Tensor, bonus_mask: torch.Tensor, inputs: RolloutBatch
+    ) -> torch.Tensor:
+        """loss − c·H, H the mean per-token entropy of the optimizer step (same normalisation as the policy term)."""
+        mode = self._mode()
+        if self.divide_by_grad_accum:
+            entropy_term = masked_mean(entropies, bonus_mask) / self._grad_accum_divisor()
+        else:
+            normalizer = inputs["num_items_in_batch"].to(entropies.dtype) / self.accelerator.num_processes
+            entropy_term = masked_sum(entropies, bonus_mask) / normalizer.clamp(min=1.0)
+        self.record_metric("policy_loss", self._gather_mean(loss.detach()), mode=mode)
+        self.record_metric("entropy_coef", self.entropy_ctrl.coef, mode=mode)  # the controller's current value
+        if mode == "train":
+            detached = entropies.detach()
+            self.entropy_ctrl.accumulate(float(masked_sum(detached, bonus_mask)), float(bonus_mask.sum()))
+        return loss - self.entropy_ctrl.effective_coef() * entropy_term
+
+    def _on_optimizer_step(self) -> None:
+        if not self.entropy_ctrl.adaptive:
+            return
+        total, count = self.entropy_ctrl.window()
+        window = torch.tensor([total, count], dtype=torch.float64, device=self.accelerator.device)
+        if self.accelerator.num_processes > 1:
+            window = self.accelerator.reduce(window, reduction="sum")
+        self.entropy_ctrl.update(float(window[0] / window[1]) if window[1] > 0 else float("nan"))
+
+    def _record_loss_metrics(
+        self, entropies: torch.Tensor, mask: torch.Tensor, objective_stats: dict[str, torch.Tensor], mode: str
+    ) -> None:
+        self._record_policy_metrics(entropies, mask, objective_stats, mode)
+        if "cispo_clip" in objective_stats:
+            ratio = masked_batch_mean(objective_stats["cispo_clip"], mask)
+            self.record_metric("cispo_clip_ratio", self._gather_mean(ratio), mode=mode)
+        if "phi_seq" in objective_stats:
+            self.record_metric("vespo/phi_seq_mean", self._gather_mean(objective_stats["phi_seq"].mean()), mode=mode)
+
+    # -- checkpoints -------------------------------------------------------------------------------------------
+    def _extra_checkpoint_state(self) -> dict[str, Any]:
+        if not self.entropy_ctrl.adaptive:
+            return {}
+        return {ENTROPY_CTRL_STATE: self.entropy_ctrl.state_dict()}
+
+    def _load_extra_checkpoint_state(self, states: dict[str, Any]) -> None:
+        if ENTROPY_CTRL_STATE in states:
+            self.entropy_ctrl.load_state_dict(states[ENTROPY_CTRL_STATE])

@@ -1,0 +1,71 @@
+"""Generation buffer: shuffle/split keep rows aligned, padding trimmed per micro-batch, generation schedule, resume."""
+
+from __future__ import annotations
+
+import torch
+
+from posttrain.rollout.buffer import RolloutBuffer, shuffle_sequence_dict, split_tensor_dict, trim_padding
+
+
+def _batch(n: int = 4) -> dict:
+    # Row i: prompt of i+1 tokens (left-padded to 4), completion of i+1 tokens (right-padded to 4).
+    prompt_mask = torch.tensor([[0] * (3 - i) + [1] * (i + 1) for i in range(n)])
+    completion_mask = torch.tensor([[1] * (i + 1) + [0] * (3 - i) for i in range(n)])
+    return {
+        "prompt_ids": prompt_mask * (torch.arange(n).unsqueeze(1) + 10),
+        "prompt_mask": prompt_mask,
+        "completion_ids": completion_mask * (torch.arange(n).unsqueeze(1) + 20),
+        "completion_mask": completion_mask,
+        "completion_lengths": completion_mask.sum(1),
+        "advantages": torch.arange(n, dtype=torch.float32),
+        "texts": [f"row{i}" for i in range(n)],
+        "num_items_in_batch": torch.tensor(10),
+    }
+
+
+def test_shuffle_keeps_rows_aligned_and_scalars_untouched():
+    batch = _batch()
+    shuffled = shuffle_sequence_dict(batch, torch.Generator().manual_seed(0))
+    order = shuffled["advantages"].long().tolist()
+    assert sorted(order) == [0, 1, 2, 3] and order != [0, 1, 2, 3]
+    assert shuffled["texts"] == [f"row{i}" for i in order]
+    assert torch.equal(shuffled["completion_ids"], batch["completion_ids"][order])
+    assert shuffled["num_items_in_batch"] is batch["num_items_in_batch"]
+
+
+def test_split_then_trim_drops_columns_that_are_padding_everywhere():
+    first, second = split_tensor_dict(_batch(), 2)
+    assert first["texts"] == ["row0", "row1"] and second["texts"] == ["row2", "row3"]
+    trimmed = trim_padding(first)  # rows 0-1: prompts of 1-2 tokens, completions of 1-2 tokens
+    assert trimmed["prompt_ids"].tolist() == [[0, 10], [11, 11]]
+    assert trimmed["completion_ids"].tolist() == [[20, 0], [21, 21]]
+    assert trimmed["completion_mask"].shape == (2, 2) and trimmed["num_items_in_batch"] == 10
+
+
+def test_buffer_generates_once_per_round_and_replays_micro_batches():
+    buffer = RolloutBuffer(steps_per_generation=2, num_iterations=2, seed=0)
+    served, generations = [], 0
+    for _ in range(8):
+        if buffer.needs_generation():
+            generations += 1
+            buffer.fill(_batch(), shuffle=False)
+        served.append(buffer.next()["texts"])
+    assert generations == 2  # 8 micro-steps / (2 steps × 2 iterations)
+    assert served[:4] == [["row0", "row1"], ["row2", "row3"]] * 2
+
+
+def test_buffer_state_round_trip_mid_round(tmp_path):
+    buffer = RolloutBuffer(steps_per_generation=2, num_iterations=1, seed=0)
+    buffer.fill(_batch())
+    first = buffer.next()
+    buffer.save(tmp_path / "buffer.pt")
+    resumed = RolloutBuffer(steps_per_generation=2, num_iterations=1, seed=123)
+    resumed.load(tmp_path / "buffer.pt")
+    assert not resumed.needs_generation()
+    expected = buffer.next()
+    got = resumed.next()
+    assert got["texts"] == expected["texts"] and got["texts"] != first["texts"]
+    assert torch.equal(got["completion_ids"], expected["completion_ids"])
+    # At a round boundary only the step and the RNG are stored: the next micro-step regenerates.
+    buffer.save(tmp_path / "boundary.pt")
+    assert torch.load(tmp_path / "boundary.pt", weights_only=True)["micro_batches"] is None

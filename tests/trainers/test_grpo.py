@@ -1,0 +1,490 @@
+"""GRPOTrainer end to end on the offline tiny models: every loss type, reference/KL, PEFT, μ > 1, reward sources,
+rollout_func, batch × gradient-accumulation invariance, learning, eval, logging, resume, config errors."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+
+import pytest
+import torch
+from datasets import Dataset
+
+from posttrain.trainers.grpo import ENTROPY_CTRL_STATE, GRPOConfig, GRPOTrainer
+
+EOS = 258
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Tiny models are dominated by per-op overhead; extra intra-op threads only add contention on shared CPUs.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def varied_reward(completion_ids, **kwargs):
+    """Deterministic and almost never constant within a group, so advantages (and gradients) are non-zero."""
+    return [float(sum(ids) % 7) for ids in completion_ids]
+
+
+def _dataset(n: int = 8) -> Dataset:
+    return Dataset.from_list([{"prompt": f"Question {i}:", "solution": str(i)} for i in range(n)])
+
+
+def _config(tmp_path, **overrides) -> GRPOConfig:
+    values = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=8,
+        max_steps=1,
+        learning_rate=1e-2,
+        report_to="none",
+        gradient_checkpointing=False,
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        write_report=False,
+    )
+    values.update(overrides)
+    return GRPOConfig(**values)
+
+
+def _trainable(trainer) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+
+
+def _changed(trainer, before) -> int:
+    return sum(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters() if n in before)
+
+
+def _logs(trainer) -> dict:
+    merged = {}
+    for entry in trainer.state.log_history:
+        merged.update(entry)
+    return merged
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo"])
+def test_each_loss_type_trains(tiny_model_path, tmp_path, loss_type):
+    extra = {"importance_sampling_level": "sequence"} if loss_type == "luspo" else {}
+    trainer = GRPOTrainer(
+        tiny_model_path, varied_reward, _config(tmp_path, loss_type=loss_type, **extra), train_dataset=_dataset()
+    )
+    before = _trainable(trainer)
+    trainer.train()
+    assert _changed(trainer, before) > 0
+    logs = _logs(trainer)
+    for key in ("loss", "reward", "reward_std", "frac_reward_zero_std", "entropy", "num_tokens", "step_time",
+                "completions/mean_length", "completions/clipped_ratio", "rewards/varied_reward/mean"):  # fmt: skip
+        assert key in logs, key
+    if loss_type in ("grpo", "dapo", "dr_grpo", "bnpo", "luspo"):
+        assert "clip_ratio/region_mean" in logs and "clip_ratio/low_min" in logs
+    if loss_type == "cispo":
+        assert "cispo_clip_ratio" in logs
+    if loss_type == "vespo":
+        assert "vespo/phi_seq_mean" in logs
+
+
+def test_default_gradient_checkpointing_and_beta_zero_load_no_reference(tiny_model_path, tmp_path):
+    args = _config(tmp_path)
+    args.gradient_checkpointing = True
+    trainer = GRPOTrainer(tiny_model_path, varied_reward, args, train_dataset=_dataset())
+    assert trainer.reference.kind == "none" and trainer.reference.model is None
+    before = _trainable(trainer)
+    trainer.train()
+    assert _changed(trainer, before) > 0
+    assert "kl" not in _logs(trainer)
+
+
+def test_beta_uses_a_frozen_reference_and_logs_kl(tiny_model_path, tmp_path):
+    trainer = GRPOTrainer(
+        tiny_model_path, varied_reward, _config(tmp_path, beta=0.1, max_steps=2), train_dataset=_dataset()
+    )
+    assert trainer.reference.kind == "model"
+    ref_before = {n: p.clone() for n, p in trainer.reference.model.named_parameters()}
+    trainer.train()
+    kls = [h["kl"] for h in trainer.state.log_history if "kl" in h]
+    assert len(kls) == 2 and kls[0] == pytest.approx(0.0, abs=1e-6) and kls[1] > 0  # policy moved from π_ref
+    assert all(torch.equal(p, ref_before[n]) for n, p in trainer.reference.model.named_parameters())
+
+
+def test_peft_reference_is_the_base_model_with_adapters_disabled(tiny_model_path, tmp_path):
+    from peft import LoraConfig
+
+    trainer = GRPOTrainer(
+        tiny_model_path,
+        varied_reward,
+        _config(tmp_path, beta=0.1, max_steps=2),
+        train_dataset=_dataset(),
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    )
+    assert trainer.reference.kind == "adapters_disabled" and trainer.reference.model is None
+    base_before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" not in n}
+    before = _trainable(trainer)
+    assert before and all("lora_" in n for n in before)
+    trainer.train()
+    assert _changed(trainer, before) > 0
+    assert all(torch.equal(p, base_before[n]) for n, p in trainer.model.named_parameters() if "lora_" not in n)
+    assert [h["kl"] for h in trainer.state.log_history if "kl" in h][-1] > 0
+    trainer.save_model(str(tmp_path / "adapter"))
+    assert os.path.isfile(tmp_path / "adapter" / "adapter_config.json")
+
+
+def test_num_iterations_two_generates_once_and_uses_old_logps(tiny_model_path, tmp_path):
+    trainer = GRPOTrainer(
+        tiny_model_path, varied_reward, _config(tmp_path, num_iterations=2, max_steps=2), train_dataset=_dataset()
+    )
+    calls = []
+    generate = trainer.backend.generate
+    trainer.backend.generate = lambda *a, **k: calls.append(1) or generate(*a, **k)
+    trainer.train()
+    assert len(calls) == 1  # one generation serves steps_per_generation × num_iterations = 2 micro-steps
+    batch = trainer.buffer.micro_batches[0]
+    assert batch["old_per_token_logps"].shape == batch["completion_ids"].shape
+    # The second pass is off-policy: the clipped ratio is no longer identically 1.
+    assert trainer.state.log_history[1]["loss"] != 0.0
+
+
+def test_reward_sources_sync_async_model_and_none(tiny_model_path, tiny_reward_model_path, tmp_path):
+    seen = {}
+
+    def sync_reward(completions, solution, trainer_state, **kwargs):
+        seen["solution"], seen["step"] = list(solution), trainer_state.global_step
+        return [float(len(c)) for c in completions]
+
+    async def async_reward(completions, **kwargs):
+        await asyncio.sleep(0)
+        return [1.0 if "a" in c else 0.0 for c in completions]
+
+    def sometimes_none(completion_ids, **kwargs):
+        return [None if i % 2 else 1.0 for i in range(len(completion_ids))]
+
+    trainer = GRPOTrainer(
+        tiny_model_path,
+        [sync_reward, async_reward, tiny_reward_model_path, sometimes_none],
+        _config(tmp_path, reward_weights=[1.0, 0.5, 0.1, 2.0], multi_objective_aggregation="normalize_then_sum"),
+        train_dataset=_dataset(),
+    )
+    rm_name = os.path.basename(tiny_reward_model_path.rstrip("/"))
+    assert trainer.reward_func_names == ["sync_reward", "async_reward", rm_name, "sometimes_none"]
+    before = _trainable(trainer)
+    trainer.train()
+    assert _changed(trainer, before) > 0
+    logs = _logs(trainer)
+    for name in trainer.reward_func_names:
+        assert f"rewards/{name}/mean" in logs
+    assert logs["rewards/sometimes_none/mean"] == 1.0 and logs["rewards/sometimes_none/std"] == 0.0
+    assert len(seen["solution"]) == 4 and seen["step"] == 0
+
+
+def test_reward_funcs_by_registry_name(tiny_model_path, tmp_path):
+    trainer = GRPOTrainer(tiny_model_path, "think_format_reward", _config(tmp_path), train_dataset=_dataset())
+    assert trainer.reward_func_names == ["think_format_reward"]
+
+
+def _fixed_rollout(prompts, trainer):
+    """Deterministic completions that depend on the prompt and on the position in its group."""
+    out = {"prompt_ids": [], "completion_ids": [], "logprobs": [], "tag": []}
+    for i, prompt in enumerate(prompts):
+        ids = list(prompt.encode())
+        body = [97 + (ids[-2] + i) % 5, 98 + i % 3, 99 + (i * 7) % 4][: 1 + (ids[-2] + i) % 3]
+        completion = body + ([EOS] if i % 2 == 0 else [])
+        out["prompt_ids"].append(ids)
+        out["completion_ids"].append(completion)
+        out["logprobs"].append([-1.0] * len(completion))
+        out["tag"].append(f"t{i}")
+    return out
+
+
+def test_rollout_func_with_fixed_completions(tiny_model_path, tmp_path):
+    tags = []
+
+    def reward(completion_ids, tag, **kwargs):
+        tags.extend(tag)
+        return [float(len(ids) + (ids[0] % 3)) for ids in completion_ids]
+
+    args = _config(tmp_path, mask_truncated_completions=True)
+    trainer = GRPOTrainer(tiny_model_path, reward, args, train_dataset=_dataset(), rollout_func=_fixed_rollout)
+    before = _trainable(trainer)
+    trainer.train()
+    assert _changed(trainer, before) > 0
+    assert tags == ["t0", "t1", "t2", "t3"]
+    assert _logs(trainer)["completions/clipped_ratio"] == 0.5
+    batch = trainer.buffer.micro_batches[0]
+    ended = batch["completion_ids"].eq(EOS).any(dim=1)
+    assert torch.equal(batch["completion_mask"].sum(dim=1) > 0, ended)  # truncated completions are masked out
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_batch_times_grad_accum_invariance(tiny_model_path, tmp_path, loss_type):
+    """Same generation batch (4 completions, 2 prompts), split as 4×1, 2×2 or 1×4: identical SGD update."""
+
+    def reward(completion_ids, **kwargs):
+        return [float(len(ids) + ids[0] % 3) for ids in completion_ids]
+
+    results = []
+    for b, ga in [(4, 1), (2, 2), (1, 4)]:
+        args = _config(
+            tmp_path / f"{b}x{ga}",
+            per_device_train_batch_size=b,
+            gradient_accumulation_steps=ga,
+            loss_type=loss_type,
+            optim="sgd",
+            learning_rate=0.5,
+            max_grad_norm=0.0,
+            lr_scheduler_type="constant",
+        )
+        trainer = GRPOTrainer(tiny_model_path, reward, args, train_dataset=_dataset(), rollout_func=_fixed_rollout)
+        before = _trainable(trainer)
+        trainer.train()
+        assert _changed(trainer, before) > 0
+        results.append(_trainable(trainer))
+    for other in results[1:]:
+        for name, value in results[0].items():
+            torch.testing.assert_close(other[name], value, atol=1e-5, rtol=0)
+
+
+def test_learns_a_cheap_reward(tiny_model_path, tmp_path):
+    """reward = fraction of completion tokens equal to the byte "a": it rises from ~0 within a few dozen steps."""
+
+    def fraction_of_a(completion_ids, **kwargs):
+        return [sum(t == 97 for t in ids) / max(len(ids), 1) for ids in completion_ids]
+
+    args = _config(
+        tmp_path,
+        per_device_train_batch_size=32,
+        num_generations=16,
+        max_completion_length=4,
+        max_steps=20,
+        learning_rate=2e-2,
+        seed=0,
+    )
+    trainer = GRPOTrainer(
+        tiny_model_path, fraction_of_a, args, train_dataset=Dataset.from_list([{"prompt": "a:"}] * 8)
+    )
+    trainer.train()
+    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+    assert len(rewards) == 20
+    assert rewards[0] < 0.05  # a random tiny model samples "a" about once in 300 tokens
+    assert sum(rewards[-5:]) / 5 > 0.5
+
+
+def test_evaluate_with_num_generations_eval(tiny_model_path, tmp_path):
+    args = _config(tmp_path, num_generations_eval=4, per_device_eval_batch_size=4, do_eval=True, eval_strategy="no")
+    trainer = GRPOTrainer(tiny_model_path, varied_reward, args, train_dataset=_dataset(), eval_dataset=_dataset(2))
+    seen = []
+    generate = trainer.backend.generate
+    trainer.backend.generate = lambda ids, sampling, n=1: seen.append((len(ids), n)) or generate(ids, sampling, n)
+    metrics = trainer.evaluate()
+    assert seen == [(1, 4), (1, 4)]  # two eval batches, each one prompt × num_generations_eval
+    logged = trainer.state.log_history[-1]
+    assert "eval_loss" in metrics and "eval_reward" in logged and "eval_entropy" in logged
+
+
+def test_log_completions_writes_parquet(tiny_model_path, tmp_path, capsys):
+    import pandas as pd
+
+    def reward(completions, log_extra, log_metric, **kwargs):
+        log_extra("length", [len(c) for c in completions])
+        log_metric("my_metric", 3.0)
+        return [float(len(c)) for c in completions]
+
+    trainer = GRPOTrainer(tiny_model_path, reward, _config(tmp_path, log_completions=True), train_dataset=_dataset())
+    trainer.train()
+    frame = pd.read_parquet(tmp_path / "completions" / "completions_00001.parquet")
+    assert list(frame.columns) == ["step", "prompt", "completion", "reward", "length", "advantage"]
+    assert len(frame) == 4 and (frame["step"] == 1).all()
+    assert _logs(trainer)["my_metric"] == 3.0
+    assert "Question" in capsys.readouterr().out  # the rich table was printed
+
+
+def test_iterable_dataset_with_conversational_prompts(tiny_model_path, tmp_path):
+    seen = []
+
+    def reward(prompts, completions, **kwargs):
+        seen.append((prompts[0], completions[0]))
+        return varied_reward(**kwargs)
+
+    rows = [{"prompt": [{"role": "user", "content": f"Question {i}?"}]} for i in range(8)]
+    stream = Dataset.from_list(rows).to_iterable_dataset()
+    trainer = GRPOTrainer(tiny_model_path, reward, _config(tmp_path, max_steps=2), train_dataset=stream)
+    trainer.train()
+    assert trainer.state.global_step == 2
+    prompt, completion = seen[0]
+    assert prompt[0]["role"] == "user" and completion[0]["role"] == "assistant"
+
+
+def test_options_run_together(tiny_model_path, tmp_path):
+    """IS correction on the posttrain sampler, off-policy mask, top-entropy tokens, bias-corrected KL, TR-DPO sync,
+    entropy bonus, truncation masking, δ and ε_high, the transformers backend."""
+    args = _config(
+        tmp_path,
+        max_steps=2,
+        beta=0.05,
+        use_bias_correction_kl=True,
+        sync_ref_model=True,
+        ref_model_sync_steps=1,
+        rollout_importance_sampling=True,
+        vllm_importance_sampling_mode="token_truncate",
+        off_policy_mask_threshold=0.5,
+        top_entropy_quantile=0.5,
+        entropy_coef=0.01,
+        epsilon_high=0.28,
+        delta=2.0,
+        generation_backend="transformers",
+    )
+    trainer = GRPOTrainer(tiny_model_path, varied_reward, args, train_dataset=_dataset())
+    ref_before = {n: p.clone() for n, p in trainer.reference.model.named_parameters()}
+    before = _trainable(trainer)
+    trainer.train()
+    assert _changed(trainer, before) > 0
+    assert any(not torch.equal(p, ref_before[n]) for n, p in trainer.reference.model.named_parameters())
+    logs = _logs(trainer)
+    for key in ("sampling/importance_sampling_ratio/mean", "sampling/sampling_logp_difference/max", "kl",
+                "policy_loss", "entropy_coef"):  # fmt: skip
+        assert key in logs, key
+    assert logs["entropy_coef"] == 0.01
+
+
+def test_adaptive_entropy_state_is_checkpointed_and_restored(tiny_model_path, tmp_path):
+    args = _config(
+        tmp_path,
+        max_steps=2,
+        use_adaptive_entropy=True,
+        entropy_coef=0.1,
+        entropy_coef_delta=0.05,
+        entropy_target=100.0,  # always above the entropy: the coefficient grows every optimizer step
+        save_strategy="steps",
+        save_steps=1,
+    )
+    trainer = GRPOTrainer(tiny_model_path, varied_reward, args, train_dataset=_dataset())
+    trainer.train()
+    assert trainer.entropy_ctrl.coef == pytest.approx(0.2)
+    with open(tmp_path / "checkpoint-1" / ENTROPY_CTRL_STATE) as f:
+        assert json.load(f)["entropy_coef"] == pytest.approx(0.15)
+    resumed = GRPOTrainer(tiny_model_path, varied_reward, args, train_dataset=_dataset())
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
+    assert resumed.entropy_ctrl.coef == pytest.approx(0.2)
+    assert resumed.state.global_step == 2
+
+
+def test_resume_mid_round_replays_the_buffer(tiny_model_path, tmp_path):
+    """steps_per_generation = 2 × GA: a checkpoint after step 1 falls mid-round; the resumed run reuses the buffered
+    completions and ends with the uninterrupted run's parameters."""
+    args = _config(tmp_path / "full", per_device_train_batch_size=2, steps_per_generation=2, max_steps=2,
+                   save_strategy="steps", save_steps=1, seed=3)  # fmt: skip
+    full = GRPOTrainer(tiny_model_path, varied_reward, args, train_dataset=_dataset())
+    full.train()
+    expected = _trainable(full)
+
+    resumed = GRPOTrainer(tiny_model_path, varied_reward, args, train_dataset=_dataset())
+    calls = []
+    generate = resumed.backend.generate
+    resumed.backend.generate = lambda *a, **k: calls.append(1) or generate(*a, **k)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-1"))
+    assert calls == []  # the second half of the round came from the checkpointed buffer
+    for name, value in expected.items():
+        torch.testing.assert_close(dict(resumed.model.named_parameters())[name].detach(), value)
+
+
+def test_config_and_constructor_errors(tiny_model_path, tmp_path):
+    with pytest.raises(ValueError, match=r"generation_batch_size \(6\) must be divisible by num_generations \(4\)"):
+        _config(tmp_path, per_device_train_batch_size=6, num_generations=4)
+    with pytest.raises(ValueError, match="can not be both configured"):
+        _config(tmp_path, generation_batch_size=8, steps_per_generation=2)
+    with pytest.raises(ValueError, match="GRPO requires at least 2 generations per prompt"):
+        _config(tmp_path, num_generations=1)
+    with pytest.raises(ValueError, match="auto_find_batch_size"):
+        _config(tmp_path, auto_find_batch_size=True)
+    with pytest.raises(ValueError, match="generation_backend"):
+        _config(tmp_path, generation_backend="vllm")
+    with pytest.raises(ValueError, match="log_completions_hub_repo requires log_completions"):
+        _config(tmp_path, log_completions_hub_repo="me/completions")
+    assert _config(tmp_path, scale_rewards=False).scale_rewards == "none"
+    with pytest.raises(
+        ValueError, match=r"Number of reward weights \(1\) must match number of reward functions \(2\)"
+    ):
+        GRPOTrainer(tiny_model_path, [varied_reward, varied_reward], _config(tmp_path, reward_weights=[1.0]),
+                    train_dataset=_dataset())  # fmt: skip
+    with pytest.raises(ValueError, match="No reward source provided"):
+        GRPOTrainer(tiny_model_path, None, _config(tmp_path), train_dataset=_dataset())
+    with pytest.raises(ValueError, match="tools / environment_factory"):
+        GRPOTrainer(tiny_model_path, varied_reward, _config(tmp_path), train_dataset=_dataset(), tools=[len])
+    with pytest.raises(ValueError, match="one generation round needs"):
+        GRPOTrainer(tiny_model_path, varied_reward, _config(tmp_path, per_device_train_batch_size=8),
+                    train_dataset=_dataset(2))  # fmt: skip
+    with pytest.raises(ValueError, match="cannot be used with generation_backend='posttrain'"):
+        GRPOTrainer(tiny_model_path, varied_reward, _config(tmp_path, generation_kwargs={"num_beams": 2}),
+                    train_dataset=_dataset())  # fmt: skip
+    with pytest.raises((ImportError, RuntimeError), match="CUDA GPU|vLLM"):
+        GRPOTrainer(tiny_model_path, varied_reward, _config(tmp_path, use_vllm=True), train_dataset=_dataset())
+
+
+def test_cast_lm_head_to_fp32(tiny_model_path, tiny_llama_path, tmp_path):
+    args = _config(tmp_path, cast_lm_head_to_fp32=True)
+    trainer = GRPOTrainer(tiny_llama_path, varied_reward, args, train_dataset=_dataset())
+    assert trainer.model.lm_head.weight.dtype == torch.float32
+    before = _trainable(trainer)
+    trainer.train()
+    assert _changed(trainer, before) > 0
+    with pytest.raises(ValueError, match="untied word embeddings"):
+        GRPOTrainer(tiny_model_path, varied_reward, args, train_dataset=_dataset())  # qwen2 ties them
+
+
+def test_default_args_and_save_model(tiny_model_path, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    trainer = GRPOTrainer(tiny_model_path, varied_reward, train_dataset=_dataset(8))
+    assert trainer.args.output_dir.endswith(f"{os.path.basename(tiny_model_path.rstrip('/'))}-GRPO")
+    assert trainer.args.learning_rate == 1e-6 and trainer.args.loss_type == "dapo"
+    assert trainer.args.max_completion_length == 512 and trainer.args.num_generations == 8
+    assert trainer.processing_class.padding_side == "left"
+    trainer.save_model(str(tmp_path / "saved"))
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "saved") is not None
+
+
+def test_entropy_controller_updates_and_applies():
+    from posttrain.trainers.grpo import EntropyController
+
+    ctrl = EntropyController(coef=0.1, adaptive=True, coef_min=0.05, coef_max=0.2, delta=0.1, target=1.0)
+    assert ctrl.effective_coef() == 0.0  # nothing measured yet
+    ctrl.accumulate(3.0, 4.0)
+    assert ctrl.window() == (3.0, 4.0)
+    ctrl.update(0.75)  # below target: grow (capped at coef_max) and apply
+    assert ctrl.coef == pytest.approx(0.2) and ctrl.effective_coef() == pytest.approx(0.2)
+    assert ctrl.window() == (0.0, 0.0)
+    ctrl.update(2.0)  # above target: shrink (floored at coef_min) and stop applying
+    assert ctrl.coef == pytest.approx(0.1) and ctrl.effective_coef() == 0.0
+    ctrl.update(float("nan"))  # no valid token this step: unchanged
+    assert ctrl.coef == pytest.approx(0.1)
+    restored = EntropyController(adaptive=True)
+    restored.load_state_dict(ctrl.state_dict())
+    assert restored.coef == pytest.approx(0.1) and restored.last_entropy == 2.0
+    assert EntropyController(coef=0.3).effective_coef() == 0.3  # static coefficient: always applied
+
+
+def test_command_line_parsing_of_dict_and_bool_fields(tmp_path):
+    from transformers import HfArgumentParser
+
+    (args,) = HfArgumentParser(GRPOConfig).parse_args_into_dataclasses(
+        [
+            "--output_dir",
+            str(tmp_path),
+            "--generation_kwargs",
+            '{"do_sample": false}',
+            "--scale_rewards",
+            "false",
+            "--reward_weights",
+            "1",
+            "2",
+            "--report_to",
+            "none",
+        ]  # fmt: skip
+    )
+    assert args.generation_kwargs == {"do_sample": False} and args.scale_rewards == "none"
+    assert args.reward_weights == [1.0, 2.0]
