@@ -42,6 +42,16 @@ def _sized_length(dataset: Any) -> int | None:
         return None
 
 
+def check_single_split(dataset: Any, arg_name: str = "train_dataset") -> None:
+    """A ``DatasetDict`` (or any dict of splits) where one split is expected gets a TypeError naming the fix."""
+    if isinstance(dataset, dict):
+        splits = ", ".join(map(repr, dataset))
+        example = next(iter(dataset), "train")
+        raise TypeError(
+            f"{arg_name} is a dict of splits ({splits}); pass one split, e.g. {arg_name}=dataset[{example!r}]."
+        )
+
+
 def check_train_dataset(dataset: Any, trainer_name: str = "Trainer") -> None:
     """Raise ValueError if training has no data: no dataset, or a sized dataset with zero rows."""
     if dataset is None:

@@ -42,6 +42,8 @@ from posttrain.rollout.estimators import AdvantageEstimator
 from posttrain.rollout.metrics import completion_length_metrics, reward_metrics
 
 MetricSink = Callable[[str, float], None]
+# Completions.extra fields that are the rollout's bookkeeping, not reward-function keyword arguments.
+_NOT_REWARD_KWARGS = ("env_mask", "tool_mask", "tool_call_count", "tool_failure_count", "completion_messages")
 LogpsFn = Callable[[RolloutBatch], torch.Tensor]
 
 
@@ -93,17 +95,24 @@ class CompletionsTable:
 
 
 def render_prompts(
-    rows: Sequence[dict[str, Any]], tokenizer: Any, chat_template_kwargs: dict[str, Any] | None = None
+    rows: Sequence[dict[str, Any]],
+    tokenizer: Any,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    tools: Sequence[list | None] | None = None,
 ) -> tuple[list[str], list[list[int]]]:
     """Prompt text and token ids of each row, as TRL's GRPO renders them (``data.tokenization.tokenize_prompt``).
 
     Conversational prompts (message lists) go through the chat template with the generation prompt (or continuing
     a final assistant message), honouring per-row ``tools`` / ``chat_template_kwargs`` columns; standard prompts are
-    used as they are. Text is tokenized without adding special tokens (the template has them).
+    used as they are. Text is tokenized without adding special tokens (the template has them). ``tools`` gives each
+    row's tool schemas (agent training); a row's own ``tools`` column wins.
     """
     texts, ids = [], []
     for index, row in enumerate(rows):
-        out = tokenize_prompt(row, tokenizer, chat_template_kwargs=chat_template_kwargs, row_index=index)
+        row_tools = tools[index] if tools is not None else None
+        out = tokenize_prompt(
+            row, tokenizer, tools=row_tools, chat_template_kwargs=chat_template_kwargs, row_index=index
+        )
         texts.append(out["prompt_text"])
         ids.append([int(t) for t in out["prompt_ids"]])
     return texts, ids
@@ -147,7 +156,7 @@ def collate_completions(
 ) -> RolloutBatch:
     """Tensors of a generated batch: left-padded prompts, right-padded completions and masks.
 
-    ``completion_mask`` is the loss mask: 1 on generated tokens, times the tool mask (``env_mask``: 0 on
+    ``completion_mask`` is the loss mask: 1 on generated tokens, times the tool mask (``tool_mask``/``env_mask``: 0 on
     tool-result tokens), times 0 for the whole row when ``mask_truncated_completions`` and the completion did not
     end with EOS.
     """
@@ -161,7 +170,7 @@ def collate_completions(
     }
     width = batch["completion_ids"].shape[1]
     mask = (torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)).long()
-    env_mask = completions.extra.get("env_mask")
+    env_mask = completions.extra.get("tool_mask", completions.extra.get("env_mask"))
     if env_mask is not None:
         tool_mask = _pad(env_mask, 0, torch.long, "right", pad_to_multiple_of)[:, :width]
         batch["tool_mask"] = tool_mask
@@ -187,6 +196,9 @@ class RolloutPipeline:
         policy_logps: ``batch -> (B, C)`` no-grad log-probs of the completion tokens under the current policy.
         ref_logps: the same under the reference policy (None when there is no reference).
         accelerator: For gathering over processes (None = single process).
+        agent: An ``agents.AgentRollout`` for agent training (tools / environments; ``backend`` is then its
+            ``ToolCallingBackend``): rows are prepared by it, completions are its parsed conversations, reward
+            functions get ``environments``, and ``tools/*`` metrics are logged.
     """
 
     def __init__(
@@ -201,8 +213,10 @@ class RolloutPipeline:
         policy_logps: LogpsFn,
         ref_logps: LogpsFn | None = None,
         accelerator: Any = None,
+        agent: Any = None,
     ):
         self.tokenizer = tokenizer
+        self.agent = agent
         self.backend = backend
         self.scorer = scorer
         self.sampling = sampling
@@ -239,8 +253,14 @@ class RolloutPipeline:
         return gather_object(values)
 
     # -- stages ------------------------------------------------------------------------------------------------
-    def generate(self, prompts: list[Any], prompt_ids: list[list[int]], num_generations: int) -> Completions:
-        """Sample one completion per row; rows come as whole groups of ``num_generations`` identical prompts."""
+    def generate(
+        self, prompts: list[Any], prompt_ids: list[list[int]], num_generations: int, tools: list | None = None
+    ) -> Completions:
+        """Sample one completion per row; rows come as whole groups of ``num_generations`` identical prompts.
+
+        ``tools`` (agent training) gives each row's tool set, in row order, to the ``ToolCallingBackend``.
+        """
+        kwargs = {"tools": tools} if tools is not None else {}
         if hasattr(self.backend, "generate_from_prompts"):
             # TRL's rollout_func contract: the raw per-process prompts, one per completion.
             return self.backend.generate_from_prompts(prompts, self.sampling, 1)
@@ -250,9 +270,9 @@ class RolloutPipeline:
         )
         if grouped:
             unique = prompt_ids[::num_generations]
-            return self.backend.generate(unique, self.sampling, num_generations)
+            return self.backend.generate(unique, self.sampling, num_generations, **kwargs)
         # A group split across processes (or a custom sampler): one completion per row.
-        return self.backend.generate(prompt_ids, self.sampling, 1)
+        return self.backend.generate(prompt_ids, self.sampling, 1, **kwargs)
 
     def score(
         self,
@@ -264,6 +284,7 @@ class RolloutPipeline:
         trainer_state: Any,
         log_extra: Callable[[str, list], None],
         log_metric: Callable[[str, float], None],
+        environments: list | None = None,
     ) -> torch.Tensor:
         """``(N_local, K)`` rewards (NaN = None) from the scorer, called with TRL's keyword contract."""
         return self.scorer.score(
@@ -274,6 +295,7 @@ class RolloutPipeline:
             trainer_state=trainer_state,
             log_extra=log_extra,
             log_metric=log_metric,
+            environments=environments,
         )
 
     def _logps_in_chunks(self, fn: LogpsFn, batch: RolloutBatch, device: torch.device) -> torch.Tensor:
@@ -308,15 +330,20 @@ class RolloutPipeline:
         record = record_metric or (lambda name, value: None)
         settings = self.settings
         g = settings.num_generations if mode == "train" else settings.num_generations_eval
+        agent_batch = self.agent.prepare(rows) if self.agent is not None else None  # reset envs, complete prompts
+        if agent_batch is not None:
+            rows = agent_batch.rows
         if any("prompt" not in row for row in rows):
             raise ValueError(
                 f"Every row needs a 'prompt' column; got columns {sorted(rows[0]) if rows else []}. Rename your "
                 "prompt column to 'prompt' (prompt-only format: {'prompt': 'text'} or {'prompt': [messages]})."
             )
         prompts = [row["prompt"] for row in rows]
-        prompt_texts, prompt_ids = render_prompts(rows, self.tokenizer, settings.chat_template_kwargs)
+        prompt_texts, prompt_ids = render_prompts(
+            rows, self.tokenizer, settings.chat_template_kwargs, agent_batch.tool_schemas if agent_batch else None
+        )
 
-        completions = self.generate(prompts, prompt_ids, g)
+        completions = self.generate(prompts, prompt_ids, g, agent_batch.tools if agent_batch else None)
         if len(completions) != len(rows):
             raise ValueError(
                 f"The generation backend returned {len(completions)} completions for {len(rows)} rows; it must "
@@ -330,6 +357,11 @@ class RolloutPipeline:
         )
         texts = self.tokenizer.batch_decode(completions.completion_ids, skip_special_tokens=True)
         completion_objs = completions_as_messages(prompts, texts)
+        if "completion_messages" in completions.extra:  # tool loop: the whole parsed conversation (TRL)
+            completion_objs = [
+                messages if is_conversational({"prompt": prompt}) else text
+                for prompt, messages, text in zip(prompts, completions.extra["completion_messages"], texts)
+            ]
 
         device = torch.device(device)
         importance = settings.importance_sampling if "sampling_per_token_logps" in batch else None
@@ -346,7 +378,7 @@ class RolloutPipeline:
                 if key not in ("prompt", "completion", "completion_ids"):
                     columns[key].append(value)
         for key, values in completions.extra.items():
-            if key not in ("env_mask",):
+            if key not in _NOT_REWARD_KWARGS:
                 columns[key] = list(values)
         extra_columns: dict[str, list] = {}
         rewards_local = self.score(
@@ -357,6 +389,7 @@ class RolloutPipeline:
             trainer_state=trainer_state,
             log_extra=lambda column, values: extra_columns.__setitem__(column, list(values)),
             log_metric=record,
+            environments=agent_batch.environments if agent_batch else None,
         )
         rewards_per_func = self.gather(rewards_local.float())
         weights = torch.as_tensor(self.scorer.weights, dtype=torch.float32).to(rewards_per_func.device)
@@ -380,6 +413,15 @@ class RolloutPipeline:
             record(name, value)
         for name, value in result.metrics.items():
             record(name, value)
+        if "tool_call_count" in completions.extra:
+            from posttrain.agents.loop import tool_metrics
+
+            counts = torch.tensor(
+                [completions.extra["tool_call_count"], completions.extra["tool_failure_count"]], dtype=torch.float32
+            ).T.contiguous()  # (B, 2)
+            counts = self.gather(counts)
+            for name, value in tool_metrics(counts[:, 0].tolist(), counts[:, 1].tolist()).items():
+                record(name, value)
 
         if importance is not None:
             ratio, stats = rollout_importance_weights(

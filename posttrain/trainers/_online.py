@@ -323,10 +323,12 @@ class OnlineTrainerBase(BaseTrainer):
         quantization_config: Any = None,
         peft_config: Any = None,
         rollout_func: Any = None,
+        tools: list | None = None,
+        environment_factory: Any = None,
     ):
         args = self._resolve_args(model, args)
         if train_dataset is None:
-            raise ValueError(f"{self._trainer_name}Trainer needs a train_dataset with a 'prompt' column.")
+            train_dataset = self._environment_placeholder_dataset(args, environment_factory)
         model_id = model if isinstance(model, str) else None
         model = resolve_model(model, args, peft_config=peft_config, quantization_config=quantization_config)
         processing_class = resolve_processing_class(
@@ -335,14 +337,25 @@ class OnlineTrainerBase(BaseTrainer):
         if args.disable_dropout:
             disable_dropout_in_model(model)
         self._prepare_model(model, args)
+        # Agent training (tools / environment_factory): checks (and may swap) the chat template, adds the
+        # environments' get_reward columns.
+        self.agent = self._make_agent(tools, environment_factory, rollout_func, processing_class, model, args)
+        env_rewards = self.agent.reward_funcs if self.agent is not None else []
 
-        reward_funcs = self._resolve_reward_funcs(reward_funcs, args)
+        reward_funcs = self._resolve_reward_funcs(reward_funcs, args, env_rewards)
+        reward_weights = args.reward_weights
+        if reward_weights is not None and env_rewards and len(reward_weights) == len(reward_funcs) - len(env_rewards):
+            reward_weights = [*reward_weights, *([1.0] * len(env_rewards))]  # environment rewards weigh 1 (TRL)
+        if env_rewards and reward_processing_classes is not None:
+            if not isinstance(reward_processing_classes, (list, tuple)):
+                reward_processing_classes = [reward_processing_classes]
+            reward_processing_classes = [*reward_processing_classes, *([None] * len(env_rewards))]
         from posttrain.rewards.scoring import RewardScorer
 
         self.scorer = RewardScorer(
             reward_funcs,
             reward_processing_classes=reward_processing_classes,
-            reward_weights=args.reward_weights,
+            reward_weights=reward_weights,
             chat_template_kwargs=args.chat_template_kwargs,
         )
         self.reward_funcs = reward_funcs
@@ -403,6 +416,8 @@ class OnlineTrainerBase(BaseTrainer):
         self.sampling = SamplingConfig.from_args(args, processing_class).resolved()
         self.rollout_func = rollout_func
         self.backend = self._make_backend(rollout_func)
+        if self.agent is not None:
+            self.backend = self.agent.wrap(self.backend)
         self.pipeline = RolloutPipeline(
             tokenizer=processing_class,
             backend=self.backend,
@@ -413,6 +428,7 @@ class OnlineTrainerBase(BaseTrainer):
             policy_logps=self._policy_logps_no_grad,
             ref_logps=self._ref_logps if self.reference.kind != "none" else None,
             accelerator=self.accelerator,
+            agent=self.agent,
         )
         self.buffer = RolloutBuffer(
             args.steps_per_generation, args.num_iterations, seed=args.seed + self.accelerator.process_index
@@ -432,21 +448,67 @@ class OnlineTrainerBase(BaseTrainer):
             args = self.config_class(**values)
         return args
 
-    def _resolve_reward_funcs(self, reward_funcs: Any, args: OnlineRLConfig) -> list[Any]:
+    def _resolve_reward_funcs(
+        self, reward_funcs: Any, args: OnlineRLConfig, env_rewards: list | None = None
+    ) -> list[Any]:
         """Reward functions as callables or loaded reward models (TRL's rules; tokenizers are the scorer's job).
 
         Strings: a local folder or an ``org/name`` hub id is a reward model, loaded with
         ``AutoModelForSequenceClassification`` (``num_labels=1``, ``args.model_init_kwargs``); anything else is a
         registered reward-function name (``"accuracy_reward"``) or a dotted import path (``"my_rewards.func"``).
+        ``env_rewards`` (the environments' ``get_reward`` columns) come last.
         """
         if reward_funcs is None or (isinstance(reward_funcs, (list, tuple)) and not reward_funcs):
+            reward_funcs = []
+        if not isinstance(reward_funcs, (list, tuple)):
+            reward_funcs = [reward_funcs]
+        if not reward_funcs and not env_rewards:
             raise ValueError(
                 "No reward source provided. Pass reward_funcs, or an environment_factory whose environment defines "
                 "a get_reward method."
             )
-        if not isinstance(reward_funcs, (list, tuple)):
-            reward_funcs = [reward_funcs]
-        return [self._resolve_reward_func(func, args) for func in reward_funcs]
+        return [*(self._resolve_reward_func(func, args) for func in reward_funcs), *(env_rewards or [])]
+
+    def _environment_placeholder_dataset(self, args: OnlineRLConfig, environment_factory: Any) -> Any:
+        """TRL: with a single ``environment_factory`` the dataset may be omitted; rows of empty prompts stand in."""
+        if environment_factory is None:
+            raise ValueError(f"{self._trainer_name}Trainer needs a train_dataset with a 'prompt' column.")
+        if isinstance(environment_factory, dict):
+            raise ValueError(
+                "train_dataset is required with a dict environment_factory: every row needs an 'environment' "
+                "column naming its environment."
+            )
+        if args.max_steps is None or args.max_steps <= 0:
+            raise ValueError(
+                "Without a train_dataset (the environment provides the task) set max_steps to a positive number."
+            )
+        from posttrain.agents.environments import placeholder_dataset
+
+        return placeholder_dataset(args.generation_batch_size // args.num_generations)
+
+    def _make_agent(
+        self, tools: Any, environment_factory: Any, rollout_func: Any, processing_class: Any, model: Any, args: Any
+    ) -> Any:
+        """The ``AgentRollout`` for ``tools`` / ``environment_factory`` (None when neither is given)."""
+        if not tools and environment_factory is None:
+            return None
+        if rollout_func is not None:
+            raise ValueError(
+                "rollout_func cannot be combined with tools / environment_factory: the rollout function does its own "
+                "generation (return env_mask from it for tool tokens), while tools run in posttrain's tool loop."
+            )
+        from posttrain.agents.loop import AgentRollout
+
+        config = getattr(model, "config", None)
+        return AgentRollout(
+            processing_class,
+            tools=tools,
+            environment_factory=environment_factory,
+            max_tool_calling_iterations=getattr(args, "max_tool_calling_iterations", None),
+            max_completion_length=args.max_completion_length,
+            chat_template_kwargs=args.chat_template_kwargs,
+            max_model_length=getattr(config, "max_position_embeddings", None),
+        )
 
     @staticmethod
     def _resolve_reward_func(func: Any, args: OnlineRLConfig) -> Any:

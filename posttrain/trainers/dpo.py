@@ -49,6 +49,7 @@ from posttrain.core.preference import (
     wpo_sequence_weight,
 )
 from posttrain.models.loading import disable_dropout_in_model, model_name, resolve_model, resolve_processing_class
+from posttrain.reliability.validation import check_single_split
 from posttrain.trainers._forward import TokenStats, forward_token_stats, unwrap_model
 from posttrain.trainers._reference import (
     SyncRefModelCallback,
@@ -581,6 +582,7 @@ class DPOTrainer(BaseTrainer):
                 "precompute_ref_log_probs=True is not supported with an IterableDataset (train or eval): the "
                 "reference log-probs are stored as dataset columns. Use a map-style Dataset or set it to False."
             )
+        check_single_split(train_dataset, "train_dataset")
         train_dataset = self._prepare_any(train_dataset, processing_class, args, "train")
         eval_dataset = self._prepare_any(eval_dataset, processing_class, args, "eval")
 

@@ -16,7 +16,8 @@ module adds GRPO's config fields and its loss, which reads as TRL's ``_compute_l
 
 Deliberate differences from TRL: the ``vllm_importance_sampling_*`` correction can also be applied to posttrain's
 own sampler, which returns sampling log-probs (``rollout_importance_sampling=True``; TRL applies it only with
-vLLM, and so does posttrain by default); tools / environment_factory are not supported yet.
+vLLM, and so does posttrain by default). Agent training (``tools``, ``environment_factory``) runs the multi-turn tool
+loop of ``posttrain.agents`` around the generation backend; tool-result tokens are context but not trained on.
 """
 
 from __future__ import annotations
@@ -99,7 +100,10 @@ class GRPOConfig(OnlineRLConfig):
         default=0.2, metadata={"help": "Adaptive entropy: the bonus applies while entropy ≤ this (nats)."}
     )
     max_tool_calling_iterations: int | None = field(
-        default=None, metadata={"help": "Cap on tool-calling turns (agent training; tools are not supported yet)."}
+        default=None,
+        metadata={
+            "help": "Most rounds of tool calls per completion (agent training); None = until the budget is spent."
+        },
     )
     vllm_importance_sampling_correction: bool = field(
         default=True,
@@ -257,7 +261,11 @@ class GRPOTrainer(OnlineTrainerBase):
         callbacks / optimizers: As ``transformers.Trainer``.
         quantization_config: Merged into ``model_init_kwargs`` when ``model`` is a string (QLoRA with peft_config).
         peft_config: Wraps the model; the reference is then the base model with adapters disabled.
-        tools / environment_factory: Agent training (not supported yet: passing them raises a ``ValueError``).
+        tools: Functions (sync or ``async``, type hints + Google-style docstring) the model may call; see
+            ``posttrain.agents``. Model-chosen arguments are untrusted input.
+        environment_factory: A callable (or ``{name: callable}`` selected by an ``environment`` column) making one
+            environment per rollout: ``reset(**row) -> str | None``, public methods as tools, optional
+            ``get_reward()`` (an extra reward column); reward functions receive ``environments``.
         rollout_func: ``rollout_func(prompts, trainer) -> {"prompt_ids", "completion_ids", "logprobs", ...}``.
     """
 
@@ -282,12 +290,6 @@ class GRPOTrainer(OnlineTrainerBase):
         rollout_func: Any = None,
         environment_factory: Any = None,
     ):
-        if tools or environment_factory is not None:
-            raise ValueError(
-                "posttrain's GRPOTrainer does not support tools / environment_factory (agent training) yet; "
-                "use a rollout_func that runs the tool loop and returns prompt_ids, completion_ids, logprobs and "
-                "env_mask (0 on tool-result tokens)."
-            )
         super().__init__(
             model,
             reward_funcs,
@@ -301,6 +303,8 @@ class GRPOTrainer(OnlineTrainerBase):
             quantization_config,
             peft_config,
             rollout_func,
+            tools,
+            environment_factory,
         )
         args = self.args
         self.objective, self.aggregation = resolve_grpo_loss(args.loss_type)

@@ -30,6 +30,7 @@ from transformers import TrainingArguments
 
 from posttrain.core.preference import KTO_LOSSES, kto_kl_estimate, kto_loss, kto_weight_range_warning
 from posttrain.models.loading import disable_dropout_in_model, resolve_model, resolve_processing_class
+from posttrain.reliability.validation import check_single_split
 from posttrain.trainers._reference import (
     SyncRefModelCallback,
     create_reference_policy,
@@ -223,6 +224,7 @@ class KTOTrainer(BaseTrainer):
                 "precompute_ref_log_probs=True is not supported with an IterableDataset (train or eval): the "
                 "reference log-probs are stored as dataset columns. Use a map-style Dataset or set it to False."
             )
+        check_single_split(train_dataset, "train_dataset")
         train_dataset = self._prepare_dataset(
             train_dataset, tok, args, "train", args.per_device_train_batch_size, shuffle=True
         )

@@ -30,6 +30,7 @@ from transformers import TrainingArguments
 
 from posttrain.core.preference import bradley_terry_loss
 from posttrain.models.loading import disable_dropout_in_model, resolve_model, resolve_processing_class
+from posttrain.reliability.validation import check_single_split
 from posttrain.trainers.base import BaseConfig, BaseTrainer
 from posttrain.trainers.dpo import (
     activation_offloading_context,
@@ -176,6 +177,7 @@ class RewardTrainer(BaseTrainer):
             eval_dataset = {k: self._prepare_dataset(v, tok, args, f"eval/{k}") for k, v in eval_dataset.items()}
         else:
             eval_dataset = self._prepare_dataset(eval_dataset, tok, args, "eval")
+        check_single_split(train_dataset, "train_dataset")
         train_dataset = self._prepare_dataset(train_dataset, tok, args, "train")
 
         super().__init__(

@@ -46,6 +46,12 @@ class RLOOConfig(OnlineRLConfig):
     reward_clip_range: tuple[float, float] | None = field(
         default=None, metadata={"help": "(min, max) clamp applied to the summed reward before the KL penalty."}
     )
+    max_tool_calling_iterations: int | None = field(
+        default=None,
+        metadata={
+            "help": "Most rounds of tool calls per completion (agent training); None = until the budget is spent."
+        },
+    )
 
     _trainer_name = "RLOO"
 
@@ -82,6 +88,8 @@ class RLOOTrainer(OnlineTrainerBase):
         train_dataset / eval_dataset: Prompt-only datasets (``"prompt"``: text or messages).
         processing_class / reward_processing_classes / callbacks / optimizers / quantization_config / peft_config:
             As ``GRPOTrainer``.
+        tools / environment_factory: Agent training, as ``GRPOTrainer`` (a posttrain extension: TRL's RLOOTrainer
+            has neither).
     """
 
     config_class = RLOOConfig
@@ -101,6 +109,8 @@ class RLOOTrainer(OnlineTrainerBase):
         optimizers: tuple = (None, None),
         quantization_config: Any = None,
         peft_config: Any = None,
+        tools: list | None = None,
+        environment_factory: Any = None,
     ):
         super().__init__(
             model,
@@ -114,6 +124,8 @@ class RLOOTrainer(OnlineTrainerBase):
             optimizers,
             quantization_config,
             peft_config,
+            tools=tools,
+            environment_factory=environment_factory,
         )
         self.objective = POLICY_OBJECTIVES.get(RLOO_LOSS_PRESET["objective"])
         self.aggregation = AGGREGATIONS.get(RLOO_LOSS_PRESET["aggregation"])

@@ -335,10 +335,12 @@ class SFTTrainer(BaseTrainer):
         quantization_config: Any = None,
     ):
         from posttrain.models.loading import model_name, resolve_model, resolve_processing_class
+        from posttrain.reliability.validation import check_single_split
 
         args = self._resolve_args(args, model)
         if train_dataset is None:
             raise ValueError("SFTTrainer needs a train_dataset.")
+        check_single_split(train_dataset, "train_dataset")
         quantized = quantization_config is not None or "quantization_config" in (args.model_init_kwargs or {})
         if quantized and importlib.util.find_spec("bitsandbytes") is None:
             raise ImportError(

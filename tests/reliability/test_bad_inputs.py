@@ -435,8 +435,6 @@ CASES = {
 # Not handled yet by the owning trainer → what it should raise. Strict: once handled, the case passes and the marker
 # has to be removed.
 NOT_YET = {
-    "sft_dataset_dict": "SFTTrainer/data layer: TypeError at init saying train_dataset is a DatasetDict and to pass "
-    "dataset['train'] (today: a misleading 'Row 0, column text: got None' DataFormatError).",
     "grpo_reward_bad_signature": "GRPOTrainer: ValueError at init from rewards.validate_reward_func_signature naming the "
     "function and the missing **kwargs (today: RewardFunctionError only at the first step).",
     "grpo_reward_missing_column": "GRPOTrainer: ValueError at init naming the column 'solution' the reward function "
@@ -461,3 +459,18 @@ def test_bad_input_gives_clear_error(case, tiny_model_path, tmp_path, monkeypatc
 
 def test_suite_covers_at_least_40_cases():
     assert len(CASES) >= 40
+
+
+@pytest.mark.parametrize("trainer", ["dpo", "reward"])
+def test_dataset_dict_as_train_dataset_is_rejected_for_preference_trainers(trainer, tiny_model_path, tmp_path):
+    from posttrain.trainers.dpo import DPOConfig, DPOTrainer
+    from posttrain.trainers.reward import RewardConfig, RewardTrainer
+
+    pairs = Dataset.from_dict({"prompt": ["a"], "chosen": ["b"], "rejected": ["c"]})
+    cls, cfg = (DPOTrainer, DPOConfig) if trainer == "dpo" else (RewardTrainer, RewardConfig)
+    with pytest.raises(TypeError, match=r"train_dataset=dataset\['train'\]"):
+        cls(
+            tiny_model_path,
+            args=cfg(output_dir=str(tmp_path), report_to="none"),
+            train_dataset=DatasetDict({"train": pairs}),
+        )
