@@ -26,6 +26,8 @@ _LAZY: dict[str, str] = {
     "GRPOTrainer": "posttrain.trainers.grpo",
     "RLOOConfig": "posttrain.trainers.rloo",
     "RLOOTrainer": "posttrain.trainers.rloo",
+    "DistillationConfig": "posttrain.trainers.distillation",
+    "DistillationTrainer": "posttrain.trainers.distillation",
     # data utilities (TRL's trl.data_utils names)
     "apply_chat_template": "posttrain.data_utils",
     "maybe_apply_chat_template": "posttrain.data_utils",

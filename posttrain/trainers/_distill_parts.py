@@ -1,0 +1,581 @@
+"""The parts of on-policy distillation that are not the trainer itself.
+
+- ``check_shared_vocabulary``: student and teacher must score the same token ids (same tokenizer vocabulary, LM
+  heads that cover it); returns how many head rows the divergence compares.
+- ``score_completions``: one forward pass of a causal LM over ``[prompt | completion]`` that returns the last hidden
+  states at the positions predicting the loss tokens plus the LM-head weight — the head runs on an empty slice, so
+  no ``(B, T, V)`` logits are built. Heads that are not a plain linear map (LoRA on ``lm_head``, soft-capping, logit
+  scales, sharded weights) fall back to the model's own logits at those positions, logged once.
+- ``token_divergence``: the generalized JSD per loss token from ``core.distill.chunked_generalized_jsd`` (peak memory
+  chunk × V, logits recomputed in backward), plus the student's entropy at the same tokens.
+- ``DistillationRollout``: builds one generation round. Each gradient-accumulation slice is on-policy with
+  probability ``lmbda`` (GKD, Agarwal et al. 2024, https://huggingface.co/papers/2306.13649): its completions are
+  sampled from the student through the shared generation backend. The other slices use the dataset's completions,
+  or, with ``seq_kd``, completions sampled from the teacher (sequence-level KD). Prompts go through the shared
+  rollout stages (``render_prompts``, ``collate_completions``, TRL's completion metrics), so the batch has the
+  online-RL layout that ``RolloutBuffer`` shuffles, splits and replays.
+
+Deliberate differences from TRL: student and teacher heads of different sizes are accepted when both cover the
+tokenizer (e.g. Qwen2.5-0.5B's 151 936 rows vs Qwen2.5-7B's 152 064): the divergence then compares the first
+``min(V_student, V_teacher)`` rows, which are the only ones a token can map to. TRL requires equal ``vocab_size``.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from posttrain.core.distill import chunked_generalized_jsd, generalized_jsd_loss
+from posttrain.core.logprobs import chunked_logprobs_from_hidden, entropy_from_logits
+from posttrain.data.tokenization import tokenize_prompt_completion, truncate_sequence
+from posttrain.generation.base import Completions, SamplingConfig, truncate_at_eos
+from posttrain.rollout.buffer import RolloutBatch
+from posttrain.rollout.metrics import completion_length_metrics
+from posttrain.rollout.pipeline import CompletionsTable, collate_completions, render_prompts
+from posttrain.trainers._forward import unwrap_model
+
+logger = logging.getLogger(__name__)
+
+SOURCES = ("student", "dataset", "teacher")
+_LOGGED: set[str] = set()
+# LM heads whose hidden-state path was checked against the model's own logits (False: use the logits).
+_HEAD_VERIFIED: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
+
+
+def _log_once(message: str) -> None:
+    if message not in _LOGGED:
+        _LOGGED.add(message)
+        logger.warning(message)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Vocabulary
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def model_vocab_size(model: torch.nn.Module) -> int:
+    """Rows of the model's LM head (``config.vocab_size`` of its text config)."""
+    inner = unwrap_model(model)
+    config = getattr(inner, "config", None)
+    get_text = getattr(config, "get_text_config", None)
+    text = get_text() if callable(get_text) else config
+    size = getattr(text, "vocab_size", None)
+    if size is None:
+        head = inner.get_output_embeddings()
+        size = head.weight.shape[0]
+    return int(size)
+
+
+def check_shared_vocabulary(
+    student_tokenizer: Any, teacher_tokenizer: Any, student_vocab_size: int, teacher_vocab_size: int
+) -> int:
+    """Check that the teacher scores the student's token ids; return the number of head rows to compare.
+
+    Args:
+        student_tokenizer: The trainer's tokenizer.
+        teacher_tokenizer: The teacher's own tokenizer, or None when it cannot be loaded (then only sizes are
+            checked).
+        student_vocab_size / teacher_vocab_size: LM-head rows of each model.
+
+    Returns:
+        ``V`` = the head size when both are equal, else ``min`` of the two when both cover the tokenizer (the extra
+        rows are embedding padding that no token maps to).
+
+    Raises:
+        ValueError: the tokenizers map tokens to different ids, or a head is smaller than the tokenizer.
+    """
+    tok = getattr(student_tokenizer, "tokenizer", student_tokenizer)
+    if teacher_tokenizer is not None:
+        teacher_tok = getattr(teacher_tokenizer, "tokenizer", teacher_tokenizer)
+        student_vocab, teacher_vocab = tok.get_vocab(), teacher_tok.get_vocab()
+        if student_vocab != teacher_vocab:
+            differ = sorted(
+                (t for t in set(student_vocab) | set(teacher_vocab) if student_vocab.get(t) != teacher_vocab.get(t)),
+                key=lambda t: (student_vocab.get(t, teacher_vocab.get(t, 0)), t),
+            )
+            examples = ", ".join(
+                f"{t!r}: student {student_vocab.get(t)} / teacher {teacher_vocab.get(t)}" for t in differ[:3]
+            )
+            raise ValueError(
+                f"The teacher's tokenizer does not match the student's: {len(differ)} tokens have different ids "
+                f"({examples}). Distillation compares next-token distributions id by id, so the teacher must use "
+                "the student's tokenizer (same model family); cross-tokenizer distillation (TRL's GOLD) is not "
+                "supported."
+            )
+    n_tokens = len(tok)
+    if student_vocab_size == teacher_vocab_size:
+        if student_vocab_size < n_tokens:
+            raise ValueError(
+                f"The models' LM heads have {student_vocab_size} rows but the tokenizer has {n_tokens} tokens; "
+                "resize the embeddings (model.resize_token_embeddings(len(tokenizer))) of both models."
+            )
+        return student_vocab_size
+    rows = min(student_vocab_size, teacher_vocab_size)
+    if rows < n_tokens:
+        raise ValueError(
+            f"The student has vocab_size {student_vocab_size} but the teacher has vocab_size {teacher_vocab_size}, "
+            f"and the tokenizer has {n_tokens} tokens: the smaller head cannot score every token. Distillation "
+            "needs a shared vocabulary: use a teacher from the student's model family (same tokenizer)."
+        )
+    _log_once(
+        f"posttrain: student vocab_size {student_vocab_size} != teacher vocab_size {teacher_vocab_size}; both cover "
+        f"the tokenizer's {n_tokens} tokens, so the divergence compares the first {rows} rows (the others are "
+        "embedding padding)."
+    )
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Scoring completions without full-vocabulary logits
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class CompletionScores:
+    """What one forward pass gives the divergence, for the ``N`` loss tokens of a micro-batch.
+
+    Either ``hidden`` ``(N, H)`` (the last hidden states at the positions predicting the loss tokens) with the LM
+    head's ``weight`` ``(V, H)`` and ``bias`` ``(V,)|None`` — or, on the fallback path, ``logits`` ``(N, V)``.
+
+    Attributes:
+        tokens: ``(N,)`` the loss tokens (the completion tokens under the loss mask).
+        aux_loss: The model's MoE load-balancing loss, or None.
+    """
+
+    tokens: torch.Tensor
+    hidden: torch.Tensor | None = None
+    weight: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
+
+    def logits_fn(self, vocab_rows: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``rows -> (len(rows), vocab_rows)`` logits of the given loss tokens (for ``teacher_logits_fn``)."""
+        if self.logits is not None:
+            logits = self.logits
+            return lambda rows: logits[rows, :vocab_rows]
+        hidden, weight, bias = self.hidden, self.weight[:vocab_rows], _head_rows(self.bias, vocab_rows)
+        return lambda rows: F.linear(hidden[rows], weight, bias)
+
+
+def _head_rows(bias: torch.Tensor | None, rows: int) -> torch.Tensor | None:
+    return None if bias is None else bias[:rows]
+
+
+def _plain_head(model: torch.nn.Module) -> tuple[torch.nn.Linear | None, str]:
+    """The LM head when logits are exactly ``hidden @ weightᵀ + bias``; else None and the reason."""
+    inner = unwrap_model(model)
+    get_out = getattr(inner, "get_output_embeddings", None)
+    head = get_out() if callable(get_out) else None
+    if head is None:
+        return None, f"{type(inner).__name__} has no output embeddings"
+    if type(head) is not torch.nn.Linear:  # LoRA on lm_head, PEFT modules_to_save, custom heads
+        return None, f"the LM head is a {type(head).__name__}, not a plain torch.nn.Linear"
+    if hasattr(head.weight, "ds_id") or type(head.weight).__name__ == "DTensor" or head.weight.numel() == 0:
+        return None, "the LM head weight is sharded (DeepSpeed ZeRO-3 or FSDP)"
+    config = getattr(inner, "config", None)
+    configs = [config]
+    if callable(getattr(config, "get_text_config", None)):
+        configs.append(config.get_text_config())
+    for cfg in configs:
+        for name in ("final_logit_softcapping", "logit_softcapping", "logit_scale", "logits_scaling"):
+            if getattr(cfg, name, None) not in (None, 0, 0.0, 1, 1.0):
+                return None, f"the model transforms its logits (config.{name}={getattr(cfg, name)})"
+    if _HEAD_VERIFIED.get(head) is False:
+        return None, "its logits differ from hidden_states @ lm_head.weight (an unknown head transform)"
+    return head, ""
+
+
+def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
+    import inspect
+
+    try:
+        return "logits_to_keep" in inspect.signature(unwrap_model(model).forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def score_completions(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    completion_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+) -> CompletionScores:
+    """Run ``model`` over ``[prompt | completion]`` and keep what the divergence needs at the loss tokens.
+
+    Position ``P + t − 1`` predicts completion token ``t``, so the last ``C + 1`` hidden states minus the final one
+    are the ``C`` predicting positions; of those, the ones where ``loss_mask`` is set are returned. The call goes
+    through the model's own ``forward`` (DDP, PEFT adapters, gradient checkpointing behave as usual); a pre-hook
+    hands the LM head an empty slice instead of the hidden states. On the first call per head, the head computes
+    one position and the result is compared with ``hidden @ weightᵀ + bias``; a mismatch switches that model to the
+    logits path for good.
+
+    Args:
+        model: A causal LM (possibly PEFT- or accelerator-wrapped).
+        input_ids / attention_mask / position_ids: ``(B, P + C)``.
+        completion_ids: ``(B, C)``.
+        loss_mask: ``(B, C)`` 1 on the tokens the loss counts.
+
+    Returns:
+        :class:`CompletionScores` with ``N = loss_mask.sum()`` rows, differentiable when grad is enabled.
+    """
+    width = completion_ids.shape[1]
+    keep = width + 1
+    sel = loss_mask.bool()
+    tokens = completion_ids[sel]
+    kwargs: dict[str, Any] = {"use_cache": False}
+    if _accepts_logits_to_keep(model):
+        kwargs["logits_to_keep"] = keep
+    head, reason = _plain_head(model)
+    if head is not None:
+        verify = head not in _HEAD_VERIFIED
+        captured: dict[str, torch.Tensor] = {}
+
+        def pre_hook(module, args, hook_kwargs):
+            hidden = args[0] if args else hook_kwargs["input"]
+            captured["hidden"] = hidden
+            stub = hidden[..., -1:, :] if verify else hidden[..., :0, :]
+            captured["stub"] = stub
+            return ((stub, *args[1:]), hook_kwargs) if args else (args, {**hook_kwargs, "input": stub})
+
+        handle = head.register_forward_pre_hook(pre_hook, with_kwargs=True)
+        try:
+            outputs = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+        finally:
+            handle.remove()
+        if "hidden" not in captured:
+            raise RuntimeError(f"{type(unwrap_model(model)).__name__}.forward never called its LM head.")
+        same = True
+        if verify:
+            with torch.no_grad():
+                ours = F.linear(captured["stub"].float(), head.weight.float(), _float(head.bias))
+                theirs = getattr(outputs, "logits", None)
+                same = theirs is not None and theirs.shape == ours.shape
+                if same:
+                    tol = 1e-4 if theirs.dtype == torch.float32 else 3e-2
+                    same = torch.allclose(theirs.float(), ours, rtol=tol, atol=tol * (1.0 + ours.abs().max().item()))
+            _HEAD_VERIFIED[head] = bool(same)
+        if same:
+            hidden = captured["hidden"][:, -keep:-1]  # (B, C, H)
+            return CompletionScores(
+                tokens=tokens,
+                hidden=hidden[sel],
+                weight=head.weight,
+                bias=head.bias,
+                aux_loss=getattr(outputs, "aux_loss", None),
+            )
+        reason = "its logits differ from hidden_states @ lm_head.weight (an unknown head transform)"
+    _log_once(
+        f"posttrain distillation: chunked divergence is not used for {type(unwrap_model(model)).__name__} because "
+        f"{reason}; using its full-vocabulary logits at the completion positions (more memory, same result)."
+    )
+    outputs = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+    logits = outputs.logits[:, -keep:-1]  # (B, C, V)
+    return CompletionScores(tokens=tokens, logits=logits[sel], aux_loss=getattr(outputs, "aux_loss", None))
+
+
+def _float(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.float()
+
+
+def token_divergence(
+    student: CompletionScores,
+    teacher: CompletionScores,
+    *,
+    vocab_rows: int,
+    beta: float,
+    temperature: float,
+    chunk_size: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token generalized JSD between student and teacher, and the student's entropy, at the ``N`` loss tokens.
+
+    D_β = KL(p_T‖p_S) for β = 0, KL(p_S‖p_T) for β = 1, else β·KL(p_T‖p_M) + (1 − β)·KL(p_S‖p_M) with
+    p_M = (1 − β)·p_S + β·p_T, where p = softmax(logits[:vocab_rows] / temperature) (GKD, arXiv 2306.13649).
+    With student hidden states the logits are computed ``chunk_size`` tokens at a time and recomputed in backward
+    (``core.distill.chunked_generalized_jsd``), so peak memory is chunk × V, not N × V.
+
+    Returns:
+        ``(divergence (N,), entropy (N,))`` float32; the divergence carries gradients to the student, the entropy
+        H(p_S) (at the same temperature) is detached.
+    """
+    rows = vocab_rows
+    if student.hidden is not None:
+        weight, bias = student.weight[:rows], _head_rows(student.bias, rows)
+        teacher_kwargs: dict[str, Any]
+        if teacher.hidden is not None:
+            teacher_kwargs = dict(
+                teacher_hidden=teacher.hidden,
+                teacher_weight=teacher.weight[:rows],
+                teacher_bias=_head_rows(teacher.bias, rows),
+            )
+        else:
+            teacher_kwargs = dict(teacher_logits_fn=teacher.logits_fn(rows))
+        divergence = chunked_generalized_jsd(
+            student.hidden,
+            weight,
+            student_bias=bias,
+            beta=beta,
+            temperature=temperature,
+            reduction="none",
+            chunk_size=chunk_size,
+            **teacher_kwargs,
+        )
+        with torch.no_grad():
+            # Entropy does not depend on the label; clamp ids of padding rows beyond `rows` (never a real token).
+            _, entropy = chunked_logprobs_from_hidden(
+                student.hidden.detach(),
+                weight.detach(),
+                student.tokens.clamp(max=rows - 1),
+                bias=None if bias is None else bias.detach(),
+                temperature=temperature,
+                chunk_size=chunk_size,
+                compute_entropy=True,
+            )
+        return divergence.float(), entropy.float()
+    student_logits = student.logits[:, :rows]
+    n = student_logits.shape[0]
+    with torch.no_grad():
+        teacher_logits = teacher.logits_fn(rows)(torch.arange(n, device=student_logits.device))
+    divergence = generalized_jsd_loss(
+        student_logits, teacher_logits, beta=beta, temperature=temperature, reduction="none"
+    )
+    with torch.no_grad():
+        entropy = entropy_from_logits(student_logits.detach().float() / temperature)
+    return divergence.float(), entropy.float()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# One generation round
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class DistillationRollout:
+    """Build the rollout batch of one round: choose each slice's source, get its completions, collate, log.
+
+    Args:
+        tokenizer: The student's tokenizer (prompts are rendered and tokenized with it).
+        student_backend: Generation backend sampling from the student (on-policy slices).
+        teacher_backend: Generation backend sampling from the teacher (``seq_kd``), or None.
+        sampling: ``SamplingConfig`` for both backends.
+        num_generations: Completions per prompt on the generating paths (rows arrive as groups of this size).
+        lmbda: Probability that a training slice is on-policy (evaluation: on-policy iff ``lmbda > 0``).
+        seq_kd: Off-policy slices use teacher samples instead of dataset completions.
+        max_prompt_length: Prompts are cut to this many tokens (keeping the end when the tokenizer truncates on
+            the left), None = no limit.
+        max_completion_length: Dataset completions are cut to this many tokens.
+        pad_to_multiple_of / mask_truncated_completions / chat_template_kwargs: As for the online-RL pipeline.
+        keep_completions: Keep a table of (prompt, completion, source) for ``log_completions``.
+        seed: Seed of the slice draws — the same on every process, so all processes take the same path (a vLLM
+            or ZeRO-3 generation needs every process to join).
+        accelerator: For gathering metrics over processes (None = one process).
+    """
+
+    def __init__(
+        self,
+        *,
+        tokenizer: Any,
+        student_backend: Any,
+        teacher_backend: Any = None,
+        sampling: SamplingConfig,
+        num_generations: int = 1,
+        lmbda: float = 1.0,
+        seq_kd: bool = False,
+        max_prompt_length: int | None = None,
+        max_completion_length: int = 512,
+        pad_to_multiple_of: int | None = None,
+        mask_truncated_completions: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        keep_completions: bool = False,
+        seed: int = 0,
+        accelerator: Any = None,
+    ):
+        if seq_kd and teacher_backend is None:
+            raise ValueError("seq_kd=True needs a teacher generation backend.")
+        self.tokenizer = tokenizer
+        self.student_backend = student_backend
+        self.teacher_backend = teacher_backend
+        self.sampling = sampling
+        self.num_generations = num_generations
+        self.lmbda = float(lmbda)
+        self.seq_kd = seq_kd
+        self.max_prompt_length = max_prompt_length
+        self.max_completion_length = max_completion_length
+        self.pad_to_multiple_of = pad_to_multiple_of
+        self.mask_truncated_completions = mask_truncated_completions
+        self.chat_template_kwargs = chat_template_kwargs
+        self.keep_completions = keep_completions
+        self.accelerator = accelerator
+        self.generator = torch.Generator().manual_seed(int(seed))
+        self.last_completions: CompletionsTable | None = None
+        tok = getattr(tokenizer, "tokenizer", tokenizer)
+        self.pad_token_id = int(tok.pad_token_id if tok.pad_token_id is not None else sampling.pad_token_id)
+        self._truncation = "keep_end" if getattr(tok, "truncation_side", "left") == "left" else "keep_start"
+
+    # -- distributed helpers -----------------------------------------------------------------------------------
+    @property
+    def _num_processes(self) -> int:
+        return getattr(self.accelerator, "num_processes", 1) if self.accelerator is not None else 1
+
+    def _gather_sum(self, value: torch.Tensor) -> torch.Tensor:
+        value = value.reshape(1).float()
+        if self._num_processes == 1:
+            return value.sum()
+        return self.accelerator.gather(value.to(self.accelerator.device)).sum().cpu()
+
+    def _gather_list(self, values: list) -> list:
+        if self._num_processes == 1:
+            return values
+        from accelerate.utils import gather_object
+
+        return gather_object(values)
+
+    # -- sources -----------------------------------------------------------------------------------------------
+    def draw_on_policy(self, num_slices: int, mode: str = "train") -> list[bool]:
+        """Whether each slice is on-policy: a Bernoulli(``lmbda``) draw per training slice (GKD's λ)."""
+        if mode != "train":
+            return [self.lmbda > 0.0] * num_slices
+        if self.lmbda >= 1.0 or self.lmbda <= 0.0:  # no draw: the RNG state stays put
+            return [self.lmbda >= 1.0] * num_slices
+        return (torch.rand(num_slices, generator=self.generator) < self.lmbda).tolist()
+
+    @staticmethod
+    def as_prompt_completion(row: dict[str, Any], index: int) -> dict[str, Any]:
+        """Rows in GKD's conversational ``messages`` format become prompt (all but the last turn) + completion (the
+        final assistant turn); prompt-only and prompt-completion rows pass unchanged."""
+        if "prompt" in row:
+            return row
+        messages = row.get("messages")
+        if isinstance(messages, list) and messages and messages[-1].get("role") == "assistant":
+            return {**row, "prompt": messages[:-1], "completion": messages[-1:]}
+        raise ValueError(
+            f"Row {index} has neither a 'prompt' column nor a 'messages' conversation ending with an assistant turn "
+            f"(columns: {sorted(row)}). Use prompt-only ({{'prompt': ...}}), prompt-completion ({{'prompt': ..., "
+            "'completion': ...}}) or conversational ({'messages': [..., {'role': 'assistant', ...}]}) rows."
+        )
+
+    def row_source(self, on_policy: bool, row: dict[str, Any]) -> str:
+        """``"student"`` on-policy; else ``"teacher"`` with ``seq_kd``, ``"dataset"`` when the row has a completion,
+        and ``"student"`` for prompt-only rows (with prompt-only data everything is on-policy)."""
+        if on_policy:
+            return "student"
+        if self.seq_kd:
+            return "teacher"
+        return "dataset" if row.get("completion") is not None else "student"
+
+    # -- completions -------------------------------------------------------------------------------------------
+    def _truncate_prompt(self, ids: list[int]) -> list[int]:
+        return truncate_sequence(ids, self.max_prompt_length, self._truncation)
+
+    def _generate(self, backend: Any, prompt_ids: list[list[int]]) -> Completions:
+        """Sample one completion per row; whole groups of identical prompts are handed over once with G."""
+        g, n = self.num_generations, len(prompt_ids)
+        grouped = g > 1 and n % g == 0 and all(prompt_ids[i] == prompt_ids[i - i % g] for i in range(n))
+        if grouped:
+            return backend.generate(prompt_ids[::g], self.sampling, g)
+        return backend.generate(prompt_ids, self.sampling, 1)
+
+    def _dataset_completion(self, row: dict[str, Any], index: int) -> tuple[list[int], list[int], bool]:
+        """(prompt ids, completion ids cut after the first EOS and to max_completion_length, ended with EOS)."""
+        out = tokenize_prompt_completion(
+            row, self.tokenizer, add_eos=True, chat_template_kwargs=self.chat_template_kwargs, row_index=index
+        )
+        n_prompt = len(out["completion_mask"]) - sum(out["completion_mask"])
+        ids = out["input_ids"]
+        # Cut after the EOS, as a sampled completion would end (chat templates add text after <|im_end|>).
+        completion, ended = truncate_at_eos(ids[n_prompt:], self.sampling.eos_token_ids)
+        if len(completion) > self.max_completion_length:
+            completion, ended = completion[: self.max_completion_length], False
+        return ids[:n_prompt], completion, ended
+
+    # -- the round ---------------------------------------------------------------------------------------------
+    def run(
+        self,
+        rows: list[dict[str, Any]],
+        *,
+        num_slices: int = 1,
+        mode: str = "train",
+        device: torch.device | str = "cpu",
+        record: Callable[[str, float], None] | None = None,
+    ) -> RolloutBatch:
+        """Completions for ``rows`` (this process's share of the round) as one rollout batch.
+
+        Rows are split into ``num_slices`` consecutive slices (the gradient-accumulation micro-batches of the
+        round); each slice gets one source. The batch holds ``prompt_ids``/``prompt_mask`` ``(B, P)``,
+        ``completion_ids``/``completion_mask`` ``(B, C)``, ``completion_lengths`` ``(B,)``, ``sources`` (one of
+        ``SOURCES`` per row) and ``num_items_in_batch`` (loss tokens of the round over all processes).
+        """
+        record = record or (lambda name, value: None)
+        rows = [self.as_prompt_completion(row, i) for i, row in enumerate(rows)]
+        n = len(rows)
+        if num_slices < 1 or n % num_slices != 0:
+            raise ValueError(f"Cannot split a round of {n} rows into {num_slices} equal slices.")
+        size = n // num_slices
+        on_policy = self.draw_on_policy(num_slices, mode)
+        sources = [self.row_source(on_policy[i // size], row) for i, row in enumerate(rows)]
+
+        prompt_texts, rendered = render_prompts(rows, self.tokenizer, self.chat_template_kwargs)
+        prompt_ids: list[list[int]] = [self._truncate_prompt(ids) for ids in rendered]
+        completion_ids: list[list[int]] = [[] for _ in range(n)]
+        finished = [False] * n
+        for source, backend in (("student", self.student_backend), ("teacher", self.teacher_backend)):
+            index = [i for i in range(n) if sources[i] == source]
+            if not index:
+                continue
+            out = self._generate(backend, [prompt_ids[i] for i in index])
+            if len(out) != len(index):
+                raise ValueError(
+                    f"The {source} generation backend returned {len(out)} completions for {len(index)} rows."
+                )
+            for j, i in enumerate(index):
+                completion_ids[i] = list(out.completion_ids[j])
+                finished[i] = bool(out.finished[j])
+        for i in range(n):
+            if sources[i] == "dataset":
+                ids, completion_ids[i], finished[i] = self._dataset_completion(rows[i], i)
+                prompt_ids[i] = self._truncate_prompt(ids)
+
+        batch = collate_completions(
+            Completions(completion_ids, None, finished, prompt_ids),
+            pad_token_id=self.pad_token_id,
+            mask_truncated_completions=self.mask_truncated_completions,
+            pad_to_multiple_of=self.pad_to_multiple_of,
+        )
+        lengths = batch["completion_lengths"]
+        record("num_tokens", float(self._gather_sum(batch["prompt_mask"].sum() + lengths.sum())))
+        generated = [i for i in range(n) if sources[i] != "dataset"]
+        gen_lengths = self._gather_list([int(lengths[i]) for i in generated])
+        gen_finished = self._gather_list([bool(finished[i]) for i in generated])
+        if gen_lengths:  # TRL's completion metrics describe sampled completions
+            for name, value in completion_length_metrics(
+                torch.tensor(gen_lengths), torch.tensor(gen_finished, dtype=torch.bool)
+            ).items():
+                record(name, value)
+        batch["num_items_in_batch"] = self._gather_sum(batch["completion_mask"].sum())
+        batch["sources"] = sources
+        if self.keep_completions:
+            texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+            self.last_completions = CompletionsTable(
+                {
+                    "prompt": self._gather_list(prompt_texts),
+                    "completion": self._gather_list(texts),
+                    "source": self._gather_list(sources),
+                }
+            )
+        batch.pop("finished")
+        return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+
+    # -- checkpointing -----------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The slice-draw RNG (a resumed run draws the same sources as an uninterrupted one)."""
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.generator.set_state(state["generator"])

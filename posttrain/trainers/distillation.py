@@ -1,0 +1,578 @@
+"""DistillationTrainer / DistillationConfig: on-policy knowledge distillation with TRL's API.
+
+Generalized Knowledge Distillation (GKD; Agarwal et al. 2024, "On-Policy Distillation of Language Models: Learning
+from Self-Generated Mistakes", https://huggingface.co/papers/2306.13649) on the shared online-RL machinery
+(``trainers/_online.py``): the same prompt sampler, generation backends, rollout buffer, step metrics, completions
+log and checkpoint/resume handling as GRPO and RLOO. What distillation changes:
+
+- the round (``_distill_parts.DistillationRollout``): each gradient-accumulation slice is on-policy with probability
+  ``lmbda`` (student samples from the generation backend); the others use the dataset's completions, or teacher
+  samples with ``seq_kd`` (sequence-level KD). With prompt-only data everything is on-policy. No rewards, no
+  advantages, no reference model;
+- the loss: the generalized Jensen–Shannon divergence between the student's and the teacher's next-token
+  distributions at every completion token (β = 0 forward KL, β = 1 reverse KL, logits divided by ``temperature``),
+  computed from last hidden states in chunks of tokens (``core.distill.chunked_generalized_jsd``) so that neither
+  model's ``(B, T, V)`` logits are built; summed over tokens and divided by the number of completion tokens of the
+  whole optimizer step over all processes (TRL's normalisation, so gradient accumulation and data parallelism
+  leave the loss unchanged).
+
+Metrics (TRL's names): ``loss`` (the divergence per token), ``distillation_loss`` (the same per micro-batch),
+``entropy`` (student, at the completion tokens), ``completions/*`` (sampled completions), ``num_tokens``,
+``step_time``; ``aux_loss`` for MoE students.
+
+Deliberate differences from TRL: heads of different sizes that both cover the tokenizer are accepted (see
+``_distill_parts``); evaluation scores student samples when ``lmbda > 0`` and dataset (or, with ``seq_kd``, teacher)
+completions when ``lmbda = 0``; teacher-server / top-k losses (TRL's ``ServerDistillationTrainer``), Liger, tools
+and VLMs are not supported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from posttrain.generation.base import SamplingConfig
+from posttrain.models.loading import (
+    create_model_from_path,
+    disable_dropout_in_model,
+    load_processing_class,
+    resolve_model,
+    resolve_processing_class,
+)
+from posttrain.rollout.buffer import RolloutBatch, RolloutBuffer
+from posttrain.rollout.sampler import RepeatSampler, repeat_iterable_dataset
+from posttrain.trainers._distill_parts import (
+    DistillationRollout,
+    check_shared_vocabulary,
+    model_vocab_size,
+    score_completions,
+    token_divergence,
+)
+from posttrain.trainers._forward import unwrap_model
+from posttrain.trainers._online import GENERATION_BACKENDS, OnlineRLConfig, OnlineTrainerBase, completion_inputs
+from posttrain.trainers._reference import ReferencePolicy
+from posttrain.trainers.base import BaseConfig, BaseTrainer
+
+# OnlineRLConfig fields that belong to GRPO/RLOO's policy-gradient loss: setting them here would silently do nothing.
+_POLICY_GRADIENT_FIELDS = (
+    "reward_weights",
+    "epsilon",
+    "epsilon_high",
+    "sync_ref_model",
+    "ref_model_mixup_alpha",
+    "ref_model_sync_steps",
+)
+
+
+@dataclass
+class DistillationConfig(OnlineRLConfig):
+    """Configuration of :class:`DistillationTrainer`: TRL's ``DistillationConfig`` fields and defaults (plus GKD's
+    ``lmbda`` and ``seq_kd``).
+
+    The generation fields (``use_vllm``/``vllm_*``, ``generation_backend``, ``generation_kwargs``, ``min_p``,
+    ``repetition_penalty``, ``chat_template_kwargs``), ``num_iterations``, ``mask_truncated_completions`` and the
+    logging fields are the shared online-RL ones (``OnlineRLConfig``). ``generation_batch_size`` keeps TRL's
+    distillation meaning (unique prompts per process per optimizer step) and ``steps_per_generation`` is always
+    ``gradient_accumulation_steps``: one generation round per optimizer step.
+    """
+
+    # -- model -----------------------------------------------------------------------------------------------------
+    max_length: int | None = field(
+        default=1024, metadata={"help": "Maximum prompt + completion tokens; prompts are cut to leave room."}
+    )
+    max_prompt_length: int | None = field(
+        default=None,
+        metadata={
+            "help": "Maximum prompt tokens (cut on the tokenizer's truncation side, left by default). None: "
+            "max_length - max_completion_length."
+        },
+    )
+    disable_dropout: bool = field(default=True, metadata={"help": "Disable dropout in the student."})
+    # -- distillation ------------------------------------------------------------------------------------------------
+    temperature: float = field(
+        default=1.0,
+        metadata={"help": "Sampling temperature, also dividing both models' logits in the loss."},
+    )
+    lmbda: float = field(
+        default=1.0,
+        metadata={
+            "help": "Probability that a gradient-accumulation slice is on-policy (student samples). 0.0 = dataset "
+            "completions only (supervised KD), 1.0 = fully on-policy. Prompt-only data is always on-policy."
+        },
+    )
+    beta: float = field(
+        default=1.0,
+        metadata={
+            "help": "Generalized JSD interpolation: 0.0 = forward KL(teacher||student), 0.5 = JSD, 1.0 = reverse "
+            "KL(student||teacher)."
+        },
+    )
+    seq_kd: bool = field(
+        default=False,
+        metadata={
+            "help": "Sequence-level KD: off-policy slices use completions sampled from the teacher instead of the "
+            "dataset's (GKD's seq_kd)."
+        },
+    )
+    # -- teacher -----------------------------------------------------------------------------------------------------
+    teacher_model_name_or_path: str | None = field(
+        default=None, metadata={"help": "Teacher hub id or local path (used when no teacher_model is passed)."}
+    )
+    teacher_model_revision: str | None = field(
+        default=None, metadata={"help": "Revision of the teacher model (branch, tag or commit)."}
+    )
+    teacher_model_init_kwargs: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={"help": "Keyword arguments for the teacher's `from_pretrained` (JSON string allowed)."},
+    )
+    # -- generation --------------------------------------------------------------------------------------------------
+    num_generations: int | None = field(
+        default=1, metadata={"help": "Completions sampled per prompt on on-policy slices."}
+    )
+    generation_batch_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "Unique prompts per process per optimizer step. None: per_device_train_batch_size × "
+            "gradient_accumulation_steps / num_generations (the only valid value)."
+        },
+    )
+    top_p: float = field(default=0.95, metadata={"help": "Nucleus sampling mass for on-policy generation."})
+    top_k: int = field(default=0, metadata={"help": "Top-k filtering for on-policy generation; 0 = off."})
+    vllm_server_host: str = field(default="127.0.0.1", metadata={"help": "Host of the student vLLM server."})
+    vllm_server_port: int = field(default=8001, metadata={"help": "Port of the student vLLM server."})
+    vllm_sync_frequency: int = field(
+        default=1, metadata={"help": "Optimizer steps between weight syncs to the generation backend."}
+    )
+    # -- logging -----------------------------------------------------------------------------------------------------
+    log_completions: bool = field(
+        default=False,
+        metadata={
+            "help": "Every `log_completions_steps` steps, print a sample of (prompt, completion, source) with rich "
+            "and write output_dir/completions/completions_{step:05d}.parquet."
+        },
+    )
+    log_completions_steps: int = field(
+        default=100, metadata={"help": "Steps between completion logs (only with log_completions)."}
+    )
+
+    _trainer_name = "Distillation"
+    _VALID_DICT_FIELDS = [*OnlineRLConfig._VALID_DICT_FIELDS, "teacher_model_init_kwargs"]
+
+    def __post_init__(self):
+        for name in _POLICY_GRADIENT_FIELDS:
+            default = next(f.default for f in dataclasses.fields(OnlineRLConfig) if f.name == name)
+            if getattr(self, name) != default:
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r} is a GRPO/RLOO option with no effect on distillation; remove it."
+                )
+        # OnlineRLConfig's batch rules are GRPO's (num_generations >= 2, generation_batch_size in completions):
+        # distillation has TRL's own rule, so only the TrainingArguments part of the chain runs here.
+        BaseConfig.__post_init__(self)
+        if self.use_transformers_paged:
+            warnings.warn(
+                "use_transformers_paged is deprecated; use use_transformers_continuous_batching.",
+                FutureWarning,
+                stacklevel=2,
+            )
+            self.use_transformers_continuous_batching = True
+        if self.generation_backend not in GENERATION_BACKENDS:
+            raise ValueError(
+                f"Unknown generation_backend {self.generation_backend!r}. Valid values: "
+                f"{', '.join(GENERATION_BACKENDS)} (use use_vllm=True for vLLM)."
+            )
+        if self.vllm_mode not in ("colocate", "server"):
+            raise ValueError(f"vllm_mode must be 'colocate' or 'server', got {self.vllm_mode!r}.")
+        if self.auto_find_batch_size:
+            raise ValueError(
+                "auto_find_batch_size=True is not supported by Distillation: the generation round is tied to the "
+                "batch size. Set per_device_train_batch_size explicitly."
+            )
+        pc = self.parallelism_config
+        if pc is not None and (getattr(pc, "cp_size", 1) > 1 or getattr(pc, "sp_size", 1) > 1):
+            raise ValueError(
+                "Context/sequence parallelism is not supported by Distillation; remove cp_size/sp_size from "
+                "parallelism_config."
+            )
+        if not 0.0 <= self.lmbda <= 1.0:
+            raise ValueError(f"lmbda must be in [0.0, 1.0], got {self.lmbda}.")
+        if not 0.0 <= self.beta <= 1.0:
+            raise ValueError(f"beta must be in [0.0, 1.0], got {self.beta}.")
+        if not self.temperature > 0.0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}.")
+        if self.max_completion_length is None or self.max_completion_length < 1:
+            raise ValueError(f"max_completion_length must be a positive integer, got {self.max_completion_length}.")
+        if self.max_length is not None and self.max_completion_length >= self.max_length:
+            raise ValueError(
+                f"max_completion_length ({self.max_completion_length}) must be smaller than max_length "
+                f"({self.max_length}) to leave room for the prompt."
+            )
+        if self.max_prompt_length is None and self.max_length is not None:
+            self.max_prompt_length = self.max_length - self.max_completion_length
+        if self.num_generations is None or self.num_generations < 1:
+            raise ValueError(f"num_generations must be at least 1, got {self.num_generations}.")
+        if self.num_iterations < 1:
+            raise ValueError(f"num_iterations must be >= 1, got {self.num_iterations}.")
+        for name in ("vllm_sync_frequency", "log_completions_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        local_rows = self.per_device_train_batch_size * self.gradient_accumulation_steps
+        if self.generation_batch_size is None:
+            self.generation_batch_size = local_rows // self.num_generations
+        if self.generation_batch_size < 1:
+            raise ValueError(f"generation_batch_size must be at least 1, got {self.generation_batch_size}.")
+        if self.generation_batch_size * self.num_generations != local_rows:
+            raise ValueError(
+                "generation_batch_size * num_generations must equal per_device_train_batch_size * "
+                f"gradient_accumulation_steps. Got {self.generation_batch_size} * {self.num_generations} != "
+                f"{self.per_device_train_batch_size} * {self.gradient_accumulation_steps}."
+            )
+        if self.steps_per_generation not in (None, self.gradient_accumulation_steps):
+            raise ValueError(
+                f"steps_per_generation={self.steps_per_generation}: distillation generates once per optimizer step "
+                "(steps_per_generation = gradient_accumulation_steps); remove it."
+            )
+        self.steps_per_generation = self.gradient_accumulation_steps
+        if self.num_generations > 1 and self.lmbda < 1.0:
+            warnings.warn(
+                f"num_generations={self.num_generations} with lmbda={self.lmbda} means off-policy batches include "
+                f"{self.num_generations} copies of each sample. Consider lmbda=1.0 when num_generations > 1.",
+                UserWarning,
+                stacklevel=2,
+            )
+
+
+class DistillationTrainer(OnlineTrainerBase):
+    """On-policy distillation of a teacher into a student with TRL's constructor, config and metrics.
+
+    Args:
+        model: The student: hub id / local path (loaded with ``args.model_init_kwargs``, float32 by default), a
+            ``PreTrainedModel`` causal LM, or a ``PeftModel``.
+        teacher_model: The teacher: hub id / local path (loaded with ``args.teacher_model_init_kwargs`` at
+            ``args.teacher_model_revision``) or a model; None → ``args.teacher_model_name_or_path``. It is frozen and
+            kept in eval mode, may be larger than the student, and must share its tokenizer vocabulary.
+        args: :class:`DistillationConfig`; None → defaults with ``output_dir=f"{model_name}-Distillation"``.
+        data_collator: Not supported (the rollout builds the batches); must be None.
+        train_dataset: Prompt-only (``"prompt"``) or prompt-completion (``"prompt"``, ``"completion"``) rows, text
+            or messages, or GKD's conversational ``"messages"`` (the last assistant turn is the completion).
+            Completions are used by off-policy slices (``lmbda < 1``).
+        eval_dataset: Same format.
+        processing_class: The student's tokenizer (left padding and truncation are set); None → loaded from it.
+        compute_metrics / preprocess_logits_for_metrics: Not supported (no logits are returned); must be None.
+        callbacks / optimizers: As ``transformers.Trainer``.
+        peft_config: Wraps the student (LoRA). A LoRA on ``lm_head`` works but uses the full-logits path.
+    """
+
+    config_class = DistillationConfig
+    _trainer_name = "Distillation"
+    _tag_names = ["posttrain", "distillation"]
+    # Tokens per chunk of the divergence (None: chosen from the vocabulary, see `_loss_chunk_size`).
+    loss_chunk_size: int | None = None
+
+    def __init__(
+        self,
+        model: str | torch.nn.Module,
+        teacher_model: str | torch.nn.Module | None = None,
+        args: DistillationConfig | None = None,
+        data_collator: Any = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        processing_class: Any = None,
+        compute_metrics: Any = None,
+        callbacks: list | None = None,
+        optimizers: tuple = (None, None),
+        preprocess_logits_for_metrics: Any = None,
+        peft_config: Any = None,
+    ):
+        for name, value in (
+            ("data_collator", data_collator),
+            ("compute_metrics", compute_metrics),
+            ("preprocess_logits_for_metrics", preprocess_logits_for_metrics),
+        ):
+            if value is not None:
+                raise ValueError(
+                    f"DistillationTrainer does not support {name}: batches are built by the rollout (prompts, "
+                    "generated or dataset completions) and no logits are returned. Pass None."
+                )
+        if isinstance(teacher_model, torch.nn.Module) and teacher_model is model:
+            raise ValueError("teacher_model is the student model itself; pass a separate (frozen) teacher.")
+        args = self._resolve_args(model, args)
+        if train_dataset is None:
+            raise ValueError("DistillationTrainer needs a train_dataset with a 'prompt' column.")
+        model_id = model if isinstance(model, str) else None
+        model = resolve_model(model, args, peft_config=peft_config)
+        processing_class = resolve_processing_class(
+            model_id or model, processing_class, padding_side="left", truncation_side="left"
+        )
+        if args.disable_dropout:
+            disable_dropout_in_model(model)
+        teacher, teacher_tokenizer = self._load_teacher(teacher_model, args)
+        self.vocab_rows = check_shared_vocabulary(
+            processing_class, teacher_tokenizer, model_vocab_size(model), model_vocab_size(teacher)
+        )
+
+        self._is_iterable = isinstance(train_dataset, torch.utils.data.IterableDataset)
+        if self._is_iterable:
+            if args.max_steps is None or args.max_steps <= 0:
+                raise ValueError(
+                    "A streaming (IterableDataset) train_dataset has no length: set max_steps to a positive number."
+                )
+            if args.dataloader_num_workers:
+                warnings.warn("IterableDataset training forces dataloader_num_workers=0.", stacklevel=2)
+                args.dataloader_num_workers = 0
+            args.accelerator_config.dispatch_batches = False
+        elif len(train_dataset) < args.generation_batch_size * args.world_size:
+            raise ValueError(
+                f"train_dataset has {len(train_dataset)} prompts but one optimizer step needs generation_batch_size "
+                f"× processes = {args.generation_batch_size} × {args.world_size}; add prompts or lower "
+                "per_device_train_batch_size / gradient_accumulation_steps."
+            )
+        columns = getattr(train_dataset, "column_names", None) or []
+        if args.lmbda < 1.0 and not args.seq_kd and columns and not {"completion", "messages"} & set(columns):
+            warnings.warn(
+                f"lmbda={args.lmbda} but train_dataset has no 'completion' (or 'messages') column: with prompt-only "
+                "data every batch is on-policy. Add completions, or set seq_kd=True to distil on teacher samples.",
+                UserWarning,
+                stacklevel=2,
+            )
+        # OnlineTrainerBase.__init__ wires rewards and a reference policy, which distillation has neither of: the
+        # shared parts are set up here and its data path, loss plumbing, logging and checkpoints are inherited.
+        BaseTrainer.__init__(
+            self,
+            model=model,
+            args=args,
+            data_collator=_rows_as_is,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            compute_loss_func=_loss_is_already_normalised,
+        )
+        from accelerate.utils import set_seed
+
+        set_seed(args.seed, device_specific=True)  # each process samples different completions (TRL)
+        placed = ReferencePolicy("model", model=teacher)
+        placed.prepare(self.accelerator)  # device, or a DeepSpeed/FSDP inference engine
+        self.teacher_model = placed.model
+
+        self.num_generations = args.num_generations
+        self.num_generations_eval = args.num_generations_eval or args.num_generations
+        self.sampling = SamplingConfig.from_args(args, processing_class).resolved()
+        self.rollout_func = self.agent = None  # no rollout_func / tools (agent training) in distillation yet
+        self.backend = self._make_backend(None)
+        teacher_backend = None
+        if args.seq_kd:
+            from posttrain.generation.registry import get_backend
+
+            # The teacher samples in-process (it is frozen: nothing to sync); vLLM serves only the student.
+            name = "transformers" if args.generation_backend == "transformers" else "posttrain"
+            teacher_backend = get_backend(name, self.teacher_model, processing_class, return_logprobs=False)
+        self.rollout = DistillationRollout(
+            tokenizer=processing_class,
+            student_backend=self.backend,
+            teacher_backend=teacher_backend,
+            sampling=self.sampling,
+            num_generations=args.num_generations,
+            lmbda=args.lmbda,
+            seq_kd=args.seq_kd,
+            max_prompt_length=args.max_prompt_length,
+            max_completion_length=args.max_completion_length,
+            pad_to_multiple_of=args.pad_to_multiple_of,
+            mask_truncated_completions=args.mask_truncated_completions,
+            chat_template_kwargs=args.chat_template_kwargs,
+            keep_completions=args.log_completions,
+            seed=args.seed,
+            accelerator=self.accelerator,
+        )
+        self.buffer = RolloutBuffer(
+            args.steps_per_generation, args.num_iterations, seed=args.seed + self.accelerator.process_index
+        )
+        config = getattr(unwrap_model(model), "config", None)
+        self.aux_loss_enabled = bool(getattr(config, "output_router_logits", False)) and args.router_aux_loss_coef != 0
+        self._last_synced_step = -1
+        self._pending_completions = None
+
+    # -- construction helpers ----------------------------------------------------------------------------------
+    @staticmethod
+    def _load_teacher(teacher_model: Any, args: DistillationConfig) -> tuple[torch.nn.Module, Any]:
+        """The frozen, eval-mode teacher and its tokenizer (None when it has none to load)."""
+        if teacher_model is None:
+            teacher_model = args.teacher_model_name_or_path
+        if teacher_model is None:
+            raise ValueError(
+                "DistillationTrainer needs a teacher: pass teacher_model= (hub id, local path or model) or set "
+                "teacher_model_name_or_path in DistillationConfig."
+            )
+        init_kwargs = dict(args.teacher_model_init_kwargs or {})
+        if isinstance(teacher_model, str):
+            if args.trust_remote_code:
+                init_kwargs.setdefault("trust_remote_code", True)
+            if args.teacher_model_revision is not None:
+                init_kwargs.setdefault("revision", args.teacher_model_revision)
+            source = teacher_model
+            teacher_model = create_model_from_path(teacher_model, **init_kwargs)
+        else:
+            if init_kwargs:
+                raise ValueError(
+                    "You passed teacher_model_init_kwargs to the config, but your teacher_model is already "
+                    "instantiated. Pass the teacher as a hub id / path, or drop teacher_model_init_kwargs."
+                )
+            source = getattr(getattr(teacher_model, "config", None), "_name_or_path", None)
+        for param in teacher_model.parameters():
+            param.requires_grad_(False)
+        teacher_model.eval()
+        tokenizer = None
+        if source and (not os.path.isdir(source) or _has_tokenizer_files(source)):
+            try:  # only to compare vocabularies: a teacher saved without its tokenizer is checked by size
+                tokenizer = load_processing_class(source)
+            except (OSError, ValueError):
+                tokenizer = None
+        return teacher_model, tokenizer
+
+    def _set_signature_columns_if_needed(self):
+        if self._signature_columns is None:
+            self._signature_columns = [
+                "prompt", "completion", "messages", "tools", "chat_template_kwargs", "image", "images",
+            ]  # fmt: skip
+
+    # -- data path: TRL's distillation batch arithmetic --------------------------------------------------------
+    def _prompts_per_round(self) -> int:
+        """Unique prompts per generation round over all processes (``generation_batch_size`` is per process)."""
+        return self.args.generation_batch_size * self.accelerator.num_processes
+
+    def _get_train_sampler(self, train_dataset=None) -> RepeatSampler:
+        args = self.args
+        return RepeatSampler(
+            train_dataset if train_dataset is not None else self.train_dataset,
+            mini_repeat_count=self.num_generations,
+            batch_size=self._prompts_per_round(),
+            repeat_count=args.num_iterations * args.steps_per_generation,
+            shuffle=args.shuffle_dataset,
+            seed=args.seed,
+        )
+
+    def get_train_dataloader(self):
+        args = self.args
+        dataset = self.train_dataset
+        if self._is_iterable:
+            dataset = repeat_iterable_dataset(
+                dataset,
+                mini_repeat_count=self.num_generations,
+                batch_size=self._prompts_per_round(),
+                repeat_count=args.num_iterations * args.steps_per_generation,
+                shuffle=args.shuffle_dataset,
+                seed=args.seed,
+            )
+        return self._get_dataloader(
+            dataset=dataset,
+            description="Training",
+            batch_size=self._train_batch_size * args.steps_per_generation,
+            sampler_fn=self._get_train_sampler,
+            is_training=True,
+        )
+
+    def _generate_and_score(self, rows: list[dict[str, Any]], mode: str) -> RolloutBatch:
+        """Build one round (see ``DistillationRollout``): slices of student samples / dataset or teacher completions."""
+        step = self.state.global_step
+        if step != self._last_synced_step and step % self.args.vllm_sync_frequency == 0:
+            self.backend.sync_weights(self.accelerator.unwrap_model(self.model))
+            self._last_synced_step = step
+        batch = self.rollout.run(
+            rows,
+            num_slices=self.args.steps_per_generation if mode == "train" else 1,
+            mode=mode,
+            device=self.accelerator.device,
+            record=self._record(mode),
+        )
+        if self.rollout.last_completions is not None:
+            self._pending_completions = self.rollout.last_completions
+        return batch
+
+    # -- loss --------------------------------------------------------------------------------------------------
+    def _compute_loss(self, model: torch.nn.Module, inputs: RolloutBatch) -> torch.Tensor:
+        """Σ_tokens D_β(p_S‖p_T) / (completion tokens of the optimizer step over all processes / processes).
+
+        In evaluation the divisor is the micro-batch's own token count (the mean divergence per token).
+        """
+        args = self.args
+        mode = self._mode()
+        input_ids, attention_mask, position_ids, _ = completion_inputs(inputs)
+        scored = (input_ids, attention_mask, position_ids, inputs["completion_ids"], inputs["completion_mask"])
+        student = score_completions(model, *scored)
+        with torch.no_grad():
+            teacher = score_completions(self.teacher_model, *scored)
+        divergence, entropy = token_divergence(
+            student,
+            teacher,
+            vocab_rows=self.vocab_rows,
+            beta=args.beta,
+            temperature=args.temperature,
+            chunk_size=self._loss_chunk_size(),
+        )  # (N,) each
+        n_tokens = divergence.new_tensor(float(divergence.numel()))
+        if mode == "train":
+            # DDP averages gradients over processes: dividing by the per-process share of the global token count
+            # makes the step's gradient that of the global mean (TRL's num_items_in_batch rule).
+            normaliser = inputs["num_items_in_batch"].to(divergence) / self.accelerator.num_processes
+        else:
+            normaliser = n_tokens
+        loss = divergence.sum() / normaliser.clamp(min=1.0)
+        if divergence.numel() == 0:
+            # Every token masked (e.g. mask_truncated_completions): a zero loss that still reaches every parameter,
+            # so backward and DDP's gradient hooks run as usual.
+            loss = loss + 0.0 * sum(p.sum() for p in model.parameters() if p.requires_grad)
+        if self.aux_loss_enabled and student.aux_loss is not None:
+            loss = loss + args.router_aux_loss_coef * student.aux_loss / self._grad_accum_divisor()
+            self.record_metric("aux_loss", self._gather_mean(student.aux_loss), mode=mode)
+        mean = divergence.detach().sum() / n_tokens if divergence.numel() else divergence.new_tensor(float("nan"))
+        self.record_metric("distillation_loss", self._gather_mean(mean), mode=mode)
+        entropy_mean = entropy.mean() if entropy.numel() else entropy.new_tensor(float("nan"))
+        self.record_metric("entropy", self._gather_mean(entropy_mean), mode=mode)
+        return loss
+
+    def _loss_chunk_size(self) -> int:
+        """Tokens per chunk: about 2**24 logits (64 MiB in float32) per chunk, between 16 and 1024 tokens.
+
+        The divergence keeps roughly eight chunk × V float32 temporaries alive (both log-softmaxes, the mixture,
+        the KL terms), so a fixed budget per chunk bounds its peak memory at ~0.5 GiB whatever the batch size,
+        sequence length or vocabulary (152k-row vocabularies: ~110 tokens per chunk).
+        """
+        if self.loss_chunk_size is not None:
+            return int(self.loss_chunk_size)
+        return min(1024, max(16, 2**24 // self.vocab_rows))
+
+    # -- logging and checkpoints -------------------------------------------------------------------------------
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        step = self.state.global_step
+        if step == 0 or step % self.args.log_completions_steps != 0:
+            self._pending_completions = None  # print/write the table only every log_completions_steps steps
+        super().log(logs, start_time)
+
+    def resume_state_dict(self) -> dict[str, Any]:
+        """Adds the slice-draw RNG of the rollout (which slices are on-policy)."""
+        return {**super().resume_state_dict(), "distillation_rollout": self.rollout.state_dict()}
+
+    def load_resume_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_resume_state_dict(state)
+        if "distillation_rollout" in state:
+            self.rollout.load_state_dict(state["distillation_rollout"])
+
+
+def _rows_as_is(features: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Collator: raw dataset rows go to the rollout, which tokenizes and batches them."""
+    return features
+
+
+def _loss_is_already_normalised(*args, **kwargs):
+    """Marker: a non-None ``compute_loss_func`` stops HF Trainer from dividing the loss by the accumulation steps."""
+    raise RuntimeError("DistillationTrainer computes its loss in compute_loss; this marker is never called.")
+
+
+def _has_tokenizer_files(folder: str) -> bool:
+    names = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+    return any(os.path.isfile(os.path.join(folder, name)) for name in names)
