@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "posttrain.scripts.distillation:cli",
         "On-policy distillation of a teacher into a student (DistillationTrainer).",
     ),
+    "demo": ("posttrain.demo.run:main", "Offline end-to-end demo: SFT then GRPO on a tiny model, with a report."),
     "env": ("posttrain.cli.main:_run_env", "Print versions, devices and the accelerate config for bug reports."),
     "report": ("posttrain.cli.main:_run_report", "Write the HTML training report for an output directory."),
 }
