@@ -412,7 +412,7 @@ def test_config_and_constructor_errors(tiny_model_path, tmp_path):
                     train_dataset=_dataset())  # fmt: skip
     with pytest.raises(ValueError, match="No reward source provided"):
         GRPOTrainer(tiny_model_path, None, _config(tmp_path), train_dataset=_dataset())
-    with pytest.raises(ValueError, match="tools / environment_factory"):
+    with pytest.raises(ValueError, match="Tool .len. cannot be turned into a JSON schema"):
         GRPOTrainer(tiny_model_path, varied_reward, _config(tmp_path), train_dataset=_dataset(), tools=[len])
     with pytest.raises(ValueError, match="one generation round needs"):
         GRPOTrainer(tiny_model_path, varied_reward, _config(tmp_path, per_device_train_batch_size=8),
