@@ -360,6 +360,7 @@ class OnlineTrainerBase(BaseTrainer):
         )
         self.reward_funcs = reward_funcs
         self.reward_func_names = list(self.scorer.names)
+        self._validate_reward_signatures(reward_funcs, env_rewards, train_dataset, rollout_func, environment_factory)
 
         self.reference = create_reference_policy(
             model,
@@ -468,6 +469,22 @@ class OnlineTrainerBase(BaseTrainer):
                 "a get_reward method."
             )
         return [*(self._resolve_reward_func(func, args) for func in reward_funcs), *(env_rewards or [])]
+
+    @staticmethod
+    def _validate_reward_signatures(
+        reward_funcs: list, env_rewards: list, train_dataset: Any, rollout_func: Any, environment_factory: Any
+    ) -> None:
+        """Fail at init, not at the first step, when a reward function cannot take the keyword arguments it will
+        receive or needs a dataset column that is missing (unknown with a rollout_func: its extra keys are columns)."""
+        from posttrain.rewards.scoring import validate_reward_func_signature
+
+        columns = getattr(train_dataset, "column_names", None)
+        if rollout_func is not None:
+            columns = None
+        for func in reward_funcs:
+            if any(func is env for env in env_rewards):
+                continue
+            validate_reward_func_signature(func, columns, environments=environment_factory is not None)
 
     def _environment_placeholder_dataset(self, args: OnlineRLConfig, environment_factory: Any) -> Any:
         """TRL: with a single ``environment_factory`` the dataset may be omitted; rows of empty prompts stand in."""

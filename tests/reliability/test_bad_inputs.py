@@ -435,10 +435,6 @@ CASES = {
 # Not handled yet by the owning trainer → what it should raise. Strict: once handled, the case passes and the marker
 # has to be removed.
 NOT_YET = {
-    "grpo_reward_bad_signature": "GRPOTrainer: ValueError at init from rewards.validate_reward_func_signature naming the "
-    "function and the missing **kwargs (today: RewardFunctionError only at the first step).",
-    "grpo_reward_missing_column": "GRPOTrainer: ValueError at init naming the column 'solution' the reward function "
-    "requires but the dataset lacks (today: only at the first step).",
 }
 
 
