@@ -5,9 +5,11 @@
 ``bf16=None`` to ``True`` everywhere; posttrain resolves it to ``True`` only where the accelerator supports bf16
 (a CUDA GPU with bf16), so the first run on a laptop CPU trains in float32 instead of slow emulated bf16.
 
-``BaseTrainer`` accumulates per-step metrics in ``self._metrics[mode]`` and averages them (ignoring NaN) at each
-``log()``, with ``eval_`` prefixes in evaluation, and writes saved models atomically. It also carries the
-reliability layer every trainer inherits (helpers in ``posttrain.reliability``):
+``BaseTrainer`` turns the user's ``args`` into the trainer's config (``resolve_args``: None → TRL's default
+``{model_name}-{SUFFIX}`` output folder, a plain ``TrainingArguments`` → converted), accumulates per-step metrics in
+``self._metrics[mode]`` and averages them (ignoring NaN) at each ``log()``, with ``eval_`` prefixes in evaluation,
+and writes saved models atomically. It also carries the reliability layer every trainer inherits (helpers in
+``posttrain.reliability``):
 
 - crash-safe checkpoints: each ``checkpoint-N`` is staged in ``tmp-checkpoint-N`` and renamed into place only when
   complete; ``resume_from_checkpoint=True`` finds the newest complete one; rotation never deletes the newest;
@@ -21,6 +23,8 @@ reliability layer every trainer inherits (helpers in ``posttrain.reliability``):
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 import os
 import shutil
@@ -34,6 +38,7 @@ from transformers import Trainer, TrainingArguments
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
 
+from posttrain.models.loading import model_name
 from posttrain.reliability import checkpointing, validation
 from posttrain.reliability.numerics import NAN_POLICIES, NumericsGuard
 
@@ -161,6 +166,34 @@ class BaseTrainer(Trainer):
         self.add_callback(MetricsLoggerCallback())
         if getattr(self.args, "write_report", False):
             self.add_callback(ReportCallback(trainer_name=self._report_name()))
+
+    @staticmethod
+    def resolve_args(args: Any, model: Any, config_class: type[TrainingArguments], suffix: str) -> Any:
+        """The trainer's config from what the user passed as ``args``.
+
+        - an instance of ``config_class``: returned as is;
+        - None: ``config_class(output_dir=f"{model_name}-{suffix}")`` (TRL's default output folder, e.g.
+          ``Qwen2-0.5B-DPO``);
+        - any other ``TrainingArguments`` (plain, or another trainer's config): converted, keeping the values of
+          the fields ``config_class`` also has; the method's own fields take their defaults.
+
+        Raises TypeError for anything else, naming ``config_class``.
+        """
+        if args is None:
+            return config_class(output_dir=f"{model_name(model)}-{suffix}")
+        if isinstance(args, config_class):
+            return args
+        if not isinstance(args, TrainingArguments):
+            raise TypeError(
+                f"args must be {config_class.__name__}, transformers.TrainingArguments or None, got "
+                f"{type(args).__name__}."
+            )
+        names = {f.name for f in dataclasses.fields(config_class) if f.init}
+        values = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init and f.name in names}
+        if dataclasses.is_dataclass(values.get("accelerator_config")):
+            # A copy: trainers adjust accelerator_config (IterableDataset) and must not change the caller's args.
+            values["accelerator_config"] = copy.copy(values["accelerator_config"])
+        return config_class(**values)
 
     def _check_distributed_setup(self) -> None:
         """Refuse to run N independent copies: a launcher started several processes but HF set up no DDP."""

@@ -29,29 +29,27 @@ import torch
 from transformers import TrainingArguments
 
 from posttrain.core.preference import KTO_LOSSES, kto_kl_estimate, kto_loss, kto_weight_range_warning
-from posttrain.models.loading import disable_dropout_in_model, resolve_model, resolve_processing_class
 from posttrain.reliability.validation import check_single_split
-from posttrain.trainers._reference import (
-    SyncRefModelCallback,
-    create_reference_policy,
-    precompute_reference_columns,
-)
-from posttrain.trainers.base import BaseConfig, BaseTrainer
-from posttrain.trainers.dpo import (
+from posttrain.trainers._preference import (
     CompletionScores,
-    _PromptFits,
-    _router_aux_loss_coef,
+    PreferenceTrainer,
+    PromptFits,
     activation_offloading_context,
-    coerce_config,
+    check_precompute_supported,
+    check_reference_options,
     configure_iterable_dataset,
-    enable_router_aux_loss,
     filter_dataset,
     gather_masked_mean,
     is_iterable_dataset,
+    load_policy_and_reference,
     map_dataset,
+    prepare_splits,
     score_completions,
+    shared_field,
     tokenize_dataset,
 )
+from posttrain.trainers._reference import precompute_reference_columns
+from posttrain.trainers.base import BaseConfig
 
 __all__ = ["KTOConfig", "KTOTrainer"]
 
@@ -80,8 +78,8 @@ class KTOConfig(BaseConfig):
             "choices": ["random", "sequential", "group_by_length", "batch_rebalance"],
         },
     )
-    disable_dropout: bool = field(default=True, metadata={"help": "Disable dropout in the policy and reference."})
-    dataset_num_proc: int | None = field(default=None, metadata={"help": "Processes used to tokenize the dataset."})
+    disable_dropout: bool = shared_field("disable_dropout")
+    dataset_num_proc: int | None = shared_field("dataset_num_proc")
     max_length: int | None = field(
         default=1024,
         metadata={
@@ -89,18 +87,9 @@ class KTOConfig(BaseConfig):
             "reaches it are dropped. None: no limit."
         },
     )
-    pad_to_multiple_of: int | None = field(default=None, metadata={"help": "Pad each batch to a multiple of this."})
-    precompute_ref_log_probs: bool = field(
-        default=False,
-        metadata={
-            "help": "Compute the reference log-probs (ref_logps, ref_KL_logps) of the whole dataset once before "
-            "training, then free the reference. Not for IterableDataset."
-        },
-    )
-    precompute_ref_batch_size: int | None = field(
-        default=None,
-        metadata={"help": "Batch size of the precompute pass; None: the per-device train / eval batch size."},
-    )
+    pad_to_multiple_of: int | None = shared_field("pad_to_multiple_of")
+    precompute_ref_log_probs: bool = shared_field("precompute_ref_log_probs")
+    precompute_ref_batch_size: int | None = shared_field("precompute_ref_batch_size")
     loss_type: str = field(
         default="kto",
         metadata={
@@ -115,24 +104,14 @@ class KTOConfig(BaseConfig):
     undesirable_weight: float = field(
         default=1.0, metadata={"help": "Weight of the undesirable losses (counter class imbalance)."}
     )
-    activation_offloading: bool = field(
-        default=False, metadata={"help": "Keep activations saved for backward in CPU memory (save_on_cpu)."}
-    )
-    sync_ref_model: bool = field(
-        default=False, metadata={"help": "TR-DPO-style: mix the policy into the reference every N steps."}
-    )
-    ref_model_mixup_alpha: float = field(default=0.6, metadata={"help": "ref ← α·policy + (1−α)·ref."})
-    ref_model_sync_steps: int = field(default=512, metadata={"help": "Steps between reference syncs."})
+    activation_offloading: bool = shared_field("activation_offloading")
+    sync_ref_model: bool = shared_field("sync_ref_model")
+    ref_model_mixup_alpha: float = shared_field("ref_model_mixup_alpha")
+    ref_model_sync_steps: int = shared_field("ref_model_sync_steps")
 
     def __post_init__(self):
         KTO_LOSSES.get(self.loss_type)  # unknown names: ValueError listing the valid ones
-        if self.sync_ref_model and self.precompute_ref_log_probs:
-            raise ValueError(
-                "sync_ref_model=True cannot be combined with precompute_ref_log_probs=True: a synced reference changes "
-                "during training. Set one of them to False."
-            )
-        if self.precompute_ref_batch_size is not None and self.precompute_ref_batch_size < 1:
-            raise ValueError(f"precompute_ref_batch_size must be >= 1, got {self.precompute_ref_batch_size}.")
+        check_reference_options(self)
         super().__post_init__()
 
 
@@ -144,7 +123,7 @@ class _RotateCompletions:
         return {"KL_completion_ids": completions[-1:] + completions[:-1]}
 
 
-class KTOTrainer(BaseTrainer):
+class KTOTrainer(PreferenceTrainer):
     """Trainer for KTO (https://huggingface.co/papers/2402.01306).
 
     Args:
@@ -162,7 +141,6 @@ class KTOTrainer(BaseTrainer):
     """
 
     _tag_names = ["trl", "kto"]
-    loss_is_scaled_for_ga = False  # the loss is a mean over the micro-batch; Trainer divides by the GA steps
     _signature_columns_extra = (
         "prompt_ids",
         "completion_ids",
@@ -188,26 +166,12 @@ class KTOTrainer(BaseTrainer):
         peft_config: Any = None,
         compute_metrics: Callable | None = None,
     ):
-        args = coerce_config(args, KTOConfig, model, "KTO")
+        args = self.resolve_args(args, model, KTOConfig, "KTO")
         if args.loss_type == "kto" and args.per_device_train_batch_size <= 1:
             raise ValueError(BATCH_SIZE_ERROR)
-        model_id = model if isinstance(model, str) else None
-        processing_class = resolve_processing_class(model, processing_class)
-        policy = resolve_model(model, args, peft_config=peft_config)
-        if args.disable_dropout:
-            disable_dropout_in_model(policy)
-        self.reference = create_reference_policy(
-            policy,
-            ref_model,
-            precompute=args.precompute_ref_log_probs,
-            sync_ref_model=args.sync_ref_model,
-            adapter_created_by_trainer=peft_config is not None,
-            reload_from=model_id,
-            model_init_kwargs=args.model_init_kwargs,
+        processing_class, policy, self.reference = load_policy_and_reference(
+            model, ref_model, args, processing_class, peft_config
         )
-        if self.reference.model is not None and args.disable_dropout:
-            disable_dropout_in_model(self.reference.model)
-        enable_router_aux_loss(policy)
         configure_iterable_dataset(args, train_dataset)
         tok = getattr(processing_class, "tokenizer", processing_class)
         if data_collator is None:
@@ -216,47 +180,24 @@ class KTOTrainer(BaseTrainer):
             data_collator = DataCollatorForUnpairedPreference(
                 pad_token_id=tok.pad_token_id, pad_to_multiple_of=args.pad_to_multiple_of, max_length=args.max_length
             )
-        datasets_ = [train_dataset] + (
-            list(eval_dataset.values()) if isinstance(eval_dataset, dict) else [eval_dataset]
-        )
-        if args.precompute_ref_log_probs and any(d is not None and is_iterable_dataset(d) for d in datasets_):
-            raise ValueError(
-                "precompute_ref_log_probs=True is not supported with an IterableDataset (train or eval): the "
-                "reference log-probs are stored as dataset columns. Use a map-style Dataset or set it to False."
-            )
+        check_precompute_supported(args, train_dataset, eval_dataset)
         check_single_split(train_dataset, "train_dataset")
         train_dataset = self._prepare_dataset(
             train_dataset, tok, args, "train", args.per_device_train_batch_size, shuffle=True
         )
-        if isinstance(eval_dataset, dict):
-            eval_dataset = {
-                k: self._prepare_dataset(v, tok, args, f"eval/{k}", args.per_device_eval_batch_size)
-                for k, v in eval_dataset.items()
-            }
-        else:
-            eval_dataset = self._prepare_dataset(eval_dataset, tok, args, "eval", args.per_device_eval_batch_size)
-        self._warn_weight_range(train_dataset, args)
 
+        def prepare_eval(dataset: Any, name: str) -> Any:
+            return self._prepare_dataset(dataset, tok, args, name, args.per_device_eval_batch_size)
+
+        eval_dataset = prepare_splits(eval_dataset, prepare_eval, "eval")
+        self._warn_weight_range(train_dataset, args)
         super().__init__(
-            model=policy,
-            args=args,
-            data_collator=data_collator,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            processing_class=processing_class,
-            compute_metrics=compute_metrics,
-            callbacks=callbacks,
-            optimizers=optimizers,
-            optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
+            model=policy, args=args, data_collator=data_collator, train_dataset=train_dataset,
+            eval_dataset=eval_dataset, processing_class=processing_class, compute_metrics=compute_metrics,
+            callbacks=callbacks, optimizers=optimizers, optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
             preprocess_logits_for_metrics=preprocess_logits_for_metrics,
-        )
-        self.model_accepts_loss_kwargs = False
-        self._total_train_tokens = 0
-        self.reference.prepare(self.accelerator)
-        if args.sync_ref_model:
-            self.add_callback(SyncRefModelCallback(ref_model=self.reference.model, accelerator=self.accelerator))
-        if args.precompute_ref_log_probs:
-            self._precompute_reference()
+        )  # fmt: skip
+        self._attach_reference()
 
     # -- data ----------------------------------------------------------------------------------------------------
     def _prepare_dataset(
@@ -290,7 +231,7 @@ class KTOTrainer(BaseTrainer):
                 dataset, tokenize_unpaired, tok, args, f"{name} dataset", add_eos=not fmt.conversational
             )
         if args.max_length is not None:
-            dataset = filter_dataset(dataset, _PromptFits(args.max_length), args, f"Dropping long prompts ({name})")
+            dataset = filter_dataset(dataset, PromptFits(args.max_length), args, f"Dropping long prompts ({name})")
         if shuffle:  # streams are shuffled through a buffer (unpairing puts a block of desirable rows first)
             seed = args.data_seed if args.data_seed is not None else args.seed
             dataset = dataset.shuffle(seed=seed, buffer_size=1000) if iterable else dataset.shuffle(seed=seed)
@@ -311,10 +252,6 @@ class KTOTrainer(BaseTrainer):
         )
         if message:
             warnings.warn(message, UserWarning, stacklevel=3)
-
-    def _set_signature_columns_if_needed(self):
-        if self._signature_columns is None:
-            self._signature_columns = list(self._signature_columns_extra)
 
     # -- reference -----------------------------------------------------------------------------------------------
     def _ref_forward(self, model: torch.nn.Module, inputs: dict[str, Any], prefix: str) -> torch.Tensor:
@@ -392,12 +329,7 @@ class KTOTrainer(BaseTrainer):
             desirable_weight=args.desirable_weight,
             undesirable_weight=args.undesirable_weight,
         )
-        aux_coef = _router_aux_loss_coef(model)
-        if scores.aux_loss is not None and aux_coef:
-            loss = loss + aux_coef * scores.aux_loss
-            self._metrics[mode]["aux_loss"].append(
-                self.accelerator.gather(scores.aux_loss.detach().reshape(1)).mean().item()
-            )
+        loss = self._add_router_aux_loss(loss, model, scores.aux_loss, mode)
         rewards = (args.beta * (policy_logps - ref_logps.to(policy_logps.dtype))).detach()
         self._log_kto_metrics(mode, inputs, scores, policy_logps.detach(), rewards, labels, kl)
         if return_outputs:
@@ -409,9 +341,7 @@ class KTOTrainer(BaseTrainer):
     ) -> None:
         acc = self.accelerator
         metrics = self._metrics[mode]
-        if mode == "train":
-            self._total_train_tokens += int(acc.gather(inputs["attention_mask"].sum().reshape(1)).sum().item())
-            metrics["num_tokens"] = [float(self._total_train_tokens)]
+        self._count_train_tokens(inputs, mode)
         metrics["kl"].append(kl.item())
         metrics["entropy"].append(gather_masked_mean(acc, scores.entropy, scores.mask))
         desirable = labels.unsqueeze(1) & scores.mask
@@ -427,11 +357,6 @@ class KTOTrainer(BaseTrainer):
         metrics["logps/chosen"].append(gather_masked_mean(acc, logps, labels))
         metrics["logps/rejected"].append(gather_masked_mean(acc, logps, ~labels))
 
-    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        inputs = self._prepare_inputs(inputs)
-        with torch.no_grad(), self.compute_loss_context_manager():
-            loss, out = self.compute_loss(model, inputs, return_outputs=True)
-        loss = loss.detach()
-        if prediction_loss_only:
-            return loss, None, None
-        return loss, out["rewards"], out["labels"].long()
+    def _eval_predictions(self, outputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-row implied rewards ``(B,)`` and the desirable (1) / undesirable (0) labels."""
+        return outputs["rewards"], outputs["labels"].long()

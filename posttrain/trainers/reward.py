@@ -31,16 +31,18 @@ from transformers import TrainingArguments
 from posttrain.core.preference import bradley_terry_loss
 from posttrain.models.loading import disable_dropout_in_model, resolve_model, resolve_processing_class
 from posttrain.reliability.validation import check_single_split
-from posttrain.trainers.base import BaseConfig, BaseTrainer
-from posttrain.trainers.dpo import (
+from posttrain.trainers._preference import (
+    PreferenceTrainer,
     activation_offloading_context,
-    coerce_config,
     configure_iterable_dataset,
     filter_dataset,
     gather_mean,
+    prepare_splits,
     resolve_pad_token,
+    shared_field,
     tokenize_dataset,
 )
+from posttrain.trainers.base import BaseConfig
 
 __all__ = ["RewardConfig", "RewardTrainer"]
 
@@ -62,7 +64,7 @@ class RewardConfig(BaseConfig):
         },
     )
     disable_dropout: bool = field(default=True, metadata={"help": "Disable dropout in the model."})
-    dataset_num_proc: int | None = field(default=None, metadata={"help": "Processes used to tokenize the dataset."})
+    dataset_num_proc: int | None = shared_field("dataset_num_proc")
     eos_token: str | None = field(
         default=None, metadata={"help": "Override the tokenizer's EOS token (appended to standard sequences)."}
     )
@@ -72,17 +74,13 @@ class RewardConfig(BaseConfig):
             "help": "Pairs whose chosen or rejected sequence is longer are dropped (not truncated). None: keep all."
         },
     )
-    pad_to_multiple_of: int | None = field(default=None, metadata={"help": "Pad each batch to a multiple of this."})
+    pad_to_multiple_of: int | None = shared_field("pad_to_multiple_of")
     center_rewards_coefficient: float | None = field(
         default=None,
         metadata={"help": "η of the auxiliary loss η·mean((r_c + r_r)²) pushing rewards to zero mean (e.g. 0.01)."},
     )
-    activation_offloading: bool = field(
-        default=False, metadata={"help": "Keep activations saved for backward in CPU memory (save_on_cpu)."}
-    )
-    pad_token: str | None = field(
-        default=None, metadata={"help": "Deprecated: set the tokenizer's pad token before building the trainer."}
-    )
+    activation_offloading: bool = shared_field("activation_offloading")
+    pad_token: str | None = shared_field("pad_token")
 
 
 class _PairFits:
@@ -95,7 +93,7 @@ class _PairFits:
         return len(row["chosen_ids"]) <= self.max_length and len(row["rejected_ids"]) <= self.max_length
 
 
-class RewardTrainer(BaseTrainer):
+class RewardTrainer(PreferenceTrainer):
     """Trainer for Bradley–Terry reward models.
 
     Args:
@@ -114,8 +112,8 @@ class RewardTrainer(BaseTrainer):
     """
 
     _tag_names = ["trl", "reward-trainer"]
-    loss_is_scaled_for_ga = False  # the loss is a mean over pairs; Trainer divides by the accumulation steps
     _signature_columns_extra = ("chosen_ids", "rejected_ids", "margin")
+    _pair_output_keys = ("rewards_chosen", "rewards_rejected")
 
     def __init__(
         self,
@@ -134,7 +132,7 @@ class RewardTrainer(BaseTrainer):
     ):
         from posttrain.models.peft_utils import prepare_peft_model
 
-        args = coerce_config(args, RewardConfig, model, "Reward")
+        args = self.resolve_args(args, model, RewardConfig, "Reward")
         reward_model = resolve_model(model, args, task="sequence-classification")
         num_labels = getattr(getattr(reward_model, "config", None), "num_labels", None)
         if num_labels != 1:
@@ -173,28 +171,19 @@ class RewardTrainer(BaseTrainer):
             data_collator = DataCollatorForRewardPreference(
                 pad_token_id=pad_id, pad_to_multiple_of=args.pad_to_multiple_of
             )
-        if isinstance(eval_dataset, dict):
-            eval_dataset = {k: self._prepare_dataset(v, tok, args, f"eval/{k}") for k, v in eval_dataset.items()}
-        else:
-            eval_dataset = self._prepare_dataset(eval_dataset, tok, args, "eval")
+
+        def prepare_eval(dataset: Any, name: str) -> Any:
+            return self._prepare_dataset(dataset, tok, args, name)
+
+        eval_dataset = prepare_splits(eval_dataset, prepare_eval, "eval")
         check_single_split(train_dataset, "train_dataset")
         train_dataset = self._prepare_dataset(train_dataset, tok, args, "train")
-
         super().__init__(
-            model=reward_model,
-            args=args,
-            data_collator=data_collator,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            processing_class=processing_class,
-            compute_metrics=compute_metrics,
-            callbacks=callbacks,
-            optimizers=optimizers,
-            optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
+            model=reward_model, args=args, data_collator=data_collator, train_dataset=train_dataset,
+            eval_dataset=eval_dataset, processing_class=processing_class, compute_metrics=compute_metrics,
+            callbacks=callbacks, optimizers=optimizers, optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
             preprocess_logits_for_metrics=preprocess_logits_for_metrics,
-        )
-        self.model_accepts_loss_kwargs = False
-        self._total_train_tokens = 0
+        )  # fmt: skip
 
     # -- data ----------------------------------------------------------------------------------------------------
     def _prepare_dataset(self, dataset: Any, tok: Any, args: RewardConfig, name: str) -> Any:
@@ -222,10 +211,6 @@ class RewardTrainer(BaseTrainer):
             dataset = filter_dataset(dataset, _PairFits(args.max_length), args, f"Dropping long pairs ({name})")
         return dataset
 
-    def _set_signature_columns_if_needed(self):
-        if self._signature_columns is None:
-            self._signature_columns = list(self._signature_columns_extra)
-
     # -- loss ----------------------------------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         mode = "train" if model.training else "eval"
@@ -245,23 +230,10 @@ class RewardTrainer(BaseTrainer):
     def _log_reward_metrics(self, mode: str, inputs, chosen: torch.Tensor, rejected: torch.Tensor) -> None:
         acc = self.accelerator
         metrics = self._metrics[mode]
-        if mode == "train":
-            self._total_train_tokens += int(acc.gather(inputs["attention_mask"].sum().reshape(1)).sum().item())
-            metrics["num_tokens"] = [float(self._total_train_tokens)]
+        self._count_train_tokens(inputs, mode)
         all_rewards = acc.gather_for_metrics(torch.cat([chosen, rejected]))
         metrics["min_reward"].append(all_rewards.min().item())
         metrics["mean_reward"].append(all_rewards.mean().item())
         metrics["max_reward"].append(all_rewards.max().item())
         metrics["accuracy"].append(gather_mean(acc, (chosen > rejected).float()))
         metrics["margin"].append(gather_mean(acc, chosen - rejected))
-
-    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        inputs = self._prepare_inputs(inputs)
-        with torch.no_grad(), self.compute_loss_context_manager():
-            loss, out = self.compute_loss(model, inputs, return_outputs=True)
-        loss = loss.detach()
-        if prediction_loss_only:
-            return loss, None, None
-        logits = torch.stack([out["rewards_chosen"], out["rewards_rejected"]], dim=1).detach()
-        labels = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
-        return loss, logits, labels

@@ -22,7 +22,6 @@ Deliberate differences from TRL:
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import json
 import warnings
@@ -337,7 +336,7 @@ class SFTTrainer(BaseTrainer):
         from posttrain.models.loading import model_name, resolve_model, resolve_processing_class
         from posttrain.reliability.validation import check_single_split
 
-        args = self._resolve_args(args, model)
+        args = self.resolve_args(args, model, SFTConfig, "SFT")
         if train_dataset is None:
             raise ValueError("SFTTrainer needs a train_dataset.")
         check_single_split(train_dataset, "train_dataset")
@@ -413,20 +412,6 @@ class SFTTrainer(BaseTrainer):
         self.model_accepts_loss_kwargs = True
 
     # -- setup ---------------------------------------------------------------------------------------------------
-    @staticmethod
-    def _resolve_args(args: Any, model: Any) -> SFTConfig:
-        from posttrain.models.loading import model_name
-
-        if args is None:
-            return SFTConfig(output_dir=f"{model_name(model)}-SFT")
-        if isinstance(args, SFTConfig):
-            return args
-        if isinstance(args, TrainingArguments):
-            values = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init}
-            known = {f.name for f in dataclasses.fields(SFTConfig)}
-            return SFTConfig(**{k: v for k, v in values.items() if k in known})
-        raise TypeError(f"args must be an SFTConfig or a TrainingArguments, got {type(args).__name__}.")
-
     @staticmethod
     def _set_special_tokens(tokenizer: Any, args: SFTConfig) -> None:
         for name in ("eos_token", "pad_token"):

@@ -10,6 +10,9 @@ import warnings
 import pytest
 import torch
 from datasets import Dataset
+
+# quiet_single_thread: an autouse fixture, active in this module once imported
+from trainer_helpers import fast_config, params_changed, quiet_single_thread, trainable_params  # noqa: F401
 from transformers import TrainingArguments
 
 from posttrain.core.preference import DPO_LOSSES
@@ -30,19 +33,6 @@ METRICS = [
 ]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _quiet_single_thread():
-    import datasets
-    import transformers
-
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls on the shared 2-core machine are much faster single-threaded
-    datasets.disable_progress_bars()
-    transformers.logging.set_verbosity_error()
-    yield
-    torch.set_num_threads(previous)
-
-
 def _pairs(n: int = 8) -> Dataset:
     prompts, chosen, rejected = (
         ["The sky is", "Grass is", "Snow is", "Coal is"],
@@ -60,29 +50,9 @@ def _pairs(n: int = 8) -> Dataset:
 
 
 def _config(tmp_path, **kw) -> DPOConfig:
-    base = dict(
-        output_dir=str(tmp_path),
-        max_steps=1,
-        per_device_train_batch_size=2,
-        learning_rate=1e-3,
-        report_to="none",
-        save_strategy="no",
-        logging_steps=1,
-        gradient_checkpointing=False,
-        write_report=False,
-        disable_tqdm=True,
+    return fast_config(
+        DPOConfig, tmp_path, **{"max_steps": 1, "per_device_train_batch_size": 2, "learning_rate": 1e-3, **kw}
     )
-    base.update(kw)
-    return DPOConfig(**base)
-
-
-def _params(model) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-
-
-def _changed(before, model) -> bool:
-    after = dict(model.named_parameters())
-    return any(not torch.equal(before[n], after[n].detach()) for n in before)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -99,9 +69,9 @@ def test_every_loss_type_trains(tmp_path, tiny_model_path, loss_type):
         args=_config(tmp_path, loss_type=loss_type, **LOSS_KWARGS.get(loss_type, {})),
         train_dataset=_pairs(4),
     )
-    before = _params(trainer.model)
+    before = trainable_params(trainer.model)
     trainer.train()
-    assert _changed(before, trainer.model)
+    assert params_changed(before, trainer.model)
     logged = trainer.state.log_history[0]
     assert all(name in logged for name in METRICS), sorted(set(METRICS) - set(logged))
     assert torch.isfinite(torch.tensor(logged["loss"]))
@@ -152,9 +122,9 @@ def test_first_step_sigmoid_loss_is_log2(tmp_path, tiny_model_path):
 )
 def test_loss_options_train(tmp_path, tiny_model_path, extra):
     trainer = DPOTrainer(tiny_model_path, args=_config(tmp_path, max_steps=2, **extra), train_dataset=_pairs(4))
-    before = _params(trainer.model)
+    before = trainable_params(trainer.model)
     trainer.train()
-    assert _changed(before, trainer.model)
+    assert params_changed(before, trainer.model)
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in trainer.state.log_history if "loss" in h)
 
 
@@ -190,6 +160,23 @@ def test_default_output_dir_and_training_arguments(tmp_path, tiny_model_path, mo
     converted = DPOTrainer(tiny_model_path, args=plain, train_dataset=_pairs(2)).args
     assert isinstance(converted, DPOConfig) and converted.per_device_train_batch_size == 3
     assert converted.beta == 0.1
+
+
+def test_resolve_args_converts_a_copy_and_names_the_config_on_bad_input(tmp_path):
+    """BaseTrainer.resolve_args (shared by every trainer): values and the hub token carried over, the caller's
+    accelerator_config left alone when the trainer adjusts its own (IterableDataset), TRL's default output_dir."""
+    plain = TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=3, report_to="none", hub_token="secret"
+    )
+    converted = DPOTrainer.resolve_args(plain, "org/tiny-model", DPOConfig, "DPO")
+    assert isinstance(converted, DPOConfig)
+    assert (converted.per_device_train_batch_size, converted.hub_token, converted.beta) == (3, "secret", 0.1)
+    converted.accelerator_config.dispatch_batches = False
+    assert plain.accelerator_config.dispatch_batches is not False
+    assert DPOTrainer.resolve_args(converted, "org/tiny-model", DPOConfig, "DPO") is converted
+    assert DPOTrainer.resolve_args(None, "org/tiny-model", DPOConfig, "DPO").output_dir == "tiny-model-DPO"
+    with pytest.raises(TypeError, match="DPOConfig"):
+        DPOTrainer.resolve_args({"output_dir": str(tmp_path)}, "org/tiny-model", DPOConfig, "DPO")
 
 
 def test_moe_aux_loss_is_added_and_logged(tmp_path, tiny_tokenizer):
@@ -351,7 +338,7 @@ def test_gradient_accumulation_matches_larger_batch(tmp_path, tiny_model_path):
         )
         trainer = DPOTrainer(tiny_model_path, args=args, train_dataset=data)
         trainer.train()
-        results.append((trainer.state.log_history[0]["loss"], _params(trainer.model)))
+        results.append((trainer.state.log_history[0]["loss"], trainable_params(trainer.model)))
     (loss_a, params_a), (loss_b, params_b) = results
     assert loss_a == pytest.approx(loss_b, abs=1e-6)
     for name in params_a:
@@ -391,10 +378,10 @@ def test_peft_reference_has_no_copy_and_saves_adapter(tmp_path, tiny_model_path)
     args = _config(tmp_path, max_steps=2, gradient_checkpointing=True)  # the default, tested once with PEFT
     trainer = DPOTrainer(tiny_model_path, args=args, train_dataset=_pairs(4), peft_config=config)
     assert trainer.reference.kind == "adapters_disabled" and trainer.reference.model is None
-    before = _params(trainer.model)
+    before = trainable_params(trainer.model)
     assert all("lora_" in name for name in before)
     trainer.train()
-    assert _changed(before, trainer.model)
+    assert params_changed(before, trainer.model)
     assert trainer.state.log_history[0]["loss"] == pytest.approx(0.693147, abs=1e-5)  # LoRA B = 0 at start
     trainer.save_model()
     assert os.path.exists(tmp_path / "adapter_config.json")
@@ -407,13 +394,13 @@ def test_sync_ref_model_mixes_policy_into_reference(tmp_path, tiny_model_path):
     args = _config(tmp_path, sync_ref_model=True, ref_model_sync_steps=1, ref_model_mixup_alpha=0.5)
     trainer = DPOTrainer(tiny_model_path, args=args, train_dataset=_pairs(2))
     ref_before = {n: p.detach().clone() for n, p in trainer.reference.model.named_parameters()}
-    policy_before = _params(trainer.model)
+    policy_before = trainable_params(trainer.model)
     trainer.train()
     policy_after = dict(trainer.model.named_parameters())
     for name, ref_param in trainer.reference.model.named_parameters():
         expected = 0.5 * policy_after[name].detach() + 0.5 * ref_before[name]
         torch.testing.assert_close(ref_param, expected)
-    assert _changed(policy_before, trainer.model)
+    assert params_changed(policy_before, trainer.model)
 
 
 def test_precompute_with_iterable_dataset_is_rejected(tmp_path, tiny_model_path):

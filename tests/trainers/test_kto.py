@@ -6,8 +6,10 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 from datasets import Dataset
+
+# quiet_single_thread: an autouse fixture, active in this module once imported
+from trainer_helpers import fast_config, params_changed, quiet_single_thread, trainable_params  # noqa: F401
 
 from posttrain.trainers.kto import BATCH_SIZE_ERROR, KTOConfig, KTOTrainer
 
@@ -23,19 +25,6 @@ METRICS = [
     "logps/chosen",
     "logps/rejected",
 ]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _quiet_single_thread():
-    import datasets
-    import transformers
-
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    datasets.disable_progress_bars()
-    transformers.logging.set_verbosity_error()
-    yield
-    torch.set_num_threads(previous)
 
 
 def _unpaired(n: int = 8) -> Dataset:
@@ -59,37 +48,17 @@ def _paired(n: int = 4) -> Dataset:
 
 
 def _config(tmp_path, **kw) -> KTOConfig:
-    base = dict(
-        output_dir=str(tmp_path),
-        max_steps=2,
-        per_device_train_batch_size=4,
-        learning_rate=1e-3,
-        report_to="none",
-        save_strategy="no",
-        logging_steps=1,
-        gradient_checkpointing=False,
-        write_report=False,
-        disable_tqdm=True,
+    return fast_config(
+        KTOConfig, tmp_path, **{"max_steps": 2, "per_device_train_batch_size": 4, "learning_rate": 1e-3, **kw}
     )
-    base.update(kw)
-    return KTOConfig(**base)
-
-
-def _params(model):
-    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-
-
-def _changed(before, model) -> bool:
-    after = dict(model.named_parameters())
-    return any(not torch.equal(before[n], after[n].detach()) for n in before)
 
 
 @pytest.mark.parametrize("loss_type", ["kto", "apo_zero_unpaired"])
 def test_loss_types_train(tmp_path, tiny_model_path, loss_type):
     trainer = KTOTrainer(tiny_model_path, args=_config(tmp_path, loss_type=loss_type), train_dataset=_unpaired())
-    before = _params(trainer.model)
+    before = trainable_params(trainer.model)
     trainer.train()
-    assert _changed(before, trainer.model)
+    assert params_changed(before, trainer.model)
     first = trainer.state.log_history[0]
     assert all(name in first for name in METRICS), sorted(set(METRICS) - set(first))
     # Step 1: policy = reference, so u = 0 and z = 0 → each loss is 1 − σ(0) = 0.5 (apo: 1 − σ(0) and σ(0)).
@@ -210,9 +179,9 @@ def test_peft_and_save(tmp_path, tiny_model_path):
     config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
     trainer = KTOTrainer(tiny_model_path, args=_config(tmp_path), train_dataset=_unpaired(), peft_config=config)
     assert trainer.reference.kind == "adapters_disabled" and trainer.reference.model is None
-    before = _params(trainer.model)
+    before = trainable_params(trainer.model)
     trainer.train()
-    assert _changed(before, trainer.model)
+    assert params_changed(before, trainer.model)
     trainer.save_model()
     assert os.path.exists(tmp_path / "adapter_config.json")
 

@@ -10,22 +10,12 @@ import torch
 import torch.nn.functional as F
 from datasets import Dataset
 
+# quiet_single_thread: an autouse fixture, active in this module once imported
+from trainer_helpers import fast_config, quiet_single_thread  # noqa: F401
+
 from posttrain.trainers.reward import RewardConfig, RewardTrainer
 
 METRICS = ["accuracy", "margin", "min_reward", "mean_reward", "max_reward", "num_tokens"]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _quiet_single_thread():
-    import datasets
-    import transformers
-
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    datasets.disable_progress_bars()
-    transformers.logging.set_verbosity_error()
-    yield
-    torch.set_num_threads(previous)
 
 
 def _pairs(n: int = 4, margin: bool = False) -> Dataset:
@@ -39,19 +29,7 @@ def _pairs(n: int = 4, margin: bool = False) -> Dataset:
 
 
 def _config(tmp_path, **kw) -> RewardConfig:
-    base = dict(
-        output_dir=str(tmp_path),
-        max_steps=1,
-        per_device_train_batch_size=4,
-        report_to="none",
-        save_strategy="no",
-        logging_steps=1,
-        gradient_checkpointing=False,
-        write_report=False,
-        disable_tqdm=True,
-    )
-    base.update(kw)
-    return RewardConfig(**base)
+    return fast_config(RewardConfig, tmp_path, **{"max_steps": 1, "per_device_train_batch_size": 4, **kw})
 
 
 def _rewards(model, batch) -> tuple[torch.Tensor, torch.Tensor]:

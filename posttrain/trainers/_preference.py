@@ -1,0 +1,572 @@
+"""What the offline preference trainers (DPO, KTO, Reward) share: config fields, completion scoring, metric
+gathering, dataset helpers, policy + reference setup, and ``PreferenceTrainer``, their common ``BaseTrainer``
+subclass.
+
+- :func:`shared_field`: the options the configs share (one default, one help text);
+  :func:`check_reference_options` validates the reference ones.
+- :func:`score_completions`: per-token log-probs of the completion tokens (chunked, no ``(B, T, V)`` logits) with
+  optional entropy, top-1 hits, mean logits and WPO normalisers (DPO, KTO).
+- :func:`gather_mean` / :func:`gather_masked_mean`: metric reductions over every process.
+- Dataset helpers that accept both ``Dataset`` and ``IterableDataset`` (:func:`map_dataset`,
+  :func:`tokenize_dataset`, :func:`filter_dataset`, :func:`prepare_splits`, :class:`PromptFits`,
+  :func:`configure_iterable_dataset`, :func:`check_precompute_supported`).
+- :func:`load_policy_and_reference`: the policy, its tokenizer and the reference policy (DPO, KTO).
+- :class:`PreferenceTrainer`: signature columns, reference attachment, ``num_tokens``, the MoE ``aux_loss`` term
+  and ``prediction_step``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from posttrain.models.loading import disable_dropout_in_model, resolve_model, resolve_processing_class
+from posttrain.trainers._forward import TokenStats, forward_token_stats, unwrap_model
+from posttrain.trainers._reference import ReferencePolicy, SyncRefModelCallback, create_reference_policy
+from posttrain.trainers.base import BaseTrainer
+
+__all__ = [
+    "CompletionScores",
+    "PreferenceTrainer",
+    "PromptFits",
+    "activation_offloading_context",
+    "check_precompute_supported",
+    "check_reference_options",
+    "configure_iterable_dataset",
+    "enable_router_aux_loss",
+    "filter_dataset",
+    "gather_masked_mean",
+    "gather_mean",
+    "is_iterable_dataset",
+    "load_policy_and_reference",
+    "map_dataset",
+    "pair_predictions",
+    "prepare_splits",
+    "resolve_pad_token",
+    "router_aux_loss_coef",
+    "score_completions",
+    "shared_field",
+    "tokenize_dataset",
+]
+
+# ---------------------------------------------------------------------------------------------------------------
+# Config fields
+# ---------------------------------------------------------------------------------------------------------------
+
+# name -> (default, help) of the options that mean the same in DPOConfig, KTOConfig and RewardConfig.
+_SHARED_FIELDS: dict[str, tuple[Any, str]] = {
+    "disable_dropout": (True, "Disable dropout in the policy and reference."),
+    "dataset_num_proc": (None, "Processes used to tokenize the dataset."),
+    "pad_to_multiple_of": (None, "Pad each batch to a multiple of this length."),
+    "pad_token": (None, "Deprecated: set the tokenizer's pad token before building the trainer."),
+    "activation_offloading": (False, "Keep activations saved for backward in CPU memory (save_on_cpu)."),
+    "precompute_ref_log_probs": (
+        False,
+        "Compute the reference log-probs of the whole dataset in one pass before training (stored as dataset "
+        "columns), then free the reference: no reference forward during training. Not for IterableDataset.",
+    ),
+    "precompute_ref_batch_size": (
+        None,
+        "Batch size of the precompute pass; None: the per-device train / eval batch size.",
+    ),
+    "sync_ref_model": (False, "TR-DPO: mix the policy into the reference every ref_model_sync_steps steps."),
+    "ref_model_mixup_alpha": (0.6, "TR-DPO α: ref ← α·policy + (1−α)·ref."),
+    "ref_model_sync_steps": (512, "TR-DPO: steps between reference syncs."),
+}
+
+
+def shared_field(name: str) -> Any:
+    """The dataclass field (default and ``help``) of an option the preference configs share, documented once::
+
+    sync_ref_model: bool = shared_field("sync_ref_model")
+    """
+    default, help_text = _SHARED_FIELDS[name]
+    return field(default=default, metadata={"help": help_text})
+
+
+def check_reference_options(config: Any) -> None:
+    """Config checks shared by DPOConfig and KTOConfig: a synced reference cannot be precomputed, and the precompute
+    batch size must be positive."""
+    if config.sync_ref_model and config.precompute_ref_log_probs:
+        raise ValueError(
+            "sync_ref_model=True cannot be combined with precompute_ref_log_probs=True: a synced reference changes "
+            "during training. Set one of them to False."
+        )
+    if config.precompute_ref_batch_size is not None and config.precompute_ref_batch_size < 1:
+        raise ValueError(f"precompute_ref_batch_size must be >= 1, got {config.precompute_ref_batch_size}.")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Scoring completions
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class CompletionScores:
+    """Per-token results of one scored forward pass, all ``(B, T)`` aligned with ``input_ids`` (position t holds
+    the quantity for ``input_ids[:, t]`` predicted from ``< t``; unscored positions hold 0).
+
+    Attributes:
+        logps: float32 log-probs, differentiable.
+        mask: bool, the scored completion positions.
+        entropy: detached entropies, or None.
+        correct: bool top-1 hits, or None.
+        mean_logits: detached mean over the vocabulary of the logits that predict each token, or None.
+        wpo_log_normalizer: detached ``logsumexp(2z) − 2·logsumexp(z)`` per token (WPO), or None.
+        aux_loss: MoE load-balancing loss reported by the model, or None.
+    """
+
+    logps: torch.Tensor
+    mask: torch.Tensor
+    entropy: torch.Tensor | None = None
+    correct: torch.Tensor | None = None
+    mean_logits: torch.Tensor | None = None
+    wpo_log_normalizer: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
+
+    def sequence_sums(self) -> torch.Tensor:
+        """Σ_t logp over the scored positions of each row → ``(B,)``."""
+        return (self.logps * self.mask).sum(dim=-1)
+
+
+def _head_linear(head: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    if isinstance(head, torch.nn.Linear) and type(head).forward is torch.nn.Linear.forward:
+        return head.weight, head.bias
+    return None
+
+
+@dataclass
+class _HeadStats:
+    mean: torch.Tensor | None = None  # (N,) mean logit per position
+    norm: torch.Tensor | None = None  # (N,) WPO log-normaliser per position
+    top1: torch.Tensor | None = None  # (N,) argmax token per position (-1 where not requested)
+
+
+@torch.no_grad()
+def _head_stats(
+    hidden: torch.Tensor,
+    head: torch.nn.Module,
+    *,
+    mean_logits: bool,
+    wpo: bool,
+    argmax_mask: torch.Tensor | None,
+    chunk_size: int,
+) -> _HeadStats:
+    """Mean logit, WPO normaliser and top-1 token of the head's logits at each row of ``hidden`` (N, H), a chunk of
+    rows at a time (never (N, V) logits).
+
+    For a plain linear head the mean logit is exact and cheap: mean_v(h·W_v + b_v) = h·mean_v(W) + mean_v(b), so no
+    logits are needed for it. WPO needs every position's full distribution; the top-1 token is computed only where
+    ``argmax_mask`` (N,) is True (e.g. DPO's chosen rows), inside the same pass when WPO runs anyway. Heads that are
+    not a plain ``nn.Linear`` (a PEFT wrapper on ``lm_head``) are applied as modules.
+    """
+    linear = _head_linear(head)
+    out = _HeadStats()
+    if mean_logits and linear is not None:
+        weight, bias = linear
+        out.mean = hidden.float() @ weight.float().mean(dim=0)
+        if bias is not None:
+            out.mean = out.mean + bias.float().mean()
+    all_rows = wpo or (mean_logits and linear is None)
+    if not all_rows and argmax_mask is None:
+        return out
+    n = hidden.shape[0]
+    rows = torch.arange(n, device=hidden.device) if all_rows else argmax_mask.nonzero().squeeze(-1)
+    if all_rows and mean_logits and linear is None:
+        out.mean = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+    if wpo:
+        out.norm = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+    if argmax_mask is not None:
+        out.top1 = torch.full((n,), -1, dtype=torch.long, device=hidden.device)
+    w32 = None if linear is None else linear[0].float()
+    b32 = None if linear is None or linear[1] is None else linear[1].float()
+    for start in range(0, rows.numel(), chunk_size):
+        idx = rows[start : start + chunk_size]
+        h = hidden[idx]
+        if w32 is None:
+            z = head(h).float()
+        else:
+            z = h.float() @ w32.T if b32 is None else torch.addmm(b32, h.float(), w32.T)
+        if mean_logits and linear is None:
+            out.mean[idx] = z.mean(dim=-1)
+        if wpo:
+            out.norm[idx] = torch.logsumexp(2.0 * z, dim=-1) - 2.0 * torch.logsumexp(z, dim=-1)
+        if argmax_mask is not None:
+            keep = argmax_mask[idx]
+            out.top1[idx[keep]] = z[keep].argmax(dim=-1)
+    return out
+
+
+def _place(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Scatter per-position values (N,) into a zero (B, T) float32 tensor at the True positions of ``mask``."""
+    return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_scatter(mask, values.float())
+
+
+def score_completions(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    completion_mask: torch.Tensor,
+    *,
+    compute_entropy: bool = False,
+    compute_accuracy: bool = False,
+    compute_mean_logits: bool = False,
+    compute_wpo: bool = False,
+    accuracy_rows: torch.Tensor | None = None,
+    chunk_size: int = 1024,
+) -> CompletionScores:
+    """Per-token log-probs of the completion tokens of right-padded ``(B, T)`` sequences, plus optional statistics.
+
+    The log-probs, entropy and top-1 hits come from :func:`posttrain.trainers._forward.forward_token_stats` (chunked
+    path, no ``(B, T, V)`` logits). The mean logits and WPO normalisers need the last hidden states, which a forward
+    pre-hook on the LM head captures (detached) on the way; they are computed from the scored positions only.
+
+    Args:
+        model: Causal LM (plain, PEFT or accelerator-wrapped).
+        input_ids: ``(B, T)`` prompt+completion ids.
+        attention_mask: ``(B, T)`` padding mask.
+        completion_mask: ``(B, T)`` 1 on completion tokens.
+        compute_entropy: Also return entropies (detached).
+        compute_accuracy: Also return top-1 hits at every scored position.
+        compute_mean_logits: Also return the mean logit per scored token (``logits/*`` metrics).
+        compute_wpo: Also return the WPO log-normaliser per scored token.
+        accuracy_rows: ``(B,)`` bool: return top-1 hits for these rows only (e.g. DPO's chosen half), computed in
+            the statistics pass over the captured hidden states — half the LM-head work of ``compute_accuracy``.
+        chunk_size: Tokens per chunk of the LM-head computations.
+    """
+    captured: dict[str, torch.Tensor] = {}
+    handle = None
+    head = None
+    if compute_mean_logits or compute_wpo or accuracy_rows is not None:
+        head = unwrap_model(model).get_output_embeddings()
+        if head is not None:
+
+            def capture(module, args, kwargs):
+                hidden = args[0] if args else kwargs.get("input")
+                captured.setdefault("hidden", hidden.detach())
+
+            handle = head.register_forward_pre_hook(capture, with_kwargs=True)
+    try:
+        stats: TokenStats = forward_token_stats(
+            model,
+            input_ids,
+            attention_mask,
+            labels_mask=completion_mask,
+            compute_entropy=compute_entropy,
+            compute_accuracy=compute_accuracy,
+            chunk_size=chunk_size,
+        )
+    finally:
+        if handle is not None:
+            handle.remove()
+    scores = CompletionScores(
+        logps=stats.logps, mask=stats.mask, entropy=stats.entropy, correct=stats.correct, aux_loss=stats.aux_loss
+    )
+    hidden = captured.get("hidden")
+    if head is not None and hidden is not None and hidden.dim() == 3 and hidden.shape[1] >= input_ids.shape[1]:
+        hidden = hidden[:, -input_ids.shape[1] :]
+        sel = stats.mask[:, 1:]  # position t-1 predicts token t
+        argmax_mask = None
+        if accuracy_rows is not None:
+            argmax_mask = accuracy_rows.to(sel.device).unsqueeze(1).expand_as(sel)[sel]
+        head_stats = _head_stats(
+            hidden[:, :-1][sel],
+            head,
+            mean_logits=compute_mean_logits,
+            wpo=compute_wpo,
+            argmax_mask=argmax_mask,
+            chunk_size=chunk_size,
+        )
+        pad = torch.nn.functional.pad
+        if head_stats.mean is not None:
+            scores.mean_logits = pad(_place(head_stats.mean, sel), (1, 0))
+        if head_stats.norm is not None:
+            scores.wpo_log_normalizer = pad(_place(head_stats.norm, sel), (1, 0))
+        if head_stats.top1 is not None:
+            hits = (head_stats.top1 == input_ids[:, 1:][sel]).float()
+            scores.correct = pad(_place(hits, sel), (1, 0)).bool()
+    if (compute_wpo and scores.wpo_log_normalizer is None) or (accuracy_rows is not None and scores.correct is None):
+        raise RuntimeError(
+            "WPO weights and row-restricted accuracy need the LM head's input hidden states, but the model's output "
+            "embeddings were not called with them; this model is not supported for them."
+        )
+    return scores
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Metrics
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def gather_mean(accelerator: Any, values: torch.Tensor) -> float:
+    """Mean of ``values`` over every process (NaN when there are none)."""
+    values = accelerator.gather_for_metrics(values.detach().float().reshape(-1))
+    return values.mean().item() if values.numel() else float("nan")
+
+
+def gather_masked_mean(accelerator: Any, values: torch.Tensor, mask: torch.Tensor) -> float:
+    """Σ values·mask / Σ mask over every process (NaN when the mask is empty everywhere)."""
+    mask = mask.float()
+    totals = torch.stack([(values.detach().float() * mask).sum(), mask.sum()])
+    totals = accelerator.gather(totals.unsqueeze(0)).sum(dim=0)
+    return (totals[0] / totals[1]).item() if totals[1] > 0 else float("nan")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Model setup
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def load_policy_and_reference(
+    model: str | torch.nn.Module,
+    ref_model: str | torch.nn.Module | None,
+    args: Any,
+    processing_class: Any,
+    peft_config: Any,
+) -> tuple[Any, torch.nn.Module, ReferencePolicy]:
+    """``(processing_class, policy, reference)`` for a trainer that compares a policy with a reference (DPO, KTO).
+
+    Loads the tokenizer (from the model's path when ``processing_class`` is None) and the policy (wrapped with
+    ``peft_config``), builds the reference per ``args`` (:func:`posttrain.trainers._reference.create_reference_policy`:
+    explicit, adapters disabled, frozen copy, precomputed or synced), disables dropout in both when
+    ``args.disable_dropout``, and switches on a MoE policy's router logits (:func:`enable_router_aux_loss`).
+    """
+    model_id = model if isinstance(model, str) else None
+    processing_class = resolve_processing_class(model, processing_class)
+    policy = resolve_model(model, args, peft_config=peft_config)
+    if args.disable_dropout:
+        disable_dropout_in_model(policy)
+    reference = create_reference_policy(
+        policy,
+        ref_model,
+        precompute=args.precompute_ref_log_probs,
+        sync_ref_model=args.sync_ref_model,
+        adapter_created_by_trainer=peft_config is not None,
+        reload_from=model_id,
+        model_init_kwargs=args.model_init_kwargs,
+    )
+    if reference.model is not None and args.disable_dropout:
+        disable_dropout_in_model(reference.model)
+    enable_router_aux_loss(policy)
+    return processing_class, policy, reference
+
+
+def enable_router_aux_loss(model: torch.nn.Module) -> bool:
+    """Turn on a MoE model's router logits when its ``router_aux_loss_coef`` is nonzero (TRL), so the forward
+    returns the load-balancing ``aux_loss`` that the trainer adds as ``coef · aux_loss``. Dense models: no-op."""
+    config = getattr(unwrap_model(model), "config", None)
+    if config is None or not hasattr(config, "output_router_logits"):
+        return False
+    if not getattr(config, "router_aux_loss_coef", 0.0):
+        return False
+    config.output_router_logits = True
+    return True
+
+
+def router_aux_loss_coef(model: torch.nn.Module) -> float:
+    """``router_aux_loss_coef`` of a MoE model that outputs router logits, else 0 (dense models: no aux loss)."""
+    config = getattr(unwrap_model(model), "config", None)
+    if config is None or not getattr(config, "output_router_logits", False):
+        return 0.0
+    return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
+
+
+def activation_offloading_context(enabled: bool) -> contextlib.AbstractContextManager:
+    """Keep tensors saved for backward in (pinned, on GPU) CPU memory when ``enabled``."""
+    if not enabled:
+        return contextlib.nullcontext()
+    return torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
+
+
+def resolve_pad_token(processing_class: Any, pad_token: str | None) -> int:
+    """The pad id for collators; the deprecated config ``pad_token`` overrides the tokenizer's (with a warning)."""
+    tok = getattr(processing_class, "tokenizer", processing_class)
+    if pad_token is not None:
+        warnings.warn(
+            "The `pad_token` config field is deprecated (as in TRL); set `tokenizer.pad_token` instead.",
+            FutureWarning,
+            stacklevel=3,
+        )
+        pad_id = tok.convert_tokens_to_ids(pad_token)
+        if pad_id is None or pad_id == getattr(tok, "unk_token_id", object()):
+            raise ValueError(
+                f"pad_token {pad_token!r} is not in the tokenizer's vocabulary; choose an existing token."
+            )
+        return pad_id
+    return tok.pad_token_id
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Datasets
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def is_iterable_dataset(dataset: Any) -> bool:
+    """Whether ``dataset`` is a streaming ``datasets.IterableDataset`` (no length, no ``num_proc``, no columns)."""
+    import datasets
+
+    return isinstance(dataset, datasets.IterableDataset)
+
+
+def map_dataset(dataset: Any, fn: Callable, args: Any, desc: str, **kwargs) -> Any:
+    """``dataset.map`` with ``dataset_num_proc`` and a progress description (not for IterableDataset)."""
+    if not is_iterable_dataset(dataset):
+        kwargs.update(num_proc=getattr(args, "dataset_num_proc", None), desc=desc)
+    return dataset.map(fn, **kwargs)
+
+
+def tokenize_dataset(dataset: Any, tokenize_fn: Callable, tokenizer: Any, args: Any, name: str, *, add_eos: bool):
+    """Tokenize every row with ``tokenize_fn(row, tokenizer, add_eos=..., row_index=i)`` (data errors name the row);
+    per-row ``tools`` / ``chat_template_kwargs`` columns are read by the tokenize functions."""
+    from posttrain.data.tokenization import map_with_row_index
+
+    kwargs = {} if is_iterable_dataset(dataset) else {"num_proc": args.dataset_num_proc, "desc": f"Tokenizing {name}"}
+    tok = getattr(tokenizer, "tokenizer", tokenizer)
+    return map_with_row_index(dataset, tokenize_fn, fn_kwargs={"tokenizer": tok, "add_eos": add_eos}, **kwargs)
+
+
+def filter_dataset(dataset: Any, fn: Callable, args: Any, desc: str) -> Any:
+    """``dataset.filter`` with ``dataset_num_proc`` and a progress description (not for IterableDataset)."""
+    kwargs = (
+        {} if is_iterable_dataset(dataset) else {"num_proc": getattr(args, "dataset_num_proc", None), "desc": desc}
+    )
+    return dataset.filter(fn, **kwargs)
+
+
+class PromptFits:
+    """Picklable filter: keep rows whose prompt leaves room for at least one completion token."""
+
+    def __init__(self, max_length: int):
+        self.max_length = max_length
+
+    def __call__(self, row: Mapping[str, Any]) -> bool:
+        from posttrain.data.tokenization import prompt_overflows
+
+        return not prompt_overflows(len(row["prompt_ids"]), self.max_length)
+
+
+def configure_iterable_dataset(args: Any, train_dataset: Any) -> None:
+    """A streaming train set cannot be dispatched from the main process as a whole batch of columns: switch
+    ``accelerator_config.dispatch_batches`` off (with a warning), as TRL does. ``max_steps`` is required by Trainer."""
+    if train_dataset is None or not is_iterable_dataset(train_dataset):
+        return
+    if getattr(args.accelerator_config, "dispatch_batches", None) is not False:
+        warnings.warn(
+            "The train dataset is an IterableDataset: setting accelerator_config.dispatch_batches=False so each "
+            "process reads its own batches.",
+            UserWarning,
+            stacklevel=3,
+        )
+        args.accelerator_config.dispatch_batches = False
+
+
+def _splits(dataset: Any) -> list[Any]:
+    if dataset is None:
+        return []
+    return list(dataset.values()) if isinstance(dataset, dict) else [dataset]
+
+
+def check_precompute_supported(args: Any, train_dataset: Any, eval_dataset: Any) -> None:
+    """``precompute_ref_log_probs`` stores the reference log-probs as dataset columns: refuse an IterableDataset."""
+    if args.precompute_ref_log_probs and any(
+        is_iterable_dataset(d) for d in _splits(train_dataset) + _splits(eval_dataset)
+    ):
+        raise ValueError(
+            "precompute_ref_log_probs=True is not supported with an IterableDataset (train or eval): the "
+            "reference log-probs are stored as dataset columns. Use a map-style Dataset or set it to False."
+        )
+
+
+def prepare_splits(dataset: Any, prepare: Callable[[Any, str], Any], name: str) -> Any:
+    """``prepare(dataset, name)``; a dict of datasets (named evaluation sets) becomes the dict of
+    ``prepare(split, f"{name}/{key}")``."""
+    if isinstance(dataset, dict):
+        return {key: prepare(split, f"{name}/{key}") for key, split in dataset.items()}
+    return prepare(dataset, name)
+
+
+def pair_predictions(chosen: torch.Tensor, rejected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Evaluation predictions for pairwise trainers: logits ``(B, 2)`` = ``[chosen, rejected]`` (detached) and labels
+    ``(B,)`` of zeros, the index of the chosen column."""
+    logits = torch.stack([chosen, rejected], dim=1).detach()
+    labels = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
+    return logits, labels
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Trainer
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class PreferenceTrainer(BaseTrainer):
+    """``BaseTrainer`` plus what DPOTrainer, KTOTrainer and RewardTrainer share.
+
+    Subclasses set ``_signature_columns_extra`` (the columns their collator reads) and implement
+    ``compute_loss(..., return_outputs=True)`` returning ``(loss, outputs)``; pairwise trainers name the reward
+    outputs in ``_pair_output_keys``, others override ``_eval_predictions``.
+    Trainers with a reference policy set ``self.reference`` before ``super().__init__`` and call
+    :meth:`_attach_reference` after it.
+    """
+
+    loss_is_scaled_for_ga = False  # the loss is a mean over the micro-batch; Trainer divides by the GA steps
+    _signature_columns_extra: tuple[str, ...] = ()
+    # compute_loss's output keys holding the per-pair chosen / rejected rewards (pairwise trainers)
+    _pair_output_keys: tuple[str, str] = ("chosen_rewards", "rejected_rewards")
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # The loss is a mean over the micro-batch, so Trainer itself divides it by the accumulation steps.
+        self.model_accepts_loss_kwargs = False
+        self._total_train_tokens = 0
+
+    def _set_signature_columns_if_needed(self):
+        if self._signature_columns is None:
+            self._signature_columns = list(self._signature_columns_extra)
+
+    def _attach_reference(self) -> None:
+        """Place the reference on the accelerator, add the TR-DPO sync callback (``sync_ref_model``) and fill the
+        precomputed reference columns (``precompute_ref_log_probs``, via the subclass's ``_precompute_reference``)."""
+        self.reference.prepare(self.accelerator)
+        if self.args.sync_ref_model:
+            self.add_callback(SyncRefModelCallback(ref_model=self.reference.model, accelerator=self.accelerator))
+        if self.args.precompute_ref_log_probs:
+            self._precompute_reference()
+
+    def _count_train_tokens(self, inputs: dict[str, Any], mode: str) -> None:
+        """TRL's ``num_tokens``: cumulative count of attended (non-pad) tokens over every process, training only."""
+        if mode != "train":
+            return
+        acc = self.accelerator
+        self._total_train_tokens += int(acc.gather(inputs["attention_mask"].sum().reshape(1)).sum().item())
+        self._metrics[mode]["num_tokens"] = [float(self._total_train_tokens)]
+
+    def _add_router_aux_loss(
+        self, loss: torch.Tensor, model: torch.nn.Module, aux_loss: torch.Tensor | None, mode: str
+    ) -> torch.Tensor:
+        """``loss + router_aux_loss_coef · aux_loss`` for a MoE model that returns its load-balancing loss (logged as
+        ``aux_loss``, averaged over processes); ``loss`` unchanged for dense models."""
+        coef = router_aux_loss_coef(model)
+        if aux_loss is None or not coef:
+            return loss
+        self._metrics[mode]["aux_loss"].append(self.accelerator.gather(aux_loss.detach().reshape(1)).mean().item())
+        return loss + coef * aux_loss
+
+    def _eval_predictions(self, outputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(predictions, labels)`` for ``compute_metrics`` from ``compute_loss``'s outputs: by default the pair
+        rewards named by ``_pair_output_keys`` stacked ``(B, 2)`` with zero labels (:func:`pair_predictions`)."""
+        chosen_key, rejected_key = self._pair_output_keys
+        return pair_predictions(outputs[chosen_key], outputs[rejected_key])
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss, outputs = self.compute_loss(model, inputs, return_outputs=True)
+        loss = loss.detach()
+        if prediction_loss_only:
+            return loss, None, None
+        return (loss, *self._eval_predictions(outputs))

@@ -1,0 +1,52 @@
+"""Test setup shared by the offline preference-trainer tests (DPO, KTO, Reward): a quiet single-threaded module
+fixture, a fast config builder and a parameter-change check. Imported as ``trainer_helpers`` (pytest puts this
+folder on ``sys.path``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True, scope="module")
+def quiet_single_thread():
+    """Tiny matmuls on the shared 2-core machine are much faster single-threaded; progress bars and transformers'
+    info logs only add noise. Import it into a test module to apply it there (autouse)."""
+    import datasets
+    import transformers
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    datasets.disable_progress_bars()
+    transformers.logging.set_verbosity_error()
+    yield
+    torch.set_num_threads(previous)
+
+
+def fast_config(config_class: type, tmp_path: Any, **overrides: Any) -> Any:
+    """``config_class`` for a few-step test run in ``tmp_path``: no saving, no reporting, no progress bar, a log
+    line every step, no gradient checkpointing; ``overrides`` win."""
+    values = dict(
+        output_dir=str(tmp_path),
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        gradient_checkpointing=False,
+        write_report=False,
+        disable_tqdm=True,
+    )
+    values.update(overrides)
+    return config_class(**values)
+
+
+def trainable_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A detached copy of every trainable parameter, by name."""
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def params_changed(before: dict[str, torch.Tensor], model: torch.nn.Module) -> bool:
+    """Whether any parameter copied by :func:`trainable_params` differs in ``model`` now."""
+    after = dict(model.named_parameters())
+    return any(not torch.equal(before[n], after[n].detach()) for n in before)
