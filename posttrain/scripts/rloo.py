@@ -14,34 +14,10 @@ from __future__ import annotations
 
 import sys
 
-from posttrain.cli.configs import ModelConfig, RLOOScriptArguments
-from posttrain.scripts._common import build_and_train, make_trl_parser, reward_funcs_from_args
+from posttrain.cli.configs import RLOOScriptArguments
+from posttrain.scripts.grpo import reward_script
 
-
-def make_parser(prog: str | None = "posttrain rloo"):
-    """``TrlParser`` over ``(RLOOScriptArguments, RLOOConfig, ModelConfig, DatasetMixtureConfig)``."""
-    from posttrain.data.loading import DatasetMixtureConfig
-    from posttrain.trainers.rloo import RLOOConfig
-
-    return make_trl_parser(prog, (RLOOScriptArguments, RLOOConfig, ModelConfig, DatasetMixtureConfig), __doc__)
-
-
-def main(script_args, training_args, model_args, dataset_args=None) -> None:
-    """Resolve the rewards, load the prompts, train with RLOO and save."""
-    from posttrain.trainers.rloo import RLOOTrainer
-
-    reward_funcs = reward_funcs_from_args("rloo", script_args)
-    build_and_train(
-        "rloo", RLOOTrainer, script_args, training_args, model_args, dataset_args, reward_funcs=reward_funcs
-    )
-
-
-def cli(argv: list[str]) -> int:
-    """``posttrain rloo ARGS``: validate, then train here or launch the workers."""
-    from posttrain.cli.run import run_training_command
-
-    return run_training_command("rloo", argv)
-
+make_parser, main, cli = reward_script("rloo", RLOOScriptArguments, "RLOO", __doc__)
 
 if __name__ == "__main__":
     from posttrain.cli.run import run_script

@@ -296,6 +296,7 @@ def _chunked_path(
     compute_entropy,
     compute_accuracy,
     model_kwargs,
+    entropy_requires_grad=False,
 ) -> TokenStats | None:
     """Chunked path; returns None when the one-time check finds the model's logits differ from the chunked head."""
     captured: dict[str, torch.Tensor] = {}
@@ -346,14 +347,17 @@ def _chunked_path(
         temperature=temperature / head.scale,
         chunk_size=chunk_size,
         compute_entropy=compute_entropy,
+        entropy_requires_grad=entropy_requires_grad,
     )
+    if entropy is not None and not entropy_requires_grad:
+        entropy = entropy.detach()
     correct = None
     if compute_accuracy:
         correct = _scatter(_chunked_argmax(h.detach(), head, chunk_size) == y, sel, torch.bool)
     return TokenStats(
         logps=_scatter(logp, sel),
         mask=mask,
-        entropy=None if entropy is None else _scatter(entropy.detach(), sel),
+        entropy=None if entropy is None else _scatter(entropy, sel),
         correct=correct,
         aux_loss=getattr(outputs, "aux_loss", None),
         chunked=True,
@@ -373,6 +377,7 @@ def _plain_path(
     compute_entropy,
     compute_accuracy,
     model_kwargs,
+    entropy_requires_grad=False,
 ) -> TokenStats:
     """Full-logits path: the model's own logits (with every head transform), then log-softmax at scored positions."""
     seq_len = input_ids.shape[1]
@@ -381,14 +386,21 @@ def _plain_path(
         extra["logits_to_keep"] = width + 1  # logits for the last width+1 positions predict the last width tokens
     outputs = _call_model(model, input_ids, attention_mask, position_ids, model_kwargs, **extra)
     stats = _stats_from_logits(
-        outputs.logits, targets, mask, temperature, chunk_size, compute_entropy, compute_accuracy
+        outputs.logits,
+        targets,
+        mask,
+        temperature,
+        chunk_size,
+        compute_entropy,
+        compute_accuracy,
+        entropy_requires_grad,
     )
     stats.aux_loss = getattr(outputs, "aux_loss", None)
     return stats
 
 
 def _stats_from_logits(
-    logits, targets, mask, temperature, chunk_size, compute_entropy, compute_accuracy
+    logits, targets, mask, temperature, chunk_size, compute_entropy, compute_accuracy, entropy_requires_grad=False
 ) -> TokenStats:
     seq_len = targets.shape[1]
     if logits.shape[1] > seq_len:  # PEFT prompt learning prepends virtual tokens
@@ -404,7 +416,10 @@ def _stats_from_logits(
     y = targets[:, seq_len - kept + 1 :][sel]
     logp = selective_log_softmax(z, y, chunk_size=chunk_size)
     entropy = correct = None
-    if compute_entropy:
+    if compute_entropy and entropy_requires_grad:  # the entropy enters the loss: H = −Σ_v p log p, with its graph
+        log_p = torch.log_softmax(z.float(), dim=-1)
+        entropy = _scatter(-(log_p.exp() * log_p).sum(dim=-1), full_sel)
+    elif compute_entropy:
         with torch.no_grad():
             entropy = _scatter(entropy_from_logits(z.detach(), chunk_size=min(chunk_size, 128)), full_sel)
     if compute_accuracy:
@@ -455,6 +470,7 @@ def forward_token_stats(
     compute_accuracy: bool = False,
     chunk_size: int = 1024,
     chunked: bool = True,
+    entropy_requires_grad: bool = False,
     **model_kwargs: Any,
 ) -> TokenStats:
     """Run ``model`` once and return per-token log-probs of the next tokens (plus entropy, top-1 hits, aux loss).
@@ -481,6 +497,8 @@ def forward_token_stats(
             pass over the same hidden states on the chunked path).
         chunk_size: tokens per chunk; the chunked path's scratch memory is about ``2 × chunk_size × V`` floats.
         chunked: False forces the plain full-logits path (TRL's ``nll`` loss type, and reference checks).
+        entropy_requires_grad: return the entropy with its autograd graph (an entropy bonus in the loss); on the
+            chunked path its gradient −p (log p + H) is recomputed chunk-wise, so still no ``(B, T, V)`` logits.
         **model_kwargs: passed to the model (e.g. ``pixel_values``).
 
     Returns:
@@ -507,6 +525,7 @@ def forward_token_stats(
         compute_entropy=compute_entropy,
         compute_accuracy=compute_accuracy,
         model_kwargs=model_kwargs,
+        entropy_requires_grad=entropy_requires_grad,
     )
     stats = None
     if chunked:

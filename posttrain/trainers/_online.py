@@ -1,4 +1,4 @@
-"""The online-RL trainer base shared by GRPO, RLOO (and later on-policy distillation).
+"""The online-RL trainer base shared by GRPO, RLOO and on-policy distillation.
 
 ``OnlineRLConfig`` holds the fields GRPOConfig and RLOOConfig share (TRL's names and defaults: data, generation,
 vLLM, reference/KL, batch arithmetic, logging) plus posttrain's ``generation_backend``. ``OnlineTrainerBase`` wires
@@ -14,12 +14,14 @@ the parts: model and tokenizer (left padding), reward functions into a ``RewardS
   scaling (``loss_is_scaled_for_ga``), so HF Trainer does not divide again.
 
 Subclasses provide ``config_class``, ``_trainer_name``, ``_make_estimator()``, ``_compute_loss()`` and may extend
-``_rollout_settings()`` and the checkpoint hooks.
+``_setup_loss()``, ``_rollout_settings()`` and the checkpoint hooks. A trainer without rewards or a reference
+(distillation) composes the construction steps itself (``_setup_policy``, ``_configure_train_dataset``,
+``_init_trainer``, ``_setup_rollout`` with its own ``_make_rollout``) and overrides ``_prompts_per_round()``; its
+config replaces ``OnlineRLConfig._resolve_batch_plan`` (the shared option checks stay in ``_check_online_options``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import time
@@ -35,7 +37,6 @@ from posttrain.generation.base import SamplingConfig
 from posttrain.models.loading import (
     create_model_from_path,
     disable_dropout_in_model,
-    model_name,
     resolve_model,
     resolve_processing_class,
 )
@@ -49,7 +50,7 @@ from posttrain.rollout.sampler import (
     repeat_iterable_dataset,
     resolve_generation_batch,
 )
-from posttrain.trainers._forward import TokenStats, forward_token_stats
+from posttrain.trainers._forward import TokenStats, forward_token_stats, unwrap_model
 from posttrain.trainers._reference import SyncRefModelCallback, create_reference_policy
 from posttrain.trainers.base import BaseConfig, BaseTrainer
 
@@ -201,13 +202,24 @@ class OnlineRLConfig(BaseConfig):
         "transformers_continuous_batching_config",
     ]
 
+    # Why auto_find_batch_size cannot work; "{name}" is the trainer's name.
+    _AUTO_BATCH_SIZE_ERROR = (
+        "auto_find_batch_size=True is not supported by {name}: changing the batch size would break the prompt "
+        "groups (num_generations completions per prompt). Set the batch size explicitly."
+    )
+
     def __post_init__(self):
         super().__post_init__()
+        self._check_online_options()
+        self._resolve_batch_plan()
+
+    def _check_online_options(self) -> None:
+        """Checks every online trainer shares: generation backend, vLLM mode, fixed batch size, no CP/SP."""
         if self.use_transformers_paged:
             warnings.warn(
                 "use_transformers_paged is deprecated; use use_transformers_continuous_batching.",
                 FutureWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
             self.use_transformers_continuous_batching = True
         if self.generation_backend not in GENERATION_BACKENDS:
@@ -218,17 +230,16 @@ class OnlineRLConfig(BaseConfig):
         if self.vllm_mode not in ("colocate", "server"):
             raise ValueError(f"vllm_mode must be 'colocate' or 'server', got {self.vllm_mode!r}.")
         if self.auto_find_batch_size:
-            raise ValueError(
-                f"auto_find_batch_size=True is not supported by {self._trainer_name}: changing the batch size "
-                "would break the prompt groups (num_generations completions per prompt). Set the batch size "
-                "explicitly."
-            )
+            raise ValueError(self._AUTO_BATCH_SIZE_ERROR.format(name=self._trainer_name))
         pc = self.parallelism_config
         if pc is not None and (getattr(pc, "cp_size", 1) > 1 or getattr(pc, "sp_size", 1) > 1):
             raise ValueError(
                 f"Context/sequence parallelism is not supported by {self._trainer_name}; remove cp_size/sp_size "
                 "from parallelism_config."
             )
+
+    def _resolve_batch_plan(self) -> None:
+        """GRPO/RLOO batch rules: whole groups of ``num_generations >= 2`` per generation round (TRL's arithmetic)."""
         if self.num_iterations < 1:
             raise ValueError(f"num_iterations must be >= 1, got {self.num_iterations}.")
         if self.max_completion_length is None or self.max_completion_length < 1:
@@ -282,12 +293,18 @@ def completion_inputs(batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor, 
 
 
 def completion_token_stats(
-    model: torch.nn.Module, batch: RolloutBatch, *, temperature: float = 1.0, compute_entropy: bool = False
+    model: torch.nn.Module,
+    batch: RolloutBatch,
+    *,
+    temperature: float = 1.0,
+    compute_entropy: bool = False,
+    entropy_requires_grad: bool = False,
 ) -> TokenStats:
     """Log-probs ``(B, C)`` of the completion tokens given their prompts, from one chunked forward pass.
 
     See :func:`completion_inputs` for the inputs. Logits are divided by ``temperature`` (the sampling temperature,
-    as TRL). Positions past a completion's end get log-prob 0.
+    as TRL). Positions past a completion's end get log-prob 0. ``entropy_requires_grad`` keeps the entropies
+    differentiable (GRPO's entropy bonus), still chunked.
     """
     input_ids, attention_mask, position_ids, completion_attention = completion_inputs(batch)
     return forward_token_stats(
@@ -298,6 +315,7 @@ def completion_token_stats(
         logits_to_keep=completion_attention.shape[1],
         temperature=temperature,
         compute_entropy=compute_entropy,
+        entropy_requires_grad=entropy_requires_grad,
         labels_mask=completion_attention,
     )
 
@@ -322,13 +340,55 @@ class OnlineTrainerBase(BaseTrainer):
         optimizers: tuple = (None, None),
         quantization_config: Any = None,
         peft_config: Any = None,
-        rollout_func: Any = None,
         tools: list | None = None,
+        rollout_func: Any = None,
         environment_factory: Any = None,
     ):
-        args = self._resolve_args(model, args)
+        args = self.resolve_args(args, model, self.config_class, self._trainer_name)
         if train_dataset is None:
             train_dataset = self._environment_placeholder_dataset(args, environment_factory)
+        model_id = model if isinstance(model, str) else None
+        model, processing_class = self._setup_policy(model, args, processing_class, peft_config, quantization_config)
+        self._prepare_model(model, args)
+        # Agent training (tools / environment_factory): checks (and may swap) the chat template, adds the
+        # environments' get_reward columns.
+        self.agent = self._make_agent(tools, environment_factory, rollout_func, processing_class, model, args)
+        self._setup_rewards(
+            reward_funcs, args, reward_processing_classes, train_dataset, rollout_func, environment_factory
+        )
+        self.reference = create_reference_policy(
+            model,
+            required=args.beta != 0.0,
+            sync_ref_model=args.sync_ref_model,
+            adapter_created_by_trainer=peft_config is not None,
+            reload_from=model_id,
+            model_init_kwargs=dict(args.model_init_kwargs or {}),
+        )
+        if self.reference.model is not None and args.disable_dropout:
+            disable_dropout_in_model(self.reference.model)
+        if self._configure_train_dataset(train_dataset, args) is not None:
+            prompts_per_round = args.generation_batch_size // args.num_generations
+            if len(train_dataset) < prompts_per_round:
+                raise ValueError(
+                    f"train_dataset has {len(train_dataset)} prompts but one generation round needs "
+                    f"generation_batch_size / num_generations = {args.generation_batch_size} / "
+                    f"{args.num_generations} = {prompts_per_round}; add prompts or lower "
+                    "per_device_train_batch_size / steps_per_generation."
+                )
+        self._init_trainer(model, args, train_dataset, eval_dataset, processing_class, callbacks, optimizers)
+        self._setup_rollout(rollout_func)
+        self._setup_loss()
+
+    # -- construction steps (composed by __init__ here and by DistillationTrainer's) ----------------------------
+    @staticmethod
+    def _setup_policy(
+        model: str | torch.nn.Module,
+        args: OnlineRLConfig,
+        processing_class: Any,
+        peft_config: Any,
+        quantization_config: Any = None,
+    ) -> tuple[torch.nn.Module, Any]:
+        """The policy (loaded, PEFT-wrapped, dropout off if asked) and its tokenizer (left padding and truncation)."""
         model_id = model if isinstance(model, str) else None
         model = resolve_model(model, args, peft_config=peft_config, quantization_config=quantization_config)
         processing_class = resolve_processing_class(
@@ -336,12 +396,19 @@ class OnlineTrainerBase(BaseTrainer):
         )
         if args.disable_dropout:
             disable_dropout_in_model(model)
-        self._prepare_model(model, args)
-        # Agent training (tools / environment_factory): checks (and may swap) the chat template, adds the
-        # environments' get_reward columns.
-        self.agent = self._make_agent(tools, environment_factory, rollout_func, processing_class, model, args)
-        env_rewards = self.agent.reward_funcs if self.agent is not None else []
+        return model, processing_class
 
+    def _setup_rewards(
+        self,
+        reward_funcs: Any,
+        args: OnlineRLConfig,
+        reward_processing_classes: Any,
+        train_dataset: Any,
+        rollout_func: Any,
+        environment_factory: Any,
+    ) -> None:
+        """``self.reward_funcs``, ``self.reward_func_names`` and the ``RewardScorer`` (environment rewards last)."""
+        env_rewards = self.agent.reward_funcs if self.agent is not None else []
         reward_funcs = self._resolve_reward_funcs(reward_funcs, args, env_rewards)
         reward_weights = args.reward_weights
         if reward_weights is not None and env_rewards and len(reward_weights) == len(reward_funcs) - len(env_rewards):
@@ -362,35 +429,35 @@ class OnlineTrainerBase(BaseTrainer):
         self.reward_func_names = list(self.scorer.names)
         self._validate_reward_signatures(reward_funcs, env_rewards, train_dataset, rollout_func, environment_factory)
 
-        self.reference = create_reference_policy(
-            model,
-            required=args.beta != 0.0,
-            sync_ref_model=args.sync_ref_model,
-            adapter_created_by_trainer=peft_config is not None,
-            reload_from=model_id,
-            model_init_kwargs=dict(args.model_init_kwargs or {}),
-        )
-        if self.reference.model is not None and args.disable_dropout:
-            disable_dropout_in_model(self.reference.model)
-
+    def _configure_train_dataset(self, train_dataset: Any, args: OnlineRLConfig) -> int | None:
+        """Streaming datasets need ``max_steps``, no workers, no batch dispatch. Returns the length (None: stream)."""
         self._is_iterable = isinstance(train_dataset, torch.utils.data.IterableDataset)
-        if self._is_iterable:
-            if args.max_steps is None or args.max_steps <= 0:
-                raise ValueError(
-                    "A streaming (IterableDataset) train_dataset has no length: set max_steps to a positive number."
-                )
-            if args.dataloader_num_workers:
-                warnings.warn("IterableDataset training forces dataloader_num_workers=0.", stacklevel=2)
-                args.dataloader_num_workers = 0
-            args.accelerator_config.dispatch_batches = False
-
-        prompts_per_round = args.generation_batch_size // args.num_generations
-        if not self._is_iterable and len(train_dataset) < prompts_per_round:
+        if not self._is_iterable:
+            return len(train_dataset)
+        if args.max_steps is None or args.max_steps <= 0:
             raise ValueError(
-                f"train_dataset has {len(train_dataset)} prompts but one generation round needs "
-                f"generation_batch_size / num_generations = {args.generation_batch_size} / {args.num_generations} = "
-                f"{prompts_per_round}; add prompts or lower per_device_train_batch_size / steps_per_generation."
+                "A streaming (IterableDataset) train_dataset has no length: set max_steps to a positive number."
             )
+        if args.dataloader_num_workers:
+            warnings.warn("IterableDataset training forces dataloader_num_workers=0.", stacklevel=3)
+            args.dataloader_num_workers = 0
+        args.accelerator_config.dispatch_batches = False
+        return None
+
+    def _init_trainer(
+        self,
+        model: torch.nn.Module,
+        args: OnlineRLConfig,
+        train_dataset: Any,
+        eval_dataset: Any,
+        processing_class: Any,
+        callbacks: list | None,
+        optimizers: tuple,
+    ) -> None:
+        """HF Trainer's constructor with the online data path, then the reference and reward models on the device.
+
+        Needs ``self.reference`` and ``self.reward_funcs`` (``ReferencePolicy("none")`` and ``[]`` when unused).
+        """
         super().__init__(
             model=model,
             args=args,
@@ -405,32 +472,26 @@ class OnlineTrainerBase(BaseTrainer):
         from accelerate.utils import set_seed
 
         set_seed(args.seed, device_specific=True)  # each process samples different completions (TRL)
-        self.reference.prepare(self.accelerator)
+        self.reference.prepare(self.accelerator)  # device, or a DeepSpeed/FSDP inference engine
         for func in self.reward_funcs:
             if isinstance(func, torch.nn.Module):
                 func.to(self.accelerator.device).eval()
         if args.sync_ref_model:
             self.add_callback(SyncRefModelCallback(self.reference.model, self.accelerator))
+        config = getattr(unwrap_model(self.model), "config", None)
+        self.aux_loss_enabled = bool(getattr(config, "output_router_logits", False)) and args.router_aux_loss_coef != 0
 
+    def _setup_rollout(self, rollout_func: Any) -> None:
+        """Sampling settings, the generation backend (agent-wrapped), the rollout (``_make_rollout``), the buffer."""
+        args = self.args
         self.num_generations = args.num_generations
         self.num_generations_eval = args.num_generations_eval or args.num_generations
-        self.sampling = SamplingConfig.from_args(args, processing_class).resolved()
+        self.sampling = SamplingConfig.from_args(args, self.processing_class).resolved()
         self.rollout_func = rollout_func
         self.backend = self._make_backend(rollout_func)
         if self.agent is not None:
             self.backend = self.agent.wrap(self.backend)
-        self.pipeline = RolloutPipeline(
-            tokenizer=processing_class,
-            backend=self.backend,
-            scorer=self.scorer,
-            sampling=self.sampling,
-            settings=self._rollout_settings(),
-            estimator=self._make_estimator(),
-            policy_logps=self._policy_logps_no_grad,
-            ref_logps=self._ref_logps if self.reference.kind != "none" else None,
-            accelerator=self.accelerator,
-            agent=self.agent,
-        )
+        self._make_rollout()
         self.buffer = RolloutBuffer(
             args.steps_per_generation, args.num_iterations, seed=args.seed + self.accelerator.process_index
         )
@@ -438,17 +499,6 @@ class OnlineTrainerBase(BaseTrainer):
         self._pending_completions = None
 
     # -- construction helpers ----------------------------------------------------------------------------------
-    def _resolve_args(self, model: Any, args: Any) -> OnlineRLConfig:
-        if args is None:
-            return self.config_class(output_dir=f"{model_name(model)}-{self._trainer_name}")
-        if not isinstance(args, self.config_class):
-            if not isinstance(args, TrainingArguments):
-                raise TypeError(f"args must be a {self.config_class.__name__}, got {type(args).__name__}.")
-            names = {f.name for f in dataclasses.fields(self.config_class) if f.init}
-            values = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init and f.name in names}
-            args = self.config_class(**values)
-        return args
-
     def _resolve_reward_funcs(
         self, reward_funcs: Any, args: OnlineRLConfig, env_rewards: list | None = None
     ) -> list[Any]:
@@ -573,6 +623,24 @@ class OnlineTrainerBase(BaseTrainer):
     def _prepare_model(self, model: torch.nn.Module, args: OnlineRLConfig) -> None:
         """Adjust the policy before the reference is derived from it (e.g. GRPO's ``cast_lm_head_to_fp32``)."""
 
+    def _setup_loss(self) -> None:
+        """Last construction step: the subclass's loss settings (``self.args`` and the rollout exist by now)."""
+
+    def _make_rollout(self) -> None:
+        """``self.pipeline``: generation → rewards → advantages with the subclass's estimator."""
+        self.pipeline = RolloutPipeline(
+            tokenizer=self.processing_class,
+            backend=self.backend,
+            scorer=self.scorer,
+            sampling=self.sampling,
+            settings=self._rollout_settings(),
+            estimator=self._make_estimator(),
+            policy_logps=self._policy_logps_no_grad,
+            ref_logps=self._ref_logps if self.reference.kind != "none" else None,
+            accelerator=self.accelerator,
+            agent=self.agent,
+        )
+
     def _make_estimator(self):
         raise TypeError(f"{type(self).__name__} must define _make_estimator().")
 
@@ -607,9 +675,19 @@ class OnlineTrainerBase(BaseTrainer):
         )
 
     # -- log-probs ---------------------------------------------------------------------------------------------
-    def _token_stats(self, model: torch.nn.Module, batch: RolloutBatch, compute_entropy: bool = False) -> TokenStats:
+    def _token_stats(
+        self,
+        model: torch.nn.Module,
+        batch: RolloutBatch,
+        compute_entropy: bool = False,
+        entropy_requires_grad: bool = False,
+    ) -> TokenStats:
         return completion_token_stats(
-            model, batch, temperature=self.sampling.temperature, compute_entropy=compute_entropy
+            model,
+            batch,
+            temperature=self.sampling.temperature,
+            compute_entropy=compute_entropy,
+            entropy_requires_grad=entropy_requires_grad,
         )
 
     def _policy_logps_no_grad(self, batch: RolloutBatch) -> torch.Tensor:
@@ -624,13 +702,17 @@ class OnlineTrainerBase(BaseTrainer):
         if self._signature_columns is None:
             self._signature_columns = ["prompt", "image", "images"]
 
+    def _prompts_per_round(self) -> int:
+        """Unique prompts per generation round over all processes (``generation_batch_size`` counts completions)."""
+        return self.args.generation_batch_size // self.num_generations
+
     def _get_train_sampler(self, train_dataset=None) -> RepeatSampler:
         dataset = train_dataset if train_dataset is not None else self.train_dataset
         args = self.args
         return RepeatSampler(
             dataset,
             mini_repeat_count=self.num_generations,
-            batch_size=args.generation_batch_size // self.num_generations,
+            batch_size=self._prompts_per_round(),
             repeat_count=args.num_iterations * args.steps_per_generation,
             shuffle=args.shuffle_dataset,
             seed=args.seed,
@@ -646,7 +728,7 @@ class OnlineTrainerBase(BaseTrainer):
             dataset = repeat_iterable_dataset(
                 dataset,
                 mini_repeat_count=self.num_generations,
-                batch_size=args.generation_batch_size // self.num_generations,
+                batch_size=self._prompts_per_round(),
                 repeat_count=args.num_iterations * args.steps_per_generation,
                 shuffle=args.shuffle_dataset,
                 seed=args.seed,

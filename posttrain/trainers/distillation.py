@@ -36,16 +36,11 @@ from typing import Any
 
 import torch
 
-from posttrain.generation.base import SamplingConfig
 from posttrain.models.loading import (
     create_model_from_path,
-    disable_dropout_in_model,
     load_processing_class,
-    resolve_model,
-    resolve_processing_class,
 )
-from posttrain.rollout.buffer import RolloutBatch, RolloutBuffer
-from posttrain.rollout.sampler import RepeatSampler, repeat_iterable_dataset
+from posttrain.rollout.buffer import RolloutBatch
 from posttrain.trainers._distill_parts import (
     DistillationRollout,
     check_shared_vocabulary,
@@ -53,10 +48,8 @@ from posttrain.trainers._distill_parts import (
     score_completions,
     token_divergence,
 )
-from posttrain.trainers._forward import unwrap_model
-from posttrain.trainers._online import GENERATION_BACKENDS, OnlineRLConfig, OnlineTrainerBase, completion_inputs
+from posttrain.trainers._online import OnlineRLConfig, OnlineTrainerBase, completion_inputs
 from posttrain.trainers._reference import ReferencePolicy
-from posttrain.trainers.base import BaseConfig, BaseTrainer
 
 # OnlineRLConfig fields that belong to GRPO/RLOO's policy-gradient loss: setting them here would silently do nothing.
 _POLICY_GRADIENT_FIELDS = (
@@ -162,6 +155,10 @@ class DistillationConfig(OnlineRLConfig):
 
     _trainer_name = "Distillation"
     _VALID_DICT_FIELDS = [*OnlineRLConfig._VALID_DICT_FIELDS, "teacher_model_init_kwargs"]
+    _AUTO_BATCH_SIZE_ERROR = (
+        "auto_find_batch_size=True is not supported by {name}: the generation round is tied to the batch size. "
+        "Set per_device_train_batch_size explicitly."
+    )
 
     def __post_init__(self):
         for name in _POLICY_GRADIENT_FIELDS:
@@ -170,34 +167,10 @@ class DistillationConfig(OnlineRLConfig):
                 raise ValueError(
                     f"{name}={getattr(self, name)!r} is a GRPO/RLOO option with no effect on distillation; remove it."
                 )
-        # OnlineRLConfig's batch rules are GRPO's (num_generations >= 2, generation_batch_size in completions):
-        # distillation has TRL's own rule, so only the TrainingArguments part of the chain runs here.
-        BaseConfig.__post_init__(self)
-        if self.use_transformers_paged:
-            warnings.warn(
-                "use_transformers_paged is deprecated; use use_transformers_continuous_batching.",
-                FutureWarning,
-                stacklevel=2,
-            )
-            self.use_transformers_continuous_batching = True
-        if self.generation_backend not in GENERATION_BACKENDS:
-            raise ValueError(
-                f"Unknown generation_backend {self.generation_backend!r}. Valid values: "
-                f"{', '.join(GENERATION_BACKENDS)} (use use_vllm=True for vLLM)."
-            )
-        if self.vllm_mode not in ("colocate", "server"):
-            raise ValueError(f"vllm_mode must be 'colocate' or 'server', got {self.vllm_mode!r}.")
-        if self.auto_find_batch_size:
-            raise ValueError(
-                "auto_find_batch_size=True is not supported by Distillation: the generation round is tied to the "
-                "batch size. Set per_device_train_batch_size explicitly."
-            )
-        pc = self.parallelism_config
-        if pc is not None and (getattr(pc, "cp_size", 1) > 1 or getattr(pc, "sp_size", 1) > 1):
-            raise ValueError(
-                "Context/sequence parallelism is not supported by Distillation; remove cp_size/sp_size from "
-                "parallelism_config."
-            )
+        super().__post_init__()  # TrainingArguments, the shared online checks, then _resolve_batch_plan below
+
+    def _resolve_batch_plan(self) -> None:
+        """TRL's distillation rules, not GRPO's: ``num_generations >= 1``, ``generation_batch_size`` in prompts."""
         if not 0.0 <= self.lmbda <= 1.0:
             raise ValueError(f"lmbda must be in [0.0, 1.0], got {self.lmbda}.")
         if not 0.0 <= self.beta <= 1.0:
@@ -242,7 +215,7 @@ class DistillationConfig(OnlineRLConfig):
                 f"num_generations={self.num_generations} with lmbda={self.lmbda} means off-policy batches include "
                 f"{self.num_generations} copies of each sample. Consider lmbda=1.0 when num_generations > 1.",
                 UserWarning,
-                stacklevel=2,
+                stacklevel=4,
             )
 
 
@@ -300,34 +273,18 @@ class DistillationTrainer(OnlineTrainerBase):
                 )
         if isinstance(teacher_model, torch.nn.Module) and teacher_model is model:
             raise ValueError("teacher_model is the student model itself; pass a separate (frozen) teacher.")
-        args = self._resolve_args(model, args)
+        args = self.resolve_args(args, model, self.config_class, self._trainer_name)
         if train_dataset is None:
             raise ValueError("DistillationTrainer needs a train_dataset with a 'prompt' column.")
-        model_id = model if isinstance(model, str) else None
-        model = resolve_model(model, args, peft_config=peft_config)
-        processing_class = resolve_processing_class(
-            model_id or model, processing_class, padding_side="left", truncation_side="left"
-        )
-        if args.disable_dropout:
-            disable_dropout_in_model(model)
+        model, processing_class = self._setup_policy(model, args, processing_class, peft_config)
         teacher, teacher_tokenizer = self._load_teacher(teacher_model, args)
         self.vocab_rows = check_shared_vocabulary(
             processing_class, teacher_tokenizer, model_vocab_size(model), model_vocab_size(teacher)
         )
-
-        self._is_iterable = isinstance(train_dataset, torch.utils.data.IterableDataset)
-        if self._is_iterable:
-            if args.max_steps is None or args.max_steps <= 0:
-                raise ValueError(
-                    "A streaming (IterableDataset) train_dataset has no length: set max_steps to a positive number."
-                )
-            if args.dataloader_num_workers:
-                warnings.warn("IterableDataset training forces dataloader_num_workers=0.", stacklevel=2)
-                args.dataloader_num_workers = 0
-            args.accelerator_config.dispatch_batches = False
-        elif len(train_dataset) < args.generation_batch_size * args.world_size:
+        n_rows = self._configure_train_dataset(train_dataset, args)
+        if n_rows is not None and n_rows < args.generation_batch_size * args.world_size:
             raise ValueError(
-                f"train_dataset has {len(train_dataset)} prompts but one optimizer step needs generation_batch_size "
+                f"train_dataset has {n_rows} prompts but one optimizer step needs generation_batch_size "
                 f"× processes = {args.generation_batch_size} × {args.world_size}; add prompts or lower "
                 "per_device_train_batch_size / gradient_accumulation_steps."
             )
@@ -339,41 +296,28 @@ class DistillationTrainer(OnlineTrainerBase):
                 UserWarning,
                 stacklevel=2,
             )
-        # OnlineTrainerBase.__init__ wires rewards and a reference policy, which distillation has neither of: the
-        # shared parts are set up here and its data path, loss plumbing, logging and checkpoints are inherited.
-        BaseTrainer.__init__(
-            self,
-            model=model,
-            args=args,
-            data_collator=_rows_as_is,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            processing_class=processing_class,
-            callbacks=callbacks,
-            optimizers=optimizers,
-            compute_loss_func=_loss_is_already_normalised,
-        )
-        from accelerate.utils import set_seed
-
-        set_seed(args.seed, device_specific=True)  # each process samples different completions (TRL)
+        # The shared construction steps, without rewards or a reference policy (distillation has neither).
+        self.agent = None  # no rollout_func / tools (agent training) in distillation yet
+        self.reward_funcs = []
+        self.reference = ReferencePolicy("none")
+        self._init_trainer(model, args, train_dataset, eval_dataset, processing_class, callbacks, optimizers)
         placed = ReferencePolicy("model", model=teacher)
         placed.prepare(self.accelerator)  # device, or a DeepSpeed/FSDP inference engine
         self.teacher_model = placed.model
+        self._setup_rollout(None)
 
-        self.num_generations = args.num_generations
-        self.num_generations_eval = args.num_generations_eval or args.num_generations
-        self.sampling = SamplingConfig.from_args(args, processing_class).resolved()
-        self.rollout_func = self.agent = None  # no rollout_func / tools (agent training) in distillation yet
-        self.backend = self._make_backend(None)
+    def _make_rollout(self) -> None:
+        """``self.rollout``: slices of student samples and dataset (or, with ``seq_kd``, teacher) completions."""
+        args = self.args
         teacher_backend = None
         if args.seq_kd:
             from posttrain.generation.registry import get_backend
 
             # The teacher samples in-process (it is frozen: nothing to sync); vLLM serves only the student.
             name = "transformers" if args.generation_backend == "transformers" else "posttrain"
-            teacher_backend = get_backend(name, self.teacher_model, processing_class, return_logprobs=False)
+            teacher_backend = get_backend(name, self.teacher_model, self.processing_class, return_logprobs=False)
         self.rollout = DistillationRollout(
-            tokenizer=processing_class,
+            tokenizer=self.processing_class,
             student_backend=self.backend,
             teacher_backend=teacher_backend,
             sampling=self.sampling,
@@ -389,13 +333,6 @@ class DistillationTrainer(OnlineTrainerBase):
             seed=args.seed,
             accelerator=self.accelerator,
         )
-        self.buffer = RolloutBuffer(
-            args.steps_per_generation, args.num_iterations, seed=args.seed + self.accelerator.process_index
-        )
-        config = getattr(unwrap_model(model), "config", None)
-        self.aux_loss_enabled = bool(getattr(config, "output_router_logits", False)) and args.router_aux_loss_coef != 0
-        self._last_synced_step = -1
-        self._pending_completions = None
 
     # -- construction helpers ----------------------------------------------------------------------------------
     @staticmethod
@@ -440,41 +377,10 @@ class DistillationTrainer(OnlineTrainerBase):
                 "prompt", "completion", "messages", "tools", "chat_template_kwargs", "image", "images",
             ]  # fmt: skip
 
-    # -- data path: TRL's distillation batch arithmetic --------------------------------------------------------
+    # -- data path: TRL's distillation batch arithmetic (the sampler and dataloader are the base's) --------------------------------------------------------
     def _prompts_per_round(self) -> int:
         """Unique prompts per generation round over all processes (``generation_batch_size`` is per process)."""
         return self.args.generation_batch_size * self.accelerator.num_processes
-
-    def _get_train_sampler(self, train_dataset=None) -> RepeatSampler:
-        args = self.args
-        return RepeatSampler(
-            train_dataset if train_dataset is not None else self.train_dataset,
-            mini_repeat_count=self.num_generations,
-            batch_size=self._prompts_per_round(),
-            repeat_count=args.num_iterations * args.steps_per_generation,
-            shuffle=args.shuffle_dataset,
-            seed=args.seed,
-        )
-
-    def get_train_dataloader(self):
-        args = self.args
-        dataset = self.train_dataset
-        if self._is_iterable:
-            dataset = repeat_iterable_dataset(
-                dataset,
-                mini_repeat_count=self.num_generations,
-                batch_size=self._prompts_per_round(),
-                repeat_count=args.num_iterations * args.steps_per_generation,
-                shuffle=args.shuffle_dataset,
-                seed=args.seed,
-            )
-        return self._get_dataloader(
-            dataset=dataset,
-            description="Training",
-            batch_size=self._train_batch_size * args.steps_per_generation,
-            sampler_fn=self._get_train_sampler,
-            is_training=True,
-        )
 
     def _generate_and_score(self, rows: list[dict[str, Any]], mode: str) -> RolloutBatch:
         """Build one round (see ``DistillationRollout``): slices of student samples / dataset or teacher completions."""
@@ -561,16 +467,6 @@ class DistillationTrainer(OnlineTrainerBase):
         super().load_resume_state_dict(state)
         if "distillation_rollout" in state:
             self.rollout.load_state_dict(state["distillation_rollout"])
-
-
-def _rows_as_is(features: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Collator: raw dataset rows go to the rollout, which tokenizes and batches them."""
-    return features
-
-
-def _loss_is_already_normalised(*args, **kwargs):
-    """Marker: a non-None ``compute_loss_func`` stops HF Trainer from dividing the loss by the accumulation steps."""
-    raise RuntimeError("DistillationTrainer computes its loss in compute_loss; this marker is never called.")
 
 
 def _has_tokenizer_files(folder: str) -> bool:

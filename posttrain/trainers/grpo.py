@@ -22,7 +22,6 @@ loop of ``posttrain.agents`` around the generation backend; tool-result tokens a
 
 from __future__ import annotations
 
-import logging
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,10 +36,8 @@ from posttrain.core.presets import needs_grad_accum_division, resolve_grpo_loss,
 from posttrain.rollout.buffer import RolloutBatch
 from posttrain.rollout.estimators import GroupRelativeEstimator
 from posttrain.rollout.pipeline import ImportanceSamplingSettings
-from posttrain.trainers._forward import TokenStats, unwrap_model
-from posttrain.trainers._online import OnlineRLConfig, OnlineTrainerBase, completion_inputs
-
-logger = logging.getLogger(__name__)
+from posttrain.trainers._forward import unwrap_model
+from posttrain.trainers._online import OnlineRLConfig, OnlineTrainerBase
 
 ENTROPY_CTRL_STATE = "entropy_ctrl_state.json"
 _IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
@@ -246,6 +243,8 @@ class EntropyController:
 class GRPOTrainer(OnlineTrainerBase):
     """Trainer for GRPO (Shao et al. 2024, DeepSeekMath) with TRL's constructor, config and metrics.
 
+    The constructor is ``OnlineTrainerBase.__init__`` (TRL's ``GRPOTrainer`` signature); ``_setup_loss`` adds GRPO's.
+
     Args:
         model: Hub id / local path (loaded with ``args.model_init_kwargs``, float32 by default), a
             ``PreTrainedModel`` causal LM, or a ``PeftModel``.
@@ -273,39 +272,8 @@ class GRPOTrainer(OnlineTrainerBase):
     _trainer_name = "GRPO"
     _tag_names = ["posttrain", "grpo"]
 
-    def __init__(
-        self,
-        model: str | torch.nn.Module,
-        reward_funcs: Any = None,
-        args: GRPOConfig | None = None,
-        train_dataset: Any = None,
-        eval_dataset: Any = None,
-        processing_class: Any = None,
-        reward_processing_classes: Any = None,
-        callbacks: list | None = None,
-        optimizers: tuple = (None, None),
-        quantization_config: Any = None,
-        peft_config: Any = None,
-        tools: list | None = None,
-        rollout_func: Any = None,
-        environment_factory: Any = None,
-    ):
-        super().__init__(
-            model,
-            reward_funcs,
-            args,
-            train_dataset,
-            eval_dataset,
-            processing_class,
-            reward_processing_classes,
-            callbacks,
-            optimizers,
-            quantization_config,
-            peft_config,
-            rollout_func,
-            tools,
-            environment_factory,
-        )
+    def _setup_loss(self) -> None:
+        """The loss of ``loss_type``, its config warnings and the entropy controller (after the shared setup)."""
         args = self.args
         self.objective, self.aggregation = resolve_grpo_loss(args.loss_type)
         self.divide_by_grad_accum = needs_grad_accum_division(args.loss_type)
@@ -317,7 +285,7 @@ class GRPOTrainer(OnlineTrainerBase):
             epsilon_high=args.epsilon_high,
             vllm_importance_sampling_mode=is_settings.mode if is_settings is not None else None,
         ):
-            warnings.warn(message, UserWarning, stacklevel=2)
+            warnings.warn(message, UserWarning, stacklevel=3)
         self.entropy_ctrl = EntropyController(
             coef=args.entropy_coef,
             adaptive=args.use_adaptive_entropy,
@@ -326,10 +294,6 @@ class GRPOTrainer(OnlineTrainerBase):
             delta=args.entropy_coef_delta,
             target=args.entropy_target,
         )
-        if self.entropy_ctrl.enabled:
-            logger.info("GRPO entropy bonus: entropies get gradients, so the loss forward uses full logits.")
-        config = getattr(unwrap_model(self.model), "config", None)
-        self.aux_loss_enabled = bool(getattr(config, "output_router_logits", False)) and args.router_aux_loss_coef != 0
 
     # -- construction hooks ------------------------------------------------------------------------------------
     def _make_estimator(self) -> GroupRelativeEstimator:
@@ -365,26 +329,7 @@ class GRPOTrainer(OnlineTrainerBase):
         head.float()
         head.register_forward_pre_hook(lambda module, inputs: tuple(x.float() for x in inputs))
 
-    # -- forward -----------------------------------------------------------------------------------------------
-    def _token_stats_with_entropy_grad(self, model: torch.nn.Module, batch: RolloutBatch) -> TokenStats:
-        """Log-probs and *differentiable* entropies from full logits (the entropy bonus needs their gradient)."""
-        input_ids, attention_mask, position_ids, completion_attention = completion_inputs(batch)
-        width = completion_attention.shape[1]
-        outputs = model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            logits_to_keep=width + 1,
-            use_cache=False,
-        )
-        logits = outputs.logits[:, :-1].float() / self.sampling.temperature  # (B, C, V)
-        log_probs = torch.log_softmax(logits, dim=-1)
-        logps = log_probs.gather(-1, batch["completion_ids"].unsqueeze(-1)).squeeze(-1)
-        entropy = -(log_probs.exp() * log_probs).sum(dim=-1)
-        logps = torch.where(completion_attention, logps, torch.zeros_like(logps))
-        entropy = torch.where(completion_attention, entropy, torch.zeros_like(entropy))
-        return TokenStats(logps, completion_attention, entropy, aux_loss=getattr(outputs, "aux_loss", None))
-
+    # -- helpers -----------------------------------------------------------------------------------------------
     def _gather_1d(self, values: torch.Tensor) -> torch.Tensor:
         """Concatenate variable-length 1-D tensors from every process (NaN-padded, padding dropped)."""
         if self.accelerator.num_processes == 1:
@@ -398,10 +343,8 @@ class GRPOTrainer(OnlineTrainerBase):
         """TRL's GRPO loss on one micro-batch (see the module docstring for the recipe)."""
         args = self.args
         mode = self._mode()
-        if self.entropy_ctrl.enabled:
-            stats = self._token_stats_with_entropy_grad(model, inputs)
-        else:
-            stats = self._token_stats(model, inputs, compute_entropy=True)
+        # With an entropy bonus the entropies enter the loss: they keep their graph (still chunked, no full logits).
+        stats = self._token_stats(model, inputs, compute_entropy=True, entropy_requires_grad=self.entropy_ctrl.enabled)
         logps, entropies = stats.logps, stats.entropy  # (B, C) each
         mask = inputs["completion_mask"].to(logps.dtype)  # (B, C) loss mask
         old_logps = inputs.get("old_per_token_logps")

@@ -112,21 +112,13 @@ class RLOOTrainer(OnlineTrainerBase):
         tools: list | None = None,
         environment_factory: Any = None,
     ):
+        # TRL's signature (reward_funcs required, no rollout_func); the base does the rest.
         super().__init__(
-            model,
-            reward_funcs,
-            args,
-            train_dataset,
-            eval_dataset,
-            processing_class,
-            reward_processing_classes,
-            callbacks,
-            optimizers,
-            quantization_config,
-            peft_config,
-            tools=tools,
-            environment_factory=environment_factory,
-        )
+            model, reward_funcs, args, train_dataset, eval_dataset, processing_class, reward_processing_classes,
+            callbacks, optimizers, quantization_config, peft_config, tools, environment_factory=environment_factory,
+        )  # fmt: skip
+
+    def _setup_loss(self) -> None:
         self.objective = POLICY_OBJECTIVES.get(RLOO_LOSS_PRESET["objective"])
         self.aggregation = AGGREGATIONS.get(RLOO_LOSS_PRESET["aggregation"])
 

@@ -11,6 +11,7 @@ import os
 import pytest
 import torch
 from datasets import Dataset
+from trainer_helpers import fast_config, quiet_single_thread, trainable_params  # noqa: F401
 
 from posttrain.core.distill import generalized_jsd_loss
 from posttrain.generation.base import Completions, SamplingConfig
@@ -20,14 +21,6 @@ from posttrain.trainers._online import completion_inputs
 from posttrain.trainers.distillation import DistillationConfig, DistillationTrainer
 
 EOS = 258
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")
@@ -58,21 +51,8 @@ def _pairs(n: int = 8) -> Dataset:
 
 
 def _config(tmp_path, **overrides) -> DistillationConfig:
-    values = dict(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=2,
-        max_completion_length=6,
-        max_steps=1,
-        learning_rate=1e-3,
-        report_to="none",
-        gradient_checkpointing=False,
-        save_strategy="no",
-        logging_steps=1,
-        disable_tqdm=True,
-        write_report=False,
-    )
-    values.update(overrides)
-    return DistillationConfig(**values)
+    values = dict(per_device_train_batch_size=2, max_completion_length=6, max_steps=1, learning_rate=1e-3)
+    return fast_config(DistillationConfig, tmp_path, **{**values, **overrides})
 
 
 def _logs(trainer) -> dict:
@@ -83,7 +63,7 @@ def _logs(trainer) -> dict:
 
 
 def _trainable(trainer) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    return trainable_params(trainer.model)
 
 
 def _changed(trainer, before) -> int:

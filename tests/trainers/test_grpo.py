@@ -10,19 +10,17 @@ import os
 import pytest
 import torch
 from datasets import Dataset
+from trainer_helpers import (  # noqa: F401
+    assert_same_params,
+    fast_config,
+    quiet_single_thread,
+    train_and_snapshot,
+    trainable_params,
+)
 
 from posttrain.trainers.grpo import ENTROPY_CTRL_STATE, GRPOConfig, GRPOTrainer
 
 EOS = 258
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny models are dominated by per-op overhead; extra intra-op threads only add contention on shared CPUs.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def varied_reward(completion_ids, **kwargs):
@@ -36,25 +34,13 @@ def _dataset(n: int = 8) -> Dataset:
 
 def _config(tmp_path, **overrides) -> GRPOConfig:
     values = dict(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        num_generations=2,
-        max_completion_length=8,
-        max_steps=1,
-        learning_rate=1e-2,
-        report_to="none",
-        gradient_checkpointing=False,
-        save_strategy="no",
-        logging_steps=1,
-        disable_tqdm=True,
-        write_report=False,
+        per_device_train_batch_size=4, num_generations=2, max_completion_length=8, max_steps=1, learning_rate=1e-2
     )
-    values.update(overrides)
-    return GRPOConfig(**values)
+    return fast_config(GRPOConfig, tmp_path, **{**values, **overrides})
 
 
 def _trainable(trainer) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    return trainable_params(trainer.model)
 
 
 def _changed(trainer, before) -> int:
@@ -239,13 +225,8 @@ def test_batch_times_grad_accum_invariance(tiny_model_path, tmp_path, loss_type)
             lr_scheduler_type="constant",
         )
         trainer = GRPOTrainer(tiny_model_path, reward, args, train_dataset=_dataset(), rollout_func=_fixed_rollout)
-        before = _trainable(trainer)
-        trainer.train()
-        assert _changed(trainer, before) > 0
-        results.append(_trainable(trainer))
-    for other in results[1:]:
-        for name, value in results[0].items():
-            torch.testing.assert_close(other[name], value, atol=1e-5, rtol=0)
+        results.append(train_and_snapshot(trainer))
+    assert_same_params(results)
 
 
 def test_learns_a_cheap_reward(tiny_model_path, tmp_path):
@@ -488,3 +469,38 @@ def test_command_line_parsing_of_dict_and_bool_fields(tmp_path):
     )
     assert args.generation_kwargs == {"do_sample": False} and args.scale_rewards == "none"
     assert args.reward_weights == [1.0, 2.0]
+
+
+def test_entropy_bonus_stays_chunked_with_the_full_logits_gradient(tiny_model_path, tmp_path, monkeypatch):
+    """With an entropy bonus the loss forward stays on the chunked path, and (zero advantages, β = 0: the bonus is the
+    whole loss) its gradient equals the one from full-vocabulary logits."""
+    import posttrain.trainers._forward as forward
+
+    trainer = GRPOTrainer(
+        tiny_model_path, varied_reward, _config(tmp_path, entropy_coef=0.5, temperature=0.7), train_dataset=_dataset()
+    )
+    model = trainer.model.train()
+    generator = torch.Generator().manual_seed(0)
+    batch = {
+        "prompt_ids": torch.randint(0, 256, (4, 5), generator=generator),
+        "prompt_mask": torch.tensor([[0, 0, 1, 1, 1]] * 2 + [[1] * 5] * 2),
+        "completion_ids": torch.randint(0, 256, (4, 6), generator=generator),
+        "completion_lengths": torch.tensor([6, 3, 5, 1]),
+        "advantages": torch.zeros(4),
+    }
+    batch["completion_mask"] = (torch.arange(6).unsqueeze(0) < batch["completion_lengths"].unsqueeze(1)).long()
+    batch["num_items_in_batch"] = batch["completion_mask"].sum()
+
+    def bonus_grads() -> tuple[dict[str, torch.Tensor], bool]:
+        model.zero_grad()
+        trainer._compute_loss(model, batch).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return grads, trainer._token_stats(model, batch, compute_entropy=True, entropy_requires_grad=True).chunked
+
+    chunked, on_chunked_path = bonus_grads()
+    monkeypatch.setattr(forward, "_resolve_head", lambda inner: "forced full logits (test)")
+    full, on_full_path = bonus_grads()
+    assert on_chunked_path and not on_full_path
+    assert chunked.keys() == full.keys() and any(g.abs().sum() > 0 for g in full.values())
+    for name, grad in full.items():
+        torch.testing.assert_close(chunked[name], grad, rtol=1e-4, atol=1e-6, msg=name)

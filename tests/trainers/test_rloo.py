@@ -8,19 +8,18 @@ import os
 import pytest
 import torch
 from datasets import Dataset
+from trainer_helpers import (  # noqa: F401
+    assert_same_params,
+    fast_config,
+    quiet_single_thread,
+    train_and_snapshot,
+    trainable_params,
+)
 
 from posttrain.rollout.estimators import LeaveOneOutEstimator
 from posttrain.trainers.rloo import RLOOConfig, RLOOTrainer
 
 EOS = 258
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def varied_reward(completion_ids, **kwargs):
@@ -32,25 +31,12 @@ def _dataset(n: int = 8) -> Dataset:
 
 
 def _config(tmp_path, **overrides) -> RLOOConfig:
-    values = dict(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        max_completion_length=8,
-        max_steps=1,
-        learning_rate=1e-2,
-        report_to="none",
-        gradient_checkpointing=False,
-        save_strategy="no",
-        logging_steps=1,
-        disable_tqdm=True,
-        write_report=False,
-    )
-    values.update(overrides)
-    return RLOOConfig(**values)
+    values = dict(per_device_train_batch_size=4, max_completion_length=8, max_steps=1, learning_rate=1e-2)
+    return fast_config(RLOOConfig, tmp_path, **{**values, **overrides})
 
 
 def _trainable(trainer) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    return trainable_params(trainer.model)
 
 
 def _changed(trainer, before) -> int:
@@ -127,13 +113,8 @@ def test_batch_times_grad_accum_invariance(tiny_model_path, tmp_path):
             seed=1,
         )
         trainer = RLOOTrainer(tiny_model_path, varied_reward, args, train_dataset=_dataset())
-        before = _trainable(trainer)
-        trainer.train()
-        assert _changed(trainer, before) > 0
-        results.append(_trainable(trainer))
-    for other in results[1:]:
-        for name, value in results[0].items():
-            torch.testing.assert_close(other[name], value, atol=1e-5, rtol=0)
+        results.append(train_and_snapshot(trainer))
+    assert_same_params(results)
 
 
 def test_learns_a_cheap_reward(tiny_model_path, tmp_path):

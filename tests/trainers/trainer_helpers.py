@@ -1,5 +1,5 @@
-"""Test setup shared by the offline preference-trainer tests (DPO, KTO, Reward): a quiet single-threaded module
-fixture, a fast config builder and a parameter-change check. Imported as ``trainer_helpers`` (pytest puts this
+"""Test setup shared by the offline trainer tests (DPO, KTO, Reward, GRPO, RLOO, Distillation): a quiet
+single-threaded module fixture, a fast config builder, parameter-change checks and the batch-invariance check. Imported as ``trainer_helpers`` (pytest puts this
 folder on ``sys.path``)."""
 
 from __future__ import annotations
@@ -50,3 +50,18 @@ def params_changed(before: dict[str, torch.Tensor], model: torch.nn.Module) -> b
     """Whether any parameter copied by :func:`trainable_params` differs in ``model`` now."""
     after = dict(model.named_parameters())
     return any(not torch.equal(before[n], after[n].detach()) for n in before)
+
+
+def train_and_snapshot(trainer: Any) -> dict[str, torch.Tensor]:
+    """Train ``trainer``, check that a trainable parameter moved, and return a copy of the trained parameters."""
+    before = trainable_params(trainer.model)
+    trainer.train()
+    assert params_changed(before, trainer.model)
+    return trainable_params(trainer.model)
+
+
+def assert_same_params(results: list[dict[str, torch.Tensor]], atol: float = 1e-5) -> None:
+    """Every snapshot in ``results`` equals the first (e.g. batch size × accumulation steps invariance)."""
+    for other in results[1:]:
+        for name, value in results[0].items():
+            torch.testing.assert_close(other[name], value, atol=atol, rtol=0)
