@@ -39,7 +39,7 @@ STAGE_OVERRIDES = {
         ],
     },
 }
-EVAL_SAMPLES = {"full": 4, "quick": 2}
+EVAL_SAMPLES = {"full": 8, "quick": 2}
 
 
 def _write_jsonl(path: Path, dataset) -> str:
@@ -162,6 +162,11 @@ def run_demo(output_dir: str = "demo_output", quick: bool = False, seed: int = 0
         )
     else:
         verdict = f"[bold red]GRPO did not improve held-out accuracy in this run ({gain:+.3f}).[/]"
+    # Say where the change comes from: the answer format a verifier can read, or the arithmetic itself.
+    verdict += (
+        f"\nWhere it comes from: verifiable (\\boxed) answers {after_sft.boxed_rate:.2f} → {after_grpo.boxed_rate:.2f}; "
+        f"right number in any format {after_sft.correct_anywhere:.2f} → {after_grpo.correct_anywhere:.2f}."
+    )
     rows = {"after SFT": after_sft.row(), "after GRPO": after_grpo.row()}
     _print_table(rows, verdict)
     summary = {

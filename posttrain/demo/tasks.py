@@ -54,7 +54,7 @@ def make_datasets(
     max_operand: int = 10,
     eval_fraction: float = 0.2,
     n_sft: int = 600,
-    boxed_fraction: float = 0.3,
+    boxed_fraction: float = 0.5,
     seed: int = 0,
 ):
     """Build the three splits the demo uses.
