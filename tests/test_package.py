@@ -49,3 +49,12 @@ def test_env_command_lists_versions():
     ).stdout
     for key in ["posttrain version", "PyTorch version", "Transformers version", "vLLM version"]:
         assert key in out
+
+
+def test_test_module_basenames_are_unique():
+    """Test folders have no __init__.py, so two test files with one basename break collection on a clean run."""
+    from collections import Counter
+    from pathlib import Path
+
+    names = Counter(p.name for p in Path(__file__).parent.rglob("*.py") if p.name != "conftest.py")
+    assert not [n for n, c in names.items() if c > 1]
