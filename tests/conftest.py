@@ -63,3 +63,22 @@ def tiny_tokenizer():
 
 # Trainer tests don't need the end-of-training HTML report; tests/report turns it back on explicitly.
 os.environ.setdefault("POSTTRAIN_NO_REPORT", "1")
+
+
+@pytest.fixture()
+def sandbox_lock():
+    """Serialise tests that start sandboxed programs, across pytest-xdist workers and concurrent runs.
+
+    The sandbox tests check host-wide state (no process left under a sandbox uid, no sandbox temp dir left), which
+    another worker's sandbox run would disturb.
+    """
+    import fcntl
+    import tempfile
+
+    path = os.path.join(tempfile.gettempdir(), "posttrain-sandbox-tests.lock")
+    with open(path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

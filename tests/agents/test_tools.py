@@ -176,7 +176,7 @@ def test_image_result_raises_a_clear_error_during_execution():
         execute_tool_calls([[ToolCall("shot", {}, "")]], [build_tools([shot])])
 
 
-def test_python_tool_runs_model_code_in_the_sandbox():
+def test_python_tool_runs_model_code_in_the_sandbox(sandbox_lock):
     tool = as_tool(python_tool(timeout=10))
     assert tool.name == "python" and tool.is_async
     assert tool.schema["function"]["parameters"]["required"] == ["code"]

@@ -16,6 +16,8 @@ from posttrain.rewards import (
     run_test_cases,
 )
 
+pytestmark = pytest.mark.usefixtures("sandbox_lock")  # host-wide checks: one sandbox test at a time
+
 ADD = "def add(a, b):\n    return a + b\n"
 ADD_BUGGY = "def add(a, b):\n    return a + b if a < 5 else 0\n"
 SUM_STDIN = "a, b = map(int, input().split())\nprint(a + b)\n"

@@ -17,6 +17,8 @@ import pytest
 
 from posttrain.rewards.sandbox import _UID_BASE, run_python, sandbox_capabilities
 
+pytestmark = pytest.mark.usefixtures("sandbox_lock")  # host-wide checks: one sandbox test at a time
+
 CAPS = sandbox_capabilities()
 HAS_NS = CAPS["isolation"] == "namespaces"
 # "auto" exercises the strongest isolation this machine offers; "basic" is the fallback and must hold up too.
