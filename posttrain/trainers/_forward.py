@@ -283,6 +283,15 @@ def _call_model(model, input_ids, attention_mask, position_ids, model_kwargs, **
     return model(input_ids=input_ids, attention_mask=attention_mask, **kwargs, **extra)
 
 
+CHUNK_BUDGET_BYTES = 128 * 2**20
+
+
+def auto_chunk_size(vocab_size: int, budget_bytes: int = CHUNK_BUDGET_BYTES) -> int:
+    """Tokens per LM-head chunk so the chunk's float32 scratch (about 2 × chunk × V floats) stays near
+    ``budget_bytes``: 1024 for small vocabularies, ~110 for Qwen-sized ones (151 936 rows)."""
+    return int(max(16, min(1024, budget_bytes // (8 * max(int(vocab_size), 1)))))
+
+
 def _chunked_path(
     model,
     head: _Head,
@@ -339,6 +348,8 @@ def _chunked_path(
     sel = mask[:, 1:]  # (B, T-1): position t predicts targets[:, t+1]
     h = hidden[:, :-1][sel]  # (N, H)
     y = targets[:, 1:][sel]  # (N,)
+    if chunk_size is None:
+        chunk_size = auto_chunk_size(head.weight.shape[0])
     logp, entropy = chunked_logprobs_from_hidden(
         h,
         head.weight,
@@ -402,6 +413,7 @@ def _plain_path(
 def _stats_from_logits(
     logits, targets, mask, temperature, chunk_size, compute_entropy, compute_accuracy, entropy_requires_grad=False
 ) -> TokenStats:
+    chunk_size = 1024 if chunk_size is None else chunk_size
     seq_len = targets.shape[1]
     if logits.shape[1] > seq_len:  # PEFT prompt learning prepends virtual tokens
         logits = logits[:, -seq_len:]
@@ -468,7 +480,7 @@ def forward_token_stats(
     temperature: float = 1.0,
     compute_entropy: bool = False,
     compute_accuracy: bool = False,
-    chunk_size: int = 1024,
+    chunk_size: int | None = None,
     chunked: bool = True,
     entropy_requires_grad: bool = False,
     **model_kwargs: Any,
@@ -496,6 +508,7 @@ def forward_token_stats(
         compute_accuracy: also return whether the top-1 prediction equals the target (a no-grad chunked argmax
             pass over the same hidden states on the chunked path).
         chunk_size: tokens per chunk; the chunked path's scratch memory is about ``2 × chunk_size × V`` floats.
+            None sizes it from the vocabulary (:func:`auto_chunk_size`, ~128 MiB of scratch).
         chunked: False forces the plain full-logits path (TRL's ``nll`` loss type, and reference checks).
         entropy_requires_grad: return the entropy with its autograd graph (an entropy bonus in the loss); on the
             chunked path its gradient −p (log p + H) is recomputed chunk-wise, so still no ``(B, T, V)`` logits.

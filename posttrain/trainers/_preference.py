@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from posttrain.models.loading import disable_dropout_in_model, resolve_model, resolve_processing_class
-from posttrain.trainers._forward import TokenStats, forward_token_stats, unwrap_model
+from posttrain.trainers._forward import TokenStats, auto_chunk_size, forward_token_stats, unwrap_model
 from posttrain.trainers._reference import ReferencePolicy, SyncRefModelCallback, create_reference_policy
 from posttrain.trainers.base import BaseTrainer
 
@@ -218,7 +218,7 @@ def score_completions(
     compute_mean_logits: bool = False,
     compute_wpo: bool = False,
     accuracy_rows: torch.Tensor | None = None,
-    chunk_size: int = 1024,
+    chunk_size: int | None = None,
 ) -> CompletionScores:
     """Per-token log-probs of the completion tokens of right-padded ``(B, T)`` sequences, plus optional statistics.
 
@@ -237,7 +237,7 @@ def score_completions(
         compute_wpo: Also return the WPO log-normaliser per scored token.
         accuracy_rows: ``(B,)`` bool: return top-1 hits for these rows only (e.g. DPO's chosen half), computed in
             the statistics pass over the captured hidden states — half the LM-head work of ``compute_accuracy``.
-        chunk_size: Tokens per chunk of the LM-head computations.
+        chunk_size: Tokens per chunk of the LM-head computations (None: sized from the vocabulary).
     """
     captured: dict[str, torch.Tensor] = {}
     handle = None
@@ -280,7 +280,7 @@ def score_completions(
             mean_logits=compute_mean_logits,
             wpo=compute_wpo,
             argmax_mask=argmax_mask,
-            chunk_size=chunk_size,
+            chunk_size=chunk_size or auto_chunk_size(head.weight.shape[0]),
         )
         pad = torch.nn.functional.pad
         if head_stats.mean is not None:
