@@ -434,8 +434,7 @@ CASES = {
 
 # Not handled yet by the owning trainer → what it should raise. Strict: once handled, the case passes and the marker
 # has to be removed.
-NOT_YET = {
-}
+NOT_YET = {}
 
 
 def _params():
