@@ -113,3 +113,22 @@ def tool_responses(context: str) -> list[str]:
 def call(name: str, arguments: str) -> str:
     """A Hermes tool-call block with raw argument JSON text."""
     return f'<tool_call>{{"name": "{name}", "arguments": {arguments}}}</tool_call>'
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+    """
+    return a + b
+
+
+def explode(reason: str) -> str:
+    """Always fails.
+
+    Args:
+        reason: What to complain about.
+    """
+    raise RuntimeError(f"boom: {reason}")

@@ -5,23 +5,13 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from agent_helpers import EOS, PAD, call, last_user, tool_responses
+from agent_helpers import EOS, PAD, add, call, explode, last_user, tool_responses
 
 from posttrain.agents.loop import ToolCallingBackend, prepare_tool_chat_template, tool_metrics
 from posttrain.agents.tools import build_tools, tool_schemas
 from posttrain.data.chat_templates import render_chat
 from posttrain.generation.base import SamplingConfig
 from posttrain.models.tiny import build_tiny_tokenizer, chatml_template
-
-
-def add(a: int, b: int) -> int:
-    """Add two integers.
-
-    Args:
-        a: The first integer.
-        b: The second integer.
-    """
-    return a + b
 
 
 async def mul(a: int, b: int) -> int:
@@ -33,15 +23,6 @@ async def mul(a: int, b: int) -> int:
     """
     await asyncio.sleep(0)
     return a * b
-
-
-def explode(reason: str) -> str:
-    """Always fails.
-
-    Args:
-        reason: What to complain about.
-    """
-    raise RuntimeError(f"boom: {reason}")
 
 
 def echo(text: str) -> str:

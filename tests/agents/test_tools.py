@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from agent_helpers import add, explode
 
 from posttrain.agents.tool_calls import ToolCall
 from posttrain.agents.tools import (
@@ -18,16 +19,6 @@ from posttrain.agents.tools import (
 )
 
 
-def add(a: int, b: int) -> int:
-    """Add two integers.
-
-    Args:
-        a: The first integer.
-        b: The second integer.
-    """
-    return a + b
-
-
 async def async_mul(a: int, b: int) -> int:
     """Multiply two integers, asynchronously.
 
@@ -37,15 +28,6 @@ async def async_mul(a: int, b: int) -> int:
     """
     await asyncio.sleep(0)
     return a * b
-
-
-def explode(reason: str) -> str:
-    """Always fails.
-
-    Args:
-        reason: What to complain about.
-    """
-    raise RuntimeError(f"boom: {reason}")
 
 
 def test_schema_from_function_async_function_and_bound_method():
