@@ -1,8 +1,9 @@
 """TRL's ``trl.data_utils`` names: ``from posttrain.data_utils import apply_chat_template, ...``.
 
-Implementations live in ``posttrain.data`` (``utils``, ``packing``); this module only re-exports them.
+Implementations live in ``posttrain.data`` (``utils``, ``packing``, ``multimodal``); this module only re-exports them.
 """
 
+from posttrain.data.multimodal import prepare_multimodal_messages, prepare_multimodal_messages_vllm
 from posttrain.data.packing import pack_dataset
 from posttrain.data.utils import (
     apply_chat_template,
@@ -30,6 +31,8 @@ __all__ = [
     "maybe_extract_prompt",
     "maybe_unpair_preference_dataset",
     "pack_dataset",
+    "prepare_multimodal_messages",
+    "prepare_multimodal_messages_vllm",
     "remove_none_values",
     "truncate_dataset",
     "unpair_preference_dataset",
