@@ -8,7 +8,17 @@ are online). A name that cannot be resolved (offline mode, no connection, unknow
 ``DatasetConfig`` / ``DatasetMixtureConfig`` / ``get_dataset`` are TRL's ``trl.scripts`` mixture API (YAML
 ``datasets:`` lists). Per-source ``fraction`` values (all-or-none) are normalised to weights w_i = f_i / Σf; the
 mixture size is the largest N with w_i·N ≤ len_i for every source (no source is oversampled), and source i
-contributes its first round(w_i·N) rows.
+contributes round(w_i·N) rows: a seeded random subset (``Dataset.shuffle(seed=seed)`` then the first rows; per
+source ``shuffle: true`` and ``seed: 42`` by default, so reruns pick the same rows), or its first rows with
+``shuffle: false``. A source that keeps all its rows keeps their order.
+
+With ``streaming: true`` source lengths are unknown (streamed local files report no split sizes), so exact counts
+cannot be computed without reading every source once. Streaming fractions are therefore drawn row by row:
+``datasets.interleave_datasets`` picks source i with probability w_i (seeded with the first source's ``seed``) and
+stops when the first source runs out (``stopping_strategy="first_exhausted"``), the streaming counterpart of "no
+source is oversampled"; each source is first shuffled with ``IterableDataset.shuffle(seed=seed,
+buffer_size=1000)`` unless it sets ``shuffle: false``. Counts then match the weights on average, not exactly, and
+are the same on every run.
 """
 
 from __future__ import annotations
@@ -20,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger(__name__)
+
+STREAMING_SHUFFLE_BUFFER_SIZE = 1000  # rows held by IterableDataset.shuffle for a streamed source with a fraction
 
 _EXTENSION_BUILDERS = {
     ".json": "json",
@@ -173,6 +185,9 @@ class DatasetConfig:
         split: Split to use.
         columns: Keep only these columns (mixtures need the same columns in every source).
         fraction: Share of this source in the mixture (all sources or none must set it; see module docstring).
+        shuffle: With ``fraction``, draw the source's rows as a seeded random subset (``True``, the default) rather
+            than taking its first rows (``False``, the behaviour before seeded subsets).
+        seed: Seed of that random subset (42 by default, like TRL's default seeds); the same seed picks the same rows.
     """
 
     path: str
@@ -182,6 +197,8 @@ class DatasetConfig:
     split: str = "train"
     columns: list[str] | None = None
     fraction: float | None = None
+    shuffle: bool = True
+    seed: int = 42
 
 
 @dataclass
@@ -190,7 +207,8 @@ class DatasetMixtureConfig:
 
     Args:
         datasets: The sources, as ``DatasetConfig`` objects or dicts of its fields.
-        streaming: Load every source as an ``IterableDataset`` (fractions are not supported then).
+        streaming: Load every source as an ``IterableDataset`` (fractions are then drawn row by row; see module
+            docstring).
         test_split_size: If set, split the mixture into ``train``/``test`` with this test size (fraction or count).
     """
 
@@ -214,6 +232,11 @@ class DatasetMixtureConfig:
             else:
                 raise TypeError(f"datasets[{i}] must be a DatasetConfig or a dict, got {type(ds).__name__}.")
         self.datasets = converted
+        for i, ds in enumerate(self.datasets):
+            if not isinstance(ds.shuffle, bool):
+                raise ValueError(f"datasets[{i}].shuffle must be true or false, got {ds.shuffle!r} ({ds.path}).")
+            if isinstance(ds.seed, bool) or not isinstance(ds.seed, int):
+                raise ValueError(f"datasets[{i}].seed must be an integer, got {ds.seed!r} ({ds.path}).")
         fractions = [ds.fraction for ds in self.datasets]
         given = [f is not None for f in fractions]
         if any(given) and not all(given):
@@ -225,8 +248,6 @@ class DatasetMixtureConfig:
             bad = [(ds.path, ds.fraction) for ds in self.datasets if not ds.fraction or ds.fraction <= 0]
             if bad:
                 raise ValueError(f"Dataset fractions must be > 0, got {bad}.")
-            if self.streaming:
-                raise ValueError("Dataset fractions need dataset lengths and are not supported with streaming=True.")
 
 
 def _mixture_sizes(lengths: list[int], fractions: list[float]) -> list[int]:
@@ -235,6 +256,30 @@ def _mixture_sizes(lengths: list[int], fractions: list[float]) -> list[int]:
     weights = [f / total for f in fractions]
     n = min(length / w for length, w in zip(lengths, weights))
     return [min(round(w * n), length) for w, length in zip(weights, lengths)]
+
+
+def _fraction_subset(ds: Any, n: int, cfg: DatasetConfig) -> Any:
+    """The ``n`` rows a source contributes: a seeded random subset, or its first rows with ``shuffle=False``."""
+    if cfg.shuffle and n < len(ds):
+        ds = ds.shuffle(seed=cfg.seed)
+    return ds.select(range(n))
+
+
+def _streaming_mixture(loaded: list[Any], configs: list[DatasetConfig]) -> Any:
+    """Streamed sources drawn row by row with probabilities f_i/Σf until one runs out (see module docstring)."""
+    import datasets
+
+    total = sum(cfg.fraction for cfg in configs)
+    streams = [
+        ds.shuffle(seed=cfg.seed, buffer_size=STREAMING_SHUFFLE_BUFFER_SIZE) if cfg.shuffle else ds
+        for ds, cfg in zip(loaded, configs)
+    ]
+    return datasets.interleave_datasets(
+        streams,
+        probabilities=[cfg.fraction / total for cfg in configs],
+        seed=configs[0].seed,
+        stopping_strategy="first_exhausted",
+    )
 
 
 def get_dataset(mixture_config: DatasetMixtureConfig) -> Any:
@@ -261,9 +306,10 @@ def get_dataset(mixture_config: DatasetMixtureConfig) -> Any:
                 raise ValueError(f"Dataset {cfg.path!r} has no columns {missing}; it has {ds.column_names}.")
             ds = ds.select_columns(cfg.columns)
         loaded.append(ds)
-    if mixture_config.datasets[0].fraction is not None:
+    with_fractions = mixture_config.datasets[0].fraction is not None
+    if with_fractions and not mixture_config.streaming:
         sizes = _mixture_sizes([len(ds) for ds in loaded], [cfg.fraction for cfg in mixture_config.datasets])
-        loaded = [ds.select(range(n)) for ds, n in zip(loaded, sizes)]
+        loaded = [_fraction_subset(ds, n, cfg) for ds, n, cfg in zip(loaded, sizes, mixture_config.datasets)]
     names = [ds.column_names for ds in loaded]
     if any(n is not None and set(n) != set(names[0]) for n in names):
         raise ValueError(
@@ -271,7 +317,10 @@ def get_dataset(mixture_config: DatasetMixtureConfig) -> Any:
             + "; ".join(f"{cfg.path}: {n}" for cfg, n in zip(mixture_config.datasets, names))
             + ". Use `columns` on each entry to keep the same ones."
         )
-    combined = datasets.concatenate_datasets(loaded) if len(loaded) > 1 else loaded[0]
+    if with_fractions and mixture_config.streaming:
+        combined = _streaming_mixture(loaded, mixture_config.datasets)
+    else:
+        combined = datasets.concatenate_datasets(loaded) if len(loaded) > 1 else loaded[0]
     if mixture_config.test_split_size is not None:
         if mixture_config.streaming:
             raise ValueError("test_split_size needs a map-style dataset; it is not supported with streaming=True.")

@@ -111,8 +111,14 @@ def test_mixture_config_validation():
         DatasetMixtureConfig(datasets=[{"path": "a", "fraction": 0.5}, {"path": "b"}])
     with pytest.raises(ValueError, match="must be > 0"):
         DatasetMixtureConfig(datasets=[{"path": "a", "fraction": 0.0}])
-    with pytest.raises(ValueError, match="streaming"):
-        DatasetMixtureConfig(datasets=[{"path": "a", "fraction": 1.0}], streaming=True)
+    streamed = DatasetMixtureConfig(datasets=[{"path": "a", "fraction": 1.0}], streaming=True)
+    assert streamed.datasets[0].shuffle is True and streamed.datasets[0].seed == 42
+    with pytest.raises(ValueError, match=r"datasets\[1\]\.shuffle must be true or false, got 'no' \(b\)"):
+        DatasetMixtureConfig(datasets=[{"path": "a"}, {"path": "b", "shuffle": "no"}])
+    with pytest.raises(ValueError, match=r"datasets\[0\]\.seed must be an integer, got '7' \(a\)"):
+        DatasetMixtureConfig(datasets=[{"path": "a", "seed": "7"}])
+    with pytest.raises(ValueError, match=r"valid keys: .*fraction, shuffle, seed"):
+        DatasetMixtureConfig(datasets=[{"path": "a", "sed": 1}])
     with pytest.raises(TypeError, match="DatasetConfig or a dict"):
         DatasetMixtureConfig(datasets=["a"])
 
@@ -138,30 +144,65 @@ def test_get_dataset_mixture(files):
     assert isinstance(streamed, datasets.IterableDatasetDict) and len(list(streamed["train"])) == 14
 
 
-def test_get_dataset_fractions_never_oversample(files):
-    big = Dataset.from_dict({"prompt": [f"p{i}" for i in range(10)], "completion": ["c"] * 10})
-    big.to_json(files / "big.jsonl")
+def _mix(files, *sources, streaming=False):
+    """get_dataset's train split for (file name, fraction, extra DatasetConfig keys) sources."""
+    entries = [{"path": str(files / name), "fraction": fraction, **extra} for name, fraction, extra in sources]
+    return get_dataset(DatasetMixtureConfig(datasets=entries, streaming=streaming))["train"]
+
+
+@pytest.fixture
+def big(files):
+    Dataset.from_dict({"prompt": [f"p{i}" for i in range(10)], "completion": ["c"] * 10}).to_json(files / "big.jsonl")
+    return files
+
+
+def test_get_dataset_fractions_never_oversample(big):
+    first_rows = {"shuffle": False}
     # weights 1/2, 1/2: the 4-row source limits the mixture to 8 rows, 4 from each
-    even = get_dataset(
-        DatasetMixtureConfig(
-            datasets=[
-                {"path": str(files / "data.jsonl"), "fraction": 1},
-                {"path": str(files / "big.jsonl"), "fraction": 1},
-            ]
-        )
-    )["train"]
+    even = _mix(big, ("data.jsonl", 1, first_rows), ("big.jsonl", 1, first_rows))
     assert even["prompt"] == ROWS["prompt"] + ["p0", "p1", "p2", "p3"]
     # weights 0.2, 0.8: N = min(4 / 0.2, 10 / 0.8) = 12.5 -> round(2.5) = 2 and 10 rows
-    skewed = get_dataset(
-        DatasetMixtureConfig(
-            datasets=[
-                {"path": str(files / "data.jsonl"), "fraction": 0.2},
-                {"path": str(files / "big.jsonl"), "fraction": 0.8},
-            ]
-        )
-    )["train"]
+    skewed = _mix(big, ("data.jsonl", 0.2, first_rows), ("big.jsonl", 0.8, first_rows))
     assert len(skewed) == 12
-    assert skewed["prompt"][:2] == ["a", "b"] and skewed["prompt"][-1] == "p9"
+    assert skewed["prompt"][:2] == ["a", "b"] and skewed["prompt"][2:] == [f"p{i}" for i in range(10)]
+
+
+def test_get_dataset_fractions_draw_seeded_random_subsets(big):
+    # the default: each source's rows are a random subset drawn with seed 42, the same on every run
+    even = _mix(big, ("data.jsonl", 1, {}), ("big.jsonl", 1, {}))
+    assert even["prompt"][:4] == ROWS["prompt"]  # the 4-row source keeps all its rows, in file order
+    drawn = even["prompt"][4:]
+    assert len(drawn) == len(set(drawn)) == 4 and set(drawn) <= {f"p{i}" for i in range(10)}
+    assert drawn != ["p0", "p1", "p2", "p3"]
+    assert drawn == Dataset.from_dict({"prompt": [f"p{i}" for i in range(10)]}).shuffle(seed=42)["prompt"][:4]
+    assert _mix(big, ("data.jsonl", 1, {}), ("big.jsonl", 1, {}))["prompt"] == even["prompt"]
+    # explicit seed 42 is the default; another seed draws other rows; the prompt/completion pairs stay together
+    assert _mix(big, ("data.jsonl", 1, {}), ("big.jsonl", 1, {"seed": 42}))["prompt"] == even["prompt"]
+    other = _mix(big, ("data.jsonl", 1, {}), ("big.jsonl", 1, {"seed": 7}))
+    assert other["prompt"][4:] != drawn
+    skewed = _mix(big, ("data.jsonl", 0.2, {}), ("big.jsonl", 0.8, {}))
+    assert len(skewed) == 12 and set(skewed["prompt"][:2]) <= set(ROWS["prompt"])
+    assert skewed["prompt"][2:] == [f"p{i}" for i in range(10)]  # all 10 rows: kept in order
+
+
+def test_get_dataset_streaming_fractions_are_seeded_and_stop_at_the_first_exhausted_source(big):
+    mixed = _mix(big, ("data.jsonl", 1, {}), ("big.jsonl", 1, {}), streaming=True)
+    assert isinstance(mixed, datasets.IterableDataset)
+    rows = [row["prompt"] for row in mixed]
+    assert rows == [row["prompt"] for row in mixed]  # the same rows in the same order when iterated again
+    again = _mix(big, ("data.jsonl", 1, {}), ("big.jsonl", 1, {}), streaming=True)
+    assert [row["prompt"] for row in again] == rows  # and in a new mixture (a new run)
+    small = [p for p in rows if p in ROWS["prompt"]]
+    assert sorted(small) == ROWS["prompt"]  # the 4-row source runs out first and ends the mixture
+    assert len(rows) == len(set(rows)) and len(rows) < 4 + 10  # no row twice; the big source is not used up
+    first_rows = _mix(big, ("data.jsonl", 1, {"shuffle": False}), ("big.jsonl", 1, {"shuffle": False}), streaming=True)
+    ordered = [row["prompt"] for row in first_rows]
+    assert [p for p in ordered if p in ROWS["prompt"]] == ROWS["prompt"]
+    big_rows = [p for p in ordered if p.startswith("p")]
+    assert big_rows == [f"p{i}" for i in range(len(big_rows))]  # shuffle: false keeps each source's order
+    assert ordered != rows  # while the default shuffles the sources
+    other = _mix(big, ("data.jsonl", 1, {"seed": 1}), ("big.jsonl", 1, {"seed": 1}), streaming=True)
+    assert [row["prompt"] for row in other] != rows
 
 
 def test_get_dataset_errors(files):
