@@ -16,6 +16,7 @@ above baseline.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -83,12 +84,30 @@ def prepare_model(workload, model: str, cache_dir: str | None) -> str:
 
 
 # -- run ---------------------------------------------------------------------------------------------------------
+def _parse_overrides(items: list[str]) -> dict[str, Any]:
+    """``["key=value", ...]`` → config overrides; values are read as JSON when they parse (numbers, true/false)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--set expects key=value, got {item!r}.")
+        try:
+            out[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key] = raw
+    return out
+
+
 def cmd_run(args: argparse.Namespace) -> dict[str, Any]:
     workload = _workload_from_args(args)
     model = args.model or workload.model
     steps = args.steps if args.steps is not None else workload.steps
     warmup = args.warmup if args.warmup is not None else workload.warmup
     model_path = prepare_model(workload, model, args.cache_dir)
+    if args.set:
+        if args.impl == "trl":
+            raise SystemExit("--set overrides posttrain's config only; drop it with --impl trl.")
+        workload = dataclasses.replace(workload, args={**workload.args, **_parse_overrides(args.set)})
     if args.impl == "trl":
         return run_trl(workload.name, model, model_path, steps, warmup, args.threads, args.profile)
     common.env_setup(args.threads)
@@ -303,6 +322,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--config", choices=list(WORKLOADS), default=None, help="Workload (default: the trainer's).")
     run.add_argument("--impl", choices=["posttrain", "trl"], default="posttrain")
     run.add_argument("--profile", default=None, help="Profile one step after warm-up; write the table here.")
+    run.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="Override a posttrain config field for an A/B run, e.g. --set shared_prompt_forward=false (repeatable).",
+    )
     common_flags(run)
     run.set_defaults(func=cmd_run)
 

@@ -44,6 +44,7 @@ from posttrain.rollout.buffer import RolloutBatch, RolloutBuffer
 from posttrain.rollout.completions_log import print_completions_table, write_completions_parquet
 from posttrain.rollout.metrics import clip_ratio_metrics
 from posttrain.rollout.pipeline import ImportanceSamplingSettings, RolloutPipeline, RolloutSettings
+from posttrain.rollout.prefix_sharing import build_shared_prompt_layout
 from posttrain.rollout.sampler import (
     RepeatSampler,
     check_eval_batch,
@@ -88,6 +89,14 @@ class OnlineRLConfig(BaseConfig):
         default=True, metadata={"help": "DeepSpeed ZeRO-3: gather the policy weights for generation."}
     )
     shuffle_dataset: bool | None = field(default=True, metadata={"help": "Shuffle the training prompts."})
+    shared_prompt_forward: bool = field(
+        default=True,
+        metadata={
+            "help": "posttrain: score a micro-batch's completions with each distinct prompt encoded once (a tree "
+            "attention mask; same loss and gradients as the plain forward, fewer tokens). Used with sdpa/eager "
+            "attention when it is estimated to save work; False always runs one [prompt | completion] row each."
+        },
+    )
     pad_to_multiple_of: int | None = field(
         default=None, metadata={"help": "Pad prompt and completion tensors to a multiple of this value."}
     )
@@ -299,13 +308,25 @@ def completion_token_stats(
     temperature: float = 1.0,
     compute_entropy: bool = False,
     entropy_requires_grad: bool = False,
+    share_prompts: bool = False,
 ) -> TokenStats:
     """Log-probs ``(B, C)`` of the completion tokens given their prompts, from one chunked forward pass.
 
     See :func:`completion_inputs` for the inputs. Logits are divided by ``temperature`` (the sampling temperature,
     as TRL). Positions past a completion's end get log-prob 0. ``entropy_requires_grad`` keeps the entropies
-    differentiable (GRPO's entropy bonus), still chunked.
+    differentiable (GRPO's entropy bonus), still chunked. ``share_prompts`` encodes each distinct prompt once
+    (:mod:`posttrain.rollout.prefix_sharing`) when the model's attention takes a tree mask and that saves work.
     """
+    if share_prompts:
+        stats = shared_prompt_token_stats(
+            model,
+            batch,
+            temperature=temperature,
+            compute_entropy=compute_entropy,
+            entropy_requires_grad=entropy_requires_grad,
+        )
+        if stats is not None:
+            return stats
     input_ids, attention_mask, position_ids, completion_attention = completion_inputs(batch)
     return forward_token_stats(
         model,
@@ -318,6 +339,69 @@ def completion_token_stats(
         entropy_requires_grad=entropy_requires_grad,
         labels_mask=completion_attention,
     )
+
+
+TREE_MASK_ATTENTION = ("sdpa", "eager")
+SHARED_PROMPT_MIN_SAVING = 0.8  # use the shared layout when its estimated cost is below this fraction of plain
+
+
+def shared_prompt_token_stats(
+    model: torch.nn.Module,
+    batch: RolloutBatch,
+    *,
+    temperature: float = 1.0,
+    compute_entropy: bool = False,
+    entropy_requires_grad: bool = False,
+) -> TokenStats | None:
+    """:func:`completion_token_stats` with each distinct prompt encoded once per micro-batch (design §3.2).
+
+    Returns None (the caller runs the plain forward) when the model's attention cannot take a tree-shaped 4-D mask
+    (flash attention, flex), when the batch carries extra model inputs, or when the estimated cost — tokens times
+    (per-token projections + attention span), :meth:`SharedPromptLayout.cost_ratio` — is not clearly lower.
+    """
+    inner = unwrap_model(model)
+    config = getattr(inner, "config", None)
+    impl = str(getattr(config, "_attn_implementation", None) or "sdpa")
+    if impl not in TREE_MASK_ATTENTION or _is_prompt_learning(model) or config is None:
+        return None
+    layout = build_shared_prompt_layout(
+        batch["prompt_ids"],
+        batch["prompt_mask"],
+        batch["completion_ids"],
+        batch["completion_lengths"],
+        pad_token_id=int(getattr(config, "pad_token_id", None) or 0),
+    )
+    hidden_size = int(getattr(config.get_text_config(), "hidden_size", 0) or 1024)
+    if layout is None or layout.cost_ratio(hidden_size) > SHARED_PROMPT_MIN_SAVING:
+        return None
+    stats = forward_token_stats(
+        model,
+        layout.input_ids,
+        layout.attention_mask,
+        labels=layout.labels,
+        position_ids=layout.position_ids,
+        temperature=temperature,
+        compute_entropy=compute_entropy,
+        entropy_requires_grad=entropy_requires_grad,
+    )
+    shape = tuple(batch["completion_ids"].shape)
+    lengths = batch["completion_lengths"].to(batch["completion_ids"].device)
+    return TokenStats(
+        logps=layout.to_rows(stats.logps, shape),
+        mask=torch.arange(shape[1], device=lengths.device).unsqueeze(0) < lengths.unsqueeze(1),
+        entropy=None if stats.entropy is None else layout.to_rows(stats.entropy, shape),
+        aux_loss=stats.aux_loss,
+        chunked=stats.chunked,
+    )
+
+
+def _is_prompt_learning(model: torch.nn.Module) -> bool:
+    """PEFT prompt learning prepends virtual tokens, which a tree mask does not cover."""
+    while model is not None:
+        if bool(getattr(getattr(model, "active_peft_config", None), "is_prompt_learning", False)):
+            return True
+        model = getattr(model, "module", None)  # DDP / accelerate wrappers
+    return False
 
 
 class OnlineTrainerBase(BaseTrainer):
@@ -688,6 +772,7 @@ class OnlineTrainerBase(BaseTrainer):
             temperature=self.sampling.temperature,
             compute_entropy=compute_entropy,
             entropy_requires_grad=entropy_requires_grad,
+            share_prompts=bool(self.args.shared_prompt_forward),
         )
 
     def _policy_logps_no_grad(self, batch: RolloutBatch) -> torch.Tensor:

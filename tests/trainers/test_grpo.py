@@ -504,3 +504,38 @@ def test_entropy_bonus_stays_chunked_with_the_full_logits_gradient(tiny_model_pa
     assert chunked.keys() == full.keys() and any(g.abs().sum() > 0 for g in full.values())
     for name, grad in full.items():
         torch.testing.assert_close(chunked[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_shared_prompt_forward_trains_like_the_plain_forward(tiny_model_path, tmp_path, monkeypatch):
+    """shared_prompt_forward (on by default) changes how the policy/reference forwards run, not the update."""
+    import posttrain.trainers._online as online
+
+    taken = []
+    original = online.shared_prompt_token_stats
+
+    def spy(*args, **kwargs):
+        stats = original(*args, **kwargs)
+        taken.append(stats is not None)
+        return stats
+
+    monkeypatch.setattr(online, "shared_prompt_token_stats", spy)
+    system = "You are a careful assistant. Answer the question that follows in a few words only. "
+    dataset = Dataset.from_list([{"prompt": f"{system}Question {i}:", "solution": str(i)} for i in range(8)])
+    results = []
+    for share in (False, True):
+        args = _config(
+            tmp_path / str(share),
+            shared_prompt_forward=share,
+            num_generations=4,
+            per_device_train_batch_size=8,
+            beta=0.04,
+            num_iterations=2,
+            max_steps=2,
+            optim="sgd",
+            learning_rate=0.5,
+            max_grad_norm=0.0,
+        )
+        trainer = GRPOTrainer(tiny_model_path, varied_reward, args, train_dataset=dataset, rollout_func=_fixed_rollout)
+        results.append(train_and_snapshot(trainer))
+    assert taken and all(taken), "the shared layout must be used for policy, old and reference log-probs"
+    assert_same_params(results, atol=2e-5)

@@ -1,0 +1,140 @@
+"""The shared-prompt training forward equals the plain [prompt | completion] forward in values and gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from posttrain.rollout.prefix_sharing import IGNORE_INDEX, build_shared_prompt_layout
+from posttrain.trainers._online import completion_token_stats, shared_prompt_token_stats
+
+
+def _batch(prompts: list[list[int]], completions: list[list[int]], width: int | None = None) -> dict:
+    """A rollout micro-batch: left-padded prompts, right-padded completions (pad id 0)."""
+    p = max(len(x) for x in prompts)
+    c = width or max(max(len(x) for x in completions), 1)
+    prompt_ids = torch.tensor([[0] * (p - len(x)) + x for x in prompts])
+    prompt_mask = torch.tensor([[0] * (p - len(x)) + [1] * len(x) for x in prompts])
+    completion_ids = torch.tensor([x + [0] * (c - len(x)) for x in completions])
+    lengths = torch.tensor([len(x) for x in completions])
+    completion_mask = (torch.arange(c).unsqueeze(0) < lengths.unsqueeze(1)).long()
+    return {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": prompt_mask,
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+        "completion_lengths": lengths,
+    }
+
+
+def test_layout_by_hand():
+    # Two prompts sharing the prefix [5, 6]; two completions of prompt A, one of prompt B.
+    batch = _batch([[5, 6, 7], [5, 6, 7], [5, 6, 8, 9]], [[11, 12], [13], [14, 15]])
+    layout = build_shared_prompt_layout(
+        batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["completion_lengths"]
+    )
+    # root [5, 6] | A's completions, each led by A's last token 7 | B's middle [8] | B's completion led by 9
+    assert layout.input_ids.tolist() == [[5, 6, 7, 11, 12, 7, 13, 8, 9, 14, 15]]
+    assert layout.position_ids.tolist() == [[0, 1, 2, 3, 4, 2, 3, 2, 3, 4, 5]]
+    x = IGNORE_INDEX
+    assert layout.labels.tolist() == [[x, x, x, 11, 12, x, 13, x, x, 14, 15]]
+    mask = layout.attention_mask[0, 0].int().tolist()
+    assert mask[4] == [1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0]  # A's first completion: root + its own segment
+    assert mask[6] == [1, 1, 0, 0, 0, 1, 1, 0, 0, 0, 0]  # A's second completion does not see the first
+    assert mask[10] == [1, 1, 0, 0, 0, 0, 0, 1, 1, 1, 1]  # B's completion: root, B's middle, its own segment
+    assert layout.num_tokens == 11 and layout.plain_tokens == 3 * (4 + 2)
+    values = torch.arange(11, dtype=torch.float32).unsqueeze(0)
+    assert layout.to_rows(values, (3, 2)).tolist() == [[3.0, 4.0], [6.0, 0.0], [9.0, 10.0]]
+
+
+def test_layout_splits_packs_and_pads():
+    batch = _batch([[1, 2, 3], [4, 5]], [[6, 7, 8], [9]])
+    layout = build_shared_prompt_layout(
+        batch["prompt_ids"],
+        batch["prompt_mask"],
+        batch["completion_ids"],
+        batch["completion_lengths"],
+        max_pack_tokens=4,
+    )
+    assert layout.input_ids.shape == (2, 6)
+    assert layout.input_ids.tolist() == [[1, 2, 3, 6, 7, 8], [4, 5, 9, 0, 0, 0]]
+    mask = layout.attention_mask[1, 0]
+    assert mask[3:].int().tolist() == [[0, 0, 0, 1, 0, 0], [0, 0, 0, 0, 1, 0], [0, 0, 0, 0, 0, 1]]
+    assert not mask[:3, 3:].any()  # real tokens never attend to padding
+
+
+def test_empty_prompt_falls_back():
+    batch = _batch([[], [3]], [[4], [5]])
+    assert (
+        build_shared_prompt_layout(
+            batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["completion_lengths"]
+        )
+        is None
+    )
+
+
+def _grouped_batch(seed: int, vocab: int) -> dict:
+    """2 groups × 4 completions; the prompts share a 24-token system prefix; varied lengths incl. an empty one."""
+    g = torch.Generator().manual_seed(seed)
+    system = torch.randint(3, vocab, (24,), generator=g).tolist()
+    prompts, completions = [], []
+    for user_len in (5, 9):
+        prompt = system + torch.randint(3, vocab, (user_len,), generator=g).tolist()
+        for length in (7, 1, 12, 0) if user_len == 5 else (3, 12, 6, 2):
+            prompts.append(prompt)
+            completions.append(torch.randint(3, vocab, (length,), generator=g).tolist())
+    return _batch(prompts, completions)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_model_path", "tiny_llama_path"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_shared_forward_equals_plain_forward(fixture, attn, request):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(request.getfixturevalue(fixture), attn_implementation=attn)
+    batch = _grouped_batch(0, model.config.vocab_size)
+    advantages = torch.randn(batch["completion_ids"].shape)
+    results = []
+    for share in (False, True):
+        model.zero_grad()
+        if share:
+            stats = shared_prompt_token_stats(model, batch, temperature=0.7, compute_entropy=True)
+            assert stats is not None, "the grouped batch must take the shared layout"
+        else:
+            stats = completion_token_stats(model, batch, temperature=0.7, compute_entropy=True)
+        (stats.logps * advantages).sum().backward()
+        grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        results.append((stats.logps.detach(), stats.entropy, stats.mask, grads))
+    (lp0, h0, m0, g0), (lp1, h1, m1, g1) = results
+    assert torch.equal(m0, m1)
+    assert (lp0[~m0] == 0).all() and (lp1[~m1] == 0).all()
+    torch.testing.assert_close(lp1, lp0, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(h1, h0, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(g1, g0, atol=1e-5, rtol=1e-4)
+
+
+def test_shared_forward_entropy_gradient_matches(tiny_model_path):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    batch = _grouped_batch(1, model.config.vocab_size)
+    grads = []
+    for share in (False, True):
+        model.zero_grad()
+        stats = completion_token_stats(
+            model, batch, compute_entropy=True, entropy_requires_grad=True, share_prompts=share
+        )
+        (stats.entropy * stats.mask).sum().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    torch.testing.assert_close(grads[1], grads[0], atol=1e-5, rtol=1e-4)
+
+
+def test_shared_forward_declines_without_tree_masks(tiny_model_path):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    batch = _grouped_batch(2, model.config.vocab_size)
+    model.config._attn_implementation = "flash_attention_2"  # only read by the check; no forward is run
+    assert shared_prompt_token_stats(model, batch) is None
+
+
+def test_shared_forward_declines_when_nothing_is_shared(tiny_model_path):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    distinct = _batch([[3, 4, 5], [6, 7, 8], [9, 10, 11]], [[12] * 8, [13] * 8, [14] * 8])
+    assert shared_prompt_token_stats(model, distinct) is None
