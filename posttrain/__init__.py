@@ -38,6 +38,8 @@ _LAZY: dict[str, str] = {
     "maybe_convert_to_chatml": "posttrain.data_utils",
     "unpair_preference_dataset": "posttrain.data_utils",
     "maybe_unpair_preference_dataset": "posttrain.data_utils",
+    "prepare_multimodal_messages": "posttrain.data_utils",
+    "prepare_multimodal_messages_vllm": "posttrain.data_utils",
     "pack_dataset": "posttrain.data_utils",
     "truncate_dataset": "posttrain.data_utils",
     "clone_chat_template": "posttrain.chat_template_utils",

@@ -51,6 +51,7 @@ _EXPORTS = {
         "truncate_dataset",
         "unpair_preference_dataset",
     ],
+    "multimodal": ["prepare_multimodal_messages", "prepare_multimodal_messages_vllm"],
     "chat_templates": [
         "CHAT_TEMPLATE_FAMILIES",
         "apply_chat_template_path",

@@ -19,6 +19,8 @@ TRL_DATA_UTILS = [
     "maybe_extract_prompt",
     "maybe_unpair_preference_dataset",
     "pack_dataset",
+    "prepare_multimodal_messages",
+    "prepare_multimodal_messages_vllm",
     "remove_none_values",
     "truncate_dataset",
     "unpair_preference_dataset",
