@@ -343,6 +343,7 @@ def completion_token_stats(
 
 TREE_MASK_ATTENTION = ("sdpa", "eager")
 SHARED_PROMPT_MIN_SAVING = 0.8  # use the shared layout when its estimated cost is below this fraction of plain
+PACK_TOKEN_CANDIDATES = (4096, 1)  # pack caps tried: one pack for the micro-batch (up to 4096 tokens), one per group
 
 
 def shared_prompt_token_stats(
@@ -364,15 +365,26 @@ def shared_prompt_token_stats(
     impl = str(getattr(config, "_attn_implementation", None) or "sdpa")
     if impl not in TREE_MASK_ATTENTION or _is_prompt_learning(model) or config is None:
         return None
-    layout = build_shared_prompt_layout(
-        batch["prompt_ids"],
-        batch["prompt_mask"],
-        batch["completion_ids"],
-        batch["completion_lengths"],
-        pad_token_id=int(getattr(config, "pad_token_id", None) or 0),
-    )
     hidden_size = int(getattr(config.get_text_config(), "hidden_size", 0) or 1024)
-    if layout is None or layout.cost_ratio(hidden_size) > SHARED_PROMPT_MIN_SAVING:
+    layout, best = None, SHARED_PROMPT_MIN_SAVING
+    # One long pack shares a system prompt across groups; one pack per group keeps the (dense) attention small.
+    for max_pack_tokens in PACK_TOKEN_CANDIDATES:
+        candidate = build_shared_prompt_layout(
+            batch["prompt_ids"],
+            batch["prompt_mask"],
+            batch["completion_ids"],
+            batch["completion_lengths"],
+            pad_token_id=int(getattr(config, "pad_token_id", None) or 0),
+            max_pack_tokens=max_pack_tokens,
+        )
+        if candidate is None:
+            return None
+        ratio = candidate.cost_ratio(hidden_size)
+        if ratio <= best:
+            layout, best = candidate, ratio
+        if candidate.input_ids.shape[0] == len(set(map(tuple, batch["prompt_ids"].tolist()))):
+            break  # already one pack per group: smaller caps give the same layout
+    if layout is None:
         return None
     stats = forward_token_stats(
         model,
