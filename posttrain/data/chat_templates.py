@@ -8,15 +8,18 @@ fields with nulls) are dropped before rendering so templates see the keys as und
 TRL's ``trl.chat_template_utils``: ``clone_chat_template``, ``get_training_chat_template``, ``supports_tool_calling``,
 ``is_chat_template_prefix_preserving``, ``is_chat_template_stop_token_trained``, ``has_generation_markers``.
 
-Known template families live in the ``CHAT_TEMPLATE_FAMILIES`` registry. A family is recognised by *rendering*
-probe conversations (not by comparing template strings), so any template that renders ChatML exactly
-(Qwen2/Qwen2.5 style, with a system message) is recognised as ``"chatml"`` and gets the bundled
-``templates/chatml_training.jinja`` (``{% generation %}`` markers around each assistant turn, end-of-turn token
-included; prefix-preserving with tools).
+Known template families live in the ``CHAT_TEMPLATE_FAMILIES`` registry: ``"chatml"`` (Qwen2/Qwen2.5 style),
+``"qwen3"`` (Qwen3 hybrid thinking), ``"llama3_1"`` (Llama 3.1/3.3 Instruct) and ``"llama3_2"`` (Llama 3.2 Instruct).
+A template belongs to a family when it is one of the family's bundled originals (``templates/<name>.jinja``,
+compared as exact strings) or, failing that, when it renders the family's probe conversations exactly as the
+family's training template does; so any template that renders ChatML exactly (with a system message) is
+``"chatml"``. Each family's ``templates/<name>_training.jinja`` wraps every assistant turn, end-of-turn token
+included, in ``{% generation %}`` markers and is prefix-preserving; its header comment says what it changes.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import warnings
@@ -366,6 +369,14 @@ def validate_assistant_only_loss_template(processing_class: Any, chat_template: 
 # Template families and training templates
 
 
+Probe = tuple[tuple[tuple[str, str], ...], bool]
+
+
+@functools.cache
+def _read_template(file: str) -> str:
+    return (TEMPLATES_DIR / file).read_text()
+
+
 @dataclass(frozen=True)
 class ChatTemplateFamily:
     """A known chat-template family: how to recognise it and where its training template lives.
@@ -377,20 +388,30 @@ class ChatTemplateFamily:
             for the tokenizer to belong to the family.
         optional_probes: Conversations where a difference is allowed but reported in a warning (e.g. a default
             system prompt the original adds when none is given).
+        original_template_files: The model's own templates (verbatim, one file per shipped revision); a tokenizer
+            whose template equals one of them belongs to the family without probing.
     """
 
     name: str
     training_template_file: str
-    required_probes: tuple[tuple[tuple[tuple[str, str], ...], bool], ...]
-    optional_probes: tuple[tuple[str, tuple[tuple[tuple[str, str], ...], bool]], ...] = ()
+    required_probes: tuple[Probe, ...]
+    optional_probes: tuple[tuple[str, Probe], ...] = ()
+    original_template_files: tuple[str, ...] = ()
 
     def training_template(self) -> str:
-        return (TEMPLATES_DIR / self.training_template_file).read_text()
+        return _read_template(self.training_template_file)
+
+    def original_templates(self) -> list[str]:
+        """The bundled original templates, newest revision first."""
+        return [_read_template(f) for f in self.original_template_files]
 
 
 def _conv(*pairs: tuple[str, str]) -> tuple[tuple[str, str], ...]:
     return tuple(pairs)
 
+
+_SYSTEM = ("system", "You are a probe.")
+_THOUGHT = "<think>\nA probe thought.\n</think>\n\nHello!"
 
 CHAT_TEMPLATE_FAMILIES: Registry[ChatTemplateFamily] = Registry("chat template family")
 CHAT_TEMPLATE_FAMILIES.add(
@@ -399,16 +420,59 @@ CHAT_TEMPLATE_FAMILIES.add(
         name="chatml",
         training_template_file="chatml_training.jinja",
         required_probes=(
-            (_conv(("system", "You are a probe."), ("user", "Hi"), ("assistant", "Hello!"), ("user", "Bye")), False),
-            (_conv(("system", "You are a probe."), ("user", "Hi")), True),
-            (_conv(("system", "You are a probe."), ("user", "Hi"), ("assistant", "Hello!")), False),
+            (_conv(_SYSTEM, ("user", "Hi"), ("assistant", "Hello!"), ("user", "Bye")), False),
+            (_conv(_SYSTEM, ("user", "Hi")), True),
+            (_conv(_SYSTEM, ("user", "Hi"), ("assistant", "Hello!")), False),
         ),
         optional_probes=(("conversations without a system message", (_conv(("user", "Hi")), True)),),
     ),
 )
+CHAT_TEMPLATE_FAMILIES.add(
+    "qwen3",
+    ChatTemplateFamily(
+        name="qwen3",
+        training_template_file="qwen3_training.jinja",
+        required_probes=(
+            (_conv(_SYSTEM, ("user", "Hi")), True),
+            (_conv(_SYSTEM, ("user", "Hi"), ("assistant", "Hello!")), False),
+            (_conv(("user", "Hi"), ("assistant", _THOUGHT)), False),
+        ),
+        optional_probes=(
+            (
+                "assistant turns before the last user message (kept with their <think> block, so that earlier "
+                "turns do not change when messages are appended)",
+                (_conv(_SYSTEM, ("user", "Hi"), ("assistant", "Hello!"), ("user", "Bye")), True),
+            ),
+        ),
+        original_template_files=("qwen3.jinja", "qwen3_v0.jinja"),
+    ),
+)
+_LLAMA3_PROBES: tuple[Probe, ...] = (
+    (_conv(_SYSTEM, ("user", "Hi")), True),
+    (_conv(_SYSTEM, ("user", "Hi"), ("assistant", "Hello!"), ("user", "Bye")), True),
+    (_conv(("user", "Hi"), ("assistant", "Hello!")), False),
+)
+CHAT_TEMPLATE_FAMILIES.add(
+    "llama3_1",
+    ChatTemplateFamily(
+        name="llama3_1",
+        training_template_file="llama3_1_training.jinja",
+        required_probes=_LLAMA3_PROBES,
+        original_template_files=("llama3_1.jinja",),
+    ),
+)
+CHAT_TEMPLATE_FAMILIES.add(
+    "llama3_2",
+    ChatTemplateFamily(
+        name="llama3_2",
+        training_template_file="llama3_2_training.jinja",
+        required_probes=_LLAMA3_PROBES,
+        original_template_files=("llama3_2.jinja",),
+    ),
+)
 
 
-def _render_probe(tokenizer: Any, probe: tuple[tuple[tuple[str, str], ...], bool], template: str | None) -> str:
+def _render_probe(tokenizer: Any, probe: Probe, template: str | None) -> str:
     pairs, add_generation_prompt = probe
     messages = [{"role": r, "content": c} for r, c in pairs]
     return tokenizer.apply_chat_template(
@@ -417,9 +481,18 @@ def _render_probe(tokenizer: Any, probe: tuple[tuple[tuple[str, str], ...], bool
 
 
 def detect_chat_template_family(processing_class: Any, chat_template: str | None = None) -> str | None:
-    """Name of the known family whose training template renders the probe conversations exactly as this
-    tokenizer's template does, or ``None``."""
+    """Name of the known family this tokenizer's template belongs to, or ``None``.
+
+    First by identity: the template (surrounding whitespace ignored) is one of a family's bundled originals or its
+    training template. Then by rendering: the family's training template renders every probe conversation
+    exactly as this template does (families are tried in registry order, ``"chatml"`` first).
+    """
     template = get_chat_template(processing_class, chat_template)
+    stripped = template.strip()
+    for name, family in CHAT_TEMPLATE_FAMILIES.items():
+        known = [*family.original_templates(), family.training_template()]
+        if any(stripped == t.strip() for t in known):
+            return name
     for name, family in CHAT_TEMPLATE_FAMILIES.items():
         training = family.training_template()
         try:
@@ -486,12 +559,12 @@ def get_training_chat_template(processing_class: Any, *, tokenizer: Any = None) 
                 processing_class, _probe_tool_call_messages, chat_template=training, **kwargs
             )
             if original != patched:
-                differing.append("tool schemas and tool calls")
+                differing.append("tool-calling conversations")
         except Exception:
-            differing.append("tool schemas and tool calls")
+            differing.append("tool-calling conversations")
     if differing:
         warnings.warn(
-            f"Using posttrain's {family_name!r} training template. It renders {', '.join(differing)} differently "
+            f"Using posttrain's {family_name!r} training template. It renders {' and '.join(differing)} differently "
             "from the tokenizer's original template; the new template is saved with the model, so training and "
             "inference stay consistent.",
             UserWarning,

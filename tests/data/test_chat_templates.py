@@ -102,7 +102,7 @@ def test_get_training_chat_template_warns_about_rendering_differences():
 
 def test_get_training_chat_template_unknown_family_names_the_problem():
     with pytest.raises(
-        ValueError, match=r"no `\{% generation %\}` markers.*known family \(chatml\).*chat_template_path"
+        ValueError, match=r"no `\{% generation %\}` markers.*known family \(chatml, llama3_1, .*\).*chat_template_path"
     ):
         get_training_chat_template(with_template(LLAMA_LIKE))
     with pytest.raises(ValueError, match="no chat template"):
