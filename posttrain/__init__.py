@@ -43,6 +43,8 @@ _LAZY: dict[str, str] = {
     "pack_dataset": "posttrain.data_utils",
     "truncate_dataset": "posttrain.data_utils",
     "clone_chat_template": "posttrain.chat_template_utils",
+    "add_response_schema": "posttrain.chat_template_utils",
+    "parse_response": "posttrain.chat_template_utils",
     # command line / scripts (trl.scripts names)
     "TrlParser": "posttrain.cli.parser",
     "ModelConfig": "posttrain.cli.configs",

@@ -52,6 +52,7 @@ _EXPORTS = {
         "unpair_preference_dataset",
     ],
     "multimodal": ["prepare_multimodal_messages", "prepare_multimodal_messages_vllm"],
+    "response_parsing": ["RESPONSE_TEMPLATES", "add_response_schema", "parse_response"],
     "chat_templates": [
         "CHAT_TEMPLATE_FAMILIES",
         "apply_chat_template_path",

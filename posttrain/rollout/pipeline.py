@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from posttrain.core.importance import rollout_importance_weights
+from posttrain.data.response_parsing import parse_response
 from posttrain.data.tokenization import tokenize_prompt
 from posttrain.data.utils import is_conversational
 from posttrain.generation.base import Completions, SamplingConfig
@@ -118,19 +119,35 @@ def render_prompts(
     return texts, ids
 
 
-def completions_as_messages(prompts: Sequence[Any], texts: Sequence[str]) -> list:
+def completions_as_messages(
+    prompts: Sequence[Any],
+    texts: Sequence[str],
+    *,
+    tokenizer: Any = None,
+    completion_ids: Sequence[Sequence[int]] | None = None,
+) -> list:
     """Completions in the prompts' format: plain text, or ``[{"role": "assistant", "content": ...}]``.
 
-    As TRL, a conversational prompt ending with a (prefilled) assistant message has that content prepended.
+    As TRL, a conversational prompt ending with a (prefilled) assistant message has that content prepended. When
+    ``tokenizer`` carries a ``response_template`` (see ``add_response_schema``), conversational completions are
+    parsed from ``completion_ids`` with ``parse_response``, so reward functions also see ``tool_calls`` and
+    ``reasoning_content``.
     """
+    parse = tokenizer is not None and completion_ids is not None and _has_response_template(tokenizer)
     out = []
-    for prompt, text in zip(prompts, texts):
+    for i, (prompt, text) in enumerate(zip(prompts, texts)):
         if is_conversational({"prompt": prompt}):
             bootstrap = prompt[-1]["content"] if prompt[-1]["role"] == "assistant" else ""
-            out.append([{"role": "assistant", "content": f"{bootstrap}{text}"}])
+            message = parse_response(tokenizer, completion_ids[i]) if parse else {"role": "assistant", "content": text}
+            out.append([{**message, "content": f"{bootstrap}{message['content']}"}])
         else:
             out.append(text)
     return out
+
+
+def _has_response_template(tokenizer: Any) -> bool:
+    inner = getattr(tokenizer, "tokenizer", tokenizer)  # processors wrap the tokenizer
+    return getattr(inner, "response_template", None) is not None
 
 
 def _pad(rows: Sequence[Sequence[float]], value: float, dtype: torch.dtype, side: str, multiple: int | None):
@@ -356,7 +373,9 @@ class RolloutPipeline:
             pad_to_multiple_of=settings.pad_to_multiple_of,
         )
         texts = self.tokenizer.batch_decode(completions.completion_ids, skip_special_tokens=True)
-        completion_objs = completions_as_messages(prompts, texts)
+        completion_objs = completions_as_messages(
+            prompts, texts, tokenizer=self.tokenizer, completion_ids=completions.completion_ids
+        )
         if "completion_messages" in completions.extra:  # tool loop: the whole parsed conversation (TRL)
             completion_objs = [
                 messages if is_conversational({"prompt": prompt}) else text

@@ -26,11 +26,13 @@ TRL_DATA_UTILS = [
     "unpair_preference_dataset",
 ]
 TRL_CHAT_TEMPLATE_UTILS = [
+    "add_response_schema",
     "clone_chat_template",
     "get_training_chat_template",
     "has_generation_markers",
     "is_chat_template_prefix_preserving",
     "is_chat_template_stop_token_trained",
+    "parse_response",
     "supports_tool_calling",
 ]
 

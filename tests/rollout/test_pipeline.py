@@ -157,3 +157,33 @@ def test_missing_prompt_column_is_a_clear_error(tiny_tokenizer):
     pipe = _pipeline(tiny_tokenizer, [lambda completions, **kw: [0.0] * len(completions)])
     with pytest.raises(ValueError, match="needs a 'prompt' column; got columns \\['question'\\]"):
         pipe.run([{"question": "hi"}] * 2)
+
+
+def test_completions_are_parsed_with_the_response_template(tiny_tokenizer):
+    """With add_response_schema, reward functions get tool_calls parsed from the generated ids (TRL)."""
+    import copy
+    import json
+
+    from posttrain.chat_template_utils import add_response_schema
+
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    add_response_schema(tokenizer)
+    call = "<tool_call>\n" + json.dumps({"name": "add", "arguments": {"a": 1}}) + "\n</tool_call>"
+
+    class ToolCallBackend(ScriptedBackend):
+        def generate(self, prompt_ids, sampling, num_generations=1):
+            ids = tokenizer.encode("Let me add." + call, add_special_tokens=False) + [EOS]
+            n = len(prompt_ids) * num_generations
+            return Completions([ids] * n, [[-0.5] * len(ids)] * n, [True] * n, [list(prompt_ids[0])] * n)
+
+    got = {}
+
+    def reward(completions, **kwargs):
+        got["completions"] = completions
+        return [1.0] * len(completions)
+
+    pipe = _pipeline(tokenizer, [reward], backend=ToolCallBackend())
+    pipe.run([{"prompt": [{"role": "user", "content": "hi"}]}] * 2)
+    message = got["completions"][0][0]
+    assert message["content"] == "Let me add."
+    assert message["tool_calls"] == [{"type": "function", "function": {"name": "add", "arguments": {"a": 1}}}]
