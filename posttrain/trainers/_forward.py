@@ -42,6 +42,7 @@ __all__ = [
     "TokenStats",
     "forward_token_stats",
     "prepare_attention_mask",
+    "sequence_scores",
     "token_logprobs",
     "token_stats_from_logits",
     "unwrap_model",
@@ -464,6 +465,127 @@ def token_stats_from_logits(
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Length buckets
+# ----------------------------------------------------------------------------------------------------------------
+
+BUCKET_CALL_PENALTY = 0.05  # each extra forward call must save at least this fraction of the estimated cost
+
+
+def plan_length_buckets(
+    lengths: list[int], hidden_size: int, max_buckets: int = 4, call_penalty: float = BUCKET_CALL_PENALTY
+) -> list[list[int]] | None:
+    """Split rows into groups of similar length when running them separately is estimated to be cheaper.
+
+    The cost of a padded forward over ``n`` rows of width ``T`` is taken as ``n·T·(12·d + 2·T)`` (projections and
+    MLP per token, attention over the row); each extra call adds ``call_penalty`` of the single-call cost. Rows are
+    sorted by length and cut into 1, 2, ... ``max_buckets`` equal-count groups; returns the cheapest split's row
+    indices (longest group first), or None when one call is cheapest.
+    """
+    n = len(lengths)
+    order = sorted(range(n), key=lambda i: -lengths[i])
+
+    def cost(group: list[int]) -> float:
+        width = max(lengths[i] for i in group)
+        return len(group) * width * (12 * hidden_size + 2 * width)
+
+    single = cost(order)
+    best, best_cost = None, single
+    for k in range(2, max_buckets + 1):
+        if n < 2 * k:
+            break
+        bounds = [round(j * n / k) for j in range(k + 1)]
+        groups = [order[bounds[j] : bounds[j + 1]] for j in range(k)]
+        total = sum(cost(g) for g in groups) + call_penalty * (k - 1) * single
+        if total < best_cost:
+            best, best_cost = groups, total
+    return best
+
+
+def length_bucket_groups(
+    model: torch.nn.Module, attention_mask: torch.Tensor | None
+) -> list[tuple[torch.Tensor, int]] | None:
+    """``[(rows, width), ...]`` for a right-padded 2-D mask worth splitting (see :func:`plan_length_buckets`)."""
+    if attention_mask is None or attention_mask.dim() != 2 or attention_mask.shape[0] < 4:
+        return None
+    if not bool(attention_mask[:, 0].all()):  # left padding (or empty rows): keep one call
+        return None
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        if torch.distributed.get_world_size() > 1:  # DDP/FSDP sync per forward call: ranks must make the same calls
+            return None
+    config = _config(unwrap_model(model))
+    if config is None or getattr(config, "output_router_logits", False):  # MoE aux loss is per call
+        return None
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    hidden_size = int(getattr(text_config, "hidden_size", 0) or 1024)
+    width = attention_mask.shape[1]
+    positions = torch.arange(1, width + 1, device=attention_mask.device)
+    lengths = (attention_mask.bool() * positions).amax(dim=1).tolist()  # last real token + 1
+    groups = plan_length_buckets([int(x) for x in lengths], hidden_size)
+    if groups is None:
+        return None
+    device = attention_mask.device
+    return [(torch.tensor(g, device=device), max(int(lengths[i]) for i in g)) for g in groups]
+
+
+def restore_row_order(
+    parts: list[torch.Tensor], groups: list[tuple[torch.Tensor, int]], width: int | None = None
+) -> torch.Tensor:
+    """Concatenate per-group results (rows first) back in the original row order.
+
+    ``parts[i]`` holds group ``i``'s rows; with ``width`` their dim 1 (positions) is right-padded with zeros from the
+    group's width to ``width``. Differentiable.
+    """
+    if width is not None:
+        padded = []
+        for v in parts:
+            pad = [0, 0] * (v.dim() - 2) + [0, width - v.shape[1]]
+            padded.append(torch.nn.functional.pad(v, pad))
+        parts = padded
+    rows = torch.cat([r for r, _ in groups])
+    inverse = torch.empty_like(rows)
+    inverse[rows] = torch.arange(rows.numel(), device=rows.device)
+    return torch.cat(parts)[inverse]
+
+
+def _bucketed_token_stats(
+    groups: list[tuple[torch.Tensor, int]], run: Any, shape: torch.Size | tuple[int, int]
+) -> TokenStats:
+    """Run ``run(rows, width)`` per group and put the per-row results back in the original ``(B, T)`` layout."""
+    parts = [run(rows, w) for rows, w in groups]
+
+    def gather(name: str) -> torch.Tensor | None:
+        values = [getattr(p, name) for p in parts]
+        return None if any(v is None for v in values) else restore_row_order(values, groups, shape[1])
+
+    return TokenStats(
+        logps=gather("logps"),
+        mask=gather("mask"),
+        entropy=gather("entropy"),
+        correct=gather("correct"),
+        aux_loss=None,
+        chunked=all(p.chunked for p in parts),
+    )
+
+
+def sequence_scores(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, length_buckets: bool = True
+) -> torch.Tensor:
+    """First logit of a sequence classifier per row, ``(B,)`` float32 (reward models read the last real token).
+
+    With ``length_buckets`` right-padded rows of very different lengths run in groups of similar length, each
+    trimmed to its longest row (:func:`plan_length_buckets`); rows never interact, so the scores are the same.
+    """
+
+    def run(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, 0].float()
+
+    groups = length_bucket_groups(model, attention_mask) if length_buckets else None
+    if groups is None:
+        return run(input_ids, attention_mask)
+    return restore_row_order([run(input_ids[r, :w], attention_mask[r, :w]) for r, w in groups], groups)
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Public API
 # ----------------------------------------------------------------------------------------------------------------
 
@@ -483,6 +605,7 @@ def forward_token_stats(
     chunk_size: int | None = None,
     chunked: bool = True,
     entropy_requires_grad: bool = False,
+    length_buckets: bool = False,
     **model_kwargs: Any,
 ) -> TokenStats:
     """Run ``model`` once and return per-token log-probs of the next tokens (plus entropy, top-1 hits, aux loss).
@@ -512,11 +635,36 @@ def forward_token_stats(
         chunked: False forces the plain full-logits path (TRL's ``nll`` loss type, and reference checks).
         entropy_requires_grad: return the entropy with its autograd graph (an entropy bonus in the loss); on the
             chunked path its gradient −p (log p + H) is recomputed chunk-wise, so still no ``(B, T, V)`` logits.
+        length_buckets: for right-padded rows of very different lengths, run the model on groups of similar
+            length, each trimmed to its longest row (:func:`plan_length_buckets`), when that is estimated to save
+            work. Rows never interact, so the result is the same; only padding work is skipped. Ignored with
+            ``logits_to_keep``, ``position_ids``, extra model inputs, 4-D masks, MoE router losses and several
+            processes (DDP/FSDP synchronise on every forward call, so all ranks must make the same calls).
         **model_kwargs: passed to the model (e.g. ``pixel_values``).
 
     Returns:
         :class:`TokenStats` with ``(B, T)`` (or ``(B, K)``) float32 ``logps`` that carry gradients.
     """
+    if length_buckets and logits_to_keep is None and position_ids is None and not model_kwargs:
+        groups = length_bucket_groups(model, attention_mask)
+        if groups is not None:
+            return _bucketed_token_stats(
+                groups,
+                lambda rows, width: forward_token_stats(
+                    model,
+                    input_ids[rows, :width],
+                    attention_mask[rows, :width],
+                    labels=None if labels is None else labels[rows, :width],
+                    labels_mask=None if labels_mask is None else labels_mask[rows, :width],
+                    temperature=temperature,
+                    compute_entropy=compute_entropy,
+                    compute_accuracy=compute_accuracy,
+                    chunk_size=chunk_size,
+                    chunked=chunked,
+                    entropy_requires_grad=entropy_requires_grad,
+                ),
+                input_ids.shape,
+            )
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be (B, T), got shape {tuple(input_ids.shape)}.")
     seq_len = input_ids.shape[1]

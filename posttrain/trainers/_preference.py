@@ -26,7 +26,14 @@ from typing import Any
 import torch
 
 from posttrain.models.loading import disable_dropout_in_model, resolve_model, resolve_processing_class
-from posttrain.trainers._forward import TokenStats, auto_chunk_size, forward_token_stats, unwrap_model
+from posttrain.trainers._forward import (
+    TokenStats,
+    auto_chunk_size,
+    forward_token_stats,
+    length_bucket_groups,
+    restore_row_order,
+    unwrap_model,
+)
 from posttrain.trainers._reference import ReferencePolicy, SyncRefModelCallback, create_reference_policy
 from posttrain.trainers.base import BaseTrainer
 
@@ -207,6 +214,20 @@ def _place(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_scatter(mask, values.float())
 
 
+def _captured_hidden(
+    captured: list[torch.Tensor], model: torch.nn.Module, attention_mask: torch.Tensor, width: int
+) -> torch.Tensor | None:
+    """The ``(B, T, H)`` hidden states the LM head saw: one capture, or one per length bucket put back in order."""
+    if not captured:
+        return None
+    if len(captured) == 1:
+        return captured[0]
+    groups = length_bucket_groups(model, attention_mask)  # the same groups forward_token_stats ran
+    if groups is None or len(groups) != len(captured) or any(h.dim() != 3 for h in captured):
+        return None
+    return restore_row_order([h[:, -w:] for h, (_, w) in zip(captured, groups)], groups, width)
+
+
 def score_completions(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -239,7 +260,7 @@ def score_completions(
             the statistics pass over the captured hidden states — half the LM-head work of ``compute_accuracy``.
         chunk_size: Tokens per chunk of the LM-head computations (None: sized from the vocabulary).
     """
-    captured: dict[str, torch.Tensor] = {}
+    captured: list[torch.Tensor] = []  # the LM head's input, one per model call (several with length buckets)
     handle = None
     head = None
     if compute_mean_logits or compute_wpo or accuracy_rows is not None:
@@ -248,7 +269,7 @@ def score_completions(
 
             def capture(module, args, kwargs):
                 hidden = args[0] if args else kwargs.get("input")
-                captured.setdefault("hidden", hidden.detach())
+                captured.append(hidden.detach())
 
             handle = head.register_forward_pre_hook(capture, with_kwargs=True)
     try:
@@ -260,6 +281,7 @@ def score_completions(
             compute_entropy=compute_entropy,
             compute_accuracy=compute_accuracy,
             chunk_size=chunk_size,
+            length_buckets=True,
         )
     finally:
         if handle is not None:
@@ -267,7 +289,7 @@ def score_completions(
     scores = CompletionScores(
         logps=stats.logps, mask=stats.mask, entropy=stats.entropy, correct=stats.correct, aux_loss=stats.aux_loss
     )
-    hidden = captured.get("hidden")
+    hidden = _captured_hidden(captured, model, attention_mask, input_ids.shape[1])
     if head is not None and hidden is not None and hidden.dim() == 3 and hidden.shape[1] >= input_ids.shape[1]:
         hidden = hidden[:, -input_ids.shape[1] :]
         sel = stats.mask[:, 1:]  # position t-1 predicts token t

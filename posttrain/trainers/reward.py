@@ -31,6 +31,7 @@ from transformers import TrainingArguments
 from posttrain.core.preference import bradley_terry_loss
 from posttrain.models.loading import disable_dropout_in_model, resolve_model, resolve_processing_class
 from posttrain.reliability.validation import check_single_split
+from posttrain.trainers._forward import sequence_scores
 from posttrain.trainers._preference import (
     PreferenceTrainer,
     activation_offloading_context,
@@ -215,8 +216,7 @@ class RewardTrainer(PreferenceTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         mode = "train" if model.training else "eval"
         with activation_offloading_context(self.args.activation_offloading):
-            outputs = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], use_cache=False)
-        rewards = outputs.logits[:, 0].float()  # (2B,)
+            rewards = sequence_scores(model, inputs["input_ids"], inputs["attention_mask"])  # (2B,)
         half = rewards.shape[0] // 2
         chosen, rejected = rewards[:half], rewards[half:]
         loss = bradley_terry_loss(

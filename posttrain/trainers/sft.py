@@ -699,7 +699,7 @@ class SFTTrainer(BaseTrainer):
             input_ids, attention_mask = model_inputs.pop("input_ids"), model_inputs.pop("attention_mask", None)
             stats = forward_token_stats(
                 model, input_ids, attention_mask, labels=labels, compute_entropy=True, compute_accuracy=True,
-                chunk_size=self.chunk_size, chunked=self.loss_type != "nll", **model_inputs,
+                chunk_size=self.chunk_size, chunked=self.loss_type != "nll", length_buckets=True, **model_inputs,
             )  # fmt: skip
             outputs = None
         if self.compute_loss_func is not None:

@@ -300,3 +300,72 @@ def test_auto_chunk_size_bounds_scratch_memory():
     assert auto_chunk_size(320) == 1024
     assert auto_chunk_size(151_936) == 128 * 2**20 // (8 * 151_936) == 110
     assert auto_chunk_size(10**9) == 16
+
+
+def test_plan_length_buckets_by_hand():
+    from posttrain.trainers._forward import plan_length_buckets
+
+    # Equal lengths: nothing to save. Two clear clusters: two groups, longest first, original row indices.
+    assert plan_length_buckets([50] * 8, hidden_size=64) is None
+    assert plan_length_buckets([10, 200, 12, 190, 11, 205, 9, 199], hidden_size=64) == [[5, 1, 7, 3], [2, 4, 0, 6]]
+    assert plan_length_buckets([10, 200, 12], hidden_size=64) is None  # too few rows to split
+
+
+@pytest.mark.parametrize("use_labels", [True, False])
+def test_length_buckets_equal_one_padded_call(use_labels):
+    """Rows of very different lengths run in length groups: same log-probs, masks, entropies and gradients."""
+    torch.manual_seed(0)
+    model = build_tiny_model()
+    g = torch.Generator().manual_seed(3)
+    lengths = [40, 6, 38, 5, 41, 7, 8, 39]
+    ids = torch.randint(2, 256, (len(lengths), 41), generator=g)
+    mask = (torch.arange(41).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)).long()
+    ids = ids.masked_fill(mask == 0, 0)
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, :2] = -100
+    kwargs = {"labels": labels} if use_labels else {"labels_mask": labels != -100}
+    out = []
+    for buckets in (False, True):
+        stats = forward_token_stats(
+            model, ids, mask, compute_entropy=True, compute_accuracy=True, length_buckets=buckets, **kwargs
+        )
+        stats.logps.sum().backward()
+        out.append((stats, grads(model)))
+    (plain, g0), (bucketed, g1) = out
+    assert bucketed.logps.shape == plain.logps.shape == ids.shape
+    assert torch.equal(bucketed.mask, plain.mask) and torch.equal(bucketed.correct, plain.correct)
+    torch.testing.assert_close(bucketed.logps, plain.logps, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(bucketed.entropy, plain.entropy, atol=1e-5, rtol=1e-5)
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], atol=1e-5, rtol=1e-4)
+
+
+def test_length_buckets_skip_left_padding(monkeypatch):
+    import posttrain.trainers._forward as forward
+
+    calls = []
+    monkeypatch.setattr(forward, "_bucketed_token_stats", lambda *a: calls.append(a))
+    model = build_tiny_model()
+    mask = torch.ones(8, 30, dtype=torch.long)
+    mask[::2, :25] = 0  # left padding
+    forward_token_stats(model, torch.randint(2, 256, (8, 30)), mask, length_buckets=True)
+    assert not calls
+
+
+def test_sequence_scores_length_buckets_match_one_call():
+    from posttrain.trainers._forward import sequence_scores
+
+    torch.manual_seed(0)
+    model = build_tiny_model(task="sequence-classification")
+    lengths = [50, 6, 48, 5, 51, 7, 8, 49]
+    g = torch.Generator().manual_seed(1)
+    mask = (torch.arange(51).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)).long()
+    ids = torch.randint(2, 256, (8, 51), generator=g).masked_fill(mask == 0, model.config.pad_token_id)
+    out = []
+    for buckets in (False, True):
+        scores = sequence_scores(model, ids, mask, length_buckets=buckets)
+        (scores * torch.arange(8.0)).sum().backward()
+        out.append((scores.detach(), grads(model)))
+    torch.testing.assert_close(out[1][0], out[0][0], atol=1e-5, rtol=1e-5)
+    for name in out[0][1]:
+        torch.testing.assert_close(out[1][1][name], out[0][1][name], atol=1e-5, rtol=1e-4)
