@@ -209,7 +209,8 @@ class DatasetMixtureConfig:
         datasets: The sources, as ``DatasetConfig`` objects or dicts of its fields.
         streaming: Load every source as an ``IterableDataset`` (fractions are then drawn row by row; see module
             docstring).
-        test_split_size: If set, split the mixture into ``train``/``test`` with this test size (fraction or count).
+        test_split_size: If set, split the mixture into ``train``/``test`` with this test size (fraction or count),
+            seeded with the first source's ``seed`` so every run holds out the same rows.
     """
 
     datasets: list[DatasetConfig] = field(default_factory=list)
@@ -324,7 +325,9 @@ def get_dataset(mixture_config: DatasetMixtureConfig) -> Any:
     if mixture_config.test_split_size is not None:
         if mixture_config.streaming:
             raise ValueError("test_split_size needs a map-style dataset; it is not supported with streaming=True.")
-        return combined.train_test_split(test_size=mixture_config.test_split_size)
+        # Seeded (the first source's seed) so that a rerun or a resumed run evaluates on the same rows.
+        seed = mixture_config.datasets[0].seed if mixture_config.datasets else 42
+        return combined.train_test_split(test_size=mixture_config.test_split_size, seed=seed)
     if mixture_config.streaming:
         return datasets.IterableDatasetDict({"train": combined})
     return datasets.DatasetDict({"train": combined})

@@ -140,6 +140,8 @@ def test_get_dataset_mixture(files):
     )
     split = get_dataset(DatasetMixtureConfig(datasets=mix.datasets, test_split_size=0.25))
     assert sorted(split) == ["test", "train"] and len(split["train"]) + len(split["test"]) == 14
+    again = get_dataset(DatasetMixtureConfig(datasets=mix.datasets, test_split_size=0.25))
+    assert again["test"].to_list() == split["test"].to_list()  # seeded: the same held-out rows every run
     streamed = get_dataset(DatasetMixtureConfig(datasets=mix.datasets, streaming=True))
     assert isinstance(streamed, datasets.IterableDatasetDict) and len(list(streamed["train"])) == 14
 
