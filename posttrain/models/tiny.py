@@ -171,3 +171,81 @@ def save_tiny_model(
     model.save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)
     return output_dir
+
+
+IMAGE_TOKEN = "<image>"
+# ChatML whose list contents render each {"type": "image"} block as one <image> placeholder (the processor expands it
+# to one token per image patch) and each {"type": "text"} block as its text.
+VLM_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for block in message['content'] %}"
+    "{% if block['type'] == 'image' %}<image>{% elif block['type'] == 'text' %}{{ block['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_tiny_vlm(seed: int = 0, image_size: int = 16, patch_size: int = 8):
+    """Random tiny LLaVA (CLIP vision tower + Qwen2 text model) and its ``LlavaProcessor``; ``(model, processor)``.
+
+    The processor pairs a ``CLIPImageProcessor`` (images resized and cropped to ``image_size``) with the byte-level
+    tokenizer plus a special ``<image>`` token, which the processor expands to ``(image_size / patch_size)²`` image
+    tokens (4 by default), and carries :data:`VLM_CHAT_TEMPLATE`. Offline, deterministic from ``seed``.
+    """
+    import torch
+    import transformers
+    from tokenizers import AddedToken
+    from transformers import CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor, Qwen2Config
+
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.add_tokens([AddedToken(IMAGE_TOKEN, special=True, normalized=False)], special_tokens=True)
+    # Without torchvision, CLIPImageProcessor falls back (with a warning) to the PIL backend: use it directly.
+    image_processor_cls = getattr(transformers, "CLIPImageProcessorPil", None) or transformers.CLIPImageProcessor
+    image_processor = image_processor_cls(
+        size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size}
+    )
+    processor = LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=patch_size,
+        vision_feature_select_strategy="default",  # drop CLIP's CLS feature...
+        num_additional_image_tokens=1,  # ...which the processor counts here
+        chat_template=VLM_CHAT_TEMPLATE,
+        image_token=IMAGE_TOKEN,
+    )
+    vision_config = CLIPVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=image_size,
+        patch_size=patch_size, projection_dim=32,
+    )  # fmt: skip
+    text_config = Qwen2Config(
+        vocab_size=((len(tokenizer) + 63) // 64) * 64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+        use_sliding_window=False,
+    )  # fmt: skip
+    config = LlavaConfig(
+        vision_config=vision_config, text_config=text_config, image_token_index=tokenizer.convert_tokens_to_ids(
+            IMAGE_TOKEN), vision_feature_select_strategy="default", vision_feature_layer=-1,
+        projector_hidden_act="gelu", tie_word_embeddings=True,
+    )  # fmt: skip
+    rng_state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        model = LlavaForConditionalGeneration(config)
+    finally:
+        torch.random.set_rng_state(rng_state)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.bos_token_id = None
+    return model, processor
+
+
+def save_tiny_vlm(output_dir: str | os.PathLike, **kwargs) -> str:
+    """Build the tiny LLaVA and ``save_pretrained`` it with its processor into ``output_dir``; returns the path."""
+    model, processor = build_tiny_vlm(**kwargs)
+    output_dir = str(output_dir)
+    os.makedirs(output_dir, exist_ok=True)
+    model.save_pretrained(output_dir)
+    processor.save_pretrained(output_dir)
+    return output_dir
