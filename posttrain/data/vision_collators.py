@@ -1,0 +1,260 @@
+"""TRL's ``DataCollatorForVisionLanguageModeling``: raw image+text rows → processed, padded batches with labels.
+
+Vision-language SFT cannot pre-tokenize: the processor turns each image placeholder into the model's image tokens and
+the images into ``pixel_values`` together, so this collator does the whole pipeline on the fly, per batch:
+
+1. images from ``images`` (a list) or ``image`` (one image);
+2. text: conversational ``messages`` (language modelling) or ``prompt``/``completion`` get the images placed with
+   :func:`~posttrain.data.multimodal.prepare_multimodal_messages` and are rendered with the processor's chat template;
+   standard rows (``dataset_text_field``, or string ``prompt``/``completion``) must already hold the image placeholders;
+3. the processor runs on text + images; every row is truncated to ``max_length`` (an error, never a silent cut, when
+   that would drop image tokens) and right-padded;
+4. ``labels`` = ``input_ids`` with -100 on padding, on image tokens, and on the prompt of prompt-completion rows when
+   ``completion_only_loss``.
+
+Deliberate difference from TRL: image tokens are masked in ``labels`` (TRL leaves them to the model), since posttrain's
+SFT loss is computed from ``labels`` directly and an image placeholder is never a token worth predicting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from posttrain.data.collators import pad
+from posttrain.data.multimodal import prepare_multimodal_messages
+from posttrain.data.tokenization import IGNORE_INDEX
+
+# Processor outputs with one value per token (padded and truncated with input_ids); others (pixel_values,
+# image_sizes, image_grid_thw, ...) describe the images and pass through unchanged.
+_PER_TOKEN_KEYS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
+
+
+def _row_images(example: Mapping[str, Any], index: int) -> list[Any]:
+    """The row's images as a list, from ``images`` (a list) or ``image`` (one image)."""
+    if "images" in example:
+        images = example["images"]
+        if images is None:
+            raise ValueError(f"Row {index}: column 'images' is None; give a list of images ([] for none).")
+        if isinstance(images, (str, bytes)) or not isinstance(images, Sequence):
+            raise ValueError(
+                f"Row {index}: column 'images' must be a list of images, got {type(images).__name__}; wrap a single "
+                "image as [image] or name the column 'image'."
+            )
+        return list(images)
+    if "image" in example:
+        if example["image"] is None:
+            raise ValueError(f"Row {index}: column 'image' is None; every row needs its image (or drop the row).")
+        return [example["image"]]
+    raise ValueError(
+        f"Row {index} has no 'images' or 'image' column (columns: {sorted(example)}). Add the row's images, or use "
+        "DataCollatorForLanguageModeling for text-only data."
+    )
+
+
+def _is_conversational(value: Any) -> bool:
+    return isinstance(value, Sequence) and not isinstance(value, str) and len(value) > 0
+
+
+@dataclass
+class DataCollatorForVisionLanguageModeling:
+    """Collator for vision-language SFT rows: images + ``messages`` / ``prompt``-``completion`` / text → batch.
+
+    Args:
+        processor: A multimodal processor (e.g. ``LlavaProcessor``) with a chat template and a tokenizer.
+        max_length: Truncate each row to this many tokens (after image-token expansion); ``None`` = no truncation.
+            A row whose image tokens would be cut raises (raise ``max_length``).
+        completion_only_loss: For prompt-completion rows, -100 on the prompt tokens (no effect on other rows).
+        pad_to_multiple_of: Round the padded length up to a multiple of this.
+        dataset_text_field: Column holding the text of standard (non-conversational) language-modelling rows.
+        return_tensors: Only ``"pt"``.
+
+    Returns (from ``__call__``):
+        ``input_ids``, ``attention_mask``, ``labels`` ``(B, L)`` (right padded), any other per-token output of the
+        processor (``token_type_ids``, ...), and its image outputs (``pixel_values``, ...).
+    """
+
+    processor: Any
+    max_length: int | None = None
+    completion_only_loss: bool = False
+    pad_to_multiple_of: int | None = None
+    dataset_text_field: str = "text"
+    return_tensors: str = "pt"
+
+    def __post_init__(self):
+        if self.return_tensors != "pt":
+            raise ValueError(f"return_tensors={self.return_tensors!r} is not supported; use 'pt'.")
+        if self.max_length is not None and self.max_length < 1:
+            raise ValueError(f"max_length must be a positive int or None, got {self.max_length}.")
+
+    # -- helpers -------------------------------------------------------------------------------------------------
+    @property
+    def tokenizer(self) -> Any:
+        return getattr(self.processor, "tokenizer", self.processor)
+
+    def _pad_token_id(self) -> int:
+        tok = self.tokenizer
+        pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        if pad_id is None:
+            raise ValueError("The processor's tokenizer has neither a pad nor an EOS token; set tokenizer.pad_token.")
+        return pad_id
+
+    def _image_token_ids(self) -> set[int]:
+        """Ids of the placeholder tokens that stand for image (and video) features."""
+        ids = set()
+        for kind in ("image", "video"):
+            token_id = getattr(self.processor, f"{kind}_token_id", None)
+            token = getattr(self.processor, f"{kind}_token", None)
+            if token_id is None and isinstance(token, str):
+                token_id = self.tokenizer.convert_tokens_to_ids(token)
+            if isinstance(token_id, int) and token_id != getattr(self.tokenizer, "unk_token_id", None):
+                ids.add(token_id)
+        return ids
+
+    def _render(self, messages: list[dict], **kwargs: Any) -> str:
+        """Render one conversation with the processor's chat template (the tokenizer's when the processor has none)."""
+        owner = self.processor if getattr(self.processor, "chat_template", None) else self.tokenizer
+        if not getattr(owner, "chat_template", None):
+            raise ValueError(
+                "The processor has no chat template to render conversational rows; set processor.chat_template."
+            )
+        text = owner.apply_chat_template(messages, tokenize=False, **kwargs)
+        return text[0] if isinstance(text, list) else text
+
+    def _process(self, texts: list[str], images: list[list[Any]] | None, rows: range) -> Any:
+        kwargs = dict(text=texts, padding=True, padding_side="right", add_special_tokens=False, return_tensors="pt")
+        if images is not None:
+            kwargs["images"] = images
+        try:
+            return self.processor(**kwargs)
+        except (ValueError, TypeError) as err:
+            raise ValueError(
+                f"The processor failed on rows {rows.start}-{rows.stop - 1}: {err} Check that every row's images match "
+                "its image placeholders (standard text rows must contain the image token once per image)."
+            ) from err
+
+    # -- text of each row ----------------------------------------------------------------------------------------
+    def _kind(self, example: Mapping[str, Any], index: int) -> str:
+        if "messages" in example:
+            if not _is_conversational(example["messages"]):
+                raise ValueError(f"Row {index}: column 'messages' is empty or not a list of messages.")
+            return "messages"
+        if "prompt" in example and "completion" in example:
+            for column in ("prompt", "completion"):
+                if example[column] is None:
+                    raise ValueError(f"Row {index}: column {column!r} is None; give it text or messages.")
+            return "prompt-completion"
+        if self.dataset_text_field in example:
+            if not isinstance(example[self.dataset_text_field], str):
+                raise ValueError(
+                    f"Row {index}: column {self.dataset_text_field!r} must be a string (containing the image "
+                    f"placeholders), got {type(example[self.dataset_text_field]).__name__}."
+                )
+            return "text"
+        raise ValueError(
+            f"Row {index} has no text (columns: {sorted(example)}). Expected 'messages', 'prompt' + 'completion', or "
+            f"the dataset_text_field {self.dataset_text_field!r}."
+        )
+
+    def _prompt_completion_texts(self, example: Mapping[str, Any], images: list[Any], index: int) -> tuple[str, str]:
+        prompt, completion = example["prompt"], example["completion"]
+        if isinstance(prompt, str) and isinstance(completion, str):
+            return prompt, completion
+        if not (_is_conversational(prompt) and _is_conversational(completion)):
+            raise ValueError(
+                f"Row {index}: 'prompt' and 'completion' must both be strings or both be lists of messages."
+            )
+        messages = prepare_multimodal_messages(list(prompt) + list(completion), images)
+        prompt_messages = messages[: len(prompt)]
+        continue_final = prompt_messages[-1].get("role") == "assistant"
+        prompt_text = self._render(
+            prompt_messages, add_generation_prompt=not continue_final, continue_final_message=continue_final
+        )
+        full_text = self._render(messages)
+        if not full_text.startswith(prompt_text):
+            raise ValueError(
+                f"Row {index}: the chat template renders the prompt differently when the completion follows it, so "
+                "the prompt/completion boundary is unknown. Use a template whose prompt rendering is a prefix of the "
+                "full conversation, or a language-modelling 'messages' dataset."
+            )
+        return prompt_text, full_text[len(prompt_text) :]
+
+    # -- collation -----------------------------------------------------------------------------------------------
+    def __call__(self, examples: list[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+        if not examples:
+            raise ValueError("Cannot collate an empty batch.")
+        rows = range(len(examples))
+        images = [_row_images(ex, i) for i, ex in zip(rows, examples)]
+        kinds = [self._kind(ex, i) for i, ex in zip(rows, examples)]
+        if len(set(kinds)) > 1:
+            raise ValueError(
+                f"A batch mixes row formats ({', '.join(sorted(set(kinds)))}); rows 0 and "
+                f"{next(i for i, k in enumerate(kinds) if k != kinds[0])} differ. Use one format per dataset."
+            )
+        # processors need images=None when no row has one
+        batch_images = images if any(images) else None
+        if kinds[0] == "prompt-completion":
+            pairs = [self._prompt_completion_texts(ex, imgs, i) for i, ex, imgs in zip(rows, examples, images)]
+            processed = self._process([p for p, _ in pairs], batch_images, rows)
+            completions = self.tokenizer(
+                [c for _, c in pairs], padding=True, padding_side="right", add_special_tokens=False,
+                return_tensors="pt",
+            )  # fmt: skip
+        else:
+            if kinds[0] == "messages":
+                texts = [
+                    self._render(prepare_multimodal_messages(ex["messages"], imgs))
+                    for ex, imgs in zip(examples, images)
+                ]
+            else:
+                texts = [ex[self.dataset_text_field] for ex in examples]
+            processed = self._process(texts, batch_images, rows)
+            completions = None
+        return self._finish(processed, completions)
+
+    def _finish(self, processed: Any, completions: Any) -> dict[str, torch.Tensor]:
+        """Split rows out of the processor's padding, append completions, truncate, re-pad, build labels."""
+        keys = [k for k in _PER_TOKEN_KEYS if k in processed]
+        image_ids = torch.tensor(sorted(self._image_token_ids()), dtype=torch.long)
+        columns: dict[str, list[torch.Tensor]] = {k: [] for k in keys}
+        prompt_flags: list[torch.Tensor] = []
+        for b in range(processed["input_ids"].shape[0]):
+            keep = processed["attention_mask"][b].bool()
+            row = {k: processed[k][b][keep] for k in keys}
+            is_prompt = torch.full_like(row["input_ids"], completions is not None, dtype=torch.bool)
+            if completions is not None:
+                ckeep = completions["attention_mask"][b].bool()
+                cids = completions["input_ids"][b][ckeep]
+                for k in keys:
+                    extra = cids if k == "input_ids" else torch.ones_like(cids) if k == "attention_mask" else None
+                    row[k] = torch.cat([row[k], extra if extra is not None else torch.zeros_like(cids)])
+                is_prompt = torch.cat([is_prompt, torch.zeros_like(cids, dtype=torch.bool)])
+            if self.max_length is not None and len(row["input_ids"]) > self.max_length:
+                cut = torch.isin(row["input_ids"][self.max_length :], image_ids)
+                if cut.any():
+                    last = int(torch.isin(row["input_ids"], image_ids).nonzero().max()) + 1
+                    raise ValueError(
+                        f"Row {b}: truncating to max_length={self.max_length} would cut {int(cut.sum())} of its "
+                        f"image tokens (its images end at token {last}). Raise max_length to at least {last}, or use "
+                        "smaller/fewer images."
+                    )
+                row = {k: v[: self.max_length] for k, v in row.items()}
+                is_prompt = is_prompt[: self.max_length]
+            for k in keys:
+                columns[k].append(row[k])
+            prompt_flags.append(is_prompt)
+
+        out = {k: v for k, v in processed.items() if k not in _PER_TOKEN_KEYS}
+        for k in keys:
+            value = self._pad_token_id() if k == "input_ids" else 0
+            out[k] = pad(columns[k], value, "right", self.pad_to_multiple_of)
+        labels = out["input_ids"].clone()
+        labels[out["attention_mask"] == 0] = IGNORE_INDEX
+        labels[torch.isin(labels, image_ids)] = IGNORE_INDEX
+        if self.completion_only_loss and completions is not None:
+            labels[pad(prompt_flags, False, "right", self.pad_to_multiple_of)] = IGNORE_INDEX
+        out["labels"] = labels
+        return out

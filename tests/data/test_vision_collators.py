@@ -1,0 +1,173 @@
+"""DataCollatorForVisionLanguageModeling on the offline tiny LLaVA processor: labels masking (padding, image tokens,
+prompt), padding and truncation, row formats, and the errors for rows it cannot collate."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from PIL import Image
+
+from posttrain.data.vision_collators import DataCollatorForVisionLanguageModeling
+from posttrain.models.tiny import build_tiny_vlm
+
+IMAGE_ID = 266  # "<image>" in the tiny VLM tokenizer
+PAD_ID = 259
+N_IMAGE_TOKENS = 4  # (16 / 8)² patches per image
+
+
+@pytest.fixture(scope="module")
+def processor():
+    return build_tiny_vlm()[1]
+
+
+def image(color=(255, 0, 0), size=(20, 30)) -> Image.Image:
+    return Image.new("RGB", size, color)
+
+
+def lm_row(question: str, answer: str, images=None, column="images") -> dict:
+    row = {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]}
+    row[column] = [image()] if images is None else images
+    return row
+
+
+def pc_row(question: str, answer: str) -> dict:
+    return {
+        "images": [image()],
+        "prompt": [{"role": "user", "content": question}],
+        "completion": [{"role": "assistant", "content": answer}],
+    }
+
+
+def decode_labels(processor, labels: torch.Tensor) -> str:
+    return processor.tokenizer.decode([t for t in labels.tolist() if t != -100])
+
+
+def test_language_modeling_labels_mask_padding_and_image_tokens(processor):
+    batch = DataCollatorForVisionLanguageModeling(processor)([lm_row("hi", "yo"), lm_row("hello there", "ok")])
+    assert set(batch) == {"input_ids", "attention_mask", "labels", "pixel_values"}
+    assert batch["pixel_values"].shape == (2, 3, 16, 16)
+    ids, mask, labels = batch["input_ids"], batch["attention_mask"], batch["labels"]
+    assert ids.shape == mask.shape == labels.shape
+    # each row holds its image's tokens; they and the padding are never trained on
+    assert ((ids == IMAGE_ID).sum(1) == N_IMAGE_TOKENS).all()
+    assert (labels[ids == IMAGE_ID] == -100).all()
+    assert (labels[mask == 0] == -100).all() and (ids[mask == 0] == PAD_ID).all()
+    keep = (mask == 1) & (ids != IMAGE_ID)
+    assert torch.equal(labels[keep], ids[keep])
+    # right padding: the shorter row ends in padding
+    assert mask[0, -1] == 0 and mask[1].all()
+    text = processor.tokenizer.decode(ids[0][mask[0] == 1])
+    assert (
+        text
+        == "<|im_start|>user\n" + "<image>" * N_IMAGE_TOKENS + "hi<|im_end|>\n<|im_start|>assistant\nyo<|im_end|>\n"
+    )
+
+
+def test_single_image_column_and_input_not_mutated(processor):
+    row = lm_row("hi", "yo", images=image(), column="image")
+    before = repr(row["messages"])
+    batch = DataCollatorForVisionLanguageModeling(processor)([row])
+    assert (batch["input_ids"] == IMAGE_ID).sum() == N_IMAGE_TOKENS
+    assert repr(row["messages"]) == before
+
+
+def test_two_images_in_one_row(processor):
+    row = lm_row("compare", "same", images=[image(), image((0, 0, 255))])
+    batch = DataCollatorForVisionLanguageModeling(processor)([row])
+    assert batch["pixel_values"].shape[0] == 2
+    assert (batch["input_ids"] == IMAGE_ID).sum() == 2 * N_IMAGE_TOKENS
+
+
+def test_text_only_rows_in_a_vision_batch(processor):
+    batch = DataCollatorForVisionLanguageModeling(processor)([lm_row("hi", "yo"), lm_row("no image", "ok", images=[])])
+    assert batch["pixel_values"].shape[0] == 1
+    assert (batch["input_ids"][1] == IMAGE_ID).sum() == 0
+    no_images = DataCollatorForVisionLanguageModeling(processor)([lm_row("a", "b", images=[])])
+    assert "pixel_values" not in no_images
+
+
+@pytest.mark.parametrize("completion_only_loss", [True, False])
+def test_prompt_completion(processor, completion_only_loss):
+    collator = DataCollatorForVisionLanguageModeling(processor, completion_only_loss=completion_only_loss)
+    batch = collator([pc_row("hi", "yo"), pc_row("hello", "yes sir")])
+    ids, labels = batch["input_ids"], batch["labels"]
+    # prompt and completion are joined without padding between them (padding only at the end)
+    full = processor.tokenizer.decode(ids[1][batch["attention_mask"][1] == 1])
+    assert full.endswith("<|im_start|>assistant\nyes sir<|im_end|>\n")
+    assert (labels[ids == IMAGE_ID] == -100).all()
+    if completion_only_loss:
+        assert decode_labels(processor, labels[0]) == "yo<|im_end|>\n"
+        assert decode_labels(processor, labels[1]) == "yes sir<|im_end|>\n"
+    else:
+        assert decode_labels(processor, labels[1]).startswith("<|im_start|>user\nhello")
+
+
+def test_completion_only_loss_leaves_language_modeling_rows_whole(processor):
+    batch = DataCollatorForVisionLanguageModeling(processor, completion_only_loss=True)([lm_row("hi", "yo")])
+    assert decode_labels(processor, batch["labels"][0]).startswith("<|im_start|>user\nhi")
+
+
+def test_standard_text_rows(processor):
+    rows = [{"images": [image()], "text": "<image>A red square."}, {"images": [image()], "caption": "<image>Red."}]
+    batch = DataCollatorForVisionLanguageModeling(processor)(rows[:1])
+    assert processor.tokenizer.decode(batch["labels"][0][batch["labels"][0] != -100]) == "A red square."
+    batch = DataCollatorForVisionLanguageModeling(processor, dataset_text_field="caption")(rows[1:])
+    assert (batch["input_ids"] == IMAGE_ID).sum() == N_IMAGE_TOKENS
+
+
+def test_pad_to_multiple_of(processor):
+    batch = DataCollatorForVisionLanguageModeling(processor, pad_to_multiple_of=16)([lm_row("hi", "yo")])
+    length = batch["input_ids"].shape[1]
+    assert length % 16 == 0
+    assert batch["labels"].shape[1] == batch["attention_mask"].shape[1] == length
+    assert batch["input_ids"][0, -1] == PAD_ID and batch["labels"][0, -1] == -100
+
+
+def test_truncation_keeps_images(processor):
+    full = DataCollatorForVisionLanguageModeling(processor)([lm_row("hi", "a long answer")])
+    cut = DataCollatorForVisionLanguageModeling(processor, max_length=14)([lm_row("hi", "a long answer")])
+    assert full["input_ids"].shape[1] > 14 and cut["input_ids"].shape[1] == 14
+    assert torch.equal(cut["input_ids"][0], full["input_ids"][0, :14])
+    assert (cut["input_ids"] == IMAGE_ID).sum() == N_IMAGE_TOKENS
+
+
+def test_truncation_through_image_tokens_raises(processor):
+    collator = DataCollatorForVisionLanguageModeling(processor, max_length=8)
+    with pytest.raises(
+        ValueError, match=r"Row 1: truncating to max_length=8 would cut .*Raise max_length to at least"
+    ):
+        collator([lm_row("", "x", images=[]), lm_row("hi", "yo")])
+
+
+@pytest.mark.parametrize(
+    ("row", "match"),
+    [
+        ({"messages": [{"role": "user", "content": "hi"}]}, r"Row 0 has no 'images' or 'image' column"),
+        ({"image": None, "messages": [{"role": "user", "content": "hi"}]}, r"Row 0: column 'image' is None"),
+        ({"images": image(), "messages": [{"role": "user", "content": "hi"}]}, r"Row 0: column 'images' must be a"),
+        ({"images": [image()], "question": "hi"}, r"Row 0 has no text .*'messages', 'prompt' \+ 'completion'"),
+        ({"images": [image()], "messages": []}, r"Row 0: column 'messages' is empty"),
+        ({"images": [image()], "text": "no placeholder"}, r"processor failed on rows 0-0"),
+    ],
+)
+def test_bad_rows_raise(processor, row, match):
+    with pytest.raises(ValueError, match=match):
+        DataCollatorForVisionLanguageModeling(processor)([row])
+
+
+def test_mixed_formats_and_options_raise(processor):
+    with pytest.raises(ValueError, match=r"mixes row formats .*rows 0 and 1"):
+        DataCollatorForVisionLanguageModeling(processor)([lm_row("a", "b"), pc_row("a", "b")])
+    with pytest.raises(ValueError, match="return_tensors='np'"):
+        DataCollatorForVisionLanguageModeling(processor, return_tensors="np")
+    with pytest.raises(ValueError, match="Cannot collate an empty batch"):
+        DataCollatorForVisionLanguageModeling(processor)([])
+
+
+def test_batch_runs_through_the_tiny_vlm():
+    model, processor = build_tiny_vlm()
+    batch = DataCollatorForVisionLanguageModeling(processor)([lm_row("hi", "yo"), lm_row("what is it", "red")])
+    with torch.no_grad():
+        out = model(**{k: v for k, v in batch.items() if k != "labels"})
+    assert out.logits.shape[:2] == batch["input_ids"].shape
+    assert torch.isfinite(out.logits).all()
