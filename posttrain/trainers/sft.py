@@ -18,6 +18,11 @@ Deliberate differences from TRL:
   adapted per attention implementation (TRL requires FlashAttention);
 * ``completion_only_loss=None`` also turns on for pre-tokenized rows that carry a ``completion_mask``;
 * ``formatting_func`` output replaces the row (other text columns would otherwise take precedence).
+
+Vision-language datasets (an ``image`` or ``images`` column) are not prepared up front (TRL forces
+``skip_prepare_dataset``): the raw rows reach ``DataCollatorForVisionLanguageModeling``
+(:mod:`posttrain.data.vision_collators`), which renders, processes and pads them per batch with the model's processor. Packing, padding-free batches,
+``assistant_only_loss`` and ``formatting_func`` do not apply to them and raise.
 """
 
 from __future__ import annotations
@@ -285,6 +290,41 @@ def _map(dataset, fn, *, num_proc=None, desc=None, **kwargs):
     return dataset.map(fn, **kwargs)
 
 
+def _is_vision_dataset(dataset: Any) -> bool:
+    """Whether ``dataset`` is a vision-language dataset (an ``image`` or ``images`` column)."""
+    return bool({"image", "images"} & set(_columns(dataset)))
+
+
+def _load_vision_model(model: str, args: SFTConfig, quantization_config: Any) -> Any:
+    """A vision-language model path/id loaded as ``AutoModelForImageTextToText`` with ``model_init_kwargs``."""
+    from transformers import AutoModelForImageTextToText
+
+    from posttrain.models.loading import resolve_dtype
+
+    kwargs = dict(args.model_init_kwargs or {})
+    if "torch_dtype" in kwargs and "dtype" not in kwargs:
+        kwargs["dtype"] = kwargs.pop("torch_dtype")
+    kwargs["dtype"] = resolve_dtype(kwargs.get("dtype"))
+    if quantization_config is not None:
+        kwargs["quantization_config"] = quantization_config
+    if args.trust_remote_code:
+        kwargs.setdefault("trust_remote_code", True)
+    return AutoModelForImageTextToText.from_pretrained(model, **kwargs)
+
+
+def _load_processor(model: Any) -> Any:
+    """The multimodal processor saved with ``model`` (a path/id, or a model's ``name_or_path``)."""
+    from transformers import AutoProcessor
+
+    source = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", None)
+    if not source:
+        raise ValueError(
+            "The train dataset has images but processing_class is None and the model has no `name_or_path` to load "
+            "a processor from; pass processing_class=AutoProcessor.from_pretrained(...)."
+        )
+    return AutoProcessor.from_pretrained(source)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Trainer
 # ----------------------------------------------------------------------------------------------------------------
@@ -347,7 +387,16 @@ class SFTTrainer(BaseTrainer):
                 "`pip install bitsandbytes` (CUDA only), or train without quantization."
             )
         model_id = model if isinstance(model, str) else None
-        model = resolve_model(model, args, quantization_config=quantization_config)
+        self._vision = _is_vision_dataset(train_dataset)
+        if self._vision:
+            self._validate_vision(args, formatting_func)
+            if isinstance(model, str):  # loaded here with model_init_kwargs, which resolve_model must not re-apply
+                model, quantization_config = _load_vision_model(model, args, quantization_config), None
+            if processing_class is None:
+                processing_class = _load_processor(model_id or model)
+        model = resolve_model(
+            model, None if self._vision and model_id else args, quantization_config=quantization_config
+        )
         processing_class = resolve_processing_class(model_id or model, processing_class)
         tokenizer = getattr(processing_class, "tokenizer", processing_class)
         self._set_special_tokens(tokenizer, args)
@@ -372,8 +421,9 @@ class SFTTrainer(BaseTrainer):
             )
 
         if data_collator is None:
-            data_collator = self._default_collator(model, tokenizer, args)
-        skip_prepare = bool((args.dataset_kwargs or {}).get("skip_prepare_dataset", False))
+            data_collator = self._default_collator(model, processing_class if self._vision else tokenizer, args)
+        # vision rows are processed per batch by the collator (TRL forces skip_prepare_dataset for them)
+        skip_prepare = self._vision or bool((args.dataset_kwargs or {}).get("skip_prepare_dataset", False))
         train_dataset = self._prepare_dataset(
             train_dataset, tokenizer, args, args.packing, formatting_func, "train", skip_prepare
         )
@@ -516,6 +566,29 @@ class SFTTrainer(BaseTrainer):
             )
 
     @staticmethod
+    def _validate_vision(args: SFTConfig, formatting_func: Any) -> None:
+        """Options that vision-language datasets (processed per batch, never tokenized up front) cannot honour."""
+        for option, value in (
+            ("packing", args.packing), ("padding_free", args.padding_free),
+            ("assistant_only_loss", args.assistant_only_loss), ("chat_template_path", args.chat_template_path),
+        ):  # fmt: skip
+            if value:
+                raise ValueError(
+                    f"{option}={value!r} is not supported for vision-language datasets (an `image`/`images` column): "
+                    f"their rows are processed per batch by the vision collator. Unset {option}."
+                )
+        if args.truncation_mode != "keep_start":
+            raise ValueError(
+                f"truncation_mode={args.truncation_mode!r} is not supported for vision-language datasets (cutting the "
+                "start would drop image tokens); use 'keep_start'."
+            )
+        if formatting_func is not None:
+            raise ValueError(
+                "formatting_func is not supported for vision-language datasets (their rows are used as given); "
+                "format the rows with dataset.map(...) into `messages` or `prompt`/`completion` first."
+            )
+
+    @staticmethod
     def _infer_completion_only_loss(args: SFTConfig, dataset: Any) -> bool:
         if args.completion_only_loss is not None:
             return bool(args.completion_only_loss)
@@ -525,6 +598,16 @@ class SFTTrainer(BaseTrainer):
     def _default_collator(self, model: Any, tokenizer: Any, args: SFTConfig):
         from posttrain.data.collators import DataCollatorForLanguageModeling
 
+        if self._vision:
+            from posttrain.data.vision_collators import DataCollatorForVisionLanguageModeling
+
+            return DataCollatorForVisionLanguageModeling(
+                processor=tokenizer,
+                max_length=args.max_length,
+                completion_only_loss=self.completion_only_loss,
+                pad_to_multiple_of=args.pad_to_multiple_of,
+                dataset_text_field=args.dataset_text_field,
+            )
         impl = str(getattr(getattr(unwrap_model(model), "config", None), "_attn_implementation", None) or "")
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         return DataCollatorForLanguageModeling(
@@ -573,8 +656,8 @@ class SFTTrainer(BaseTrainer):
             return dataset
         if {"image", "images"} & set(columns):
             raise ValueError(
-                f"The {name} dataset has image columns; vision-language SFT is not supported by posttrain's "
-                "SFTTrainer. Remove the image column or use a text-only dataset."
+                f"The {name} dataset has image columns but the train dataset has none: vision-language SFT is chosen "
+                "by the train dataset. Give the train dataset its `image`/`images` column too, or drop it here."
             )
         map_kwargs = {"num_proc": args.dataset_num_proc}
         with args.main_process_first(desc=f"preparing the {name} dataset"):
@@ -667,6 +750,10 @@ class SFTTrainer(BaseTrainer):
         # The collator consumes these columns; the default rule (model.forward's arguments) would drop seq_lengths.
         if self._signature_columns is None:
             self._signature_columns = ["input_ids", "labels", "seq_lengths", "completion_mask", "assistant_masks"]
+            if self._vision:  # raw rows go to the vision collator: keep what it reads
+                self._signature_columns += [
+                    "messages", "prompt", "completion", "image", "images", self.args.dataset_text_field
+                ]  # fmt: skip
 
     # -- loss ----------------------------------------------------------------------------------------------------
     def compute_loss_context_manager(self):
