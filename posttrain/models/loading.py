@@ -85,11 +85,29 @@ def create_model_from_path(model_id: str, *, task: str = "causal-lm", **model_in
             return AutoModelForSequenceClassification.from_pretrained(model_id, **kwargs)
         architectures = getattr(config, "architectures", None) or []
         arch_cls = getattr(transformers, architectures[0], None) if architectures else None
-        if arch_cls is not None and "ForCausalLM" in architectures[0]:
+        if arch_cls is not None and ("ForCausalLM" in architectures[0] or _is_image_text_to_text(config)):
             return arch_cls.from_pretrained(model_id, **kwargs)
+        if _is_image_text_to_text(config):  # a vision-language model (LLaVA, Qwen2.5-VL, ...)
+            from transformers import AutoModelForImageTextToText
+
+            return AutoModelForImageTextToText.from_pretrained(model_id, **kwargs)
         return AutoModelForCausalLM.from_pretrained(model_id, **kwargs)
     except OSError as err:
         raise _not_found(model_id, err) from err
+
+
+def _is_image_text_to_text(config: Any) -> bool:
+    """Whether transformers maps this config to an image-text-to-text model (and not to a causal LM)."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
+
+    model_type = getattr(config, "model_type", None)
+    return (
+        model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+        and model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    )
 
 
 def load_processing_class(

@@ -509,9 +509,9 @@ def length_bucket_groups(
         return None
     if not bool(attention_mask[:, 0].all()):  # left padding (or empty rows): keep one call
         return None
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        if torch.distributed.get_world_size() > 1:  # DDP/FSDP sync per forward call: ranks must make the same calls
-            return None
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if distributed and torch.distributed.get_world_size() > 1:  # DDP/FSDP sync per forward call: same calls on all
+        return None
     config = _config(unwrap_model(model))
     if config is None or getattr(config, "output_router_logits", False):  # MoE aux loss is per call
         return None

@@ -295,23 +295,6 @@ def _is_vision_dataset(dataset: Any) -> bool:
     return bool({"image", "images"} & set(_columns(dataset)))
 
 
-def _load_vision_model(model: str, args: SFTConfig, quantization_config: Any) -> Any:
-    """A vision-language model path/id loaded as ``AutoModelForImageTextToText`` with ``model_init_kwargs``."""
-    from transformers import AutoModelForImageTextToText
-
-    from posttrain.models.loading import resolve_dtype
-
-    kwargs = dict(args.model_init_kwargs or {})
-    if "torch_dtype" in kwargs and "dtype" not in kwargs:
-        kwargs["dtype"] = kwargs.pop("torch_dtype")
-    kwargs["dtype"] = resolve_dtype(kwargs.get("dtype"))
-    if quantization_config is not None:
-        kwargs["quantization_config"] = quantization_config
-    if args.trust_remote_code:
-        kwargs.setdefault("trust_remote_code", True)
-    return AutoModelForImageTextToText.from_pretrained(model, **kwargs)
-
-
 def _load_processor(model: Any) -> Any:
     """The multimodal processor saved with ``model`` (a path/id, or a model's ``name_or_path``)."""
     from transformers import AutoProcessor
@@ -390,13 +373,9 @@ class SFTTrainer(BaseTrainer):
         self._vision = _is_vision_dataset(train_dataset)
         if self._vision:
             self._validate_vision(args, formatting_func)
-            if isinstance(model, str):  # loaded here with model_init_kwargs, which resolve_model must not re-apply
-                model, quantization_config = _load_vision_model(model, args, quantization_config), None
             if processing_class is None:
                 processing_class = _load_processor(model_id or model)
-        model = resolve_model(
-            model, None if self._vision and model_id else args, quantization_config=quantization_config
-        )
+        model = resolve_model(model, args, quantization_config=quantization_config)
         processing_class = resolve_processing_class(model_id or model, processing_class)
         tokenizer = getattr(processing_class, "tokenizer", processing_class)
         self._set_special_tokens(tokenizer, args)

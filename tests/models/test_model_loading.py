@@ -93,3 +93,13 @@ def test_resolve_model_and_processing_class(tiny_model_path):
     assert tok.padding_side == "left"
     tok = resolve_processing_class(model, None)
     assert tok.eos_token == "<|im_end|>"
+
+
+def test_vision_language_model_loads_with_its_own_class(tmp_path):
+    """A saved LLaVA-style model loads as its image-text-to-text class (AutoModelForCausalLM cannot take it)."""
+    from posttrain.models.tiny import save_tiny_vlm
+
+    path = save_tiny_vlm(tmp_path / "vlm")
+    model = create_model_from_path(str(path))
+    assert type(model).__name__ == "LlavaForConditionalGeneration"
+    assert next(model.parameters()).dtype == torch.float32
