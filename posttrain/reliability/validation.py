@@ -52,6 +52,18 @@ def check_single_split(dataset: Any, arg_name: str = "train_dataset") -> None:
         )
 
 
+def check_text_only(dataset: Any, trainer_name: str, arg_name: str = "train_dataset") -> None:
+    """Trainers without vision-language support refuse image columns instead of silently training on text alone."""
+    columns = set(getattr(dataset, "column_names", None) or [])
+    found = sorted(columns & {"image", "images"})
+    if found:
+        raise ValueError(
+            f"{arg_name} has the image column(s) {found}, but posttrain's {trainer_name} trains text-only models: the "
+            "images would be ignored. Drop them (dataset.remove_columns(...)) to train on the text alone; "
+            "vision-language training is available in SFTTrainer."
+        )
+
+
 def check_train_dataset(dataset: Any, trainer_name: str = "Trainer") -> None:
     """Raise ValueError if training has no data: no dataset, or a sized dataset with zero rows."""
     if dataset is None:

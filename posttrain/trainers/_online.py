@@ -40,6 +40,7 @@ from posttrain.models.loading import (
     resolve_model,
     resolve_processing_class,
 )
+from posttrain.reliability.validation import check_text_only
 from posttrain.rollout.buffer import RolloutBatch, RolloutBuffer
 from posttrain.rollout.completions_log import print_completions_table, write_completions_parquet
 from posttrain.rollout.metrics import clip_ratio_metrics
@@ -527,6 +528,7 @@ class OnlineTrainerBase(BaseTrainer):
 
     def _configure_train_dataset(self, train_dataset: Any, args: OnlineRLConfig) -> int | None:
         """Streaming datasets need ``max_steps``, no workers, no batch dispatch. Returns the length (None: stream)."""
+        check_text_only(train_dataset, f"{self._trainer_name}Trainer")
         self._is_iterable = isinstance(train_dataset, torch.utils.data.IterableDataset)
         if not self._is_iterable:
             return len(train_dataset)

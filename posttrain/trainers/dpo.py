@@ -46,7 +46,7 @@ from posttrain.core.preference import (
     wpo_pair_weight,
     wpo_sequence_weight,
 )
-from posttrain.reliability.validation import check_single_split
+from posttrain.reliability.validation import check_single_split, check_text_only
 from posttrain.trainers._preference import (
     CompletionScores,
     PreferenceTrainer,
@@ -248,6 +248,7 @@ class DPOTrainer(PreferenceTrainer):
             )
         check_precompute_supported(args, train_dataset, eval_dataset)
         check_single_split(train_dataset, "train_dataset")
+        check_text_only(train_dataset, "DPOTrainer")
         train_dataset = self._prepare_dataset(train_dataset, processing_class, args, "train")
 
         def prepare_eval(dataset: Any, name: str) -> Any:

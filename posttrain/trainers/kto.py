@@ -29,7 +29,7 @@ import torch
 from transformers import TrainingArguments
 
 from posttrain.core.preference import KTO_LOSSES, kto_kl_estimate, kto_loss, kto_weight_range_warning
-from posttrain.reliability.validation import check_single_split
+from posttrain.reliability.validation import check_single_split, check_text_only
 from posttrain.trainers._preference import (
     CompletionScores,
     PreferenceTrainer,
@@ -182,6 +182,7 @@ class KTOTrainer(PreferenceTrainer):
             )
         check_precompute_supported(args, train_dataset, eval_dataset)
         check_single_split(train_dataset, "train_dataset")
+        check_text_only(train_dataset, "KTOTrainer")
         train_dataset = self._prepare_dataset(
             train_dataset, tok, args, "train", args.per_device_train_batch_size, shuffle=True
         )

@@ -30,7 +30,7 @@ from transformers import TrainingArguments
 
 from posttrain.core.preference import bradley_terry_loss
 from posttrain.models.loading import disable_dropout_in_model, resolve_model, resolve_processing_class
-from posttrain.reliability.validation import check_single_split
+from posttrain.reliability.validation import check_single_split, check_text_only
 from posttrain.trainers._forward import sequence_scores
 from posttrain.trainers._preference import (
     PreferenceTrainer,
@@ -178,6 +178,7 @@ class RewardTrainer(PreferenceTrainer):
 
         eval_dataset = prepare_splits(eval_dataset, prepare_eval, "eval")
         check_single_split(train_dataset, "train_dataset")
+        check_text_only(train_dataset, "RewardTrainer")
         train_dataset = self._prepare_dataset(train_dataset, tok, args, "train")
         super().__init__(
             model=reward_model, args=args, data_collator=data_collator, train_dataset=train_dataset,

@@ -469,3 +469,32 @@ def test_dataset_dict_as_train_dataset_is_rejected_for_preference_trainers(train
             args=cfg(output_dir=str(tmp_path), report_to="none"),
             train_dataset=DatasetDict({"train": pairs}),
         )
+
+
+@pytest.mark.parametrize("trainer", ["dpo", "kto", "reward", "grpo"])
+def test_image_columns_are_refused_by_text_only_trainers(trainer, tiny_model_path, tmp_path):
+    """Images would be silently ignored: the error names the columns and the fix."""
+    from posttrain.trainers.dpo import DPOConfig, DPOTrainer
+    from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
+    from posttrain.trainers.kto import KTOConfig, KTOTrainer
+    from posttrain.trainers.reward import RewardConfig, RewardTrainer
+
+    rows = {
+        "dpo": {"prompt": ["a"] * 4, "chosen": ["b"] * 4, "rejected": ["c"] * 4},
+        "kto": {"prompt": ["a"] * 4, "completion": ["b"] * 4, "label": [True, False] * 2},
+        "grpo": {"prompt": ["a"] * 4},
+    }
+    rows["reward"] = rows["dpo"]
+    data = Dataset.from_dict({**rows[trainer], "images": [[]] * 4})
+    cls, cfg = {
+        "dpo": (DPOTrainer, DPOConfig),
+        "kto": (KTOTrainer, KTOConfig),
+        "reward": (RewardTrainer, RewardConfig),
+        "grpo": (GRPOTrainer, GRPOConfig),
+    }[trainer]
+    args = cfg(output_dir=str(tmp_path), report_to="none")
+    extra = {"reward_funcs": lambda completions, **kw: [0.0] * len(completions)} if trainer == "grpo" else {}
+    if trainer == "grpo":
+        args = cfg(output_dir=str(tmp_path), report_to="none", per_device_train_batch_size=4, num_generations=2)
+    with pytest.raises(ValueError, match=r"image column\(s\) \['images'\].*SFTTrainer"):
+        cls(tiny_model_path, args=args, train_dataset=data, **extra)
