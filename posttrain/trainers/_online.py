@@ -45,14 +45,14 @@ from posttrain.rollout.buffer import RolloutBatch, RolloutBuffer
 from posttrain.rollout.completions_log import print_completions_table, write_completions_parquet
 from posttrain.rollout.metrics import clip_ratio_metrics
 from posttrain.rollout.pipeline import ImportanceSamplingSettings, RolloutPipeline, RolloutSettings
-from posttrain.rollout.prefix_sharing import build_shared_prompt_layout
 from posttrain.rollout.sampler import (
     RepeatSampler,
     check_eval_batch,
     repeat_iterable_dataset,
     resolve_generation_batch,
 )
-from posttrain.trainers._forward import TokenStats, forward_token_stats, unwrap_model
+from posttrain.trainers._completion_scoring import completion_token_stats
+from posttrain.trainers._forward import TokenStats, unwrap_model
 from posttrain.trainers._reference import SyncRefModelCallback, create_reference_policy
 from posttrain.trainers.base import BaseConfig, BaseTrainer
 
@@ -282,139 +282,6 @@ def _loss_is_already_scaled(*args, **kwargs):
     Online-RL trainers compute their loss in ``compute_loss`` and scale it themselves (TRL does the same).
     """
     raise RuntimeError("OnlineTrainerBase computes its loss in compute_loss; this marker is never called.")
-
-
-def completion_inputs(batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Model inputs for scoring completions: ``(input_ids, attention_mask, position_ids, completion_attention)``.
-
-    ``input_ids = [prompt_ids | completion_ids]`` ``(B, P + C)``; the attention mask is the left-padded prompt mask
-    followed by the generated tokens of each completion (tool-result tokens included: they are context, just not
-    trained on); ``position_ids`` count from each row's first real token; ``completion_attention`` ``(B, C)`` marks
-    the generated tokens.
-    """
-    completion_ids = batch["completion_ids"]
-    width = completion_ids.shape[1]
-    lengths = batch["completion_lengths"].to(completion_ids.device)
-    completion_attention = torch.arange(width, device=completion_ids.device).unsqueeze(0) < lengths.unsqueeze(1)
-    input_ids = torch.cat([batch["prompt_ids"], completion_ids], dim=1)
-    attention_mask = torch.cat([batch["prompt_mask"], completion_attention.long()], dim=1)
-    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-    return input_ids, attention_mask, position_ids, completion_attention
-
-
-def completion_token_stats(
-    model: torch.nn.Module,
-    batch: RolloutBatch,
-    *,
-    temperature: float = 1.0,
-    compute_entropy: bool = False,
-    entropy_requires_grad: bool = False,
-    share_prompts: bool = False,
-) -> TokenStats:
-    """Log-probs ``(B, C)`` of the completion tokens given their prompts, from one chunked forward pass.
-
-    See :func:`completion_inputs` for the inputs. Logits are divided by ``temperature`` (the sampling temperature,
-    as TRL). Positions past a completion's end get log-prob 0. ``entropy_requires_grad`` keeps the entropies
-    differentiable (GRPO's entropy bonus), still chunked. ``share_prompts`` encodes each distinct prompt once
-    (:mod:`posttrain.rollout.prefix_sharing`) when the model's attention takes a tree mask and that saves work.
-    """
-    if share_prompts:
-        stats = shared_prompt_token_stats(
-            model,
-            batch,
-            temperature=temperature,
-            compute_entropy=compute_entropy,
-            entropy_requires_grad=entropy_requires_grad,
-        )
-        if stats is not None:
-            return stats
-    input_ids, attention_mask, position_ids, completion_attention = completion_inputs(batch)
-    return forward_token_stats(
-        model,
-        input_ids,
-        attention_mask,
-        position_ids=position_ids,
-        logits_to_keep=completion_attention.shape[1],
-        temperature=temperature,
-        compute_entropy=compute_entropy,
-        entropy_requires_grad=entropy_requires_grad,
-        labels_mask=completion_attention,
-    )
-
-
-TREE_MASK_ATTENTION = ("sdpa", "eager")
-SHARED_PROMPT_MIN_SAVING = 0.8  # use the shared layout when its estimated cost is below this fraction of plain
-PACK_TOKEN_CANDIDATES = (4096, 1)  # pack caps tried: one pack for the micro-batch (up to 4096 tokens), one per group
-
-
-def shared_prompt_token_stats(
-    model: torch.nn.Module,
-    batch: RolloutBatch,
-    *,
-    temperature: float = 1.0,
-    compute_entropy: bool = False,
-    entropy_requires_grad: bool = False,
-) -> TokenStats | None:
-    """:func:`completion_token_stats` with each distinct prompt encoded once per micro-batch (design §3.2).
-
-    Returns None (the caller runs the plain forward) when the model's attention cannot take a tree-shaped 4-D mask
-    (flash attention, flex), when the batch carries extra model inputs, or when the estimated cost — tokens times
-    (per-token projections + attention span), :meth:`SharedPromptLayout.cost_ratio` — is not clearly lower.
-    """
-    inner = unwrap_model(model)
-    config = getattr(inner, "config", None)
-    impl = str(getattr(config, "_attn_implementation", None) or "sdpa")
-    if impl not in TREE_MASK_ATTENTION or _is_prompt_learning(model) or config is None:
-        return None
-    hidden_size = int(getattr(config.get_text_config(), "hidden_size", 0) or 1024)
-    layout, best = None, SHARED_PROMPT_MIN_SAVING
-    # One long pack shares a system prompt across groups; one pack per group keeps the (dense) attention small.
-    for max_pack_tokens in PACK_TOKEN_CANDIDATES:
-        candidate = build_shared_prompt_layout(
-            batch["prompt_ids"],
-            batch["prompt_mask"],
-            batch["completion_ids"],
-            batch["completion_lengths"],
-            pad_token_id=int(getattr(config, "pad_token_id", None) or 0),
-            max_pack_tokens=max_pack_tokens,
-        )
-        if candidate is None:
-            return None
-        ratio = candidate.cost_ratio(hidden_size)
-        if ratio <= best:
-            layout, best = candidate, ratio
-        if candidate.input_ids.shape[0] == len(set(map(tuple, batch["prompt_ids"].tolist()))):
-            break  # already one pack per group: smaller caps give the same layout
-    if layout is None:
-        return None
-    stats = forward_token_stats(
-        model,
-        layout.input_ids,
-        layout.attention_mask,
-        labels=layout.labels,
-        position_ids=layout.position_ids,
-        temperature=temperature,
-        compute_entropy=compute_entropy,
-        entropy_requires_grad=entropy_requires_grad,
-    )
-    shape = tuple(batch["completion_ids"].shape)
-    lengths = batch["completion_lengths"].to(batch["completion_ids"].device)
-    return TokenStats(
-        logps=layout.to_rows(stats.logps, shape),
-        mask=torch.arange(shape[1], device=lengths.device).unsqueeze(0) < lengths.unsqueeze(1),
-        entropy=None if stats.entropy is None else layout.to_rows(stats.entropy, shape),
-        aux_loss=stats.aux_loss,
-        chunked=stats.chunked,
-    )
-
-
-def _is_prompt_learning(model: torch.nn.Module) -> bool:
-    """PEFT prompt learning prepends virtual tokens, which a tree mask does not cover."""
-    while model is not None:
-        if bool(getattr(getattr(model, "active_peft_config", None), "is_prompt_learning", False)):
-            return True
-        model = getattr(model, "module", None)  # DDP / accelerate wrappers
-    return False
 
 
 class OnlineTrainerBase(BaseTrainer):

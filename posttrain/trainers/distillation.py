@@ -41,6 +41,7 @@ from posttrain.models.loading import (
     load_processing_class,
 )
 from posttrain.rollout.buffer import RolloutBatch
+from posttrain.trainers._completion_scoring import completion_inputs
 from posttrain.trainers._distill_parts import (
     DistillationRollout,
     check_shared_vocabulary,
@@ -48,7 +49,7 @@ from posttrain.trainers._distill_parts import (
     score_completions,
     token_divergence,
 )
-from posttrain.trainers._online import OnlineRLConfig, OnlineTrainerBase, completion_inputs
+from posttrain.trainers._online import OnlineRLConfig, OnlineTrainerBase
 from posttrain.trainers._reference import ReferencePolicy
 
 # OnlineRLConfig fields that belong to GRPO/RLOO's policy-gradient loss: setting them here would silently do nothing.

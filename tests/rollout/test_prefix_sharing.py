@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from posttrain.rollout.prefix_sharing import IGNORE_INDEX, build_shared_prompt_layout
-from posttrain.trainers._online import completion_token_stats, shared_prompt_token_stats
+from posttrain.trainers._completion_scoring import completion_token_stats, shared_prompt_token_stats
 
 
 def _batch(prompts: list[list[int]], completions: list[list[int]], width: int | None = None) -> dict:

@@ -16,8 +16,8 @@ from trainer_helpers import fast_config, quiet_single_thread, trainable_params  
 from posttrain.core.distill import generalized_jsd_loss
 from posttrain.generation.base import Completions, SamplingConfig
 from posttrain.models.tiny import build_tiny_model, build_tiny_tokenizer
+from posttrain.trainers._completion_scoring import completion_inputs
 from posttrain.trainers._distill_parts import DistillationRollout, check_shared_vocabulary
-from posttrain.trainers._online import completion_inputs
 from posttrain.trainers.distillation import DistillationConfig, DistillationTrainer
 
 EOS = 258

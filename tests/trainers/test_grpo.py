@@ -508,7 +508,7 @@ def test_entropy_bonus_stays_chunked_with_the_full_logits_gradient(tiny_model_pa
 
 def test_shared_prompt_forward_trains_like_the_plain_forward(tiny_model_path, tmp_path, monkeypatch):
     """shared_prompt_forward (on by default) changes how the policy/reference forwards run, not the update."""
-    import posttrain.trainers._online as online
+    import posttrain.trainers._completion_scoring as online
 
     taken = []
     original = online.shared_prompt_token_stats
