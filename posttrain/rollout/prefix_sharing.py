@@ -68,6 +68,13 @@ class SharedPromptLayout:
         plain = self.plain_tokens * (12 * hidden_size + 2 * row)
         return packed / max(plain, 1)
 
+    def predictor_index(self, loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(pack, position)`` of the hidden state predicting each token where ``loss_mask`` ``(B, C)`` is set, in
+        row-major order of ``loss_mask`` (the order of ``completion_ids[loss_mask.bool()]``)."""
+        keep = loss_mask.bool()[self.row_index, self.col_index]  # (N_all,)
+        order = (self.row_index * loss_mask.shape[1] + self.col_index)[keep].argsort()
+        return self.pack_index[keep][order], (self.pack_pos[keep] - 1)[order]
+
     def to_rows(self, values: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
         """Gather ``(K, L)`` per-pack values back to the ``(B, C)`` row layout (0 elsewhere); differentiable."""
         out = values.new_zeros(shape)

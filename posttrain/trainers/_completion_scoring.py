@@ -10,10 +10,15 @@ from __future__ import annotations
 import torch
 
 from posttrain.rollout.buffer import RolloutBatch
-from posttrain.rollout.prefix_sharing import build_shared_prompt_layout
+from posttrain.rollout.prefix_sharing import SharedPromptLayout, build_shared_prompt_layout
 from posttrain.trainers._forward import TokenStats, forward_token_stats, unwrap_model
 
-__all__ = ["completion_inputs", "completion_token_stats", "shared_prompt_token_stats"]
+__all__ = [
+    "choose_shared_prompt_layout",
+    "completion_inputs",
+    "completion_token_stats",
+    "shared_prompt_token_stats",
+]
 
 
 def completion_inputs(batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -79,28 +84,21 @@ SHARED_PROMPT_MIN_SAVING = 0.8  # use the shared layout when its estimated cost 
 PACK_TOKEN_CANDIDATES = (4096, 1)  # pack caps tried: one pack for the micro-batch (up to 4096 tokens), one per group
 
 
-def shared_prompt_token_stats(
-    model: torch.nn.Module,
-    batch: RolloutBatch,
-    *,
-    temperature: float = 1.0,
-    compute_entropy: bool = False,
-    entropy_requires_grad: bool = False,
-) -> TokenStats | None:
-    """:func:`completion_token_stats` with each distinct prompt encoded once per micro-batch (design §3.2).
+def choose_shared_prompt_layout(model: torch.nn.Module, batch: RolloutBatch) -> SharedPromptLayout | None:
+    """The cheapest shared-prompt layout of ``batch`` for ``model``, or None when the plain rows are the better choice.
 
-    Returns None (the caller runs the plain forward) when the model's attention cannot take a tree-shaped 4-D mask
-    (flash attention, flex), when the batch carries extra model inputs, or when the estimated cost — tokens times
-    (per-token projections + attention span), :meth:`SharedPromptLayout.cost_ratio` — is not clearly lower.
+    None when the model's attention cannot take a tree-shaped 4-D mask (flash attention, flex), with PEFT prompt
+    learning, for rows with an empty prompt, or when the estimated cost — tokens times (per-token projections +
+    attention span), :meth:`SharedPromptLayout.cost_ratio` — is not clearly lower. One long pack shares a system
+    prompt across groups; one pack per group keeps the (dense) attention small; the cheaper one wins.
     """
-    inner = unwrap_model(model)
-    config = getattr(inner, "config", None)
+    config = getattr(unwrap_model(model), "config", None)
     impl = str(getattr(config, "_attn_implementation", None) or "sdpa")
-    if impl not in TREE_MASK_ATTENTION or _is_prompt_learning(model) or config is None:
+    if config is None or impl not in TREE_MASK_ATTENTION or _is_prompt_learning(model):
         return None
     hidden_size = int(getattr(config.get_text_config(), "hidden_size", 0) or 1024)
     layout, best = None, SHARED_PROMPT_MIN_SAVING
-    # One long pack shares a system prompt across groups; one pack per group keeps the (dense) attention small.
+    num_prompts = len(set(map(tuple, batch["prompt_ids"].tolist())))
     for max_pack_tokens in PACK_TOKEN_CANDIDATES:
         candidate = build_shared_prompt_layout(
             batch["prompt_ids"],
@@ -115,8 +113,24 @@ def shared_prompt_token_stats(
         ratio = candidate.cost_ratio(hidden_size)
         if ratio <= best:
             layout, best = candidate, ratio
-        if candidate.input_ids.shape[0] == len(set(map(tuple, batch["prompt_ids"].tolist()))):
+        if candidate.input_ids.shape[0] == num_prompts:
             break  # already one pack per group: smaller caps give the same layout
+    return layout
+
+
+def shared_prompt_token_stats(
+    model: torch.nn.Module,
+    batch: RolloutBatch,
+    *,
+    temperature: float = 1.0,
+    compute_entropy: bool = False,
+    entropy_requires_grad: bool = False,
+) -> TokenStats | None:
+    """:func:`completion_token_stats` with each distinct prompt encoded once per micro-batch (design §3.2).
+
+    Returns None (the caller runs the plain forward) when :func:`choose_shared_prompt_layout` finds no layout worth it.
+    """
+    layout = choose_shared_prompt_layout(model, batch)
     if layout is None:
         return None
     stats = forward_token_stats(

@@ -38,7 +38,7 @@ from posttrain.generation.base import Completions, SamplingConfig, truncate_at_e
 from posttrain.rollout.buffer import RolloutBatch
 from posttrain.rollout.metrics import completion_length_metrics
 from posttrain.rollout.pipeline import CompletionsTable, collate_completions, render_prompts
-from posttrain.trainers._forward import unwrap_model
+from posttrain.trainers._forward import prepare_attention_mask, unwrap_model
 
 logger = logging.getLogger(__name__)
 
@@ -208,6 +208,7 @@ def score_completions(
     position_ids: torch.Tensor,
     completion_ids: torch.Tensor,
     loss_mask: torch.Tensor,
+    predictors: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> CompletionScores:
     """Run ``model`` over ``[prompt | completion]`` and keep what the divergence needs at the loss tokens.
 
@@ -223,6 +224,9 @@ def score_completions(
         input_ids / attention_mask / position_ids: ``(B, P + C)``.
         completion_ids: ``(B, C)``.
         loss_mask: ``(B, C)`` 1 on the tokens the loss counts.
+        predictors: ``(row, position)`` of the hidden state predicting each loss token (row-major order of
+            ``loss_mask``) when the inputs are a shared-prompt layout (:mod:`posttrain.rollout.prefix_sharing`)
+            rather than ``[prompt | completion]`` rows; the attention mask is then its 4-D tree mask.
 
     Returns:
         :class:`CompletionScores` with ``N = loss_mask.sum()`` rows, differentiable when grad is enabled.
@@ -232,8 +236,16 @@ def score_completions(
     sel = loss_mask.bool()
     tokens = completion_ids[sel]
     kwargs: dict[str, Any] = {"use_cache": False}
-    if _accepts_logits_to_keep(model):
+    if predictors is None and _accepts_logits_to_keep(model):
         kwargs["logits_to_keep"] = keep
+    attention_mask = prepare_attention_mask(model, attention_mask)
+
+    def at_loss_tokens(values: torch.Tensor) -> torch.Tensor:
+        """``(N, ·)``: the rows of per-position ``values`` that predict the loss tokens."""
+        if predictors is not None:
+            return values[predictors[0], predictors[1]]
+        return values[:, -keep:-1][sel]
+
     head, reason = _plain_head(model)
     if head is not None:
         verify = head not in _HEAD_VERIFIED
@@ -264,10 +276,9 @@ def score_completions(
                     same = torch.allclose(theirs.float(), ours, rtol=tol, atol=tol * (1.0 + ours.abs().max().item()))
             _HEAD_VERIFIED[head] = bool(same)
         if same:
-            hidden = captured["hidden"][:, -keep:-1]  # (B, C, H)
             return CompletionScores(
                 tokens=tokens,
-                hidden=hidden[sel],
+                hidden=at_loss_tokens(captured["hidden"]),  # (N, H)
                 weight=head.weight,
                 bias=head.bias,
                 aux_loss=getattr(outputs, "aux_loss", None),
@@ -278,8 +289,9 @@ def score_completions(
         f"{reason}; using its full-vocabulary logits at the completion positions (more memory, same result)."
     )
     outputs = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
-    logits = outputs.logits[:, -keep:-1]  # (B, C, V)
-    return CompletionScores(tokens=tokens, logits=logits[sel], aux_loss=getattr(outputs, "aux_loss", None))
+    return CompletionScores(
+        tokens=tokens, logits=at_loss_tokens(outputs.logits), aux_loss=getattr(outputs, "aux_loss", None)
+    )
 
 
 def _float(t: torch.Tensor | None) -> torch.Tensor | None:

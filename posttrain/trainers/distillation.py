@@ -41,7 +41,7 @@ from posttrain.models.loading import (
     load_processing_class,
 )
 from posttrain.rollout.buffer import RolloutBatch
-from posttrain.trainers._completion_scoring import completion_inputs
+from posttrain.trainers._completion_scoring import choose_shared_prompt_layout, completion_inputs
 from posttrain.trainers._distill_parts import (
     DistillationRollout,
     check_shared_vocabulary,
@@ -401,6 +401,18 @@ class DistillationTrainer(OnlineTrainerBase):
         return batch
 
     # -- loss --------------------------------------------------------------------------------------------------
+    def _scoring_inputs(self, model: torch.nn.Module, inputs: RolloutBatch) -> tuple:
+        """``score_completions`` arguments for ``model``: the shared-prompt layout when it saves work for this model
+        (``shared_prompt_forward``; each distinct prompt encoded once), else ``[prompt | completion]`` rows. Both
+        give the loss tokens in the same order, so student and teacher may differ in which one they use."""
+        targets = (inputs["completion_ids"], inputs["completion_mask"])
+        layout = choose_shared_prompt_layout(model, inputs) if self.args.shared_prompt_forward else None
+        if layout is not None:
+            predictors = layout.predictor_index(inputs["completion_mask"])
+            return layout.input_ids, layout.attention_mask, layout.position_ids, *targets, predictors
+        input_ids, attention_mask, position_ids, _ = completion_inputs(inputs)
+        return input_ids, attention_mask, position_ids, *targets
+
     def _compute_loss(self, model: torch.nn.Module, inputs: RolloutBatch) -> torch.Tensor:
         """Σ_tokens D_β(p_S‖p_T) / (completion tokens of the optimizer step over all processes / processes).
 
@@ -408,11 +420,9 @@ class DistillationTrainer(OnlineTrainerBase):
         """
         args = self.args
         mode = self._mode()
-        input_ids, attention_mask, position_ids, _ = completion_inputs(inputs)
-        scored = (input_ids, attention_mask, position_ids, inputs["completion_ids"], inputs["completion_mask"])
-        student = score_completions(model, *scored)
+        student = score_completions(model, *self._scoring_inputs(model, inputs))
         with torch.no_grad():
-            teacher = score_completions(self.teacher_model, *scored)
+            teacher = score_completions(self.teacher_model, *self._scoring_inputs(self.teacher_model, inputs))
         divergence, entropy = token_divergence(
             student,
             teacher,

@@ -520,3 +520,37 @@ def test_rollout_draws_are_reproducible_from_the_state():
     assert [rollout.draw_on_policy(8) for _ in range(3)] == first
     assert {x for draw in first for x in draw} == {True, False}
     assert rollout.draw_on_policy(4, mode="eval") == [True] * 4
+
+
+def test_shared_prompt_layout_gives_the_same_loss_and_gradients(tiny_model_path, teacher_path, tmp_path):
+    """Long shared prompts, 4 completions each: the shared-prompt layout is used and changes nothing."""
+    from posttrain.trainers._completion_scoring import choose_shared_prompt_layout
+
+    trainer = DistillationTrainer(
+        tiny_model_path, teacher_path, args=_config(tmp_path, beta=0.5), train_dataset=_prompts()
+    )
+    g = torch.Generator().manual_seed(0)
+    system = torch.randint(3, 250, (40,), generator=g).tolist()
+    prompts = [system + [65 + i] * (3 + i) for i in range(2) for _ in range(4)]
+    lengths = torch.tensor([5, 1, 7, 3, 6, 2, 7, 4])
+    width_p = max(map(len, prompts))
+    batch = {
+        "prompt_ids": torch.tensor([[259] * (width_p - len(p)) + p for p in prompts]),
+        "prompt_mask": torch.tensor([[0] * (width_p - len(p)) + [1] * len(p) for p in prompts]),
+        "completion_ids": torch.randint(3, 250, (8, 7), generator=g),
+        "completion_lengths": lengths,
+    }
+    batch["completion_mask"] = (torch.arange(7)[None] < lengths[:, None]).long()
+    batch["completion_mask"][2, 1] = 0  # a masked token inside a completion (e.g. a tool result)
+    batch["num_items_in_batch"] = batch["completion_mask"].sum()
+    model = trainer.model
+    model.train()
+    assert choose_shared_prompt_layout(model, batch) is not None
+    results = []
+    for share in (True, False):
+        trainer.args.shared_prompt_forward = share
+        loss = trainer._compute_loss(model, batch)
+        results.append((loss.detach(), torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad])))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-6)
+    for ours, theirs in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-6)
