@@ -88,7 +88,8 @@ def choose_shared_prompt_layout(model: torch.nn.Module, batch: RolloutBatch) -> 
     """The cheapest shared-prompt layout of ``batch`` for ``model``, or None when the plain rows are the better choice.
 
     None when the model's attention cannot take a tree-shaped 4-D mask (flash attention, flex), with PEFT prompt
-    learning, for rows with an empty prompt, or when the estimated cost — tokens times (per-token projections +
+    learning, when a row is longer than an active sliding window (the tree mask would replace the model's window
+    mask), for rows with an empty prompt, or when the estimated cost — tokens times (per-token projections +
     attention span), :meth:`SharedPromptLayout.cost_ratio` — is not clearly lower. One long pack shares a system
     prompt across groups; one pack per group keeps the (dense) attention small; the cheaper one wins.
     """
@@ -96,7 +97,13 @@ def choose_shared_prompt_layout(model: torch.nn.Module, batch: RolloutBatch) -> 
     impl = str(getattr(config, "_attn_implementation", None) or "sdpa")
     if config is None or impl not in TREE_MASK_ATTENTION or _is_prompt_learning(model):
         return None
-    hidden_size = int(getattr(config.get_text_config(), "hidden_size", 0) or 1024)
+    text_config = config.get_text_config()
+    window = getattr(text_config, "sliding_window", None)
+    if window and getattr(text_config, "use_sliding_window", True) is not False:
+        longest = int(batch["prompt_mask"].sum(dim=1).max()) + int(batch["completion_lengths"].max())
+        if longest > int(window):  # a custom 4-D mask replaces the model's sliding-window mask
+            return None
+    hidden_size = int(getattr(text_config, "hidden_size", 0) or 1024)
     layout, best = None, SHARED_PROMPT_MIN_SAVING
     num_prompts = len(set(map(tuple, batch["prompt_ids"].tolist())))
     for max_pack_tokens in PACK_TOKEN_CANDIDATES:

@@ -138,3 +138,13 @@ def test_shared_forward_declines_when_nothing_is_shared(tiny_model_path):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     distinct = _batch([[3, 4, 5], [6, 7, 8], [9, 10, 11]], [[12] * 8, [13] * 8, [14] * 8])
     assert shared_prompt_token_stats(model, distinct) is None
+
+
+def test_shared_forward_declines_rows_longer_than_a_sliding_window(tiny_model_path):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    batch = _grouped_batch(2, model.config.vocab_size)  # rows of up to 33 + 12 tokens
+    assert shared_prompt_token_stats(model, batch) is not None
+    model.config.use_sliding_window, model.config.sliding_window = True, 16
+    assert shared_prompt_token_stats(model, batch) is None
+    model.config.sliding_window = 4096  # a window longer than every row changes nothing
+    assert shared_prompt_token_stats(model, batch) is not None
