@@ -201,6 +201,8 @@ class GroupSampler:
         """Prefill the unique prompts of ``prompts``, expand G ways, decode; write rows from ``row_offset`` on."""
         from transformers import DynamicCache
 
+        from posttrain.generation.kv_cache import preallocate_cache
+
         device = model_device(model)
         # Identical prompts share one prefill row; `source[r]` is the unique row that output row r extends.
         unique: dict[tuple[int, ...], int] = {}
@@ -211,7 +213,7 @@ class GroupSampler:
         input_ids, attention_mask = left_pad([list(k) for k in unique], s.pad_token_id, device)  # (U, P)
         # Positions count real tokens only, as generate's cumsum - 1 (pad positions are masked; 0 is arbitrary).
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (U, P)
-        cache = DynamicCache(config=model.config)
+        cache = preallocate_cache(DynamicCache(config=model.config), reserve=s.max_new_tokens)
         cache_kw = _cache_kwarg(model)
         logits = _forward_last(model, input_ids, attention_mask, position_ids, cache, cache_kw)  # (U, V)
         self.last_stats["prefill_rows"] += len(unique)
