@@ -23,7 +23,6 @@ tokenizer (e.g. Qwen2.5-0.5B's 151 936 rows vs Qwen2.5-7B's 152 064): the diverg
 from __future__ import annotations
 
 import logging
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -38,14 +37,17 @@ from posttrain.generation.base import Completions, SamplingConfig, truncate_at_e
 from posttrain.rollout.buffer import RolloutBatch
 from posttrain.rollout.metrics import completion_length_metrics
 from posttrain.rollout.pipeline import CompletionsTable, collate_completions, render_prompts
-from posttrain.trainers._forward import prepare_attention_mask, unwrap_model
+from posttrain.trainers._forward import (
+    forward_capturing_head_input,
+    prepare_attention_mask,
+    resolve_lm_head,
+    unwrap_model,
+)
 
 logger = logging.getLogger(__name__)
 
 SOURCES = ("student", "dataset", "teacher")
 _LOGGED: set[str] = set()
-# LM heads whose hidden-state path was checked against the model's own logits (False: use the logits).
-_HEAD_VERIFIED: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
 
 
 def _log_once(message: str) -> None:
@@ -168,30 +170,6 @@ def _head_rows(bias: torch.Tensor | None, rows: int) -> torch.Tensor | None:
     return None if bias is None else bias[:rows]
 
 
-def _plain_head(model: torch.nn.Module) -> tuple[torch.nn.Linear | None, str]:
-    """The LM head when logits are exactly ``hidden @ weightᵀ + bias``; else None and the reason."""
-    inner = unwrap_model(model)
-    get_out = getattr(inner, "get_output_embeddings", None)
-    head = get_out() if callable(get_out) else None
-    if head is None:
-        return None, f"{type(inner).__name__} has no output embeddings"
-    if type(head) is not torch.nn.Linear:  # LoRA on lm_head, PEFT modules_to_save, custom heads
-        return None, f"the LM head is a {type(head).__name__}, not a plain torch.nn.Linear"
-    if hasattr(head.weight, "ds_id") or type(head.weight).__name__ == "DTensor" or head.weight.numel() == 0:
-        return None, "the LM head weight is sharded (DeepSpeed ZeRO-3 or FSDP)"
-    config = getattr(inner, "config", None)
-    configs = [config]
-    if callable(getattr(config, "get_text_config", None)):
-        configs.append(config.get_text_config())
-    for cfg in configs:
-        for name in ("final_logit_softcapping", "logit_softcapping", "logit_scale", "logits_scaling"):
-            if getattr(cfg, name, None) not in (None, 0, 0.0, 1, 1.0):
-                return None, f"the model transforms its logits (config.{name}={getattr(cfg, name)})"
-    if _HEAD_VERIFIED.get(head) is False:
-        return None, "its logits differ from hidden_states @ lm_head.weight (an unknown head transform)"
-    return head, ""
-
-
 def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
     import inspect
 
@@ -246,39 +224,20 @@ def score_completions(
             return values[predictors[0], predictors[1]]
         return values[:, -keep:-1][sel]
 
-    head, reason = _plain_head(model)
-    if head is not None:
-        verify = head not in _HEAD_VERIFIED
-        captured: dict[str, torch.Tensor] = {}
+    def forward() -> Any:
+        return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
 
-        def pre_hook(module, args, hook_kwargs):
-            hidden = args[0] if args else hook_kwargs["input"]
-            captured["hidden"] = hidden
-            stub = hidden[..., -1:, :] if verify else hidden[..., :0, :]
-            captured["stub"] = stub
-            return ((stub, *args[1:]), hook_kwargs) if args else (args, {**hook_kwargs, "input": stub})
-
-        handle = head.register_forward_pre_hook(pre_hook, with_kwargs=True)
-        try:
-            outputs = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
-        finally:
-            handle.remove()
-        if "hidden" not in captured:
-            raise RuntimeError(f"{type(unwrap_model(model)).__name__}.forward never called its LM head.")
-        same = True
-        if verify:
-            with torch.no_grad():
-                ours = F.linear(captured["stub"].float(), head.weight.float(), _float(head.bias))
-                theirs = getattr(outputs, "logits", None)
-                same = theirs is not None and theirs.shape == ours.shape
-                if same:
-                    tol = 1e-4 if theirs.dtype == torch.float32 else 3e-2
-                    same = torch.allclose(theirs.float(), ours, rtol=tol, atol=tol * (1.0 + ours.abs().max().item()))
-            _HEAD_VERIFIED[head] = bool(same)
-        if same:
+    head = resolve_lm_head(model)
+    if not isinstance(head, str) and head.scale != 1.0:  # the divergence reads logits as h Wᵀ + b
+        head = f"the model scales its logits by {head.scale}"
+    reason = head if isinstance(head, str) else ""
+    if not isinstance(head, str):
+        captured = forward_capturing_head_input(model, head, forward)
+        if captured is not None:
+            outputs, hidden = captured
             return CompletionScores(
                 tokens=tokens,
-                hidden=at_loss_tokens(captured["hidden"]),  # (N, H)
+                hidden=at_loss_tokens(hidden),  # (N, H)
                 weight=head.weight,
                 bias=head.bias,
                 aux_loss=getattr(outputs, "aux_loss", None),
@@ -288,14 +247,10 @@ def score_completions(
         f"posttrain distillation: chunked divergence is not used for {type(unwrap_model(model)).__name__} because "
         f"{reason}; using its full-vocabulary logits at the completion positions (more memory, same result)."
     )
-    outputs = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+    outputs = forward()
     return CompletionScores(
         tokens=tokens, logits=at_loss_tokens(outputs.logits), aux_loss=getattr(outputs, "aux_loss", None)
     )
-
-
-def _float(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.float()
 
 
 def token_divergence(

@@ -27,6 +27,7 @@ from __future__ import annotations
 import inspect
 import logging
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -293,6 +294,59 @@ def auto_chunk_size(vocab_size: int, budget_bytes: int = CHUNK_BUDGET_BYTES) -> 
     return int(max(16, min(1024, budget_bytes // (8 * max(int(vocab_size), 1)))))
 
 
+def resolve_lm_head(model: torch.nn.Module) -> _Head | str:
+    """The model's LM head as a plain linear map with a constant logit scale, or why it is not one (see the module
+    docstring); a head found to differ from that map by :func:`forward_capturing_head_input` stays excluded."""
+    head = _resolve_head(unwrap_model(model))
+    if isinstance(head, _Head) and _HEAD_VERIFIED.get(head.module, True) is False:
+        return "its logits differ from hidden_states @ lm_head.weight (an unknown head transform)"
+    return head
+
+
+def forward_capturing_head_input(
+    model: torch.nn.Module, head: _Head, run: Callable[[], Any]
+) -> tuple[Any, torch.Tensor] | None:
+    """Run ``run()`` (a forward of ``model``) while the LM head receives an empty slice: no ``(B, T, V)`` logits.
+
+    Returns ``(outputs, hidden)`` with the hidden states the head was given. On the first call per head the head
+    computes one position, which is checked against ``scale · (h Wᵀ + b)``; a mismatch is remembered and this call
+    returns None (callers then use the model's own logits).
+    """
+    captured: dict[str, torch.Tensor] = {}
+    verify = head.module not in _HEAD_VERIFIED
+
+    def pre_hook(module, args, kwargs):
+        hidden = args[0] if args else kwargs["input"]
+        captured["hidden"] = hidden
+        stub = hidden[..., -1:, :] if verify and hidden.dim() == 3 else hidden[..., :0, :]
+        captured["stub"] = stub
+        return ((stub, *args[1:]), kwargs) if args else (args, {**kwargs, "input": stub})
+
+    handle = head.module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+    try:
+        outputs = run()
+    finally:
+        handle.remove()
+    if "hidden" not in captured:
+        raise RuntimeError(f"{type(unwrap_model(model)).__name__}.forward never called its LM head.")
+    if verify and captured["stub"].numel() > 0:
+        with torch.no_grad():
+            stub = captured["stub"].float()
+            ours = stub @ head.weight.float().T
+            if head.bias is not None:
+                ours = ours + head.bias.float()
+            ours = ours * head.scale
+            theirs = getattr(outputs, "logits", None)
+            same = theirs is not None and theirs.shape == ours.shape
+            if same:
+                tol = 1e-4 if theirs.dtype == torch.float32 else 3e-2
+                same = torch.allclose(theirs.float(), ours, rtol=tol, atol=tol * (1.0 + ours.abs().max().item()))
+        _HEAD_VERIFIED[head.module] = bool(same)
+        if not same:
+            return None
+    return outputs, captured["hidden"]
+
+
 def _chunked_path(
     model,
     head: _Head,
@@ -309,40 +363,12 @@ def _chunked_path(
     entropy_requires_grad=False,
 ) -> TokenStats | None:
     """Chunked path; returns None when the one-time check finds the model's logits differ from the chunked head."""
-    captured: dict[str, torch.Tensor] = {}
-    verify = head.module not in _HEAD_VERIFIED
-
-    def pre_hook(module, args, kwargs):
-        hidden = args[0] if args else kwargs["input"]
-        captured["hidden"] = hidden
-        # The head only ever sees an empty (or, once, a one-position) slice: no (B, T, V) logits are built.
-        stub = hidden[..., :1, :] if verify and hidden.dim() == 3 else hidden[..., :0, :]
-        captured["stub"] = stub
-        return ((stub, *args[1:]), kwargs) if args else (args, {**kwargs, "input": stub})
-
-    handle = head.module.register_forward_pre_hook(pre_hook, with_kwargs=True)
-    try:
-        outputs = _call_model(model, input_ids, attention_mask, position_ids, model_kwargs)
-    finally:
-        handle.remove()
-    if "hidden" not in captured:
-        raise RuntimeError(f"{type(unwrap_model(model)).__name__}.forward never called its LM head.")
-    hidden = captured["hidden"]
-    if verify and captured["stub"].numel() > 0:
-        with torch.no_grad():
-            stub = captured["stub"].float()
-            ours = stub @ head.weight.float().T
-            if head.bias is not None:
-                ours = ours + head.bias.float()
-            ours = ours * head.scale
-            theirs = getattr(outputs, "logits", None)
-            same = theirs is not None and theirs.shape == ours.shape
-            if same:
-                tol = 1e-4 if theirs.dtype == torch.float32 else 3e-2
-                same = torch.allclose(theirs.float(), ours, rtol=tol, atol=tol * (1.0 + ours.abs().max().item()))
-        _HEAD_VERIFIED[head.module] = bool(same)
-        if not same:
-            return None
+    captured = forward_capturing_head_input(
+        model, head, lambda: _call_model(model, input_ids, attention_mask, position_ids, model_kwargs)
+    )
+    if captured is None:
+        return None
+    outputs, hidden = captured
     seq_len = input_ids.shape[1]
     if hidden.shape[1] > seq_len:  # PEFT prompt learning prepends virtual tokens
         hidden = hidden[:, -seq_len:]
@@ -691,9 +717,7 @@ def forward_token_stats(
     stats = None
     if chunked:
         inner = unwrap_model(model)
-        head = _resolve_head(inner)
-        if isinstance(head, _Head) and _HEAD_VERIFIED.get(head.module, True) is False:
-            head = "its logits differ from hidden_states @ lm_head.weight (an unknown head transform)"
+        head = resolve_lm_head(model)
         if isinstance(head, _Head):
             stats = _chunked_path(model, head, **common)
             if stats is None:
