@@ -55,40 +55,26 @@ def _row_images(example: Mapping[str, Any], index: int) -> list[Any]:
     )
 
 
+def _check_keeps_image_tokens(ids: torch.Tensor, image_ids: torch.Tensor, limit: int, option: str, row: int) -> None:
+    """Raise if keeping the first ``limit`` of ``ids`` would cut image tokens (the model would then fail or misread)."""
+    cut = torch.isin(ids[limit:], image_ids)
+    if cut.any():
+        last = int(torch.isin(ids, image_ids).nonzero().max()) + 1
+        raise ValueError(
+            f"Row {row}: truncating to {option}={limit} would cut {int(cut.sum())} of its image tokens (its images "
+            f"end at token {last}). Raise {option} to at least {last}, or use smaller/fewer images."
+        )
+
+
 def _is_conversational(value: Any) -> bool:
     return isinstance(value, Sequence) and not isinstance(value, str) and len(value) > 0
 
 
 @dataclass
-class DataCollatorForVisionLanguageModeling:
-    """Collator for vision-language SFT rows: images + ``messages`` / ``prompt``-``completion`` / text → batch.
-
-    Args:
-        processor: A multimodal processor (e.g. ``LlavaProcessor``) with a chat template and a tokenizer.
-        max_length: Truncate each row to this many tokens (after image-token expansion); ``None`` = no truncation.
-            A row whose image tokens would be cut raises (raise ``max_length``).
-        completion_only_loss: For prompt-completion rows, -100 on the prompt tokens (no effect on other rows).
-        pad_to_multiple_of: Round the padded length up to a multiple of this.
-        dataset_text_field: Column holding the text of standard (non-conversational) language-modelling rows.
-        return_tensors: Only ``"pt"``.
-
-    Returns (from ``__call__``):
-        ``input_ids``, ``attention_mask``, ``labels`` ``(B, L)`` (right padded), any other per-token output of the
-        processor (``token_type_ids``, ...), and its image outputs (``pixel_values``, ...).
-    """
+class _ProcessorCollator:
+    """Helpers the vision collators share: the processor's tokenizer, pad and image-token ids, rendering, processing."""
 
     processor: Any
-    max_length: int | None = None
-    completion_only_loss: bool = False
-    pad_to_multiple_of: int | None = None
-    dataset_text_field: str = "text"
-    return_tensors: str = "pt"
-
-    def __post_init__(self):
-        if self.return_tensors != "pt":
-            raise ValueError(f"return_tensors={self.return_tensors!r} is not supported; use 'pt'.")
-        if self.max_length is not None and self.max_length < 1:
-            raise ValueError(f"max_length must be a positive int or None, got {self.max_length}.")
 
     # -- helpers -------------------------------------------------------------------------------------------------
     @property
@@ -136,6 +122,62 @@ class DataCollatorForVisionLanguageModeling:
                 "its image placeholders (standard text rows must contain the image token once per image)."
             ) from err
 
+    def _prompt_completion_texts(
+        self, prompt: Any, completion: Any, images: list[Any], index: int, column: str = "completion"
+    ) -> tuple[str, str]:
+        """(prompt text with the images' placeholders, completion text) of one row; ``column`` names the completion."""
+        if isinstance(prompt, str) and isinstance(completion, str):
+            return prompt, completion
+        if not (_is_conversational(prompt) and _is_conversational(completion)):
+            raise ValueError(
+                f"Row {index}: 'prompt' and {column!r} must both be strings or both be lists of messages."
+            )
+        messages = prepare_multimodal_messages(list(prompt) + list(completion), images)
+        prompt_messages = messages[: len(prompt)]
+        continue_final = prompt_messages[-1].get("role") == "assistant"
+        prompt_text = self._render(
+            prompt_messages, add_generation_prompt=not continue_final, continue_final_message=continue_final
+        )
+        full_text = self._render(messages)
+        if not full_text.startswith(prompt_text):
+            raise ValueError(
+                f"Row {index}: the chat template renders the prompt differently when the completion follows it, so "
+                "the prompt/completion boundary is unknown. Use a template whose prompt rendering is a prefix of the "
+                "full conversation, or a language-modelling 'messages' dataset."
+            )
+        return prompt_text, full_text[len(prompt_text) :]
+
+
+@dataclass
+class DataCollatorForVisionLanguageModeling(_ProcessorCollator):
+    """Collator for vision-language SFT rows: images + ``messages`` / ``prompt``-``completion`` / text → batch.
+
+    Args:
+        processor: A multimodal processor (e.g. ``LlavaProcessor``) with a chat template and a tokenizer.
+        max_length: Truncate each row to this many tokens (after image-token expansion); ``None`` = no truncation.
+            A row whose image tokens would be cut raises (raise ``max_length``).
+        completion_only_loss: For prompt-completion rows, -100 on the prompt tokens (no effect on other rows).
+        pad_to_multiple_of: Round the padded length up to a multiple of this.
+        dataset_text_field: Column holding the text of standard (non-conversational) language-modelling rows.
+        return_tensors: Only ``"pt"``.
+
+    Returns (from ``__call__``):
+        ``input_ids``, ``attention_mask``, ``labels`` ``(B, L)`` (right padded), any other per-token output of the
+        processor (``token_type_ids``, ...), and its image outputs (``pixel_values``, ...).
+    """
+
+    max_length: int | None = None
+    completion_only_loss: bool = False
+    pad_to_multiple_of: int | None = None
+    dataset_text_field: str = "text"
+    return_tensors: str = "pt"
+
+    def __post_init__(self):
+        if self.return_tensors != "pt":
+            raise ValueError(f"return_tensors={self.return_tensors!r} is not supported; use 'pt'.")
+        if self.max_length is not None and self.max_length < 1:
+            raise ValueError(f"max_length must be a positive int or None, got {self.max_length}.")
+
     # -- text of each row ----------------------------------------------------------------------------------------
     def _kind(self, example: Mapping[str, Any], index: int) -> str:
         if "messages" in example:
@@ -159,29 +201,6 @@ class DataCollatorForVisionLanguageModeling:
             f"the dataset_text_field {self.dataset_text_field!r}."
         )
 
-    def _prompt_completion_texts(self, example: Mapping[str, Any], images: list[Any], index: int) -> tuple[str, str]:
-        prompt, completion = example["prompt"], example["completion"]
-        if isinstance(prompt, str) and isinstance(completion, str):
-            return prompt, completion
-        if not (_is_conversational(prompt) and _is_conversational(completion)):
-            raise ValueError(
-                f"Row {index}: 'prompt' and 'completion' must both be strings or both be lists of messages."
-            )
-        messages = prepare_multimodal_messages(list(prompt) + list(completion), images)
-        prompt_messages = messages[: len(prompt)]
-        continue_final = prompt_messages[-1].get("role") == "assistant"
-        prompt_text = self._render(
-            prompt_messages, add_generation_prompt=not continue_final, continue_final_message=continue_final
-        )
-        full_text = self._render(messages)
-        if not full_text.startswith(prompt_text):
-            raise ValueError(
-                f"Row {index}: the chat template renders the prompt differently when the completion follows it, so "
-                "the prompt/completion boundary is unknown. Use a template whose prompt rendering is a prefix of the "
-                "full conversation, or a language-modelling 'messages' dataset."
-            )
-        return prompt_text, full_text[len(prompt_text) :]
-
     # -- collation -----------------------------------------------------------------------------------------------
     def __call__(self, examples: list[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
         if not examples:
@@ -197,7 +216,10 @@ class DataCollatorForVisionLanguageModeling:
         # processors need images=None when no row has one
         batch_images = images if any(images) else None
         if kinds[0] == "prompt-completion":
-            pairs = [self._prompt_completion_texts(ex, imgs, i) for i, ex, imgs in zip(rows, examples, images)]
+            pairs = [
+                self._prompt_completion_texts(ex["prompt"], ex["completion"], imgs, i)
+                for i, ex, imgs in zip(rows, examples, images)
+            ]
             processed = self._process([p for p, _ in pairs], batch_images, rows)
             completions = self.tokenizer(
                 [c for _, c in pairs], padding=True, padding_side="right", add_special_tokens=False,
@@ -233,14 +255,7 @@ class DataCollatorForVisionLanguageModeling:
                     row[k] = torch.cat([row[k], extra if extra is not None else torch.zeros_like(cids)])
                 is_prompt = torch.cat([is_prompt, torch.zeros_like(cids, dtype=torch.bool)])
             if self.max_length is not None and len(row["input_ids"]) > self.max_length:
-                cut = torch.isin(row["input_ids"][self.max_length :], image_ids)
-                if cut.any():
-                    last = int(torch.isin(row["input_ids"], image_ids).nonzero().max()) + 1
-                    raise ValueError(
-                        f"Row {b}: truncating to max_length={self.max_length} would cut {int(cut.sum())} of its "
-                        f"image tokens (its images end at token {last}). Raise max_length to at least {last}, or use "
-                        "smaller/fewer images."
-                    )
+                _check_keeps_image_tokens(row["input_ids"], image_ids, self.max_length, "max_length", b)
                 row = {k: v[: self.max_length] for k, v in row.items()}
                 is_prompt = is_prompt[: self.max_length]
             for k in keys:
@@ -258,3 +273,134 @@ class DataCollatorForVisionLanguageModeling:
             labels[pad(prompt_flags, False, "right", self.pad_to_multiple_of)] = IGNORE_INDEX
         out["labels"] = labels
         return out
+
+
+@dataclass
+class DataCollatorForVisionPreference(_ProcessorCollator):
+    """TRL's vision DPO collator: images + ``prompt``/``chosen``/``rejected`` rows → one ``(2B, L)`` scored batch.
+
+    Each row's prompt (with its images placed by :func:`~posttrain.data.multimodal.prepare_multimodal_messages` and
+    rendered with the processor's chat template) goes through the processor once; the chosen and rejected
+    completions (the rendered suffix after the prompt) through the tokenizer. Implicit-prompt rows are split with
+    :func:`posttrain.data.utils.maybe_extract_prompt`. Standard (string) rows must already hold the image placeholders
+    in their prompt and get EOS appended to their completions, as in text DPO.
+
+    Args:
+        processor: A multimodal processor (e.g. ``LlavaProcessor``) with a chat template and a tokenizer.
+        max_prompt_length: Keep the last this-many prompt tokens; raises when that would cut image tokens.
+        max_completion_length: Keep the first this-many tokens of each completion.
+        pad_to_multiple_of: Round the padded length up to a multiple of this.
+        max_length: Keep the first this-many tokens of each prompt+completion (DPOConfig's ``max_length``); raises
+            when that would cut image tokens or leave no completion token.
+        return_tensors: Only ``"pt"``.
+
+    Returns (from ``__call__``):
+        ``input_ids``, ``attention_mask``, ``completion_mask`` ``(2B, L)`` (right padded; rows ``0..B-1`` are
+        prompt+chosen, ``B..2B-1`` prompt+rejected, as :class:`~posttrain.data.collators.DataCollatorForPreference`),
+        any other per-token output of the processor, and its image outputs (``pixel_values``, ``image_sizes``, ...)
+        repeated for the chosen and rejected halves.
+    """
+
+    max_prompt_length: int | None = None
+    max_completion_length: int | None = None
+    pad_to_multiple_of: int | None = None
+    max_length: int | None = None
+    return_tensors: str = "pt"
+
+    def __post_init__(self):
+        if self.return_tensors != "pt":
+            raise ValueError(f"return_tensors={self.return_tensors!r} is not supported; use 'pt'.")
+        for option in ("max_prompt_length", "max_completion_length", "max_length", "pad_to_multiple_of"):
+            value = getattr(self, option)
+            if value is not None and value < 1:
+                raise ValueError(f"{option} must be a positive int or None, got {value}.")
+
+    def _texts(self, example: Mapping[str, Any], images: list[Any], index: int) -> tuple[str, str, str]:
+        """(prompt, chosen, rejected) texts of one row; the prompt carries the images' placeholders."""
+        from posttrain.data.utils import maybe_extract_prompt
+
+        for column in ("chosen", "rejected"):
+            if example.get(column) is None:
+                raise ValueError(
+                    f"Row {index}: column {column!r} is missing or None (columns: {sorted(example)}); vision "
+                    "preference rows need 'prompt' (or an implicit prompt), 'chosen' and 'rejected'."
+                )
+        example = maybe_extract_prompt(example)
+        if example.get("prompt") is None or len(example["prompt"]) == 0:
+            raise ValueError(
+                f"Row {index}: the prompt is empty; the images are placed in the prompt, so give a 'prompt' column "
+                "(or chosen/rejected conversations that share their opening user message)."
+            )
+        prompt, chosen = self._prompt_completion_texts(example["prompt"], example["chosen"], images, index, "chosen")
+        prompt_r, rejected = self._prompt_completion_texts(
+            example["prompt"], example["rejected"], images, index, "rejected"
+        )
+        if prompt_r != prompt:
+            raise ValueError(
+                f"Row {index}: the chat template renders the prompt differently before 'chosen' and 'rejected'; use "
+                "a template whose prompt rendering does not depend on the completion."
+            )
+        return prompt, chosen, rejected
+
+    def __call__(self, examples: list[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+        if not examples:
+            raise ValueError("Cannot collate an empty batch.")
+        rows = range(len(examples))
+        images = [_row_images(ex, i) for i, ex in zip(rows, examples)]
+        texts = [self._texts(ex, imgs, i) for i, ex, imgs in zip(rows, examples, images)]
+        processed = self._process([t[0] for t in texts], images if any(images) else None, rows)
+        completions = self.tokenizer([t[1] for t in texts] + [t[2] for t in texts], add_special_tokens=False)[
+            "input_ids"
+        ]
+        eos = self.tokenizer.eos_token_id
+        standard = [isinstance(ex.get("chosen"), str) for ex in examples]
+        keys = [k for k in _PER_TOKEN_KEYS if k in processed]
+        image_ids = torch.tensor(sorted(self._image_token_ids()), dtype=torch.long)
+        columns: dict[str, list[torch.Tensor]] = {k: [] for k in (*keys, "completion_mask")}
+        for j, completion in enumerate(completions):
+            b = j % len(examples)
+            keep = processed["attention_mask"][b].bool()
+            row = {k: processed[k][b][keep] for k in keys}
+            row = self._truncate_prompt(row, image_ids, b)
+            cids = list(completion) + ([eos] if standard[b] and eos is not None else [])
+            if self.max_completion_length is not None:
+                cids = cids[: self.max_completion_length]
+            cids = torch.tensor(cids, dtype=torch.long)
+            n_prompt = len(row["input_ids"])
+            for k in keys:
+                extra = cids if k == "input_ids" else torch.ones_like(cids) if k == "attention_mask" else None
+                row[k] = torch.cat([row[k], extra if extra is not None else torch.zeros_like(cids)])
+            row["completion_mask"] = torch.cat([torch.zeros(n_prompt, dtype=torch.long), torch.ones_like(cids)])
+            if self.max_length is not None and len(row["input_ids"]) > self.max_length:
+                _check_keeps_image_tokens(row["input_ids"], image_ids, self.max_length, "max_length", b)
+                if n_prompt >= self.max_length:
+                    raise ValueError(
+                        f"Row {b}: its prompt ({n_prompt} tokens with the image tokens) fills max_length="
+                        f"{self.max_length}, leaving no completion token. Raise max_length or shorten the prompt."
+                    )
+                row = {k: v[: self.max_length] for k, v in row.items()}
+            for k, v in row.items():
+                columns[k].append(v)
+
+        out: dict[str, Any] = {}
+        for k, v in processed.items():
+            if k not in _PER_TOKEN_KEYS:  # image outputs: one copy for the chosen half, one for the rejected half
+                out[k] = torch.cat([v, v]) if isinstance(v, torch.Tensor) else list(v) + list(v)
+        for k, values in columns.items():
+            out[k] = pad(values, self._pad_token_id() if k == "input_ids" else 0, "right", self.pad_to_multiple_of)
+        return out
+
+    def _truncate_prompt(self, row: dict[str, torch.Tensor], image_ids: torch.Tensor, index: int) -> dict:
+        """Keep the last ``max_prompt_length`` prompt tokens (the ones next to the completion), never image tokens."""
+        limit, ids = self.max_prompt_length, row["input_ids"]
+        if limit is None or len(ids) <= limit:
+            return row
+        dropped = torch.isin(ids[: len(ids) - limit], image_ids)
+        if dropped.any():
+            first = int(torch.isin(ids, image_ids).nonzero().min())
+            raise ValueError(
+                f"Row {index}: truncating the prompt to max_prompt_length={limit} (keeping its end) would cut "
+                f"{int(dropped.sum())} of its image tokens. Raise max_prompt_length to at least {len(ids) - first}, "
+                "or use smaller/fewer images."
+            )
+        return {k: v[len(ids) - limit :] for k, v in row.items()}

@@ -171,3 +171,98 @@ def test_batch_runs_through_the_tiny_vlm():
         out = model(**{k: v for k, v in batch.items() if k != "labels"})
     assert out.logits.shape[:2] == batch["input_ids"].shape
     assert torch.isfinite(out.logits).all()
+
+
+# -- DataCollatorForVisionPreference -------------------------------------------------------------------------------
+
+
+def pref_row(question: str, chosen: str, rejected: str) -> dict:
+    return {
+        "images": [image()],
+        "prompt": [{"role": "user", "content": question}],
+        "chosen": [{"role": "assistant", "content": chosen}],
+        "rejected": [{"role": "assistant", "content": rejected}],
+    }
+
+
+def test_preference_batch_stacks_chosen_then_rejected(processor):
+    from posttrain.data.vision_collators import DataCollatorForVisionPreference
+
+    rows = [pref_row("Color?", "red", "blue, I think"), pref_row("What is it?", "a square", "no")]
+    batch = DataCollatorForVisionPreference(processor)(rows)
+    assert set(batch) == {"input_ids", "attention_mask", "completion_mask", "pixel_values"}
+    assert batch["input_ids"].shape[0] == 4 and batch["pixel_values"].shape[0] == 4  # images repeated per half
+    assert torch.equal(batch["pixel_values"][:2], batch["pixel_values"][2:])
+    tok = processor.tokenizer
+    completions = [tok.decode(batch["input_ids"][i][batch["completion_mask"][i].bool()]) for i in range(4)]
+    assert completions == ["red<|im_end|>\n", "a square<|im_end|>\n", "blue, I think<|im_end|>\n", "no<|im_end|>\n"]
+    assert ((batch["input_ids"] == IMAGE_ID).sum(dim=1) == N_IMAGE_TOKENS).all()
+    assert not batch["completion_mask"][batch["input_ids"] == IMAGE_ID].any()
+    assert (batch["input_ids"][batch["attention_mask"] == 0] == PAD_ID).all()
+    assert (batch["completion_mask"] <= batch["attention_mask"]).all()
+
+
+def test_preference_implicit_prompt_and_single_image_column(processor):
+    from posttrain.data.vision_collators import DataCollatorForVisionPreference
+
+    user = {"role": "user", "content": "Color?"}
+    implicit = {
+        "image": image(),
+        "chosen": [user, {"role": "assistant", "content": "red"}],
+        "rejected": [user, {"role": "assistant", "content": "blue"}],
+    }
+    explicit = pref_row("Color?", "red", "blue")
+    a = DataCollatorForVisionPreference(processor)([implicit])
+    b = DataCollatorForVisionPreference(processor)([explicit])
+    for key in ("input_ids", "attention_mask", "completion_mask"):
+        assert torch.equal(a[key], b[key])
+
+
+def test_preference_standard_rows_get_eos_and_truncation_limits(processor):
+    from posttrain.data.vision_collators import DataCollatorForVisionPreference
+
+    row = {"images": [image()], "prompt": "<image>Color? ", "chosen": "red and more", "rejected": "blue"}
+    batch = DataCollatorForVisionPreference(processor, pad_to_multiple_of=8)([row])
+    assert batch["input_ids"].shape[1] % 8 == 0
+    rejected = batch["input_ids"][1][batch["completion_mask"][1].bool()]
+    assert processor.tokenizer.decode(rejected) == "blue" + processor.tokenizer.eos_token
+    capped = DataCollatorForVisionPreference(processor, max_completion_length=3)([row])
+    assert capped["completion_mask"].sum(dim=1).tolist() == [3, 3]
+    prompt_len = int((batch["attention_mask"][0] - batch["completion_mask"][0]).sum())
+    short = DataCollatorForVisionPreference(processor, max_length=prompt_len + 2)([row])
+    assert int(short["completion_mask"][0].sum()) == 2 and short["input_ids"].shape[1] == prompt_len + 2
+
+
+def test_preference_truncation_never_cuts_image_tokens(processor):
+    from posttrain.data.vision_collators import DataCollatorForVisionPreference
+
+    row = pref_row("Color?", "red", "blue")
+    with pytest.raises(ValueError, match=r"Row 0: truncating to max_length=3 would cut .* image tokens"):
+        DataCollatorForVisionPreference(processor, max_length=3)([row])
+    with pytest.raises(ValueError, match=r"Row 0: truncating the prompt to max_prompt_length=2 .*image tokens"):
+        DataCollatorForVisionPreference(processor, max_prompt_length=2)([row])
+
+
+@pytest.mark.parametrize(
+    ("row", "needle"),
+    [
+        ({"prompt": [{"role": "user", "content": "x"}], "chosen": [], "rejected": []}, r"Row 1 has no 'images'"),
+        ({**pref_row("q", "a", "b"), "rejected": None}, r"Row 1: column 'rejected' is missing or None"),
+        ({**pref_row("q", "a", "b"), "rejected": "b"}, r"Row 1: 'prompt' and 'rejected' must both be strings"),
+    ],
+)
+def test_preference_errors_name_row_and_column(processor, row, needle):
+    from posttrain.data.vision_collators import DataCollatorForVisionPreference
+
+    with pytest.raises(ValueError, match=needle):
+        DataCollatorForVisionPreference(processor)([pref_row("ok", "a", "b"), row])
+
+
+def test_preference_batch_runs_through_the_model():
+    from posttrain.data.vision_collators import DataCollatorForVisionPreference
+
+    model, processor = build_tiny_vlm()
+    batch = DataCollatorForVisionPreference(processor)([pref_row("hi", "yo", "no"), pref_row("Color?", "red", "x")])
+    with torch.no_grad():
+        out = model(**{k: v for k, v in batch.items() if k != "completion_mask"})
+    assert out.logits.shape[:2] == batch["input_ids"].shape
