@@ -240,6 +240,7 @@ def score_completions(
     compute_wpo: bool = False,
     accuracy_rows: torch.Tensor | None = None,
     chunk_size: int | None = None,
+    **model_kwargs: Any,
 ) -> CompletionScores:
     """Per-token log-probs of the completion tokens of right-padded ``(B, T)`` sequences, plus optional statistics.
 
@@ -259,6 +260,7 @@ def score_completions(
         accuracy_rows: ``(B,)`` bool: return top-1 hits for these rows only (e.g. DPO's chosen half), computed in
             the statistics pass over the captured hidden states — half the LM-head work of ``compute_accuracy``.
         chunk_size: Tokens per chunk of the LM-head computations (None: sized from the vocabulary).
+        **model_kwargs: Extra model inputs, e.g. a vision-language batch's ``pixel_values`` / ``image_sizes``.
     """
     captured: list[torch.Tensor] = []  # the LM head's input, one per model call (several with length buckets)
     handle = None
@@ -282,6 +284,7 @@ def score_completions(
             compute_accuracy=compute_accuracy,
             chunk_size=chunk_size,
             length_buckets=True,
+            **model_kwargs,
         )
     finally:
         if handle is not None:

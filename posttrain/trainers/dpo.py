@@ -46,7 +46,7 @@ from posttrain.core.preference import (
     wpo_pair_weight,
     wpo_sequence_weight,
 )
-from posttrain.reliability.validation import check_single_split, check_text_only
+from posttrain.reliability.validation import check_single_split
 from posttrain.trainers._preference import (
     CompletionScores,
     PreferenceTrainer,
@@ -170,6 +170,7 @@ class DPOConfig(BaseConfig):
                 stacklevel=3,
             )
         if self.padding_free:
+            self._padding_free_requested = True  # vision datasets refuse it (DPOTrainer); text falls back to padding
             warnings.warn(
                 "padding_free=True is not supported by DPOTrainer yet (TRL disables it too); batches are padded.",
                 UserWarning,
@@ -231,13 +232,26 @@ class DPOTrainer(PreferenceTrainer):
         peft_config: Any = None,
     ):
         args = self.resolve_args(args, model, DPOConfig, "DPO")
+        self._vision = _is_vision_dataset(train_dataset)
+        if self._vision:
+            _validate_vision(args)
+            if processing_class is None:
+                from posttrain.trainers.sft import _load_processor
+
+                processing_class = _load_processor(model)
         processing_class, policy, self.reference = load_policy_and_reference(
             model, ref_model, args, processing_class, peft_config
         )
         configure_iterable_dataset(args, train_dataset)
 
         self.pad_token_id = resolve_pad_token(processing_class, args.pad_token)
-        if data_collator is None:
+        if data_collator is None and self._vision:
+            from posttrain.data.vision_collators import DataCollatorForVisionPreference
+
+            data_collator = DataCollatorForVisionPreference(
+                processor=processing_class, pad_to_multiple_of=args.pad_to_multiple_of, max_length=args.max_length
+            )
+        elif data_collator is None:
             from posttrain.data.collators import DataCollatorForPreference
 
             data_collator = DataCollatorForPreference(
@@ -248,13 +262,14 @@ class DPOTrainer(PreferenceTrainer):
             )
         check_precompute_supported(args, train_dataset, eval_dataset)
         check_single_split(train_dataset, "train_dataset")
-        check_text_only(train_dataset, "DPOTrainer")
         train_dataset = self._prepare_dataset(train_dataset, processing_class, args, "train")
 
         def prepare_eval(dataset: Any, name: str) -> Any:
             return self._prepare_dataset(dataset, processing_class, args, name)
 
         eval_dataset = prepare_splits(eval_dataset, prepare_eval, "eval")
+        if self._vision:  # raw rows go to the vision collator: keep what it reads
+            self._signature_columns_extra = (*self._signature_columns_extra, *_VISION_COLUMNS)
         super().__init__(
             model=policy, args=args, data_collator=data_collator, train_dataset=train_dataset,
             eval_dataset=eval_dataset, processing_class=processing_class, compute_metrics=compute_metrics,
@@ -265,12 +280,22 @@ class DPOTrainer(PreferenceTrainer):
 
     # -- data ----------------------------------------------------------------------------------------------------
     def _prepare_dataset(self, dataset: Any, processing_class: Any, args: DPOConfig, name: str) -> Any:
-        """Validate the format, tokenize (extracting implicit prompts) and drop rows whose prompt fills max_length."""
+        """Validate the format, tokenize (extracting implicit prompts) and drop rows whose prompt fills max_length.
+
+        Vision datasets keep their raw rows: the vision collator renders, processes and truncates them per batch."""
         if dataset is None:
             return None
         from posttrain.data.formats import PREFERENCE, TOKENIZED_PREFERENCE, validate_format
         from posttrain.data.tokenization import tokenize_preference
 
+        if self._vision:
+            validate_format(dataset, [PREFERENCE], trainer="DPOTrainer")
+            return dataset
+        if _is_vision_dataset(dataset):
+            raise ValueError(
+                f"The {name} dataset has image columns but the train dataset has none: vision-language DPO is chosen "
+                "by the train dataset. Give the train dataset its `image`/`images` column too, or drop it here."
+            )
         fmt = validate_format(dataset, [PREFERENCE, TOKENIZED_PREFERENCE], trainer="DPOTrainer")
         if fmt.type == PREFERENCE:
             dataset = tokenize_dataset(
@@ -304,7 +329,11 @@ class DPOTrainer(PreferenceTrainer):
             )
         with torch.no_grad(), self.reference.activate(model) as ref_model:
             scores = score_completions(
-                ref_model, inputs["input_ids"], inputs["attention_mask"], inputs["completion_mask"]
+                ref_model,
+                inputs["input_ids"],
+                inputs["attention_mask"],
+                inputs["completion_mask"],
+                **_model_inputs(inputs),
             )
         chosen, rejected = self._sequence_logps(scores)
         return chosen.detach(), rejected.detach()
@@ -339,6 +368,7 @@ class DPOTrainer(PreferenceTrainer):
                 compute_mean_logits=True,
                 compute_wpo=args.use_weighting,
                 accuracy_rows=torch.arange(input_ids.shape[0], device=input_ids.device) < half,
+                **_model_inputs(inputs),
             )
         chosen_logps, rejected_logps = self._sequence_logps(scores)
         lengths = scores.mask.sum(dim=-1).float()
@@ -393,6 +423,42 @@ class DPOTrainer(PreferenceTrainer):
         metrics["rewards/margins"].append(gather_mean(acc, chosen_r - rejected_r))
         metrics["logps/chosen"].append(gather_mean(acc, chosen_logps))
         metrics["logps/rejected"].append(gather_mean(acc, rejected_logps))
+
+
+# Raw columns the vision collator reads.
+_VISION_COLUMNS = ("prompt", "chosen", "rejected", "image", "images")
+# Batch keys the loss reads itself; every other key (pixel_values, image_sizes, token_type_ids, ...) is a model input.
+_LOSS_KEYS = frozenset({"input_ids", "attention_mask", "completion_mask", "ref_chosen_logps", "ref_rejected_logps"})
+
+
+def _model_inputs(inputs: Mapping[str, Any]) -> dict[str, Any]:
+    """The extra model inputs of a batch (the vision collator's processor outputs); empty for text batches."""
+    return {k: v for k, v in inputs.items() if k not in _LOSS_KEYS}
+
+
+def _is_vision_dataset(dataset: Any) -> bool:
+    """Whether ``dataset`` (or any split of a dict of them) has an ``image`` or ``images`` column."""
+    from posttrain.data.formats import column_names
+
+    splits = dataset.values() if isinstance(dataset, Mapping) else [dataset]
+    return any(d is not None and {"image", "images"} & set(column_names(d) or []) for d in splits)
+
+
+def _validate_vision(args: DPOConfig) -> None:
+    """Options that vision datasets (processed per batch by the vision collator) cannot honour."""
+    refused = {
+        "precompute_ref_log_probs": (args.precompute_ref_log_probs, "the reference is scored on the fly"),
+        "padding_free": (getattr(args, "_padding_free_requested", False), "the batches are padded"),
+        "truncation_mode": (args.truncation_mode != "keep_start", "cutting the start would drop image tokens"),
+    }
+    for option, (bad, why) in refused.items():
+        if bad:
+            value = "'keep_end'" if option == "truncation_mode" else "True"
+            fix = "use 'keep_start'" if option == "truncation_mode" else f"set {option}=False"
+            raise ValueError(
+                f"{option}={value} is not supported for vision-language datasets (an `image`/`images` column): "
+                f"{why}. {fix[0].upper() + fix[1:]}."
+            )
 
 
 def _add_empty_prompt(row: Mapping[str, Any]) -> dict[str, Any]:
