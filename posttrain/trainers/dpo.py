@@ -201,7 +201,9 @@ class DPOTrainer(PreferenceTrainer):
         ref_model: Reference policy: a model, a hub id / path, or None (PEFT: the base model with adapters disabled;
             otherwise a frozen copy of ``model``; with ``precompute_ref_log_probs`` no copy at all).
         args: ``DPOConfig``; a plain ``TrainingArguments`` is converted; None → ``DPOConfig(f"{model_name}-DPO")``.
-        data_collator: Defaults to ``DataCollatorForPreference`` (per-sequence truncation to ``max_length``).
+        data_collator: Defaults to ``DataCollatorForPreference`` (per-sequence truncation to ``max_length``), or
+            ``DataCollatorForVisionPreference`` with the model's processor when the train dataset has an ``image`` /
+            ``images`` column (raw rows processed per batch; no precompute, padding-free or ``keep_end``).
         train_dataset: Preference dataset (``prompt``/``chosen``/``rejected`` or implicit prompt), or pre-tokenized
             ``prompt_ids``/``chosen_ids``/``rejected_ids``.
         eval_dataset: Same format, or a dict of them.
