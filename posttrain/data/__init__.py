@@ -51,7 +51,7 @@ _EXPORTS = {
         "truncate_dataset",
         "unpair_preference_dataset",
     ],
-    "vision_collators": ["DataCollatorForVisionLanguageModeling"],
+    "vision_collators": ["DataCollatorForVisionLanguageModeling", "DataCollatorForVisionPreference"],
     "multimodal": ["prepare_multimodal_messages", "prepare_multimodal_messages_vllm"],
     "response_parsing": ["RESPONSE_TEMPLATES", "add_response_schema", "parse_response"],
     "chat_templates": [

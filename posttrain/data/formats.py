@@ -208,6 +208,15 @@ def _feature_is_conversational(feature: Any) -> bool:
     return isinstance(inner, Mapping) and "role" in inner
 
 
+IMAGE_COLUMNS = ("image", "images")
+
+
+def is_vision_dataset(dataset: Any) -> bool:
+    """Whether ``dataset`` (or any split of a dict of them) has an ``image`` or ``images`` column."""
+    splits = dataset.values() if isinstance(dataset, Mapping) and not hasattr(dataset, "column_names") else [dataset]
+    return any(d is not None and set(IMAGE_COLUMNS) & set(column_names(d) or []) for d in splits)
+
+
 def column_names(data: Any) -> list[str]:
     """Column names of a row (dict), a ``datasets.Dataset``/``IterableDataset``, a list of rows or a list of names.
 

@@ -110,6 +110,22 @@ def _is_image_text_to_text(config: Any) -> bool:
     )
 
 
+def load_processor(model: Any) -> Any:
+    """The multimodal processor saved with ``model`` (a path/id, or a model's ``name_or_path``)."""
+    from transformers import AutoProcessor
+
+    source = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", None)
+    if not source:
+        raise ValueError(
+            "The train dataset has images but processing_class is None and the model has no `name_or_path` to load "
+            "a processor from; pass processing_class=AutoProcessor.from_pretrained(...)."
+        )
+    try:
+        return AutoProcessor.from_pretrained(source)
+    except OSError as err:
+        raise _not_found(source, err) from err
+
+
 def load_processing_class(
     model_id: str, *, padding_side: str | None = None, truncation_side: str | None = None, **kwargs
 ):

@@ -46,6 +46,8 @@ from posttrain.core.preference import (
     wpo_pair_weight,
     wpo_sequence_weight,
 )
+from posttrain.data.formats import is_vision_dataset
+from posttrain.models.loading import load_processor
 from posttrain.reliability.validation import check_single_split
 from posttrain.trainers._preference import (
     CompletionScores,
@@ -234,13 +236,11 @@ class DPOTrainer(PreferenceTrainer):
         peft_config: Any = None,
     ):
         args = self.resolve_args(args, model, DPOConfig, "DPO")
-        self._vision = _is_vision_dataset(train_dataset)
+        self._vision = is_vision_dataset(train_dataset)
         if self._vision:
             _validate_vision(args)
             if processing_class is None:
-                from posttrain.trainers.sft import _load_processor
-
-                processing_class = _load_processor(model)
+                processing_class = load_processor(model)
         processing_class, policy, self.reference = load_policy_and_reference(
             model, ref_model, args, processing_class, peft_config
         )
@@ -293,7 +293,7 @@ class DPOTrainer(PreferenceTrainer):
         if self._vision:
             validate_format(dataset, [PREFERENCE], trainer="DPOTrainer")
             return dataset
-        if _is_vision_dataset(dataset):
+        if is_vision_dataset(dataset):
             raise ValueError(
                 f"The {name} dataset has image columns but the train dataset has none: vision-language DPO is chosen "
                 "by the train dataset. Give the train dataset its `image`/`images` column too, or drop it here."
@@ -436,14 +436,6 @@ _LOSS_KEYS = frozenset({"input_ids", "attention_mask", "completion_mask", "ref_c
 def _model_inputs(inputs: Mapping[str, Any]) -> dict[str, Any]:
     """The extra model inputs of a batch (the vision collator's processor outputs); empty for text batches."""
     return {k: v for k, v in inputs.items() if k not in _LOSS_KEYS}
-
-
-def _is_vision_dataset(dataset: Any) -> bool:
-    """Whether ``dataset`` (or any split of a dict of them) has an ``image`` or ``images`` column."""
-    from posttrain.data.formats import column_names
-
-    splits = dataset.values() if isinstance(dataset, Mapping) else [dataset]
-    return any(d is not None and {"image", "images"} & set(column_names(d) or []) for d in splits)
 
 
 def _validate_vision(args: DPOConfig) -> None:

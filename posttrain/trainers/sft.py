@@ -37,6 +37,8 @@ from typing import Any
 import torch
 from transformers import TrainingArguments
 
+from posttrain.data.formats import is_vision_dataset
+from posttrain.models.loading import load_processor
 from posttrain.registry import Registry
 from posttrain.trainers._forward import (
     forward_token_stats,
@@ -290,24 +292,6 @@ def _map(dataset, fn, *, num_proc=None, desc=None, **kwargs):
     return dataset.map(fn, **kwargs)
 
 
-def _is_vision_dataset(dataset: Any) -> bool:
-    """Whether ``dataset`` is a vision-language dataset (an ``image`` or ``images`` column)."""
-    return bool({"image", "images"} & set(_columns(dataset)))
-
-
-def _load_processor(model: Any) -> Any:
-    """The multimodal processor saved with ``model`` (a path/id, or a model's ``name_or_path``)."""
-    from transformers import AutoProcessor
-
-    source = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", None)
-    if not source:
-        raise ValueError(
-            "The train dataset has images but processing_class is None and the model has no `name_or_path` to load "
-            "a processor from; pass processing_class=AutoProcessor.from_pretrained(...)."
-        )
-    return AutoProcessor.from_pretrained(source)
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Trainer
 # ----------------------------------------------------------------------------------------------------------------
@@ -370,11 +354,11 @@ class SFTTrainer(BaseTrainer):
                 "`pip install bitsandbytes` (CUDA only), or train without quantization."
             )
         model_id = model if isinstance(model, str) else None
-        self._vision = _is_vision_dataset(train_dataset)
+        self._vision = is_vision_dataset(train_dataset)
         if self._vision:
             self._validate_vision(args, formatting_func)
             if processing_class is None:
-                processing_class = _load_processor(model_id or model)
+                processing_class = load_processor(model_id or model)
         model = resolve_model(model, args, quantization_config=quantization_config)
         processing_class = resolve_processing_class(model_id or model, processing_class)
         tokenizer = getattr(processing_class, "tokenizer", processing_class)
