@@ -147,6 +147,41 @@ class _ProcessorCollator:
             )
         return prompt_text, full_text[len(prompt_text) :]
 
+    def _prompt_row(self, processed: Any, index: int, keys: list[str]) -> dict[str, torch.Tensor]:
+        """Row ``index`` of the processed prompts without the processor's padding."""
+        keep = processed["attention_mask"][index].bool()
+        return {k: processed[k][index][keep] for k in keys}
+
+    def _join_completion(
+        self, prompt: dict[str, torch.Tensor], cids: torch.Tensor, image_ids: torch.Tensor, index: int
+    ) -> dict[str, torch.Tensor]:
+        """prompt + completion ids with ``completion_mask``, cut to ``max_length`` (never through image tokens, never
+        leaving no completion token)."""
+        n_prompt = len(prompt["input_ids"])
+        row = {}
+        for k, v in prompt.items():
+            extra = cids if k == "input_ids" else torch.ones_like(cids) if k == "attention_mask" else None
+            row[k] = torch.cat([v, extra if extra is not None else torch.zeros_like(cids)])
+        row["completion_mask"] = torch.cat([torch.zeros(n_prompt, dtype=torch.long), torch.ones_like(cids)])
+        limit = getattr(self, "max_length", None)
+        if limit is not None and len(row["input_ids"]) > limit:
+            _check_keeps_image_tokens(row["input_ids"], image_ids, limit, "max_length", index)
+            if n_prompt >= limit:
+                raise ValueError(
+                    f"Row {index}: its prompt ({n_prompt} tokens with the image tokens) fills max_length={limit}, "
+                    "leaving no completion token. Raise max_length or shorten the prompt."
+                )
+            row = {k: v[:limit] for k, v in row.items()}
+        return row
+
+    def _pad_rows(self, rows: list[dict[str, torch.Tensor]], prefix: str = "") -> dict[str, torch.Tensor]:
+        """Right-pad the rows' per-token tensors into ``(N, L)`` batches, keys prefixed with ``prefix``."""
+        pad_to = getattr(self, "pad_to_multiple_of", None)
+        return {
+            f"{prefix}{k}": pad([r[k] for r in rows], self._pad_token_id() if k == "input_ids" else 0, "right", pad_to)
+            for k in rows[0]
+        }
+
 
 @dataclass
 class DataCollatorForVisionLanguageModeling(_ProcessorCollator):
@@ -356,38 +391,20 @@ class DataCollatorForVisionPreference(_ProcessorCollator):
         standard = [isinstance(ex.get("chosen"), str) for ex in examples]
         keys = [k for k in _PER_TOKEN_KEYS if k in processed]
         image_ids = torch.tensor(sorted(self._image_token_ids()), dtype=torch.long)
-        columns: dict[str, list[torch.Tensor]] = {k: [] for k in (*keys, "completion_mask")}
+        joined = []
         for j, completion in enumerate(completions):
             b = j % len(examples)
-            keep = processed["attention_mask"][b].bool()
-            row = {k: processed[k][b][keep] for k in keys}
-            row = self._truncate_prompt(row, image_ids, b)
+            row = self._truncate_prompt(self._prompt_row(processed, b, keys), image_ids, b)
             cids = list(completion) + ([eos] if standard[b] and eos is not None else [])
             if self.max_completion_length is not None:
                 cids = cids[: self.max_completion_length]
-            cids = torch.tensor(cids, dtype=torch.long)
-            n_prompt = len(row["input_ids"])
-            for k in keys:
-                extra = cids if k == "input_ids" else torch.ones_like(cids) if k == "attention_mask" else None
-                row[k] = torch.cat([row[k], extra if extra is not None else torch.zeros_like(cids)])
-            row["completion_mask"] = torch.cat([torch.zeros(n_prompt, dtype=torch.long), torch.ones_like(cids)])
-            if self.max_length is not None and len(row["input_ids"]) > self.max_length:
-                _check_keeps_image_tokens(row["input_ids"], image_ids, self.max_length, "max_length", b)
-                if n_prompt >= self.max_length:
-                    raise ValueError(
-                        f"Row {b}: its prompt ({n_prompt} tokens with the image tokens) fills max_length="
-                        f"{self.max_length}, leaving no completion token. Raise max_length or shorten the prompt."
-                    )
-                row = {k: v[: self.max_length] for k, v in row.items()}
-            for k, v in row.items():
-                columns[k].append(v)
+            joined.append(self._join_completion(row, torch.tensor(cids, dtype=torch.long), image_ids, b))
 
         out: dict[str, Any] = {}
         for k, v in processed.items():
             if k not in _PER_TOKEN_KEYS:  # image outputs: one copy for the chosen half, one for the rejected half
                 out[k] = torch.cat([v, v]) if isinstance(v, torch.Tensor) else list(v) + list(v)
-        for k, values in columns.items():
-            out[k] = pad(values, self._pad_token_id() if k == "input_ids" else 0, "right", self.pad_to_multiple_of)
+        out.update(self._pad_rows(joined))
         return out
 
     def _truncate_prompt(self, row: dict[str, torch.Tensor], image_ids: torch.Tensor, index: int) -> dict:
@@ -404,3 +421,97 @@ class DataCollatorForVisionPreference(_ProcessorCollator):
                 "or use smaller/fewer images."
             )
         return {k: v[len(ids) - limit :] for k, v in row.items()}
+
+
+@dataclass
+class DataCollatorForVisionUnpairedPreference(_ProcessorCollator):
+    """TRL's vision KTO collator: images + ``prompt``/``completion``/``label`` rows → a ``(B, L)`` scored batch.
+
+    Each row's prompt (with its images placed and rendered as in :class:`DataCollatorForVisionPreference`) goes
+    through the processor once; the completion (rendered suffix after the prompt; EOS appended to standard string
+    rows, as in text KTO) through the tokenizer. With ``calculate_kl`` the KL rows pair each prompt, and so its images,
+    with the previous row's completion (rotation by one inside the batch, as the text KL pairs).
+
+    Args:
+        processor: A multimodal processor (e.g. ``LlavaProcessor``) with a chat template and a tokenizer.
+        max_length: Keep the first this-many tokens of each prompt+completion; raises when that would cut image
+            tokens or leave no completion token.
+        calculate_kl: Also build the mismatched ``KL_*`` rows (KTOConfig ``loss_type="kto"``).
+        pad_to_multiple_of: Round the padded length up to a multiple of this.
+        return_tensors: Only ``"pt"``.
+
+    Returns (from ``__call__``):
+        The keys of :class:`~posttrain.data.collators.DataCollatorForUnpairedPreference`: ``input_ids``,
+        ``attention_mask``, ``completion_mask`` ``(B, L)``, ``labels`` ``(B,)`` bool (True = desirable), with
+        ``calculate_kl`` ``KL_input_ids``, ``KL_attention_mask``, ``KL_completion_mask`` (and ``KL_`` copies of any
+        other per-token processor output); plus the processor's image outputs (``pixel_values``, ...) shared by the
+        rows and their KL rows, and ``ref_logps`` / ``ref_KL_logps`` passed through when present.
+    """
+
+    max_length: int | None = None
+    calculate_kl: bool = True
+    pad_to_multiple_of: int | None = None
+    return_tensors: str = "pt"
+
+    def __post_init__(self):
+        if self.return_tensors != "pt":
+            raise ValueError(f"return_tensors={self.return_tensors!r} is not supported; use 'pt'.")
+        for option in ("max_length", "pad_to_multiple_of"):
+            value = getattr(self, option)
+            if value is not None and value < 1:
+                raise ValueError(f"{option} must be a positive int or None, got {value}.")
+
+    @staticmethod
+    def _label(example: Mapping[str, Any], index: int) -> bool:
+        label = example.get("label")
+        scalar_array = getattr(label, "dtype", None) is not None and getattr(label, "ndim", None) == 0  # numpy/torch
+        if not (isinstance(label, (bool, int)) or scalar_array):
+            raise ValueError(
+                f"Row {index}: column 'label' must be a bool (True = desirable completion), got {label!r} (columns: "
+                f"{sorted(example)})."
+            )
+        return bool(label)
+
+    def _texts(self, example: Mapping[str, Any], images: list[Any], index: int) -> tuple[str, str]:
+        """(prompt, completion) texts of one row; the prompt carries the images' placeholders."""
+        for column in ("prompt", "completion"):
+            if example.get(column) is None or len(example[column]) == 0:
+                raise ValueError(
+                    f"Row {index}: column {column!r} is missing or empty (columns: {sorted(example)}); vision unpaired "
+                    "rows need 'prompt' (holding the images' turn), 'completion' and 'label'."
+                )
+        return self._prompt_completion_texts(example["prompt"], example["completion"], images, index)
+
+    def __call__(self, examples: list[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+        if not examples:
+            raise ValueError("Cannot collate an empty batch.")
+        rows = range(len(examples))
+        images = [_row_images(ex, i) for i, ex in zip(rows, examples)]
+        labels = [self._label(ex, i) for i, ex in zip(rows, examples)]
+        texts = [self._texts(ex, imgs, i) for i, ex, imgs in zip(rows, examples, images)]
+        processed = self._process([t[0] for t in texts], images if any(images) else None, rows)
+        eos = self.tokenizer.eos_token_id
+        completions = [
+            list(ids) + ([eos] if isinstance(ex["completion"], str) and eos is not None else [])
+            for ids, ex in zip(self.tokenizer([t[1] for t in texts], add_special_tokens=False)["input_ids"], examples)
+        ]
+        keys = [k for k in _PER_TOKEN_KEYS if k in processed]
+        image_ids = torch.tensor(sorted(self._image_token_ids()), dtype=torch.long)
+        prompts = [self._prompt_row(processed, b, keys) for b in rows]
+
+        def build(completion_ids: list[list[int]], prefix: str) -> dict[str, torch.Tensor]:
+            joined = [
+                self._join_completion(prompts[b], torch.tensor(completion_ids[b], dtype=torch.long), image_ids, b)
+                for b in rows
+            ]
+            return self._pad_rows(joined, prefix)
+
+        out: dict[str, Any] = {k: v for k, v in processed.items() if k not in _PER_TOKEN_KEYS}
+        out.update(build(completions, ""))
+        out["labels"] = torch.tensor(labels, dtype=torch.bool)
+        if self.calculate_kl:  # row b's prompt (and images) with row b-1's completion
+            out.update(build(completions[-1:] + completions[:-1], "KL_"))
+        for key in ("ref_logps", "ref_KL_logps"):
+            if key in examples[0]:
+                out[key] = torch.tensor([float(ex[key]) for ex in examples])
+        return out

@@ -266,3 +266,99 @@ def test_preference_batch_runs_through_the_model():
     with torch.no_grad():
         out = model(**{k: v for k, v in batch.items() if k != "completion_mask"})
     assert out.logits.shape[:2] == batch["input_ids"].shape
+
+
+# -- DataCollatorForVisionUnpairedPreference -----------------------------------------------------------------------
+
+
+def unpaired_row(question: str, completion: str, label: bool, color=(255, 0, 0)) -> dict:
+    return {
+        "images": [image(color)],
+        "prompt": [{"role": "user", "content": question}],
+        "completion": [{"role": "assistant", "content": completion}],
+        "label": label,
+    }
+
+
+def test_unpaired_batch_has_the_text_collator_keys_plus_images(processor):
+    from posttrain.data.vision_collators import DataCollatorForVisionUnpairedPreference
+
+    rows = [unpaired_row("Color?", "red", True), unpaired_row("What is it?", "a big square", False, (0, 0, 255))]
+    batch = DataCollatorForVisionUnpairedPreference(processor)(rows)
+    per_token = {"input_ids", "attention_mask", "completion_mask"}
+    assert set(batch) == per_token | {f"KL_{k}" for k in per_token} | {"labels", "pixel_values"}
+    assert batch["labels"].tolist() == [True, False] and batch["labels"].dtype == torch.bool
+    assert batch["pixel_values"].shape[0] == 2  # one set of images, shared by the rows and their KL rows
+    tok = processor.tokenizer
+
+    def pieces(prefix: str, i: int) -> tuple[str, str]:
+        ids, mask = batch[f"{prefix}input_ids"][i], batch[f"{prefix}completion_mask"][i].bool()
+        prompt = ids[batch[f"{prefix}attention_mask"][i].bool() & ~mask]
+        return tok.decode(prompt), tok.decode(ids[mask])
+
+    assert [pieces("", i)[1] for i in range(2)] == ["red<|im_end|>\n", "a big square<|im_end|>\n"]
+    # KL rows: each prompt (with its image tokens) followed by the previous row's completion
+    assert [pieces("KL_", i)[1] for i in range(2)] == ["a big square<|im_end|>\n", "red<|im_end|>\n"]
+    assert [pieces("KL_", i)[0] for i in range(2)] == [pieces("", i)[0] for i in range(2)]
+    for prefix in ("", "KL_"):
+        ids = batch[f"{prefix}input_ids"]
+        assert ((ids == IMAGE_ID).sum(dim=1) == N_IMAGE_TOKENS).all()
+        assert not batch[f"{prefix}completion_mask"][ids == IMAGE_ID].any()
+        assert (ids[batch[f"{prefix}attention_mask"] == 0] == PAD_ID).all()
+
+
+def test_unpaired_without_kl_standard_rows_and_limits(processor):
+    from posttrain.data.vision_collators import DataCollatorForVisionUnpairedPreference
+
+    row = {"image": image(), "prompt": "<image>Color? ", "completion": "red and more", "label": 0}
+    batch = DataCollatorForVisionUnpairedPreference(processor, calculate_kl=False, pad_to_multiple_of=8)([row])
+    assert not any(k.startswith("KL_") for k in batch) and batch["labels"].tolist() == [False]
+    assert batch["input_ids"].shape[1] % 8 == 0
+    completion = batch["input_ids"][0][batch["completion_mask"][0].bool()]
+    assert processor.tokenizer.decode(completion) == "red and more" + processor.tokenizer.eos_token  # EOS appended
+    prompt_len = int((batch["attention_mask"][0] - batch["completion_mask"][0]).sum())
+    short = DataCollatorForVisionUnpairedPreference(processor, max_length=prompt_len + 2)([row, row])
+    assert short["completion_mask"].sum(dim=1).tolist() == [2, 2]
+    assert short["KL_completion_mask"].sum(dim=1).tolist() == [2, 2]
+    with pytest.raises(ValueError, match=r"Row 0: truncating to max_length=3 would cut .* image tokens"):
+        DataCollatorForVisionUnpairedPreference(processor, max_length=3)([row])
+    with pytest.raises(ValueError, match=r"Row 0: its prompt .* fills max_length"):
+        DataCollatorForVisionUnpairedPreference(processor, max_length=prompt_len)([row])
+
+
+def test_unpaired_passes_precomputed_reference_logps(processor):
+    from posttrain.data.vision_collators import DataCollatorForVisionUnpairedPreference
+
+    rows = [{**unpaired_row("q", "a", True), "ref_logps": -1.5, "ref_KL_logps": -2.0}] * 2
+    batch = DataCollatorForVisionUnpairedPreference(processor)(rows)
+    assert batch["ref_logps"].tolist() == [-1.5, -1.5] and batch["ref_KL_logps"].tolist() == [-2.0, -2.0]
+
+
+@pytest.mark.parametrize(
+    ("row", "needle"),
+    [
+        ({"prompt": [{"role": "user", "content": "x"}], "completion": [], "label": True}, r"Row 1 has no 'images'"),
+        ({**unpaired_row("q", "a", True), "label": None}, r"Row 1: column 'label' must be a bool"),
+        ({**unpaired_row("q", "a", True), "completion": None}, r"Row 1: column 'completion' is missing or empty"),
+        ({**unpaired_row("q", "a", True), "completion": "a"}, r"Row 1: 'prompt' and 'completion' must both be"),
+    ],
+)
+def test_unpaired_errors_name_row_and_column(processor, row, needle):
+    from posttrain.data.vision_collators import DataCollatorForVisionUnpairedPreference
+
+    with pytest.raises(ValueError, match=needle):
+        DataCollatorForVisionUnpairedPreference(processor)([unpaired_row("ok", "a", True), row])
+
+
+def test_unpaired_batch_runs_through_the_model():
+    from posttrain.data.vision_collators import DataCollatorForVisionUnpairedPreference
+
+    model, processor = build_tiny_vlm()
+    batch = DataCollatorForVisionUnpairedPreference(processor)(
+        [unpaired_row("hi", "yo", True), unpaired_row("C?", "x", 0)]
+    )
+    images = {k: v for k, v in batch.items() if k == "pixel_values"}
+    with torch.no_grad():
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **images)
+        kl = model(input_ids=batch["KL_input_ids"], attention_mask=batch["KL_attention_mask"], **images)
+    assert out.logits.shape[:2] == batch["input_ids"].shape and kl.logits.shape[:2] == batch["KL_input_ids"].shape
