@@ -14,8 +14,15 @@ Paper: https://huggingface.co/papers/2402.01306. Pipeline (features.md §B5/§C2
    runs without gradient).
 3. Loss: :func:`posttrain.core.preference.kto_loss` with ``desirable_weight`` / ``undesirable_weight``.
 
-Deliberate difference: TRL raises unless ``train_sampling_strategy == "sequential"``. Here the mismatched pairs are
-fixed per row in the dataset, so any sampler gives valid (mismatched) KL pairs; ``"sequential"`` stays the default.
+Vision-language data (an ``image`` / ``images`` column) keeps its raw rows: :class:`~posttrain.data.vision_collators.
+DataCollatorForVisionUnpairedPreference` processes them per batch with the model's processor and builds the KL rows by
+the same rotation inside the batch (each KL row keeps its prompt's images); the processor's extra outputs
+(``pixel_values``, ...) go to the policy, reference and KL forwards.
+
+Deliberate differences: TRL raises unless ``train_sampling_strategy == "sequential"``. Here the mismatched pairs are
+fixed per row in the dataset (per batch for vision data), so any sampler gives valid (mismatched) KL pairs;
+``"sequential"`` stays the default. TRL requires vision datasets to be unpaired already; here paired ones are unpaired
+as for text (the images are copied to both rows).
 """
 
 from __future__ import annotations
@@ -29,7 +36,9 @@ import torch
 from transformers import TrainingArguments
 
 from posttrain.core.preference import KTO_LOSSES, kto_kl_estimate, kto_loss, kto_weight_range_warning
-from posttrain.reliability.validation import check_single_split, check_text_only
+from posttrain.data.formats import is_vision_dataset
+from posttrain.models.loading import load_processor
+from posttrain.reliability.validation import check_single_split
 from posttrain.trainers._preference import (
     CompletionScores,
     PreferenceTrainer,
@@ -133,8 +142,10 @@ class KTOTrainer(PreferenceTrainer):
         train_dataset: Unpaired (``prompt``, ``completion``, ``label``) or paired preference data, or pre-tokenized
             ``prompt_ids`` / ``completion_ids`` / ``label``.
         eval_dataset: Same formats, or a dict of them.
-        processing_class: Tokenizer; None loads it from the model's path.
-        data_collator: Defaults to ``DataCollatorForUnpairedPreference``.
+        processing_class: Tokenizer (processor for image data); None loads it from the model's path.
+        data_collator: Defaults to ``DataCollatorForUnpairedPreference``, or ``DataCollatorForVisionUnpairedPreference``
+            with the model's processor when the train dataset has an ``image`` / ``images`` column (raw rows
+            processed per batch; no ``precompute_ref_log_probs``).
         callbacks, optimizers, optimizer_cls_and_kwargs, preprocess_logits_for_metrics, compute_metrics: As
             ``transformers.Trainer``.
         peft_config: A ``peft.PeftConfig`` to wrap ``model`` with.
@@ -169,12 +180,26 @@ class KTOTrainer(PreferenceTrainer):
         args = self.resolve_args(args, model, KTOConfig, "KTO")
         if args.loss_type == "kto" and args.per_device_train_batch_size <= 1:
             raise ValueError(BATCH_SIZE_ERROR)
+        self._vision = is_vision_dataset(train_dataset)
+        if self._vision:
+            _validate_vision(args)
+            if processing_class is None:
+                processing_class = load_processor(model)
         processing_class, policy, self.reference = load_policy_and_reference(
             model, ref_model, args, processing_class, peft_config
         )
         configure_iterable_dataset(args, train_dataset)
         tok = getattr(processing_class, "tokenizer", processing_class)
-        if data_collator is None:
+        if data_collator is None and self._vision:
+            from posttrain.data.vision_collators import DataCollatorForVisionUnpairedPreference
+
+            data_collator = DataCollatorForVisionUnpairedPreference(
+                processor=processing_class,
+                max_length=args.max_length,
+                calculate_kl=args.loss_type == "kto",
+                pad_to_multiple_of=args.pad_to_multiple_of,
+            )
+        elif data_collator is None:
             from posttrain.data.collators import DataCollatorForUnpairedPreference
 
             data_collator = DataCollatorForUnpairedPreference(
@@ -182,7 +207,6 @@ class KTOTrainer(PreferenceTrainer):
             )
         check_precompute_supported(args, train_dataset, eval_dataset)
         check_single_split(train_dataset, "train_dataset")
-        check_text_only(train_dataset, "KTOTrainer")
         train_dataset = self._prepare_dataset(
             train_dataset, tok, args, "train", args.per_device_train_batch_size, shuffle=True
         )
@@ -192,6 +216,8 @@ class KTOTrainer(PreferenceTrainer):
 
         eval_dataset = prepare_splits(eval_dataset, prepare_eval, "eval")
         self._warn_weight_range(train_dataset, args)
+        if self._vision:  # raw rows go to the vision collator: keep what it reads
+            self._signature_columns_extra = (*self._signature_columns_extra, *_VISION_COLUMNS)
         super().__init__(
             model=policy, args=args, data_collator=data_collator, train_dataset=train_dataset,
             eval_dataset=eval_dataset, processing_class=processing_class, compute_metrics=compute_metrics,
@@ -204,9 +230,17 @@ class KTOTrainer(PreferenceTrainer):
     def _prepare_dataset(
         self, dataset: Any, tok: Any, args: KTOConfig, name: str, block_size: int, shuffle: bool = False
     ) -> Any:
-        """Validate, unpair, tokenize, drop over-long prompts, shuffle once (train) and add the KL completions."""
+        """Validate, unpair, tokenize, drop over-long prompts, shuffle once (train) and add the KL completions.
+
+        Vision datasets are only unpaired and shuffled: the vision collator renders, processes, truncates them and
+        builds their KL rows per batch."""
         if dataset is None:
             return None
+        if not self._vision and is_vision_dataset(dataset):
+            raise ValueError(
+                f"The {name} dataset has image columns but the train dataset has none: vision-language KTO is chosen "
+                "by the train dataset. Give the train dataset its `image`/`images` column too, or drop it here."
+            )
         from posttrain.data.formats import (
             PREFERENCE,
             TOKENIZED_UNPAIRED_PREFERENCE,
@@ -216,7 +250,7 @@ class KTOTrainer(PreferenceTrainer):
         from posttrain.data.tokenization import tokenize_unpaired
         from posttrain.data.utils import maybe_extract_prompt, unpair_preference_dataset
 
-        accepted = [UNPAIRED_PREFERENCE, PREFERENCE, TOKENIZED_UNPAIRED_PREFERENCE]
+        accepted = [UNPAIRED_PREFERENCE, PREFERENCE] + ([] if self._vision else [TOKENIZED_UNPAIRED_PREFERENCE])
         fmt = validate_format(dataset, accepted, trainer="KTOTrainer")
         iterable = is_iterable_dataset(dataset)
         if fmt.type == PREFERENCE:
@@ -227,16 +261,16 @@ class KTOTrainer(PreferenceTrainer):
                 num_proc=None if iterable else args.dataset_num_proc,
                 desc=None if iterable else f"Unpairing {name} dataset",
             )
-        if fmt.type != TOKENIZED_UNPAIRED_PREFERENCE:
+        if fmt.type != TOKENIZED_UNPAIRED_PREFERENCE and not self._vision:
             dataset = tokenize_dataset(
                 dataset, tokenize_unpaired, tok, args, f"{name} dataset", add_eos=not fmt.conversational
             )
-        if args.max_length is not None:
+        if args.max_length is not None and not self._vision:
             dataset = filter_dataset(dataset, PromptFits(args.max_length), args, f"Dropping long prompts ({name})")
         if shuffle:  # streams are shuffled through a buffer (unpairing puts a block of desirable rows first)
             seed = args.data_seed if args.data_seed is not None else args.seed
             dataset = dataset.shuffle(seed=seed, buffer_size=1000) if iterable else dataset.shuffle(seed=seed)
-        if args.loss_type == "kto" and "KL_completion_ids" not in (dataset.column_names or []):
+        if args.loss_type == "kto" and not self._vision and "KL_completion_ids" not in (dataset.column_names or []):
             dataset = map_dataset(
                 dataset, _RotateCompletions(), args, f"Building KL pairs ({name})", batched=True, batch_size=block_size
             )
@@ -262,6 +296,7 @@ class KTOTrainer(PreferenceTrainer):
                 inputs[f"{prefix}input_ids"],
                 inputs[f"{prefix}attention_mask"],
                 inputs[f"{prefix}completion_mask"],
+                **_model_inputs(inputs, prefix),
             )
         return scores.sequence_sums().detach()
 
@@ -298,7 +333,11 @@ class KTOTrainer(PreferenceTrainer):
             return torch.zeros((), device=inputs["input_ids"].device)
         with torch.no_grad():
             kl_scores = score_completions(
-                model, inputs["KL_input_ids"], inputs["KL_attention_mask"], inputs["KL_completion_mask"]
+                model,
+                inputs["KL_input_ids"],
+                inputs["KL_attention_mask"],
+                inputs["KL_completion_mask"],
+                **_model_inputs(inputs, "KL_"),
             )
         local = kto_kl_estimate(kl_scores.sequence_sums(), ref_kl.to(kl_scores.logps.dtype), clamp=False)
         return self.accelerator.gather(local.reshape(1)).mean().clamp(min=0.0).detach()
@@ -317,6 +356,7 @@ class KTOTrainer(PreferenceTrainer):
                 inputs["completion_mask"],
                 compute_entropy=True,
                 compute_mean_logits=True,
+                **_model_inputs(inputs),
             )
         policy_logps = scores.sequence_sums()
         labels = inputs["labels"].to(torch.bool)
@@ -361,3 +401,29 @@ class KTOTrainer(PreferenceTrainer):
     def _eval_predictions(self, outputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-row implied rewards ``(B,)`` and the desirable (1) / undesirable (0) labels."""
         return outputs["rewards"], outputs["labels"].long()
+
+
+# Raw columns the vision collator reads.
+_VISION_COLUMNS = ("prompt", "completion", "image", "images")
+# Batch keys the loss reads itself; every other key (pixel_values, image_sizes, token_type_ids, ...) is a model input.
+_LOSS_KEYS = frozenset({"input_ids", "attention_mask", "completion_mask", "labels", "ref_logps", "ref_KL_logps"})
+
+
+def _model_inputs(inputs: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Extra model inputs (the vision collator's processor outputs) of the rows (``prefix=""``) or of their KL rows
+    (``"KL_"``: the same images, the KL rows' own per-token extras); empty for text batches."""
+    extras = {k: v for k, v in inputs.items() if k not in _LOSS_KEYS and not k.startswith("KL_")}
+    if prefix:
+        extras.update({k[len(prefix) :]: v for k, v in inputs.items() if k.startswith(prefix)})
+        for key in _LOSS_KEYS:
+            extras.pop(key, None)
+    return extras
+
+
+def _validate_vision(args: KTOConfig) -> None:
+    """Options that vision datasets (processed per batch by the vision collator) cannot honour."""
+    if args.precompute_ref_log_probs:
+        raise ValueError(
+            "precompute_ref_log_probs=True is not supported for vision-language datasets (an `image`/`images` "
+            "column): the reference is scored on the fly. Set precompute_ref_log_probs=False."
+        )

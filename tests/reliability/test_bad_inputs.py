@@ -471,24 +471,18 @@ def test_dataset_dict_as_train_dataset_is_rejected_for_preference_trainers(train
         )
 
 
-@pytest.mark.parametrize("trainer", ["kto", "reward", "grpo"])  # DPOTrainer trains on images (test_dpo_vision)
+@pytest.mark.parametrize("trainer", ["reward", "grpo"])  # DPO/KTO train on images (test_dpo/kto_vision)
 def test_image_columns_are_refused_by_text_only_trainers(trainer, tiny_model_path, tmp_path):
     """Images would be silently ignored: the error names the columns and the fix."""
-    from posttrain.trainers.dpo import DPOConfig, DPOTrainer
     from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
-    from posttrain.trainers.kto import KTOConfig, KTOTrainer
     from posttrain.trainers.reward import RewardConfig, RewardTrainer
 
     rows = {
-        "dpo": {"prompt": ["a"] * 4, "chosen": ["b"] * 4, "rejected": ["c"] * 4},
-        "kto": {"prompt": ["a"] * 4, "completion": ["b"] * 4, "label": [True, False] * 2},
+        "reward": {"prompt": ["a"] * 4, "chosen": ["b"] * 4, "rejected": ["c"] * 4},
         "grpo": {"prompt": ["a"] * 4},
     }
-    rows["reward"] = rows["dpo"]
     data = Dataset.from_dict({**rows[trainer], "images": [[]] * 4})
     cls, cfg = {
-        "dpo": (DPOTrainer, DPOConfig),
-        "kto": (KTOTrainer, KTOConfig),
         "reward": (RewardTrainer, RewardConfig),
         "grpo": (GRPOTrainer, GRPOConfig),
     }[trainer]
