@@ -51,7 +51,11 @@ _EXPORTS = {
         "truncate_dataset",
         "unpair_preference_dataset",
     ],
-    "vision_collators": ["DataCollatorForVisionLanguageModeling", "DataCollatorForVisionPreference"],
+    "vision_collators": [
+        "DataCollatorForVisionLanguageModeling",
+        "DataCollatorForVisionPreference",
+        "DataCollatorForVisionUnpairedPreference",
+    ],
     "multimodal": ["prepare_multimodal_messages", "prepare_multimodal_messages_vllm"],
     "response_parsing": ["RESPONSE_TEMPLATES", "add_response_schema", "parse_response"],
     "chat_templates": [
