@@ -11,36 +11,30 @@ import pytest
 import torch
 from datasets import Dataset
 from PIL import Image
-from trainer_helpers import fast_config, params_changed, quiet_single_thread, trainable_params  # noqa: F401
+from trainer_helpers import params_changed, quiet_single_thread, trainable_params  # noqa: F401
+from vision_helpers import color_rows, vision_config
 
 from posttrain.data.vision_collators import DataCollatorForVisionPreference
 from posttrain.models.tiny import build_tiny_vlm, save_tiny_vlm
 from posttrain.trainers._preference import score_completions
 from posttrain.trainers.dpo import DPOConfig, DPOTrainer
 
-COLORS = {"red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255), "white": (255, 255, 255)}
-
 
 def preference_dataset(column: str = "images") -> Dataset:
-    rows = []
-    for i, (name, rgb) in enumerate(COLORS.items()):
-        image = Image.new("RGB", (20, 24), rgb)
-        wrong = list(COLORS)[(i + 1) % len(COLORS)]
-        rows.append(
-            {
-                column: [image] if column == "images" else image,
-                "prompt": [{"role": "user", "content": "What color is this?"}],
-                "chosen": [{"role": "assistant", "content": f"It is {name}."}],
-                "rejected": [{"role": "assistant", "content": f"It is {wrong}."}],
-            }
-        )
+    rows = [
+        {
+            column: image,
+            "prompt": [{"role": "user", "content": "What color is this?"}],
+            "chosen": [{"role": "assistant", "content": f"It is {name}."}],
+            "rejected": [{"role": "assistant", "content": f"It is {wrong}."}],
+        }
+        for _, name, wrong, image in color_rows(column)
+    ]
     return Dataset.from_list(rows)
 
 
 def config(tmp_path, **overrides) -> DPOConfig:
-    values = dict(max_steps=2, per_device_train_batch_size=2, learning_rate=1e-2, seed=0, max_length=64)
-    values.update(overrides)
-    return fast_config(DPOConfig, tmp_path, dataloader_pin_memory=False, **values)
+    return vision_config(DPOConfig, tmp_path, **overrides)
 
 
 def test_dpo_trains_on_images(tmp_path):

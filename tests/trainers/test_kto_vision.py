@@ -10,35 +10,29 @@ import pytest
 import torch
 from datasets import Dataset
 from PIL import Image
-from trainer_helpers import fast_config, params_changed, quiet_single_thread, trainable_params  # noqa: F401
+from trainer_helpers import params_changed, quiet_single_thread, trainable_params  # noqa: F401
+from vision_helpers import COLORS, color_rows, vision_config
 
 from posttrain.data.vision_collators import DataCollatorForVisionUnpairedPreference
 from posttrain.models.tiny import build_tiny_vlm, save_tiny_vlm
 from posttrain.trainers.kto import KTOConfig, KTOTrainer
 
-COLORS = {"red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255), "white": (255, 255, 255)}
-
 
 def unpaired_dataset(column: str = "images") -> Dataset:
-    rows = []
-    for i, (name, rgb) in enumerate(COLORS.items()):
-        image = Image.new("RGB", (20, 24), rgb)
-        answer = name if i % 2 == 0 else list(COLORS)[(i + 1) % len(COLORS)]
-        rows.append(
-            {
-                column: [image] if column == "images" else image,
-                "prompt": [{"role": "user", "content": "What color is this?"}],
-                "completion": [{"role": "assistant", "content": f"It is {answer}."}],
-                "label": i % 2 == 0,
-            }
-        )
+    rows = [
+        {
+            column: image,
+            "prompt": [{"role": "user", "content": "What color is this?"}],
+            "completion": [{"role": "assistant", "content": f"It is {name if i % 2 == 0 else wrong}."}],
+            "label": i % 2 == 0,
+        }
+        for i, name, wrong, image in color_rows(column)
+    ]
     return Dataset.from_list(rows)
 
 
 def config(tmp_path, **overrides) -> KTOConfig:
-    values = dict(max_steps=2, per_device_train_batch_size=2, learning_rate=1e-2, seed=0, max_length=64)
-    values.update(overrides)
-    return fast_config(KTOConfig, tmp_path, dataloader_pin_memory=False, **values)
+    return vision_config(KTOConfig, tmp_path, **overrides)
 
 
 def test_kto_trains_on_images(tmp_path):
