@@ -221,7 +221,7 @@ class LogCompletionsCallback(TrainerCallback):
 
 def __getattr__(name: str):
     if name == "SyncRefModelCallback":
-        from posttrain.trainers._reference import SyncRefModelCallback
+        from posttrain.models.reference import SyncRefModelCallback
 
         return SyncRefModelCallback
     raise AttributeError(name)

@@ -32,7 +32,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 def _run_env(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="posttrain env", description=COMMANDS["env"][1])
     parser.parse_args(argv)
-    from posttrain.cli.env import print_env
+    from posttrain.env_info import print_env
 
     print_env()
     return 0

@@ -94,7 +94,7 @@ def write_report(output_dir: str, *, title: str | None = None, trainer: str | No
         with open(cfg_path) as f:
             config = json.load(f)
     try:
-        from posttrain.cli.env import collect_env
+        from posttrain.env_info import collect_env
 
         env = collect_env()
     except Exception:  # pragma: no cover - never fail a report on environment probing

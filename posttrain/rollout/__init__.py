@@ -4,7 +4,8 @@
 - ``pipeline``: ``RolloutPipeline`` — prompts → completions → rewards → old/ref log-probs → advantages;
 - ``estimators``: the advantage estimators (group-relative for GRPO, leave-one-out for RLOO);
 - ``buffer``: ``RolloutBuffer`` — one generated batch, shuffled, split and replayed over ``num_iterations``;
-- ``metrics`` / ``completions_log``: TRL's metric names and the ``log_completions`` table.
+- ``metrics`` / ``completions_log``: TRL's metric names and the ``log_completions`` table;
+- ``distillation``: on-policy distillation's rollout (student/dataset/teacher completions) and divergence.
 
 Submodules are imported on demand so that ``import posttrain.rollout`` stays cheap.
 """

@@ -2,7 +2,7 @@
 
 Generalized Knowledge Distillation (GKD; Agarwal et al. 2024, "On-Policy Distillation of Language Models: Learning
 from Self-Generated Mistakes", https://huggingface.co/papers/2306.13649) on the shared online-RL machinery
-(``trainers/_online.py``): the same prompt sampler, generation backends, rollout buffer, step metrics, completions
+(``trainers/online.py``): the same prompt sampler, generation backends, rollout buffer, step metrics, completions
 log and checkpoint/resume handling as GRPO and RLOO. What distillation changes:
 
 - the round (``_distill_parts.DistillationRollout``): each gradient-accumulation slice is on-policy with probability
@@ -36,21 +36,21 @@ from typing import Any
 
 import torch
 
+from posttrain.models.completion_scoring import choose_shared_prompt_layout, completion_inputs
 from posttrain.models.loading import (
     create_model_from_path,
     load_processing_class,
 )
+from posttrain.models.reference import ReferencePolicy
 from posttrain.rollout.buffer import RolloutBatch
-from posttrain.trainers._completion_scoring import choose_shared_prompt_layout, completion_inputs
-from posttrain.trainers._distill_parts import (
+from posttrain.rollout.distillation import (
     DistillationRollout,
     check_shared_vocabulary,
     model_vocab_size,
     score_completions,
     token_divergence,
 )
-from posttrain.trainers._online import OnlineRLConfig, OnlineTrainerBase
-from posttrain.trainers._reference import ReferencePolicy
+from posttrain.trainers.online import OnlineRLConfig, OnlineTrainerBase
 
 # OnlineRLConfig fields that belong to GRPO/RLOO's policy-gradient loss: setting them here would silently do nothing.
 _POLICY_GRADIENT_FIELDS = (

@@ -7,9 +7,9 @@ Pipeline (features.md §B4/§C1):
    (:func:`posttrain.data.tokenization.tokenize_preference`; EOS appended to standard completions). Rows whose
    prompt alone fills ``max_length`` are dropped; the rest are truncated per sequence in the collator.
 2. One forward pass scores chosen and rejected together: the collator stacks ``[prompt+chosen; prompt+rejected]``
-   into ``(2B, L)``. Token log-probs come from :func:`posttrain.trainers._forward.forward_token_stats` — the chunked
+   into ``(2B, L)``. Token log-probs come from :func:`posttrain.models.forward.forward_token_stats` — the chunked
    path, never ``(2B, L, V)`` logits — and are summed over completion tokens (or LD-DPO weighted).
-3. The reference log-probs come from :mod:`posttrain.trainers._reference` (explicit ``ref_model``, PEFT adapters
+3. The reference log-probs come from :mod:`posttrain.models.reference` (explicit ``ref_model``, PEFT adapters
    disabled, frozen copy, precomputed columns, or a TR-DPO-synced copy).
 4. :func:`posttrain.core.preference.dpo_loss` combines the requested ``loss_type`` list with ``loss_weights``.
 
@@ -24,7 +24,7 @@ computed as ``h · mean_v(W)`` — no vocabulary-sized tensor), ``entropy``, ``n
 (chosen tokens), ``aux_loss`` (MoE).
 
 The pieces DPO shares with KTO and the reward trainer (completion scoring, metric gathering, dataset helpers,
-policy + reference setup, ``PreferenceTrainer``) live in :mod:`posttrain.trainers._preference`.
+policy + reference setup, ``PreferenceTrainer``) live in :mod:`posttrain.trainers.preference`.
 """
 
 from __future__ import annotations
@@ -48,8 +48,10 @@ from posttrain.core.preference import (
 )
 from posttrain.data.formats import is_vision_dataset
 from posttrain.models.loading import load_processor
+from posttrain.models.reference import precompute_reference_columns
 from posttrain.reliability.validation import check_single_split
-from posttrain.trainers._preference import (
+from posttrain.trainers.base import BaseConfig
+from posttrain.trainers.preference import (
     CompletionScores,
     PreferenceTrainer,
     PromptFits,
@@ -68,8 +70,6 @@ from posttrain.trainers._preference import (
     shared_field,
     tokenize_dataset,
 )
-from posttrain.trainers._reference import precompute_reference_columns
-from posttrain.trainers.base import BaseConfig
 
 # CompletionScores / score_completions are re-exported: they were importable from here before moving.
 __all__ = ["CompletionScores", "DPOConfig", "DPOTrainer", "score_completions"]

@@ -33,11 +33,11 @@ from posttrain.core.kl import kl_k3
 from posttrain.core.masking import masked_batch_mean, masked_mean, masked_sum
 from posttrain.core.policy_objectives import importance_weights
 from posttrain.core.presets import needs_grad_accum_division, resolve_grpo_loss, validate_grpo_loss_config
+from posttrain.models.forward import unwrap_model
 from posttrain.rollout.buffer import RolloutBatch
 from posttrain.rollout.estimators import GroupRelativeEstimator
 from posttrain.rollout.pipeline import ImportanceSamplingSettings
-from posttrain.trainers._forward import unwrap_model
-from posttrain.trainers._online import OnlineRLConfig, OnlineTrainerBase
+from posttrain.trainers.online import OnlineRLConfig, OnlineTrainerBase
 
 ENTROPY_CTRL_STATE = "entropy_ctrl_state.json"
 _IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")

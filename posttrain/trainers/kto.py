@@ -38,8 +38,10 @@ from transformers import TrainingArguments
 from posttrain.core.preference import KTO_LOSSES, kto_kl_estimate, kto_loss, kto_weight_range_warning
 from posttrain.data.formats import is_vision_dataset
 from posttrain.models.loading import load_processor
+from posttrain.models.reference import precompute_reference_columns
 from posttrain.reliability.validation import check_single_split
-from posttrain.trainers._preference import (
+from posttrain.trainers.base import BaseConfig
+from posttrain.trainers.preference import (
     CompletionScores,
     PreferenceTrainer,
     PromptFits,
@@ -57,8 +59,6 @@ from posttrain.trainers._preference import (
     shared_field,
     tokenize_dataset,
 )
-from posttrain.trainers._reference import precompute_reference_columns
-from posttrain.trainers.base import BaseConfig
 
 __all__ = ["KTOConfig", "KTOTrainer"]
 

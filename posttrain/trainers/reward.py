@@ -29,10 +29,11 @@ import torch
 from transformers import TrainingArguments
 
 from posttrain.core.preference import bradley_terry_loss
+from posttrain.models.forward import sequence_scores
 from posttrain.models.loading import disable_dropout_in_model, resolve_model, resolve_processing_class
 from posttrain.reliability.validation import check_single_split, check_text_only
-from posttrain.trainers._forward import sequence_scores
-from posttrain.trainers._preference import (
+from posttrain.trainers.base import BaseConfig
+from posttrain.trainers.preference import (
     PreferenceTrainer,
     activation_offloading_context,
     configure_iterable_dataset,
@@ -43,7 +44,6 @@ from posttrain.trainers._preference import (
     shared_field,
     tokenize_dataset,
 )
-from posttrain.trainers.base import BaseConfig
 
 __all__ = ["RewardConfig", "RewardTrainer"]
 

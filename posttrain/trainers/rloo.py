@@ -23,7 +23,7 @@ from posttrain.core.policy_objectives import POLICY_OBJECTIVES
 from posttrain.core.presets import RLOO_LOSS_PRESET
 from posttrain.rollout.buffer import RolloutBatch
 from posttrain.rollout.estimators import LeaveOneOutEstimator
-from posttrain.trainers._online import OnlineRLConfig, OnlineTrainerBase
+from posttrain.trainers.online import OnlineRLConfig, OnlineTrainerBase
 
 
 @dataclass

@@ -8,7 +8,7 @@ the completion / assistant tokens) → truncate → drop rows with nothing to le
 The loss is the token-level negative log-likelihood summed over label tokens and divided by ``num_items_in_batch``
 (the label-token count of the whole accumulated batch, from ``transformers.Trainer``), so gradient accumulation is
 exact: ``per_device_train_batch_size=1 × gradient_accumulation_steps=4`` ≡ ``4 × 1``. With the default
-``loss_type="chunked_nll"`` the per-token log-probs come from :func:`posttrain.trainers._forward.forward_token_stats`:
+``loss_type="chunked_nll"`` the per-token log-probs come from :func:`posttrain.models.forward.forward_token_stats`:
 no ``(B, T, V)`` logits are built; ``"nll"`` uses the model's full logits (same value); ``"dft"`` weights each
 token by its detached probability (Dynamic Fine-Tuning, https://huggingface.co/papers/2508.05629).
 
@@ -38,14 +38,14 @@ import torch
 from transformers import TrainingArguments
 
 from posttrain.data.formats import is_vision_dataset
-from posttrain.models.loading import load_processor
-from posttrain.registry import Registry
-from posttrain.trainers._forward import (
+from posttrain.models.forward import (
     forward_token_stats,
     prepare_attention_mask,
     token_stats_from_logits,
     unwrap_model,
 )
+from posttrain.models.loading import load_processor
+from posttrain.registry import Registry
 from posttrain.trainers.base import BaseConfig, BaseTrainer
 
 IGNORE_INDEX = -100

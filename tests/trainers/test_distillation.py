@@ -15,9 +15,9 @@ from trainer_helpers import fast_config, quiet_single_thread, trainable_params  
 
 from posttrain.core.distill import generalized_jsd_loss
 from posttrain.generation.base import Completions, SamplingConfig
+from posttrain.models.completion_scoring import completion_inputs
 from posttrain.models.tiny import build_tiny_model, build_tiny_tokenizer
-from posttrain.trainers._completion_scoring import completion_inputs
-from posttrain.trainers._distill_parts import DistillationRollout, check_shared_vocabulary
+from posttrain.rollout.distillation import DistillationRollout, check_shared_vocabulary
 from posttrain.trainers.distillation import DistillationConfig, DistillationTrainer
 
 EOS = 258
@@ -524,7 +524,7 @@ def test_rollout_draws_are_reproducible_from_the_state():
 
 def test_shared_prompt_layout_gives_the_same_loss_and_gradients(tiny_model_path, teacher_path, tmp_path):
     """Long shared prompts, 4 completions each: the shared-prompt layout is used and changes nothing."""
-    from posttrain.trainers._completion_scoring import choose_shared_prompt_layout
+    from posttrain.models.completion_scoring import choose_shared_prompt_layout
 
     trainer = DistillationTrainer(
         tiny_model_path, teacher_path, args=_config(tmp_path, beta=0.5), train_dataset=_prompts()

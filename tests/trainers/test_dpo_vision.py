@@ -16,8 +16,8 @@ from vision_helpers import color_rows, vision_config
 
 from posttrain.data.vision_collators import DataCollatorForVisionPreference
 from posttrain.models.tiny import build_tiny_vlm, save_tiny_vlm
-from posttrain.trainers._preference import score_completions
 from posttrain.trainers.dpo import DPOConfig, DPOTrainer
+from posttrain.trainers.preference import score_completions
 
 
 def preference_dataset(column: str = "images") -> Dataset:

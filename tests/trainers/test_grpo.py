@@ -474,7 +474,7 @@ def test_command_line_parsing_of_dict_and_bool_fields(tmp_path):
 def test_entropy_bonus_stays_chunked_with_the_full_logits_gradient(tiny_model_path, tmp_path, monkeypatch):
     """With an entropy bonus the loss forward stays on the chunked path, and (zero advantages, β = 0: the bonus is the
     whole loss) its gradient equals the one from full-vocabulary logits."""
-    import posttrain.trainers._forward as forward
+    import posttrain.models.forward as forward
 
     trainer = GRPOTrainer(
         tiny_model_path, varied_reward, _config(tmp_path, entropy_coef=0.5, temperature=0.7), train_dataset=_dataset()
@@ -508,7 +508,7 @@ def test_entropy_bonus_stays_chunked_with_the_full_logits_gradient(tiny_model_pa
 
 def test_shared_prompt_forward_trains_like_the_plain_forward(tiny_model_path, tmp_path, monkeypatch):
     """shared_prompt_forward (on by default) changes how the policy/reference forwards run, not the update."""
-    import posttrain.trainers._completion_scoring as online
+    import posttrain.models.completion_scoring as online
 
     taken = []
     original = online.shared_prompt_token_stats

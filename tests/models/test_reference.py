@@ -7,8 +7,7 @@ import pytest
 import torch
 from transformers import TrainerControl, TrainerState
 
-from posttrain.models.tiny import build_tiny_model
-from posttrain.trainers._reference import (
+from posttrain.models.reference import (
     SAME_MODEL_ERROR,
     ReferencePolicy,
     SyncRefModelCallback,
@@ -16,6 +15,7 @@ from posttrain.trainers._reference import (
     precompute_columns,
     sync_target_model,
 )
+from posttrain.models.tiny import build_tiny_model
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -34,12 +34,15 @@ from transformers import TrainingArguments
 
 from posttrain.core.masking import masked_batch_mean, masked_mean
 from posttrain.generation.base import SamplingConfig
+from posttrain.models.completion_scoring import completion_token_stats
+from posttrain.models.forward import TokenStats, unwrap_model
 from posttrain.models.loading import (
     create_model_from_path,
     disable_dropout_in_model,
     resolve_model,
     resolve_processing_class,
 )
+from posttrain.models.reference import SyncRefModelCallback, create_reference_policy
 from posttrain.reliability.validation import check_text_only
 from posttrain.rollout.buffer import RolloutBatch, RolloutBuffer
 from posttrain.rollout.completions_log import print_completions_table, write_completions_parquet
@@ -51,9 +54,6 @@ from posttrain.rollout.sampler import (
     repeat_iterable_dataset,
     resolve_generation_batch,
 )
-from posttrain.trainers._completion_scoring import completion_token_stats
-from posttrain.trainers._forward import TokenStats, unwrap_model
-from posttrain.trainers._reference import SyncRefModelCallback, create_reference_policy
 from posttrain.trainers.base import BaseConfig, BaseTrainer
 
 GENERATION_BACKENDS = ("posttrain", "transformers")

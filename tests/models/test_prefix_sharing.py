@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from posttrain.rollout.prefix_sharing import IGNORE_INDEX, build_shared_prompt_layout
-from posttrain.trainers._completion_scoring import completion_token_stats, shared_prompt_token_stats
+from posttrain.models.completion_scoring import completion_token_stats, shared_prompt_token_stats
+from posttrain.models.prefix_sharing import IGNORE_INDEX, build_shared_prompt_layout
 
 
 def _batch(prompts: list[list[int]], completions: list[list[int]], width: int | None = None) -> dict:

@@ -34,15 +34,15 @@ from posttrain.core.distill import chunked_generalized_jsd, generalized_jsd_loss
 from posttrain.core.logprobs import chunked_logprobs_from_hidden, entropy_from_logits
 from posttrain.data.tokenization import tokenize_prompt_completion, truncate_sequence
 from posttrain.generation.base import Completions, SamplingConfig, truncate_at_eos
-from posttrain.rollout.buffer import RolloutBatch
-from posttrain.rollout.metrics import completion_length_metrics
-from posttrain.rollout.pipeline import CompletionsTable, collate_completions, render_prompts
-from posttrain.trainers._forward import (
+from posttrain.models.forward import (
     forward_capturing_head_input,
     prepare_attention_mask,
     resolve_lm_head,
     unwrap_model,
 )
+from posttrain.rollout.buffer import RolloutBatch
+from posttrain.rollout.metrics import completion_length_metrics
+from posttrain.rollout.pipeline import CompletionsTable, collate_completions, render_prompts
 
 logger = logging.getLogger(__name__)
 
@@ -203,7 +203,7 @@ def score_completions(
         completion_ids: ``(B, C)``.
         loss_mask: ``(B, C)`` 1 on the tokens the loss counts.
         predictors: ``(row, position)`` of the hidden state predicting each loss token (row-major order of
-            ``loss_mask``) when the inputs are a shared-prompt layout (:mod:`posttrain.rollout.prefix_sharing`)
+            ``loss_mask``) when the inputs are a shared-prompt layout (:mod:`posttrain.models.prefix_sharing`)
             rather than ``[prompt | completion]`` rows; the attention mask is then its 4-D tree mask.
 
     Returns:

@@ -1,4 +1,4 @@
-"""``posttrain env``: versions and devices, ready to paste into a bug report."""
+"""Versions and devices, ready to paste into a bug report (``posttrain env``; the HTML report's environment table)."""
 
 from __future__ import annotations
 

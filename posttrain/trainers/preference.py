@@ -25,8 +25,7 @@ from typing import Any
 
 import torch
 
-from posttrain.models.loading import disable_dropout_in_model, resolve_model, resolve_processing_class
-from posttrain.trainers._forward import (
+from posttrain.models.forward import (
     TokenStats,
     auto_chunk_size,
     forward_token_stats,
@@ -34,7 +33,8 @@ from posttrain.trainers._forward import (
     restore_row_order,
     unwrap_model,
 )
-from posttrain.trainers._reference import ReferencePolicy, SyncRefModelCallback, create_reference_policy
+from posttrain.models.loading import disable_dropout_in_model, resolve_model, resolve_processing_class
+from posttrain.models.reference import ReferencePolicy, SyncRefModelCallback, create_reference_policy
 from posttrain.trainers.base import BaseTrainer
 
 __all__ = [
@@ -244,7 +244,7 @@ def score_completions(
 ) -> CompletionScores:
     """Per-token log-probs of the completion tokens of right-padded ``(B, T)`` sequences, plus optional statistics.
 
-    The log-probs, entropy and top-1 hits come from :func:`posttrain.trainers._forward.forward_token_stats` (chunked
+    The log-probs, entropy and top-1 hits come from :func:`posttrain.models.forward.forward_token_stats` (chunked
     path, no ``(B, T, V)`` logits). The mean logits and WPO normalisers need the last hidden states, which a forward
     pre-hook on the LM head captures (detached) on the way; they are computed from the scored positions only.
 
@@ -357,7 +357,7 @@ def load_policy_and_reference(
     """``(processing_class, policy, reference)`` for a trainer that compares a policy with a reference (DPO, KTO).
 
     Loads the tokenizer (from the model's path when ``processing_class`` is None) and the policy (wrapped with
-    ``peft_config``), builds the reference per ``args`` (:func:`posttrain.trainers._reference.create_reference_policy`:
+    ``peft_config``), builds the reference per ``args`` (:func:`posttrain.models.reference.create_reference_policy`:
     explicit, adapters disabled, frozen copy, precomputed or synced), disables dropout in both when
     ``args.disable_dropout``, and switches on a MoE policy's router logits (:func:`enable_router_aux_loss`).
     """

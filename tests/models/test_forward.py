@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from posttrain.models.tiny import build_tiny_model
-from posttrain.trainers._forward import (
+from posttrain.models.forward import (
     forward_token_stats,
     prepare_attention_mask,
     token_logprobs,
     token_stats_from_logits,
 )
+from posttrain.models.tiny import build_tiny_model
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -295,7 +295,7 @@ def test_bad_inputs_name_the_argument():
 def test_auto_chunk_size_bounds_scratch_memory():
     """~128 MiB of float32 scratch (2 x chunk x V floats): full 1024-token chunks for small vocabularies, ~110
     tokens for Qwen's 151 936 rows, never below 16."""
-    from posttrain.trainers._forward import auto_chunk_size
+    from posttrain.models.forward import auto_chunk_size
 
     assert auto_chunk_size(320) == 1024
     assert auto_chunk_size(151_936) == 128 * 2**20 // (8 * 151_936) == 110
@@ -303,7 +303,7 @@ def test_auto_chunk_size_bounds_scratch_memory():
 
 
 def test_plan_length_buckets_by_hand():
-    from posttrain.trainers._forward import plan_length_buckets
+    from posttrain.models.forward import plan_length_buckets
 
     # Equal lengths: nothing to save. Two clear clusters: two groups, longest first, original row indices.
     assert plan_length_buckets([50] * 8, hidden_size=64) is None
@@ -341,7 +341,7 @@ def test_length_buckets_equal_one_padded_call(use_labels):
 
 
 def test_length_buckets_skip_left_padding(monkeypatch):
-    import posttrain.trainers._forward as forward
+    import posttrain.models.forward as forward
 
     calls = []
     monkeypatch.setattr(forward, "_bucketed_token_stats", lambda *a: calls.append(a))
@@ -353,7 +353,7 @@ def test_length_buckets_skip_left_padding(monkeypatch):
 
 
 def test_sequence_scores_length_buckets_match_one_call():
-    from posttrain.trainers._forward import sequence_scores
+    from posttrain.models.forward import sequence_scores
 
     torch.manual_seed(0)
     model = build_tiny_model(task="sequence-classification")

@@ -1,17 +1,22 @@
 """Scoring completions given their prompts: the inputs of the policy/old/reference forwards of online RL.
 
 :func:`completion_token_stats` runs ``[prompt | completion]`` rows through :func:`forward_token_stats`, or, when it
-saves work, the shared-prompt layout of :mod:`posttrain.rollout.prefix_sharing` (each distinct prompt encoded once
+saves work, the shared-prompt layout of :mod:`posttrain.models.prefix_sharing` (each distinct prompt encoded once
 per micro-batch; design §3.2) — same log-probs, entropies and gradients.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from posttrain.rollout.buffer import RolloutBatch
-from posttrain.rollout.prefix_sharing import SharedPromptLayout, build_shared_prompt_layout
-from posttrain.trainers._forward import TokenStats, forward_token_stats, unwrap_model
+from posttrain.models.forward import TokenStats, forward_token_stats, unwrap_model
+from posttrain.models.prefix_sharing import SharedPromptLayout, build_shared_prompt_layout
+
+# A rollout micro-batch (``posttrain.rollout.buffer.RolloutBatch``: ``prompt_ids``, ``prompt_mask``,
+# ``completion_ids``, ``completion_lengths``, ...); models/ sits below rollout/ and does not import it.
+RolloutBatch = dict[str, Any]
 
 __all__ = [
     "choose_shared_prompt_layout",
@@ -53,7 +58,7 @@ def completion_token_stats(
     See :func:`completion_inputs` for the inputs. Logits are divided by ``temperature`` (the sampling temperature,
     as TRL). Positions past a completion's end get log-prob 0. ``entropy_requires_grad`` keeps the entropies
     differentiable (GRPO's entropy bonus), still chunked. ``share_prompts`` encodes each distinct prompt once
-    (:mod:`posttrain.rollout.prefix_sharing`) when the model's attention takes a tree mask and that saves work.
+    (:mod:`posttrain.models.prefix_sharing`) when the model's attention takes a tree mask and that saves work.
     """
     if share_prompts:
         stats = shared_prompt_token_stats(
