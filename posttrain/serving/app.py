@@ -1,0 +1,529 @@
+"""The ``posttrain serve`` HTTP server: the part of vLLM's OpenAI-compatible API that RL needs, plus weight updates.
+
+Endpoints (FastAPI on uvicorn):
+
+- ``POST /v1/completions`` — vLLM's completions request with token-id prompts (``prompt``: ids, a list of id lists,
+  or text), ``n``, ``max_tokens`` (16), ``temperature`` (0 = greedy), ``top_p``, ``top_k`` (0/-1 = off), ``min_p``,
+  ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``logprobs`` (0 = the sampled token's log-prob under
+  the processed sampling distribution, vLLM's ``processed_logprobs``; null = none), ``seed``,
+  ``return_token_ids``. Each choice (``index = prompt * n + j``) carries ``token_ids``, ``prompt_token_ids``,
+  ``text``, ``logprobs.token_logprobs`` and ``finish_reason`` (``"stop"``/``"length"``).
+- ``GET /health`` (and TRL's ``/health/``) — ``{"status": "ok", "server": "posttrain", "version": ...}``;
+  ``GET /v1/models``; ``GET /get_world_size`` (and ``/get_world_size/``).
+- ``POST /v1/load_weights`` — a safetensors payload as the body (see ``posttrain.serving.weights`` for why);
+  query ``update_id`` + ``last=false`` stage a chunk of a larger update, ``last=true`` (default) applies everything
+  staged for that ``update_id`` at once; ``version=N`` sets the new weight version (default: previous + 1).
+- TRL's ``trl vllm-serve`` API: ``POST /generate/`` (same sampling fields, TRL's response shape),
+  ``/reset_prefix_cache/``, and ``/init_communicator/``, ``/update_named_param/``, ``/close_communicator/`` (NCCL
+  weight broadcast: served by the vLLM engine; the posttrain engine answers 400 pointing at ``/v1/load_weights``).
+
+Every response carries the weight ``version`` the request was served with (the number of weight updates applied,
+or the ``version`` the trainer set). Requests and weight loads run one at a time, in arrival order, on one worker
+thread, so a generation never sees half-loaded weights.
+
+Errors: a bad request gets a 400 in OpenAI's error shape, ``{"error": {"message", "type", "param", "code"}}``, whose
+``param`` and message name the field. At most ``max_queue_size`` requests are admitted (running or waiting); more
+get a 429 with ``Retry-After`` (backpressure; the client retries). A client that disconnects while its request
+waits has the request dropped before it runs; one that disconnects while it runs costs that one generation and
+nothing else. SIGTERM / Ctrl-C shut down gracefully: no new connections, in-flight requests finish (up to
+``graceful_timeout`` seconds), then the worker stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.concurrency import run_in_threadpool
+
+from posttrain.serving.engine import GenerationRequest, RequestError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_QUEUE_SIZE = 64
+
+
+# -- request bodies -------------------------------------------------------------------------------------------------
+class CompletionBody(BaseModel):
+    """``POST /v1/completions`` (vLLM's field names and defaults; unknown fields are rejected by name)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: list[list[int]] | list[int] | list[str] | str
+    n: int = Field(1, ge=1, le=4096)
+    max_tokens: int | None = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = Field(None, ge=0)
+    seed: int | None = None
+    return_token_ids: bool | None = None
+    skip_special_tokens: bool = True
+    stream: bool = False
+    echo: bool = False
+    structured_outputs: dict[str, Any] | None = None
+    user: str | None = None
+
+
+class TRLGenerateBody(BaseModel):
+    """``POST /generate/`` as ``trl vllm-serve`` takes it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompts: list[list[int]] | list[str]
+    images: list[Any] | None = None
+    n: int = Field(1, ge=1, le=4096)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    max_tokens: int = Field(16, ge=1)
+    logprobs: int | None = Field(0, ge=0)
+    structured_outputs_regex: str | None = None
+    generation_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+
+# -- errors ---------------------------------------------------------------------------------------------------------
+def error_response(status: int, message: str, param: str | None = None, kind: str = "BadRequestError") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status)
+
+
+def _validation_message(err: RequestValidationError) -> tuple[str, str | None]:
+    parts, param = [], None
+    for e in err.errors():
+        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+        # Union members appear in the location (e.g. prompt.list[int].0); keep the user-facing path.
+        loc = [x for x in loc if not (x.startswith(("list[", "str", "int", "dict[")) or x in ("str", "int"))]
+        name = ".".join(loc) or "body"
+        param = param or (loc[0] if loc else "body")
+        parts.append(f"{name}: {e.get('msg')}")
+    unique = list(dict.fromkeys(parts))
+    return "Invalid request: " + "; ".join(unique[:5]), param
+
+
+# -- server state ---------------------------------------------------------------------------------------------------
+class ServerState:
+    """The engine, the weight version, the single worker thread and the admission counter."""
+
+    def __init__(self, engine: Any, max_queue_size: int, version: int = 0):
+        if max_queue_size < 1:
+            raise ValueError(f"max_queue_size must be >= 1, got {max_queue_size}.")
+        self.engine = engine
+        self.version = version
+        self.max_queue_size = max_queue_size
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="posttrain-engine")
+        self._lock = threading.Lock()
+        self.pending = 0
+        self.stats = {"completed": 0, "dropped_disconnected": 0, "rejected_busy": 0, "weight_updates": 0}
+        self.staged_id: str | None = None
+        self.staged: dict[str, Any] = {}
+        self.nccl_params_since_version = False
+
+    def admit(self) -> bool:
+        with self._lock:
+            if self.pending >= self.max_queue_size:
+                self.stats["rejected_busy"] += 1
+                return False
+            self.pending += 1
+            return True
+
+    def release(self) -> None:
+        with self._lock:
+            self.pending -= 1
+
+    def count(self, key: str) -> None:
+        with self._lock:
+            self.stats[key] += 1
+
+    async def run(self, request: Request | None, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the worker thread (after every earlier job); skipped if the client left while it waited.
+
+        Returns ``fn()``'s result, or ``None`` when skipped. The admission slot is released when the job ends.
+        """
+        gone = threading.Event()
+
+        def job() -> Any:
+            try:
+                if gone.is_set():
+                    self.count("dropped_disconnected")
+                    return None
+                return fn()
+            finally:
+                self.release()
+
+        future = self.executor.submit(job)
+        watcher = asyncio.ensure_future(self._watch(request, gone, future)) if request is not None else None
+        try:
+            return await asyncio.wrap_future(future)
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+
+    @staticmethod
+    async def _watch(request: Request, gone: threading.Event, future: Any) -> None:
+        while not future.running() and not future.done():
+            if await request.is_disconnected():
+                gone.set()
+                return
+            await asyncio.sleep(0.05)
+
+
+# -- conversion -----------------------------------------------------------------------------------------------------
+def _token_prompts(engine: Any, prompt: Any) -> list[list[int]]:
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not prompt:
+        raise RequestError("prompt", "prompt is empty: give token ids, a list of token-id lists, or text.")
+    if all(isinstance(x, int) for x in prompt):
+        prompt = [prompt]
+    out = [engine.tokenize(p) if isinstance(p, str) else list(p) for p in prompt]
+    for i, ids in enumerate(out):
+        if not ids:
+            raise RequestError("prompt", f"prompt[{i}] is empty; every prompt needs at least one token.")
+    return out
+
+
+def completion_request(engine: Any, body: CompletionBody) -> GenerationRequest:
+    if body.stream:
+        raise RequestError("stream", "stream=true is not supported; send stream=false (the default).")
+    if body.echo:
+        raise RequestError("echo", "echo=true is not supported; the prompt ids are returned in prompt_token_ids.")
+    if body.logprobs not in (None, 0):
+        raise RequestError(
+            "logprobs", f"logprobs={body.logprobs} is not supported: use 0 (the sampled token's log-prob) or null."
+        )
+    if body.model is not None and body.model != engine.model_name:
+        raise RequestError("model", f"The model {body.model!r} is not served here; this server serves {engine.model_name!r}.")
+    regex = None
+    if body.structured_outputs:
+        unknown = set(body.structured_outputs) - {"regex"}
+        if unknown:
+            raise RequestError("structured_outputs", f"Only structured_outputs.regex is supported, got {sorted(unknown)}.")
+        regex = body.structured_outputs.get("regex")
+    return GenerationRequest(
+        prompts=_token_prompts(engine, body.prompt),
+        n=body.n,
+        max_tokens=body.max_tokens or 16,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        min_p=body.min_p,
+        repetition_penalty=body.repetition_penalty,
+        stop_token_ids=list(body.stop_token_ids or []),
+        ignore_eos=body.ignore_eos,
+        logprobs=body.logprobs is not None,
+        seed=body.seed,
+        structured_outputs_regex=regex,
+    )
+
+
+def trl_request(engine: Any, body: TRLGenerateBody) -> GenerationRequest:
+    if body.images and any(img is not None for img in body.images):
+        raise RequestError("images", "Image prompts are not supported by this server.")
+    if body.logprobs not in (None, 0):
+        raise RequestError("logprobs", f"logprobs={body.logprobs} is not supported: use 0 (sampled token only).")
+    extra = dict(body.generation_kwargs)
+    seed = extra.pop("seed", None)
+    return GenerationRequest(
+        prompts=_token_prompts(engine, body.prompts),
+        n=body.n,
+        max_tokens=body.max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        min_p=body.min_p,
+        repetition_penalty=body.repetition_penalty,
+        logprobs=body.logprobs is not None,
+        seed=seed,
+        structured_outputs_regex=body.structured_outputs_regex,
+        extra=extra,
+    )
+
+
+# -- the app --------------------------------------------------------------------------------------------------------
+def create_app(engine: Any, *, max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE, version: int = 0) -> FastAPI:
+    """The FastAPI application serving ``engine`` (see the module docstring)."""
+    state = ServerState(engine, max_queue_size, version)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        # Graceful shutdown: uvicorn has let in-flight requests finish; stop the worker after its last job.
+        state.executor.shutdown(wait=True)
+        with contextlib.suppress(Exception):
+            engine.close()
+
+    app = FastAPI(title="posttrain generation server", lifespan=lifespan, redirect_slashes=False)
+    app.state.server = state
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, err: RequestValidationError):
+        message, param = _validation_message(err)
+        return error_response(400, message, param)
+
+    @app.exception_handler(RequestError)
+    async def _request_error(request: Request, err: RequestError):
+        return error_response(400, str(err), err.param)
+
+    def busy() -> JSONResponse:
+        resp = error_response(
+            429, f"The server is busy ({state.max_queue_size} requests queued); retry shortly.", None, "TooManyRequests"
+        )
+        resp.headers["Retry-After"] = "1"
+        return resp
+
+    def health() -> dict[str, Any]:
+        return {
+            "status": "ok",
+            "server": "posttrain",
+            "backend": engine.name,
+            "model": engine.model_name,
+            "version": state.version,
+            "pending": state.pending,
+            "max_queue_size": state.max_queue_size,
+            **{f"stats_{k}": v for k, v in state.stats.items()},
+        }
+
+    app.get("/health")(health)
+    app.get("/health/")(health)
+
+    def world_size() -> dict[str, int]:
+        return {"world_size": int(engine.world_size)}
+
+    app.get("/get_world_size")(world_size)
+    app.get("/get_world_size/")(world_size)
+
+    @app.get("/v1/models")
+    def models() -> dict[str, Any]:
+        card = {"id": engine.model_name, "object": "model", "owned_by": "posttrain", "version": state.version}
+        card["max_model_len"] = engine.max_model_len
+        return {"object": "list", "data": [card], "version": state.version}
+
+    def _generate(request: GenerationRequest) -> Callable[[], tuple[int, list]]:
+        def fn() -> tuple[int, list]:
+            return state.version, engine.generate(request)
+
+        return fn
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionBody, request: Request):
+        gen = completion_request(engine, body)
+        engine.check(gen)
+        if not state.admit():
+            return busy()
+        result = await state.run(request, _generate(gen))
+        if result is None:  # the client left before its turn
+            return error_response(499, "Client disconnected.", None, "ClientDisconnected")
+        version, groups = result
+        state.count("completed")
+        choices, completion_tokens = [], 0
+        for p, group in enumerate(groups):
+            for j, seq in enumerate(group):
+                completion_tokens += len(seq.token_ids)
+                logprobs = None
+                if seq.logprobs is not None:
+                    logprobs = {
+                        "token_logprobs": seq.logprobs,
+                        "tokens": [f"token_id:{t}" for t in seq.token_ids],
+                        "top_logprobs": None,
+                        "text_offset": None,
+                    }
+                choices.append(
+                    {
+                        "index": p * gen.n + j,
+                        "text": engine.decode(seq.token_ids, body.skip_special_tokens),
+                        "token_ids": seq.token_ids,
+                        "prompt_token_ids": gen.prompts[p],
+                        "logprobs": logprobs,
+                        "finish_reason": seq.finish_reason,
+                        "stop_reason": seq.stop_reason,
+                    }
+                )
+        prompt_tokens = sum(len(p) for p in gen.prompts)
+        return {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": engine.model_name,
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+            },
+            "version": version,
+        }
+
+    @app.post("/generate/")
+    async def trl_generate(body: TRLGenerateBody, request: Request):
+        gen = trl_request(engine, body)
+        engine.check(gen)
+        if not state.admit():
+            return busy()
+        result = await state.run(request, _generate(gen))
+        if result is None:
+            return error_response(499, "Client disconnected.", None, "ClientDisconnected")
+        version, groups = result
+        state.count("completed")
+        seqs = [seq for group in groups for seq in group]
+        with_lp = all(s.logprobs is not None for s in seqs)
+        return {
+            "prompt_ids": gen.prompts,
+            "completion_ids": [s.token_ids for s in seqs],
+            "logprobs": [[[lp] for lp in s.logprobs] for s in seqs] if with_lp else None,
+            "logprob_token_ids": [[[t] for t in s.token_ids] for s in seqs],
+            "version": version,
+        }
+
+    @app.post("/v1/load_weights")
+    async def load_weights(request: Request, update_id: str | None = None, last: bool = True, version: int | None = None):
+        from posttrain.serving.weights import deserialize
+
+        body = await request.body()
+        if not body:
+            raise RequestError("body", "The request body is empty; send a safetensors payload of named tensors.")
+        try:
+            tensors = await run_in_threadpool(deserialize, body)
+        except ValueError as err:
+            raise RequestError("body", str(err)) from err
+        uid = update_id or "_single"
+        if state.staged_id != uid:  # a new update discards an unfinished earlier one (its client gave up)
+            state.staged_id, state.staged = uid, {}
+        state.staged.update(tensors)
+        if not last:
+            return {"version": state.version, "staged": len(state.staged), "applied": False}
+        staged, state.staged_id, state.staged = state.staged, None, {}
+        if not state.admit():
+            return busy()
+
+        def apply() -> int:
+            count = engine.load_weights(staged)
+            state.version = version if version is not None else state.version + 1
+            state.count("weight_updates")
+            return count
+
+        try:
+            count = await state.run(None, apply)
+        except ValueError as err:
+            raise RequestError("body", str(err)) from err
+        return {"version": state.version, "loaded": count, "applied": True}
+
+    @app.post("/reset_prefix_cache/")
+    async def reset_prefix_cache():
+        if not state.admit():
+            return busy()
+
+        def fn() -> None:
+            engine.reset_prefix_cache()
+            # TRL's client resets the prefix cache after broadcasting every parameter: that completes a push.
+            if state.nccl_params_since_version:
+                state.version += 1
+                state.nccl_params_since_version = False
+                state.count("weight_updates")
+
+        await state.run(None, fn)
+        return {"message": "Request received, resetting prefix cache", "version": state.version}
+
+    async def _communicator(name: str, request: Request):
+        method = getattr(engine, name, None)
+        if method is None:
+            raise RequestError(
+                name,
+                f"{name} (TRL's NCCL weight broadcast) needs the vLLM engine (--backend vllm) and a GPU; this "
+                f"server runs the {engine.name!r} engine: push weights with POST /v1/load_weights (safetensors).",
+            )
+        payload = await request.json() if name != "close_communicator" else {}
+        if not state.admit():
+            return busy()
+        def fn() -> None:
+            method(**payload)
+            if name == "update_named_param":
+                state.nccl_params_since_version = True
+
+        await state.run(None, fn)
+        return {"message": f"{name} done", "version": state.version}
+
+    def _route(name: str) -> Callable:
+        async def endpoint(request: Request):
+            return await _communicator(name, request)
+
+        return endpoint
+
+    for _name in ("init_communicator", "update_named_param", "close_communicator"):
+        app.post(f"/{_name}/")(_route(_name))
+
+    return app
+
+
+# -- running --------------------------------------------------------------------------------------------------------
+def uvicorn_config(app: FastAPI, host: str, port: int, log_level: str = "info", graceful_timeout: float = 30.0):
+    import uvicorn
+
+    return uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=graceful_timeout, lifespan="on"
+    )
+
+
+def run_server(
+    engine: Any,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    *,
+    log_level: str = "info",
+    max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE,
+    graceful_timeout: float = 30.0,
+) -> None:
+    """Serve ``engine`` until SIGTERM/SIGINT (uvicorn's graceful shutdown)."""
+    import uvicorn
+
+    app = create_app(engine, max_queue_size=max_queue_size)
+    uvicorn.Server(uvicorn_config(app, host, port, log_level, graceful_timeout)).run()
+
+
+@contextlib.contextmanager
+def serve_in_thread(
+    engine: Any, host: str = "127.0.0.1", port: int = 0, *, max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE,
+    startup_timeout: float = 30.0, log_level: str = "warning",
+) -> Iterator[str]:  # fmt: skip
+    """Run the server in a background thread (tests, notebooks); yields its base URL and always stops it.
+
+    ``port=0`` picks a free port. The thread installs no signal handlers; leaving the block shuts the server down
+    gracefully and joins the thread.
+    """
+    import uvicorn
+
+    app = create_app(engine, max_queue_size=max_queue_size)
+    server = uvicorn.Server(uvicorn_config(app, host, port, log_level, graceful_timeout=10.0))
+    server.install_signal_handlers = lambda: None  # older uvicorn; newer ones skip it off the main thread
+    thread = threading.Thread(target=server.run, name="posttrain-serve", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + startup_timeout
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            server.should_exit = True
+            thread.join(timeout=10)
+            raise RuntimeError(f"The generation server did not start on {host}:{port}.")
+        time.sleep(0.02)
+    bound = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://{host}:{bound}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)

@@ -1,0 +1,221 @@
+"""Generation engines behind ``posttrain serve``: a request in backend-neutral terms, sequences out.
+
+``GenerationRequest`` is what ``/v1/completions`` (and TRL's ``/generate/``) asks for, already validated and with
+token-id prompts. An engine implements ``check(request)`` (raise ``RequestError`` naming the field it cannot serve),
+``generate(request) -> [[GeneratedSequence] * n per prompt]``, ``load_weights({name: tensor})`` and the attributes
+``name``, ``model_name``, ``max_model_len``, ``world_size``. Engines are called from one worker thread at a time
+(the server serialises requests and weight loads), so they need no locking of their own.
+
+``PosttrainEngine`` is posttrain's group sampler (``GroupSampler``: one prefill per prompt, its KV cache expanded
+``n`` ways, finished rows dropped) on a transformers model. A request with a ``seed`` samples from a fresh
+``torch.Generator`` seeded with it, so the same request on the same weights returns the same tokens (and equals
+in-process sampling with ``GroupSampler(generator=torch.Generator().manual_seed(seed))``); without a seed the
+engine's own generator (seeded once at start-up with ``--seed``) is used. ``VLLMEngine`` (``vllm_engine.py``) wraps
+vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve; ``param`` names the offending field (the server answers 400)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class GenerationRequest:
+    """What to generate, in vLLM ``SamplingParams`` terms (``top_k`` 0 and ``min_p`` 0 = off).
+
+    ``stop_token_ids`` end a completion in addition to the tokenizer's EOS (unless ``ignore_eos``); the stop token is
+    kept as the completion's last token, as vLLM's ``token_ids`` keep it. ``structured_outputs_regex`` and ``extra``
+    (more ``SamplingParams`` fields) are served by the vLLM engine only.
+    """
+
+    prompts: list[list[int]]
+    n: int = 1
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: bool = True
+    seed: int | None = None
+    structured_outputs_regex: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class GeneratedSequence:
+    """One completion: its ids (stop token kept), per-token processed sampling log-probs, why it ended."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None
+    finish_reason: str  # "stop" | "length"
+    stop_reason: int | None = None  # the stop_token_id that ended it (None for EOS / length), as vLLM
+
+
+def resolve_device(device: str | None) -> torch.device:
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+class PosttrainEngine:
+    """posttrain's group sampler on a transformers causal LM (see the module docstring).
+
+    Args:
+        model: The causal LM (put in eval mode; dropout off).
+        tokenizer: Its tokenizer (EOS id, decoding for the ``text`` field).
+        model_name: The name the server reports (``/v1/models``) and accepts in the ``model`` field.
+        seed: Seed of the engine's own generator (requests without a ``seed``).
+        max_batch_tokens: ``GroupSampler``'s KV budget per batch (``None`` = one batch per request).
+    """
+
+    name = "posttrain"
+    world_size = 1
+
+    def __init__(
+        self, model: Any, tokenizer: Any, model_name: str = "model", seed: int = 0, max_batch_tokens: int | None = None
+    ):
+        from posttrain.generation.transformers_backend import model_device
+
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_batch_tokens = max_batch_tokens
+        self.device = model_device(model)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        config = getattr(model, "config", None)
+        self.max_model_len = int(getattr(config, "max_position_embeddings", 0) or 0) or None
+        tok = getattr(tokenizer, "tokenizer", tokenizer)
+        eos = getattr(tok, "eos_token_id", None)
+        self.eos_token_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        pad = getattr(tok, "pad_token_id", None)
+        self.pad_token_id = int(pad if pad is not None else (self.eos_token_ids or [0])[0])
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model: str,
+        *,
+        dtype: str = "auto",
+        device: str | None = "auto",
+        seed: int = 0,
+        revision: str | None = None,
+        trust_remote_code: bool = False,
+        max_batch_tokens: int | None = None,
+        served_model_name: str | None = None,
+    ) -> PosttrainEngine:
+        """Load ``model`` (a local path or hub id) and its tokenizer with transformers."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
+        if revision is not None:
+            kwargs["revision"] = revision
+        torch_dtype = dtype if dtype == "auto" else getattr(torch, dtype)
+        lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype, **kwargs).to(resolve_device(device))
+        tokenizer = AutoTokenizer.from_pretrained(model, **kwargs)
+        return cls(lm, tokenizer, served_model_name or model, seed=seed, max_batch_tokens=max_batch_tokens)
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def check(self, request: GenerationRequest) -> None:
+        """Raise ``RequestError`` for what this engine cannot serve."""
+        if request.structured_outputs_regex is not None:
+            raise RequestError(
+                "structured_outputs",
+                "Structured outputs (regex-constrained decoding) need the vLLM engine: start the server with "
+                "--backend vllm.",
+            )
+        if request.extra:
+            raise RequestError(
+                sorted(request.extra)[0],
+                f"Unsupported sampling parameter(s) {sorted(request.extra)} for the posttrain backend, which serves "
+                "n, max_tokens, temperature, top_p, top_k, min_p, repetition_penalty, stop_token_ids, ignore_eos, "
+                "logprobs and seed.",
+            )
+        for i, ids in enumerate(request.prompts):
+            vocab = self.model.config.vocab_size
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise RequestError("prompt", f"prompt[{i}] has token ids outside the vocabulary [0, {vocab}): {bad[:5]}.")
+            if self.max_model_len is not None and len(ids) + request.max_tokens > self.max_model_len:
+                raise RequestError(
+                    "max_tokens",
+                    f"prompt[{i}] has {len(ids)} tokens and max_tokens is {request.max_tokens}: together more than "
+                    f"the model's context length {self.max_model_len}.",
+                )
+
+    def generate(self, request: GenerationRequest) -> list[list[GeneratedSequence]]:
+        from posttrain.generation.base import SamplingConfig
+        from posttrain.generation.group_sampler import GroupSampler
+
+        greedy = request.temperature == 0
+        stops = list(request.stop_token_ids)
+        eos = ([] if request.ignore_eos else list(self.eos_token_ids)) + [t for t in stops if t not in self.eos_token_ids]
+        sampling = SamplingConfig(
+            max_new_tokens=request.max_tokens,
+            temperature=1.0 if greedy else request.temperature,
+            top_p=request.top_p,
+            top_k=max(request.top_k, 0),
+            min_p=request.min_p or None,
+            repetition_penalty=request.repetition_penalty,
+            do_sample=not greedy,
+            # -1 matches no token: with ignore_eos and no stop ids a completion runs to max_tokens.
+            eos_token_ids=eos or [-1],
+            pad_token_id=self.pad_token_id,
+        )
+        generator = self.generator
+        if request.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(request.seed)
+        sampler = GroupSampler(
+            self.model, return_logprobs=request.logprobs, max_batch_tokens=self.max_batch_tokens, generator=generator
+        )
+        out = sampler.generate(request.prompts, sampling, request.n)
+        stop_set = set(stops)
+        results: list[list[GeneratedSequence]] = []
+        for p in range(len(request.prompts)):
+            group = []
+            for j in range(request.n):
+                r = p * request.n + j
+                ids = out.completion_ids[r]
+                stop_reason = ids[-1] if out.finished[r] and ids and ids[-1] in stop_set else None
+                group.append(
+                    GeneratedSequence(
+                        ids,
+                        out.logprobs[r] if out.logprobs is not None else None,
+                        "stop" if out.finished[r] else "length",
+                        stop_reason,
+                    )
+                )
+            results.append(group)
+        return results
+
+    def load_weights(self, tensors: dict[str, torch.Tensor]) -> int:
+        from posttrain.serving.weights import load_into
+
+        return load_into(self.model, tensors)
+
+    def reset_prefix_cache(self) -> None:
+        """No-op: the group sampler keeps no cache between requests."""
+
+    def close(self) -> None:
+        """Nothing to release."""

@@ -1,0 +1,134 @@
+"""Moving the trainer's weights to a generation server: which tensors, under which names, in which bytes.
+
+Transport choice (CPU-portable path): **safetensors bytes in the body of an HTTP POST**. It needs nothing but the
+HTTP stack the server already runs (no process group to rendezvous, no port besides the server's, works across
+machines and through proxies), safetensors is a zero-copy, pickle-free format (a malicious body cannot run code on
+the server, unlike ``torch.save``), it keeps dtypes and shapes exactly (so a push is *bitwise*: the server's
+parameters equal the trainer's), and any language can produce it. The cost is a copy through host memory and the
+network, which for a 0.5B-parameter model is ~1-2 GB per push: fine on CPU and for small models, slow for large
+ones, where the GPU paths (NCCL broadcast through vLLM's weight-transfer engine or TRL's communicator, see
+``posttrain.generation.vllm_server``) are the ones to use. Large pushes are split into chunks of at most
+``chunk_bytes`` (several requests of one update); the server applies an update only when its last chunk arrives, so
+generation never sees half-updated weights.
+
+Names are the plain transformers checkpoint names (``model.layers.0.self_attn.q_proj.weight``), which is what both
+the posttrain server's model and vLLM's ``load_weights`` expect. A PEFT policy is pushed as its merged weights (TRL:
+``merge_adapter()``, push the base-model tensors with the PEFT prefixes removed, ``unmerge_adapter()``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+DEFAULT_CHUNK_BYTES = 512 * 1024 * 1024
+
+
+def clean_param_name(name: str) -> str | None:
+    """A PEFT / DDP parameter name as the base checkpoint spells it; ``None`` for adapter-only parameters.
+
+    Drops ``module.`` (DDP) and ``base_model.model.`` prefixes and ``.base_layer``, maps
+    ``modules_to_save.default.`` to the module itself, and skips ``lora_*`` and ``original_module`` tensors.
+    """
+    name = name.removeprefix("module.").removeprefix("base_model.model.")
+    if "lora_" in name or "original_module" in name:
+        return None
+    return name.replace(".base_layer", "").replace("modules_to_save.default.", "")
+
+
+def _is_peft(model: Any) -> bool:
+    return hasattr(model, "merge_adapter") and hasattr(model, "unmerge_adapter") and hasattr(model, "peft_config")
+
+
+@contextlib.contextmanager
+def policy_weights(model: torch.nn.Module) -> Iterator[Iterator[tuple[str, torch.Tensor]]]:
+    """Yield an iterator of ``(checkpoint name, tensor)`` for the model's current (merged, for PEFT) weights.
+
+    For a PEFT model the adapters are merged into the base weights for the duration of the ``with`` block and
+    unmerged afterwards, as TRL does. Tied parameters appear once (``named_parameters`` deduplicates them). DTensor
+    (FSDP2) parameters are gathered with ``full_tensor()``.
+    """
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+        model = model.module  # DDP
+    peft = _is_peft(model)
+    if peft:
+        model.merge_adapter()
+    try:
+
+        def items() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, param in model.named_parameters():
+                clean = clean_param_name(name) if peft else name.removeprefix("module.")
+                if clean is None:
+                    continue
+                tensor = param.detach()
+                if hasattr(tensor, "full_tensor"):  # torch.distributed.tensor.DTensor (FSDP2)
+                    tensor = tensor.full_tensor()
+                yield clean, tensor
+
+        with torch.no_grad():
+            yield items()
+    finally:
+        if peft:
+            model.unmerge_adapter()
+
+
+def serialize_chunks(
+    tensors: Iterator[tuple[str, torch.Tensor]] | dict[str, torch.Tensor], chunk_bytes: int = DEFAULT_CHUNK_BYTES
+) -> Iterator[bytes]:
+    """safetensors payloads of at most ~``chunk_bytes`` each (a single larger tensor gets a chunk of its own)."""
+    from safetensors.torch import save
+
+    if isinstance(tensors, dict):
+        tensors = iter(tensors.items())
+    chunk: dict[str, torch.Tensor] = {}
+    size = 0
+    for name, tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if chunk and size + nbytes > chunk_bytes:
+            yield save(chunk)
+            chunk, size = {}, 0
+        # safetensors wants contiguous CPU tensors that share no storage with another entry.
+        chunk[name] = tensor.detach().to("cpu").contiguous().clone()
+        size += nbytes
+    if chunk:
+        yield save(chunk)
+
+
+def deserialize(data: bytes) -> dict[str, torch.Tensor]:
+    """Tensors from a safetensors payload; ``ValueError`` when the bytes are not one."""
+    from safetensors.torch import load
+
+    try:
+        return load(data)
+    except Exception as err:  # safetensors raises its own SafetensorError (and others for truncated headers)
+        raise ValueError(f"The request body is not a valid safetensors payload: {err}") from err
+
+
+def load_into(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> int:
+    """Copy ``tensors`` into the model's parameters/buffers of the same name; returns how many were loaded.
+
+    Every name must exist and every shape must match (``ValueError`` naming the first offender, before anything is
+    copied). Values are cast to the parameter's dtype; a partial update (a subset of the names) is allowed.
+    """
+    targets = dict(model.named_parameters())
+    targets.update(dict(model.named_buffers()))
+    for name, tensor in tensors.items():
+        if name not in targets:
+            close = difflib.get_close_matches(name, list(targets), n=3)
+            raise ValueError(
+                f"Unknown weight name {name!r}: the served model has no such parameter"
+                + (f" (similar: {close})." if close else ".")
+            )
+        if tuple(targets[name].shape) != tuple(tensor.shape):
+            raise ValueError(
+                f"Weight {name!r} has shape {list(tensor.shape)} but the served model's is {list(targets[name].shape)}."
+            )
+    with torch.no_grad():
+        for name, tensor in tensors.items():
+            target = targets[name]
+            target.copy_(tensor.to(device=target.device, dtype=target.dtype))
+    return len(tensors)
