@@ -5,7 +5,8 @@
 - ``"posttrain"`` (default): ``GroupSampler``, one prefill per unique prompt, KV cache expanded G ways, finished
   rows dropped from the decode batch;
 - ``"transformers"``: ``TransformersBackend``, ``model.generate`` as TRL calls it;
-- ``"vllm_colocate"`` / ``"vllm_server"``: need ``pip install posttrain[vllm]`` and a CUDA GPU;
+- ``"vllm_server"``: ``VLLMServerBackend``, a client of ``posttrain serve`` / ``vllm serve`` (weights pushed to it);
+- ``"vllm_colocate"``: ``VLLMColocateBackend``, vLLM's engine in the trainer (``pip install posttrain[vllm]``, CUDA);
 - ``"rollout_func"``: ``RolloutFuncBackend``, the user's ``rollout_func(prompts, trainer)``.
 
 Backends are imported lazily (``get_backend``), so importing this package imports neither torch nor transformers.
@@ -22,6 +23,8 @@ if TYPE_CHECKING:
     from posttrain.generation.group_sampler import GroupSampler
     from posttrain.generation.rollout_func import RolloutFuncBackend
     from posttrain.generation.transformers_backend import TransformersBackend
+    from posttrain.generation.vllm_colocate import VLLMColocateBackend
+    from posttrain.generation.vllm_server import VLLMServerBackend
 
 _LAZY = {
     "GroupSampler": "posttrain.generation.group_sampler",
@@ -38,6 +41,8 @@ __all__ = [
     "RolloutFuncBackend",
     "SamplingConfig",
     "TransformersBackend",
+    "VLLMColocateBackend",
+    "VLLMServerBackend",
     "backend_names",
     "get_backend",
     "truncate_at_eos",

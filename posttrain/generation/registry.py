@@ -1,8 +1,9 @@
 """Generation backend names → ``"module:attribute"`` entries, imported only when asked for.
 
 ``import posttrain`` must not import vLLM (or even torch) for a backend nobody uses, so the table holds strings and
-``get_backend`` imports the one it is asked for. The vLLM entries check for vLLM and a CUDA device first and fail
-with an error that says what to install or where to run.
+``get_backend`` imports the one it is asked for. ``vllm_colocate`` checks for vLLM and a CUDA device first and fails
+with an error that says what to install or where to run; ``vllm_server`` is an HTTP client of ``posttrain serve`` or
+``vllm serve`` (it needs the ``serve`` extra).
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ DEFAULT_BACKEND = "posttrain"
 BACKENDS: Registry[str] = Registry("generation backend")
 BACKENDS.add("posttrain", "posttrain.generation.group_sampler:GroupSampler")
 BACKENDS.add("transformers", "posttrain.generation.transformers_backend:TransformersBackend")
-BACKENDS.add("vllm_colocate", "posttrain.generation.vllm_backend:VLLMColocateBackend")
-BACKENDS.add("vllm_server", "posttrain.generation.vllm_backend:VLLMServerBackend")
+BACKENDS.add("vllm_colocate", "posttrain.generation.vllm_colocate:VLLMColocateBackend")
+BACKENDS.add("vllm_server", "posttrain.generation.vllm_server:VLLMServerBackend")
 BACKENDS.add("rollout_func", "posttrain.generation.rollout_func:RolloutFuncBackend.from_components")
 
-_NEEDS_VLLM = {"vllm_colocate", "vllm_server"}
+# The server backend is an HTTP client (httpx): it needs vLLM and a GPU only to talk NCCL to a real vLLM server.
+_NEEDS_VLLM = {"vllm_colocate"}
 
 
 def load_entry(entry: str) -> Any:
@@ -65,7 +67,8 @@ def get_backend(name: Any = DEFAULT_BACKEND, model: Any = None, tokenizer: Any =
 
     Raises:
         ValueError: Unknown name (the message lists the valid ones).
-        ImportError / RuntimeError: A vLLM backend without vLLM installed / without a CUDA GPU.
+        ImportError / RuntimeError: ``vllm_colocate`` without vLLM installed / without a CUDA GPU;
+            ``vllm_server`` without httpx.
     """
     if not isinstance(name, str) and not isinstance(name, type) and isinstance(name, GenerationBackend):
         return name
@@ -74,17 +77,14 @@ def get_backend(name: Any = DEFAULT_BACKEND, model: Any = None, tokenizer: Any =
     entry = BACKENDS.get(name)
     if name in _NEEDS_VLLM:
         _require_vllm(name)
-        try:
-            factory = load_entry(entry)
-        except ModuleNotFoundError as e:
-            if e.name != "posttrain.generation.vllm_backend":
-                raise
-            raise ImportError(
-                f"The {name!r} generation backend is not part of this posttrain installation "
-                f"(module posttrain.generation.vllm_backend is missing); use 'posttrain' or 'transformers'."
-            ) from e
-    else:
+    try:
         factory = load_entry(entry)
+    except ModuleNotFoundError as e:
+        if name != "vllm_server" or e.name not in ("httpx", "fastapi", "uvicorn"):
+            raise
+        raise ImportError(
+            f"The 'vllm_server' generation backend needs {e.name}: pip install posttrain[serve]."
+        ) from e
     return factory(model, tokenizer, **kwargs)
 
 

@@ -152,7 +152,7 @@ class GenerationClient:
         request_timeout: float | None = None,
         connect_timeout: float = 5.0,
         max_retries: int = 3,
-        retry_backoff: float = 0.5,
+        retry_backoff: float = 0.25,
         busy_timeout: float = 600.0,
     ):
         self.base_url = base_url.rstrip("/")
@@ -167,13 +167,13 @@ class GenerationClient:
     @property
     def client(self) -> httpx.Client:
         if self._client is None:
-            self._client = httpx.Client(base_url=self.base_url, timeout=self.timeout)
+            self._client = httpx.Client(base_url=self.base_url, timeout=self.timeout, follow_redirects=True)
         return self._client
 
     @property
     def aclient(self) -> httpx.AsyncClient:
         if self._aclient is None:
-            self._aclient = httpx.AsyncClient(base_url=self.base_url, timeout=self.timeout)
+            self._aclient = httpx.AsyncClient(base_url=self.base_url, timeout=self.timeout, follow_redirects=True)
         return self._aclient
 
     def _unavailable(self, path: str, err: Exception) -> ServerUnavailableError:
@@ -274,38 +274,46 @@ class GenerationClient:
         resp = await self.arequest("POST", "/v1/completions", json=payload)
         return parse_completions(resp.json(), len(prompts), payload["n"])
 
-    def load_weights(
-        self, chunks: Iterable[bytes], version: int | None = None
-    ) -> int:
-        """Push safetensors payloads (``weights.serialize_chunks``) as one update; returns the new version."""
-        update_id = uuid.uuid4().hex
-        chunks = list(chunks) if not isinstance(chunks, list) else chunks
-        if not chunks:
-            raise ValueError("load_weights needs at least one safetensors chunk.")
-        result: dict[str, Any] = {}
-        for i, chunk in enumerate(chunks):
-            params: dict[str, Any] = {"update_id": update_id, "last": str(i == len(chunks) - 1).lower()}
-            if version is not None:
-                params["version"] = int(version)
+    @staticmethod
+    def _with_last(chunks: Iterable[bytes]) -> Iterable[tuple[bytes, bool]]:
+        """``(chunk, is_last)`` with one chunk of look-ahead, so chunks stream without being held all at once."""
+        it = iter(chunks)
+        try:
+            current = next(it)
+        except StopIteration:
+            raise ValueError("load_weights needs at least one safetensors chunk.") from None
+        for nxt in it:
+            yield current, False
+            current = nxt
+        yield current, True
+
+    @staticmethod
+    def _weight_params(update_id: str, last: bool, version: int | None) -> dict[str, Any]:
+        params: dict[str, Any] = {"update_id": update_id, "last": str(last).lower()}
+        if version is not None:
+            params["version"] = int(version)
+        return params
+
+    def load_weights(self, chunks: Iterable[bytes], version: int | None = None) -> int:
+        """Push safetensors payloads (``weights.serialize_chunks``) as one update; returns the new version.
+
+        The server applies the update when the last chunk arrives; ``version`` sets the version it then reports
+        (default: its previous version + 1).
+        """
+        update_id, result = uuid.uuid4().hex, {}
+        for chunk, last in self._with_last(chunks):
             resp = self.request(
-                "POST", "/v1/load_weights", content=chunk, params=params,
+                "POST", "/v1/load_weights", content=chunk, params=self._weight_params(update_id, last, version),
                 headers={"Content-Type": "application/octet-stream"},
             )  # fmt: skip
             result = resp.json()
         return int(result["version"])
 
     async def aload_weights(self, chunks: Iterable[bytes], version: int | None = None) -> int:
-        update_id = uuid.uuid4().hex
-        chunks = list(chunks)
-        if not chunks:
-            raise ValueError("load_weights needs at least one safetensors chunk.")
-        result: dict[str, Any] = {}
-        for i, chunk in enumerate(chunks):
-            params: dict[str, Any] = {"update_id": update_id, "last": str(i == len(chunks) - 1).lower()}
-            if version is not None:
-                params["version"] = int(version)
+        update_id, result = uuid.uuid4().hex, {}
+        for chunk, last in self._with_last(chunks):
             resp = await self.arequest(
-                "POST", "/v1/load_weights", content=chunk, params=params,
+                "POST", "/v1/load_weights", content=chunk, params=self._weight_params(update_id, last, version),
                 headers={"Content-Type": "application/octet-stream"},
             )  # fmt: skip
             result = resp.json()

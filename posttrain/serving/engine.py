@@ -142,7 +142,7 @@ class PosttrainEngine:
         if request.structured_outputs_regex is not None:
             raise RequestError(
                 "structured_outputs",
-                "Structured outputs (regex-constrained decoding) need the vLLM engine: start the server with "
+                "structured_outputs (regex-constrained decoding) needs the vLLM engine: start the server with "
                 "--backend vllm.",
             )
         if request.extra:

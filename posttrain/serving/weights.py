@@ -64,6 +64,11 @@ def policy_weights(model: torch.nn.Module) -> Iterator[Iterator[tuple[str, torch
                 clean = clean_param_name(name) if peft else name.removeprefix("module.")
                 if clean is None:
                     continue
+                if hasattr(param, "ds_id"):
+                    raise ValueError(
+                        "Pushing DeepSpeed ZeRO-3 partitioned parameters to a generation server is not supported; "
+                        "use ZeRO-1/2, FSDP2 or a single process with vllm_mode='server'."
+                    )
                 tensor = param.detach()
                 if hasattr(tensor, "full_tensor"):  # torch.distributed.tensor.DTensor (FSDP2)
                     tensor = tensor.full_tensor()
@@ -114,7 +119,7 @@ def load_into(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> int:
     Every name must exist and every shape must match (``ValueError`` naming the first offender, before anything is
     copied). Values are cast to the parameter's dtype; a partial update (a subset of the names) is allowed.
     """
-    targets = dict(model.named_parameters())
+    targets = dict(model.named_parameters(remove_duplicate=False))  # tied aliases (lm_head.weight) accepted too
     targets.update(dict(model.named_buffers()))
     for name, tensor in tensors.items():
         if name not in targets:

@@ -46,12 +46,11 @@ def test_callables_and_instances_pass_through(llama, tokenizer):
     assert isinstance(built, TransformersBackend) and not built.return_logprobs
 
 
-def test_vllm_backends_fail_clearly_without_vllm_or_gpu(monkeypatch):
+def test_vllm_colocate_fails_clearly_without_vllm_or_gpu(monkeypatch):
     real_find_spec = importlib.util.find_spec
     if real_find_spec("vllm") is None:
-        for name in ("vllm_colocate", "vllm_server"):
-            with pytest.raises(ImportError, match=r"pip install posttrain\[vllm\]"):
-                get_backend(name)
+        with pytest.raises(ImportError, match=r"pip install posttrain\[vllm\]"):
+            get_backend("vllm_colocate")
     # Pretend vLLM is installed: on a machine without CUDA the error says a GPU is required.
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == "vllm" else real_find_spec(n, *a))
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)

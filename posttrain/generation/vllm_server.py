@@ -1,0 +1,308 @@
+"""The ``vllm_server`` generation backend: GRPO/RLOO with ``use_vllm=True, vllm_mode="server"``.
+
+The trainer is an HTTP client of a generation server at ``vllm_server_base_url`` (or
+``http://{vllm_server_host}:{vllm_server_port}``), waiting up to ``vllm_server_timeout`` seconds for it at start-up.
+Three kinds of server are recognised from their ``/health`` answer (or forced with ``protocol=``):
+
+- ``"posttrain"`` — ``posttrain serve`` / ``posttrain vllm-serve`` (either engine). Generation: ``/v1/completions``
+  with token-id prompts, ``n = num_generations``, processed sampling log-probs. Weights: safetensors over HTTP
+  (``/v1/load_weights``, CPU-portable, bitwise); the version the server reports is kept in ``self.version``.
+- ``"vllm"`` — a real ``vllm serve`` started as the TRL docs say (``VLLM_SERVER_DEV_MODE=1 vllm serve <model>
+  --weight-transfer-config '{"backend":"nccl"}' --logprobs-mode processed_logprobs --max-logprobs -1``).
+  Generation: ``/v1/completions`` (``return_token_ids``); weights: vLLM's NCCL weight-transfer engine
+  (``/init_weight_transfer_engine``, then per push ``/pause``, ``/start_weight_update``, ``/update_weights`` while
+  the trainer broadcasts, ``/finish_weight_update``, ``/resume``). Needs vLLM >= 0.22 and a CUDA device in the
+  trainer. **Not verified on hardware in this release.**
+- ``"trl"`` — TRL's ``trl vllm-serve``. Generation: ``/generate/``; weights: TRL's communicator
+  (``/init_communicator/``, then ``/update_named_param/`` + a PyNccl broadcast per parameter,
+  ``/reset_prefix_cache/``). Needs vLLM and CUDA in the trainer. **Not verified on hardware in this release.**
+
+Weights are pushed by ``sync_weights``, which the trainer calls before generating whenever ``global_step`` changed
+(so after every optimizer step that changed the policy, once, before its weights are needed; TRL's schedule). PEFT
+policies are pushed merged (``merge_adapter`` → push → ``unmerge_adapter``). In multi-process training every rank
+takes part in gathering (FSDP2 ``full_tensor``), rank 0 sends, and all ranks wait for it before generating.
+
+Sampling seeds: unless ``generation_kwargs`` gives a ``seed``, each request carries ``request_seed(seed, rank,
+k)`` for the k-th request of this process, so a server-mode run is reproducible (the posttrain engine samples a
+seeded request exactly as ``GroupSampler`` with ``torch.Generator().manual_seed(that seed)`` in-process). TRL sends
+no seed (vLLM's own RNG decides).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from posttrain.generation.base import Completions, SamplingConfig, truncate_at_eos
+
+logger = logging.getLogger(__name__)
+
+PROTOCOLS = ("posttrain", "vllm", "trl")
+
+
+def request_seed(seed: int, rank: int, k: int) -> int:
+    """The seed of the ``k``-th generation request of process ``rank`` in a run seeded with ``seed`` (< 2**31)."""
+    return (int(seed) * 1_000_003 + int(rank) * 7_919 + int(k) * 104_729 + 12_345) % (2**31 - 1)
+
+
+def _dist() -> tuple[int, bool]:
+    """(rank, distributed?) of this process."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), True
+    return 0, False
+
+
+class VLLMServerBackend:
+    """Generate through a generation server and keep its weights in sync (see the module docstring).
+
+    Args:
+        model: The policy (unused until ``sync_weights``; kept for the registry's constructor).
+        tokenizer: The policy's tokenizer.
+        args: A GRPO/RLOO config (``vllm_server_*``, ``vllm_group_port``, ``vllm_structured_outputs_regex``,
+            ``seed``). Keywords below override it.
+        base_url: Server URL.
+        protocol: ``"posttrain"``, ``"vllm"`` or ``"trl"``; ``None`` = detect.
+        timeout: Seconds to wait for the server to come up.
+        chunk_bytes: Most bytes per weight-push request (posttrain protocol).
+        client_kwargs: Extra ``GenerationClient`` arguments (retries, timeouts).
+    """
+
+    def __init__(
+        self,
+        model: Any = None,
+        tokenizer: Any = None,
+        args: Any = None,
+        *,
+        base_url: str | None = None,
+        protocol: str | None = None,
+        timeout: float | None = None,
+        seed: int | None = None,
+        chunk_bytes: int | None = None,
+        client_kwargs: dict[str, Any] | None = None,
+    ):
+        try:
+            from posttrain.serving.client import GenerationClient
+        except ImportError as err:
+            raise ImportError(
+                "vllm_mode='server' needs httpx: pip install posttrain[serve]."
+            ) from err
+        from posttrain.serving.weights import DEFAULT_CHUNK_BYTES
+
+        if base_url is None:
+            base_url = getattr(args, "vllm_server_base_url", None)
+        if base_url is None:
+            host = getattr(args, "vllm_server_host", "0.0.0.0")
+            base_url = f"http://{host}:{getattr(args, 'vllm_server_port', 8000)}"
+        self.base_url = base_url.rstrip("/")
+        self.tokenizer = tokenizer
+        self.seed = int(seed if seed is not None else getattr(args, "seed", 0))
+        self.group_port = int(getattr(args, "vllm_group_port", 51216))
+        self.regex = getattr(args, "vllm_structured_outputs_regex", None)
+        self.chunk_bytes = chunk_bytes or DEFAULT_CHUNK_BYTES
+        self.client = GenerationClient(self.base_url, **(client_kwargs or {}))
+        wait = float(timeout if timeout is not None else getattr(args, "vllm_server_timeout", 240.0))
+        info = self.client.wait_until_ready(timeout=wait)
+        self.protocol = protocol or self._detect(info)
+        if self.protocol not in PROTOCOLS:
+            raise ValueError(f"protocol must be one of {PROTOCOLS}, got {self.protocol!r}.")
+        self.version: int | None = info.get("version") if self.protocol == "posttrain" else 0
+        self.model_name = info.get("model")
+        if self.protocol == "vllm":
+            self.model_name = self.client.request("GET", "/v1/models").json()["data"][0]["id"]
+        self._requests = 0
+        self._nccl: Any = None  # the weight-transfer group (vllm / trl protocols)
+        logger.info("Generation server at %s (%s protocol, weight version %s).", self.base_url, self.protocol,
+                    self.version)  # fmt: skip
+
+    def _detect(self, info: dict[str, Any]) -> str:
+        if info.get("server") == "posttrain":
+            return "posttrain"
+        try:
+            self.client.request("GET", "/v1/models")
+            return "vllm"
+        except Exception:
+            return "trl"
+
+    # -- generation ---------------------------------------------------------------------------------------------
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig, num_generations: int = 1) -> Completions:
+        """``num_generations`` completions per prompt from the server, rows ``[p0 g0, p0 g1, ..., p1 g0, ...]``."""
+        if num_generations < 1:
+            raise ValueError(f"num_generations must be >= 1, got {num_generations}.")
+        rows = [list(p) for p in prompt_ids for _ in range(num_generations)]
+        if not prompt_ids:
+            return Completions([], [], [], [])
+        s = sampling.resolved()
+        extra = dict(s.generation_kwargs or {})
+        seed = extra.pop("seed", None)
+        if seed is None:
+            seed = request_seed(self.seed, _dist()[0], self._requests)
+        self._requests += 1
+        fields = dict(
+            n=num_generations,
+            max_tokens=s.max_new_tokens,
+            temperature=s.temperature if s.do_sample else 0.0,
+            top_p=s.top_p if s.do_sample else 1.0,
+            top_k=(s.top_k or 0) if s.do_sample else 0,
+            min_p=(s.min_p or 0.0) if s.do_sample else 0.0,
+            repetition_penalty=s.repetition_penalty,
+        )
+        if self.protocol == "trl":
+            ids, lps = self._generate_trl(prompt_ids, fields, seed, extra)
+        else:
+            ids, lps = self._generate_openai(prompt_ids, fields, seed, extra, s.eos_token_ids)
+        eos = set(s.eos_token_ids)
+        out_ids, out_lps, finished = [], [], []
+        for row_ids, row_lps in zip(ids, lps):
+            cut, done = truncate_at_eos(row_ids, eos)
+            out_ids.append(cut)
+            finished.append(done)
+            out_lps.append(None if row_lps is None else list(row_lps[: len(cut)]))
+        logprobs = None if any(lp is None for lp in out_lps) else out_lps
+        return Completions(out_ids, logprobs, finished, rows)
+
+    def _generate_openai(self, prompt_ids, fields, seed, extra, eos_ids) -> tuple[list, list]:
+        if self.protocol == "vllm" and fields["top_k"] == 0:
+            fields["top_k"] = -1  # "all tokens" in every vLLM version
+        if self.regex is not None:
+            extra.setdefault("structured_outputs", {"regex": self.regex})
+        result = self.client.completions(
+            prompt_ids, **fields, stop_token_ids=list(eos_ids), logprobs=True, seed=seed,
+            model=self.model_name if self.protocol == "vllm" else None, extra=extra,
+        )  # fmt: skip
+        if self.protocol == "posttrain":
+            self.version = result.version
+        choices = [c for group in result.choices for c in group]
+        return [c.token_ids for c in choices], [c.logprobs for c in choices]
+
+    def _generate_trl(self, prompt_ids, fields, seed, extra) -> tuple[list, list]:
+        payload = {
+            "prompts": [list(p) for p in prompt_ids],
+            **fields,
+            "logprobs": 0,
+            "structured_outputs_regex": self.regex,
+            "generation_kwargs": {"seed": seed, **extra},
+        }
+        data = self.client.request("POST", "/generate/", json=payload).json()
+        lps = data.get("logprobs")
+        flat_lps = [None] * len(data["completion_ids"]) if lps is None else [[t[0] for t in row] for row in lps]
+        return data["completion_ids"], flat_lps
+
+    # -- weights ------------------------------------------------------------------------------------------------
+    def sync_weights(self, model: Any) -> None:
+        """Push the policy's current weights to the server (rank 0 sends; every rank waits for it)."""
+        from posttrain.serving.weights import policy_weights, serialize_chunks
+
+        rank, distributed = _dist()
+        with policy_weights(model) as items:
+            if self.protocol == "posttrain":
+                if rank == 0:
+                    self.version = self.client.load_weights(serialize_chunks(items, self.chunk_bytes))
+                else:
+                    for _ in items:  # take part in any gathering collectives
+                        pass
+            else:
+                tensors = list(items)
+                if rank == 0:
+                    (self._push_vllm if self.protocol == "vllm" else self._push_trl)(tensors)
+                    self.version = (self.version or 0) + 1
+        if distributed:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    def _push_vllm(self, tensors: list[tuple[str, Any]]) -> None:
+        """vLLM's NCCL weight-transfer engine (``vllm serve --weight-transfer-config '{"backend":"nccl"}'``)."""
+        import torch
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerSendWeightsArgs, NCCLWeightTransferEngine
+
+        device = torch.device("cuda", torch.cuda.current_device())
+        if self._nccl is None:
+            from vllm.utils.network_utils import get_ip, get_open_port
+
+            world_size = int(self.client.request("GET", "/get_world_size").json()["world_size"]) + 1
+            init_info = {"master_address": get_ip(), "master_port": get_open_port(), "rank_offset": 1,
+                         "world_size": world_size}  # fmt: skip
+            server_side = self._in_thread("POST", "/init_weight_transfer_engine", json={"init_info": init_info})
+            self._nccl = NCCLWeightTransferEngine.trainer_init(
+                {k: init_info[k] for k in ("master_address", "master_port", "world_size")}
+            )
+            self._join(server_side)
+        update_info = {
+            "names": [n for n, _ in tensors],
+            "dtype_names": [str(t.dtype).split(".")[-1] for _, t in tensors],
+            "shapes": [list(t.shape) for _, t in tensors],
+            "packed": True,
+        }
+        self.client.request("POST", "/pause", params={"mode": "keep"})
+        try:
+            self.client.request("POST", "/start_weight_update", json={"is_checkpoint_format": True})
+            receiving = self._in_thread("POST", "/update_weights", json={"update_info": update_info})
+            NCCLWeightTransferEngine.trainer_send_weights(
+                iterator=((n, t.to(device)) for n, t in tensors),
+                trainer_args=NCCLTrainerSendWeightsArgs(group=self._nccl, packed=True),
+            )
+            self._join(receiving)
+            self.client.request("POST", "/finish_weight_update")
+        finally:
+            self.client.request("POST", "/resume")
+
+    def _push_trl(self, tensors: list[tuple[str, Any]]) -> None:
+        """TRL's ``trl vllm-serve`` communicator: metadata over HTTP, each tensor by a PyNccl broadcast."""
+        import torch
+
+        device = torch.device("cuda", torch.cuda.current_device())
+        if self._nccl is None:
+            from urllib.parse import urlparse
+
+            from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+            from vllm.distributed.utils import StatelessProcessGroup
+
+            world_size = int(self.client.request("GET", "/get_world_size/").json()["world_size"]) + 1
+            self.client.request("POST", "/init_communicator/", json={
+                "host": "0.0.0.0", "port": self.group_port, "world_size": world_size,
+                "client_device_uuid": str(torch.cuda.get_device_properties(device).uuid),
+            })  # fmt: skip
+            host = urlparse(self.base_url).hostname
+            group = StatelessProcessGroup.create(host=host, port=self.group_port, rank=world_size - 1,
+                                                 world_size=world_size)  # fmt: skip
+            self._nccl = (PyNcclCommunicator(group, device=device), world_size - 1)
+        communicator, rank = self._nccl
+        for name, tensor in tensors:
+            tensor = tensor.to(device)
+            self.client.request("POST", "/update_named_param/", json={
+                "name": name, "dtype": str(tensor.dtype), "shape": list(tensor.shape)})  # fmt: skip
+            communicator.broadcast(tensor, src=rank)
+            communicator.group.barrier()
+        self.client.request("POST", "/reset_prefix_cache/")
+
+    def _in_thread(self, method: str, path: str, **kwargs: Any) -> tuple[threading.Thread, list]:
+        """Send a request that blocks server-side until the trainer's collective runs (on a thread)."""
+        errors: list = []
+
+        def send() -> None:
+            try:
+                self.client.request(method, path, **kwargs)
+            except Exception as err:  # re-raised by _join
+                errors.append(err)
+
+        thread = threading.Thread(target=send, daemon=True)
+        thread.start()
+        return thread, errors
+
+    @staticmethod
+    def _join(handle: tuple[threading.Thread, list]) -> None:
+        thread, errors = handle
+        thread.join()
+        if errors:
+            raise errors[0]
+
+    def close(self) -> None:
+        if self._nccl is not None and self.protocol == "trl":
+            try:
+                self.client.request("POST", "/close_communicator/")
+            except Exception:  # the server may already be gone at exit
+                logger.debug("close_communicator failed", exc_info=True)
+        self.client.close()
