@@ -1,0 +1,176 @@
+"""The ``vllm_server`` backend against ``posttrain serve`` over loopback: sampling equals in-process sampling,
+weight sync (full and PEFT-merged) is bitwise, GRPO in server mode equals in-process GRPO, a dead server is a clear
+error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM
+
+from posttrain.generation.base import SamplingConfig
+from posttrain.generation.group_sampler import GroupSampler
+from posttrain.generation.registry import get_backend
+from posttrain.generation.vllm_server import VLLMServerBackend, request_seed
+from posttrain.serving.app import serve_in_thread
+from posttrain.serving.client import ServerUnavailableError
+from posttrain.serving.engine import PosttrainEngine
+
+EOS, PAD = 258, 259
+PROMPTS = [list(b"hello there"), list(b"a"), list(b"the quick brown fox")]
+SAMPLING = SamplingConfig(6, temperature=0.9, top_k=50, eos_token_ids=[EOS], pad_token_id=PAD)
+
+
+def _seeded(model, seed, k):
+    return GroupSampler(model, generator=torch.Generator().manual_seed(request_seed(seed, 0, k)))
+
+
+@pytest.mark.parametrize("protocol", [None, "trl"])
+def test_generate_equals_in_process_sampler(server_url, engine, protocol):
+    backend = VLLMServerBackend(base_url=server_url, protocol=protocol, seed=11)
+    assert backend.protocol == (protocol or "posttrain")
+    for k in range(2):
+        remote = backend.generate(PROMPTS, SAMPLING, 3)
+        local = _seeded(engine.model, 11, k).generate(PROMPTS, SAMPLING, 3)
+        assert remote.completion_ids == local.completion_ids and remote.finished == local.finished
+        assert remote.logprobs == local.logprobs and remote.prompt_ids == local.prompt_ids
+    greedy = backend.generate(PROMPTS[:1], SamplingConfig(5, do_sample=False, eos_token_ids=[EOS], pad_token_id=PAD), 2)
+    assert greedy.completion_ids[0] == greedy.completion_ids[1]
+
+
+def test_registry_builds_it_from_trl_config_fields(server_url):
+    from types import SimpleNamespace
+
+    host, port = server_url.removeprefix("http://").split(":")
+    args = SimpleNamespace(vllm_server_base_url=None, vllm_server_host=host, vllm_server_port=int(port),
+                           vllm_server_timeout=5.0, seed=3)  # fmt: skip
+    backend = get_backend("vllm_server", None, None, args=args)
+    assert isinstance(backend, VLLMServerBackend) and backend.base_url == server_url and backend.seed == 3
+
+
+def test_sync_weights_full_and_peft_merged(tiny_model_path):
+    from peft import LoraConfig, get_peft_model
+
+    engine = PosttrainEngine.from_pretrained(tiny_model_path, device="cpu")
+    policy = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    with serve_in_thread(engine) as url:
+        backend = VLLMServerBackend(base_url=url, chunk_bytes=32 * 1024)
+        backend.sync_weights(policy)
+        assert backend.version == 1
+        served = dict(engine.model.named_parameters())
+        assert all(torch.equal(served[n], p) for n, p in policy.named_parameters())
+        # PEFT: the server gets W + BA under the base names; the trainer's adapters are unmerged afterwards.
+        peft = get_peft_model(policy, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+        with torch.no_grad():
+            for n, p in peft.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.1)
+        q_name = "model.layers.0.self_attn.q_proj.weight"
+        base_q = peft.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight.detach().clone()
+        backend.sync_weights(peft)
+        assert backend.version == 2
+        layer = peft.base_model.model.model.layers[0].self_attn.q_proj
+        expected = base_q + layer.get_delta_weight("default")
+        torch.testing.assert_close(served[q_name], expected, atol=1e-6, rtol=0)
+        assert not layer.merged
+        torch.testing.assert_close(layer.base_layer.weight, base_q, atol=1e-6, rtol=0)
+        remote = backend.generate(PROMPTS, SAMPLING, 2)
+        assert remote.logprobs is not None and backend.version == 2
+
+
+def _grpo_args(tmp_path, **overrides):
+    from posttrain.trainers.grpo import GRPOConfig
+
+    values = dict(
+        output_dir=str(tmp_path), report_to="none", save_strategy="no", logging_steps=1,
+        gradient_checkpointing=False, write_report=False, disable_tqdm=True, per_device_train_batch_size=4,
+        num_generations=2, max_completion_length=6, max_steps=2, learning_rate=5e-2, seed=7,
+        temperature=0.9,
+    )  # fmt: skip
+    values.update(overrides)
+    return GRPOConfig(**values)
+
+
+def varied_reward(completion_ids, **kwargs):
+    return [float(sum(ids) % 7) for ids in completion_ids]
+
+
+def _dataset():
+    return Dataset.from_list([{"prompt": f"Question {i}:"} for i in range(8)])
+
+
+class _SeededInProcess:
+    """The in-process run's sampler: GroupSampler re-seeded per call exactly as the server backend seeds requests."""
+
+    def __init__(self, sampler, seed):
+        self.sampler, self.seed, self.calls = sampler, seed, 0
+
+    def generate(self, prompt_ids, sampling, num_generations=1):
+        self.sampler.generator = torch.Generator().manual_seed(request_seed(self.seed, 0, self.calls))
+        self.calls += 1
+        return self.sampler.generate(prompt_ids, sampling, num_generations)
+
+    def sync_weights(self, model):
+        pass
+
+
+@pytest.mark.slow
+def test_grpo_server_mode_equals_in_process(tiny_model_path, tmp_path):
+    """GRPO with use_vllm=True, vllm_mode='server' against posttrain serve reaches the in-process parameters.
+
+    Both runs sample the same tokens (seeded per request) from the same weights (pushed before every generation),
+    and both apply the importance-sampling correction to the sampler's log-probs, so they must agree to rounding.
+    """
+    from posttrain.trainers.grpo import GRPOTrainer
+
+    local = GRPOTrainer(tiny_model_path, varied_reward, _grpo_args(tmp_path / "a", rollout_importance_sampling=True,
+                                                                   steps_per_generation=1),
+                        train_dataset=_dataset())  # fmt: skip
+    local.pipeline.backend = _SeededInProcess(local.backend, seed=7)
+    local.train()
+
+    engine = PosttrainEngine.from_pretrained(tiny_model_path, device="cpu")
+    with serve_in_thread(engine) as url:
+        remote = GRPOTrainer(tiny_model_path, varied_reward, _grpo_args(tmp_path / "b", use_vllm=True,
+                                                                        vllm_mode="server", vllm_server_base_url=url,
+                                                                        steps_per_generation=1),
+                             train_dataset=_dataset())  # fmt: skip
+        assert isinstance(remote.backend, VLLMServerBackend)
+        remote.train()
+        assert remote.backend.version == 2  # pushed before each of the two generations
+        served = dict(engine.model.named_parameters())
+    local_params = dict(local.model.named_parameters())
+    changed = 0
+    for name, value in remote.model.named_parameters():
+        assert torch.equal(value, local_params[name]), name  # same tokens, same log-probs: bitwise
+        changed += not torch.equal(value, served[name])
+    assert changed > 0  # the last optimizer step came after the last push
+    logs = {k: v for entry in remote.state.log_history for k, v in entry.items()}
+    assert "sampling/importance_sampling_ratio/mean" in logs
+
+
+def test_server_killed_mid_run_is_a_clear_error(tiny_model_path, tmp_path):
+    from posttrain.trainers.grpo import GRPOTrainer
+
+    engine = PosttrainEngine.from_pretrained(tiny_model_path, device="cpu")
+    with serve_in_thread(engine) as url:
+        trainer = GRPOTrainer(tiny_model_path, varied_reward,
+                              _grpo_args(tmp_path, use_vllm=True, vllm_mode="server", vllm_server_base_url=url,
+                                         max_steps=1), train_dataset=_dataset())  # fmt: skip
+    # The server is gone (stopped when the block ended) before the first generation.
+    with pytest.raises(ServerUnavailableError, match=r"not reachable.*posttrain serve"):
+        trainer.train()
+
+
+def test_no_server_at_startup_fails_after_timeout(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(ServerUnavailableError, match="did not become ready within 0.5 s"):
+        VLLMServerBackend(base_url=f"http://127.0.0.1:{port}", timeout=0.5)
