@@ -23,6 +23,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "posttrain.scripts.distillation:cli",
         "On-policy distillation of a teacher into a student (DistillationTrainer).",
     ),
+    "serve": (
+        "posttrain.cli.serve:serve_cli",
+        "Serve a model for generation (/v1/completions, weight updates) for GRPO/RLOO with vllm_mode='server'.",
+    ),
+    "vllm-serve": ("posttrain.cli.serve:vllm_serve_cli", "TRL's `trl vllm-serve` flags: the generation server."),
     "demo": ("posttrain.demo.run:main", "Offline end-to-end demo: SFT then GRPO on a tiny model, with a report."),
     "env": ("posttrain.cli.main:_run_env", "Print versions, devices and the accelerate config for bug reports."),
     "report": ("posttrain.cli.main:_run_report", "Write the HTML training report for an output directory."),

@@ -176,6 +176,19 @@ class ServerState:
             if watcher is not None:
                 watcher.cancel()
 
+    def submit(self, fn: Callable[[], Any]) -> None:
+        """Queue ``fn`` on the worker thread without waiting for it (errors are logged)."""
+
+        def job() -> None:
+            try:
+                fn()
+            except Exception:
+                logger.exception("Background engine job failed")
+            finally:
+                self.release()
+
+        self.executor.submit(job)
+
     @staticmethod
     async def _watch(request: Request, gone: threading.Event, future: Any) -> None:
         while not future.running() and not future.done():
@@ -450,15 +463,20 @@ def create_app(engine: Any, *, max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE, ver
                 f"server runs the {engine.name!r} engine: push weights with POST /v1/load_weights (safetensors).",
             )
         payload = await request.json() if name != "close_communicator" else {}
+        if not isinstance(payload, dict):
+            raise RequestError("body", f"{name} takes a JSON object.")
         if not state.admit():
             return busy()
+
         def fn() -> None:
             method(**payload)
             if name == "update_named_param":
                 state.nccl_params_since_version = True
 
-        await state.run(None, fn)
-        return {"message": f"{name} done", "version": state.version}
+        # Not awaited: the engine's side of a collective blocks until the trainer joins it, which the trainer
+        # does only after this answer. The worker runs jobs in order, so later requests still wait for it.
+        state.submit(fn)
+        return {"message": f"{name} scheduled", "version": state.version}
 
     def _route(name: str) -> Callable:
         async def endpoint(request: Request):
