@@ -154,15 +154,23 @@ class OnlineRLConfig(BaseConfig):
     # -- vLLM ----------------------------------------------------------------------------------------------------
     use_vllm: bool = field(
         default=False,
-        metadata={"help": "Generate with vLLM (needs `pip install posttrain[vllm]` and a CUDA GPU)."},
+        metadata={
+            "help": "Generate outside the training loop: vllm_mode='server' (a `posttrain serve` / `vllm serve` "
+            "process, weights pushed to it; `pip install posttrain[serve]`) or 'colocate' (vLLM in this process; "
+            "`pip install posttrain[vllm]` and a CUDA GPU)."
+        },
     )
-    vllm_mode: str = field(default="colocate", metadata={"help": "'colocate' (in-process) or 'server'."})
+    vllm_mode: str = field(
+        default="colocate", metadata={"help": "'colocate' (vLLM in-process, GPU) or 'server' (HTTP generation server)."}
+    )
     vllm_model_impl: str = field(default="vllm", metadata={"help": "'vllm' or 'transformers' model implementation."})
     vllm_structured_outputs_regex: str | None = field(default=None, metadata={"help": "Regex-constrained decoding."})
     vllm_server_base_url: str | None = field(default=None, metadata={"help": "Server URL (overrides host/port)."})
     vllm_server_host: str = field(default="0.0.0.0", metadata={"help": "vLLM server host."})
     vllm_server_port: int = field(default=8000, metadata={"help": "vLLM server port."})
-    vllm_server_timeout: float = field(default=240.0, metadata={"help": "Seconds to wait for the server."})
+    vllm_server_timeout: float = field(
+        default=240.0, metadata={"help": "Seconds to wait for the server at start-up, then ConnectionError."}
+    )
     vllm_group_port: int = field(default=51216, metadata={"help": "Port of the weight-update group."})
     vllm_gpu_memory_utilization: float = field(default=0.3, metadata={"help": "Colocate: GPU memory fraction."})
     vllm_max_model_length: int | None = field(default=None, metadata={"help": "Colocate: context window."})

@@ -154,16 +154,54 @@ def test_grpo_server_mode_equals_in_process(tiny_model_path, tmp_path):
 
 
 def test_server_killed_mid_run_is_a_clear_error(tiny_model_path, tmp_path):
+    """The server stops after the first optimizer step: the next push fails with an error naming the server."""
+    import threading
+
+    import uvicorn
+    from transformers import TrainerCallback
+
+    from posttrain.serving.app import create_app, uvicorn_config
     from posttrain.trainers.grpo import GRPOTrainer
 
     engine = PosttrainEngine.from_pretrained(tiny_model_path, device="cpu")
-    with serve_in_thread(engine) as url:
+    server = uvicorn.Server(uvicorn_config(create_app(engine), "127.0.0.1", 0, "warning", graceful_timeout=5))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        for _ in range(500):
+            if server.started:
+                break
+            threading.Event().wait(0.02)
+        url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+
+        class StopServer(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                server.should_exit = True
+                thread.join(timeout=30)
+
         trainer = GRPOTrainer(tiny_model_path, varied_reward,
                               _grpo_args(tmp_path, use_vllm=True, vllm_mode="server", vllm_server_base_url=url,
-                                         max_steps=1), train_dataset=_dataset())  # fmt: skip
-    # The server is gone (stopped when the block ended) before the first generation.
-    with pytest.raises(ServerUnavailableError, match=r"not reachable.*posttrain serve"):
-        trainer.train()
+                                         steps_per_generation=1), train_dataset=_dataset(),
+                              callbacks=[StopServer()])  # fmt: skip
+        with pytest.raises(ServerUnavailableError, match=r"not reachable.*posttrain serve"):
+            trainer.train()
+        assert trainer.state.global_step == 1 and not thread.is_alive()
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def test_rloo_server_mode_trains(server_url, tiny_model_path, tmp_path):
+    from posttrain.trainers.rloo import RLOOConfig, RLOOTrainer
+
+    args = RLOOConfig(output_dir=str(tmp_path), report_to="none", save_strategy="no", write_report=False,
+                      disable_tqdm=True, gradient_checkpointing=False, per_device_train_batch_size=4,
+                      num_generations=2, max_completion_length=4, max_steps=1, learning_rate=5e-2, use_vllm=True,
+                      vllm_mode="server", vllm_server_base_url=server_url)  # fmt: skip
+    trainer = RLOOTrainer(tiny_model_path, varied_reward, args, train_dataset=_dataset())
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
 
 
 def test_no_server_at_startup_fails_after_timeout(tmp_path):
