@@ -191,15 +191,19 @@ class VLLMServerBackend:
         return data["completion_ids"], flat_lps
 
     # -- weights ------------------------------------------------------------------------------------------------
-    def sync_weights(self, model: Any) -> None:
-        """Push the policy's current weights to the server (rank 0 sends; every rank waits for it)."""
+    def sync_weights(self, model: Any, version: int | None = None) -> None:
+        """Push the policy's current weights to the server (rank 0 sends; every rank waits for it).
+
+        ``version`` sets the weight version the server reports from now on (posttrain protocol; default: its
+        previous version + 1), e.g. the trainer's ``global_step`` for staleness bookkeeping.
+        """
         from posttrain.serving.weights import policy_weights, serialize_chunks
 
         rank, distributed = _dist()
         with policy_weights(model) as items:
             if self.protocol == "posttrain":
                 if rank == 0:
-                    self.version = self.client.load_weights(serialize_chunks(items, self.chunk_bytes))
+                    self.version = self.client.load_weights(serialize_chunks(items, self.chunk_bytes), version=version)
                 else:
                     for _ in items:  # take part in any gathering collectives
                         pass
@@ -207,7 +211,7 @@ class VLLMServerBackend:
                 tensors = list(items)
                 if rank == 0:
                     (self._push_vllm if self.protocol == "vllm" else self._push_trl)(tensors)
-                    self.version = (self.version or 0) + 1
+                    self.version = version if version is not None else (self.version or 0) + 1
         if distributed:
             import torch.distributed as dist
 

@@ -370,7 +370,8 @@ def create_app(engine: Any, *, max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE, ver
                     }
                 )
         prompt_tokens = sum(len(p) for p in gen.prompts)
-        return {
+        # A JSONResponse skips FastAPI's jsonable_encoder walk over every token and log-prob.
+        return JSONResponse({
             "id": f"cmpl-{uuid.uuid4().hex}",
             "object": "text_completion",
             "created": int(time.time()),
@@ -382,7 +383,7 @@ def create_app(engine: Any, *, max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE, ver
                 "total_tokens": prompt_tokens + completion_tokens,
             },
             "version": version,
-        }
+        })
 
     @app.post("/generate/")
     async def trl_generate(body: TRLGenerateBody, request: Request):
@@ -397,13 +398,13 @@ def create_app(engine: Any, *, max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE, ver
         state.count("completed")
         seqs = [seq for group in groups for seq in group]
         with_lp = all(s.logprobs is not None for s in seqs)
-        return {
+        return JSONResponse({
             "prompt_ids": gen.prompts,
             "completion_ids": [s.token_ids for s in seqs],
             "logprobs": [[[lp] for lp in s.logprobs] for s in seqs] if with_lp else None,
             "logprob_token_ids": [[[t] for t in s.token_ids] for s in seqs],
             "version": version,
-        }
+        })
 
     @app.post("/v1/load_weights")
     async def load_weights(request: Request, update_id: str | None = None, last: bool = True, version: int | None = None):

@@ -80,6 +80,8 @@ def test_sync_weights_full_and_peft_merged(tiny_model_path):
         torch.testing.assert_close(layer.base_layer.weight, base_q, atol=1e-6, rtol=0)
         remote = backend.generate(PROMPTS, SAMPLING, 2)
         assert remote.logprobs is not None and backend.version == 2
+        backend.sync_weights(peft, version=10)  # e.g. the trainer's global_step
+        assert backend.version == 10 and backend.client.health()["version"] == 10
 
 
 def _grpo_args(tmp_path, **overrides):
