@@ -274,3 +274,53 @@ def test_sigterm_finishes_in_flight_requests_then_exits(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_disconnect_while_running_is_harmless():
+    engine = _BlockingEngine()
+    with serve_in_thread(engine) as url:
+        results: list = []
+        t = _post_in_thread(url, results, timeout=0.3)  # the client leaves while its generation runs
+        assert engine.started.wait(10)
+        t.join(10)
+        assert results == ["ReadTimeout"]
+        engine.release.set()
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{url}/health").json()["pending"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert httpx.post(f"{url}/v1/completions", json={"prompt": [1], "max_tokens": 1}).status_code == 200
+        assert engine.calls == 2 and httpx.get(f"{url}/health").json()["pending"] == 0
+
+
+def test_async_client_matches_sync_client(server_url):
+    import asyncio
+
+    async def run():
+        c = GenerationClient(server_url)
+        try:
+            results = await asyncio.gather(*[c.acompletions(PROMPTS, n=2, max_tokens=4, seed=s) for s in (1, 2)])
+            health = await c.ahealth()
+        finally:
+            await c.aclose()
+        return results, health
+
+    (first, second), health = asyncio.run(run())
+    with GenerationClient(server_url) as c:
+        assert first.choices == c.completions(PROMPTS, n=2, max_tokens=4, seed=1).choices
+        assert second.choices == c.completions(PROMPTS, n=2, max_tokens=4, seed=2).choices
+    assert first.version == health["version"]
+
+
+def test_async_weight_push_sets_version():
+    import asyncio
+
+    async def push(url):
+        c = GenerationClient(url)
+        try:
+            return await c.aload_weights(serialize_chunks({"w": torch.ones(3)}), version=5)
+        finally:
+            await c.aclose()
+
+    with serve_in_thread(_BlockingEngine()) as url:
+        assert asyncio.run(push(url)) == 5
+        assert httpx.get(f"{url}/health").json()["version"] == 5
