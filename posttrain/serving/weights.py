@@ -12,14 +12,15 @@ ones, where the GPU paths (NCCL broadcast through vLLM's weight-transfer engine 
 generation never sees half-updated weights.
 
 Names are the plain transformers checkpoint names (``model.layers.0.self_attn.q_proj.weight``), which is what both
-the posttrain server's model and vLLM's ``load_weights`` expect. A PEFT policy is pushed as its merged weights (TRL:
-``merge_adapter()``, push the base-model tensors with the PEFT prefixes removed, ``unmerge_adapter()``).
+the posttrain server's model and vLLM's ``load_weights`` expect. A PEFT policy is pushed as its merged weights under the base-model names
+(``policy_weights``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import difflib
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,40 +29,77 @@ import torch
 DEFAULT_CHUNK_BYTES = 512 * 1024 * 1024
 
 
-def clean_param_name(name: str) -> str | None:
+def clean_param_name(name: str, active_adapters: tuple[str, ...] = ("default",)) -> str | None:
     """A PEFT / DDP parameter name as the base checkpoint spells it; ``None`` for adapter-only parameters.
 
     Drops ``module.`` (DDP) and ``base_model.model.`` prefixes and ``.base_layer``, maps
-    ``modules_to_save.default.`` to the module itself, and skips ``lora_*`` and ``original_module`` tensors.
+    ``modules_to_save.<active adapter>.`` to the module itself, and skips ``lora_*`` tensors, ``original_module``
+    and the ``modules_to_save`` copies of inactive adapters.
     """
     name = name.removeprefix("module.").removeprefix("base_model.model.")
     if "lora_" in name or "original_module" in name:
         return None
-    return name.replace(".base_layer", "").replace("modules_to_save.default.", "")
+    match = re.search(r"modules_to_save\.([^.]+)\.", name)
+    if match:
+        if match.group(1) not in active_adapters:
+            return None
+        name = name.replace(match.group(0), "")
+    return name.replace(".base_layer", "")
 
 
 def _is_peft(model: Any) -> bool:
     return hasattr(model, "merge_adapter") and hasattr(model, "unmerge_adapter") and hasattr(model, "peft_config")
 
 
+def _active_adapters(model: Any) -> tuple[str, ...]:
+    active = getattr(model, "active_adapters", None) or getattr(model, "active_adapter", "default")
+    if callable(active):
+        active = active()
+    return (active,) if isinstance(active, str) else tuple(active)
+
+
+def _lora_deltas(model: Any, active: tuple[str, ...]) -> dict[str, torch.Tensor] | None:
+    """``{base weight's parameter name: ΔW}`` for plain LoRA layers; ``None`` where only merging is safe (DoRA,
+    already-merged layers, layer types without ``get_delta_weight``)."""
+    deltas: dict[str, torch.Tensor] = {}
+    for module_name, module in model.named_modules():
+        if not hasattr(module, "lora_A") or not hasattr(module, "base_layer"):
+            continue
+        if getattr(module, "merged_adapters", None) or not hasattr(module, "get_delta_weight"):
+            return None
+        names = [a for a in active if a in module.lora_A or a in getattr(module, "lora_embedding_A", {})]
+        if any(getattr(module, "use_dora", {}).get(a, False) for a in names):
+            return None
+        if names and not isinstance(getattr(module.base_layer, "weight", None), torch.Tensor):
+            return None
+        if names:
+            deltas[f"{module_name}.base_layer.weight"] = sum(module.get_delta_weight(a) for a in names)
+    return deltas
+
+
 @contextlib.contextmanager
 def policy_weights(model: torch.nn.Module) -> Iterator[Iterator[tuple[str, torch.Tensor]]]:
     """Yield an iterator of ``(checkpoint name, tensor)`` for the model's current (merged, for PEFT) weights.
 
-    For a PEFT model the adapters are merged into the base weights for the duration of the ``with`` block and
-    unmerged afterwards, as TRL does. Tied parameters appear once (``named_parameters`` deduplicates them). DTensor
-    (FSDP2) parameters are gathered with ``full_tensor()``.
+    A PEFT model is pushed as its merged weights, as TRL does (``merge_adapter`` → push → ``unmerge_adapter``). For
+    plain LoRA layers the merged weight ``W + ΔW`` is computed into a new tensor instead, which gives the same
+    values without the round trip through the frozen base weights (merging and unmerging in place would move them
+    by rounding every push); DoRA and other adapter types take TRL's merge/unmerge path. Tied parameters appear
+    once (``named_parameters`` deduplicates them). DTensor (FSDP2) parameters are gathered with ``full_tensor()``.
     """
     while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
         model = model.module  # DDP
     peft = _is_peft(model)
-    if peft:
+    active = _active_adapters(model) if peft else ()
+    deltas = _lora_deltas(model, active) if peft else {}
+    merge = peft and deltas is None
+    if merge:
         model.merge_adapter()
     try:
 
         def items() -> Iterator[tuple[str, torch.Tensor]]:
             for name, param in model.named_parameters():
-                clean = clean_param_name(name) if peft else name.removeprefix("module.")
+                clean = clean_param_name(name, active) if peft else name.removeprefix("module.")
                 if clean is None:
                     continue
                 if hasattr(param, "ds_id"):
@@ -72,12 +110,14 @@ def policy_weights(model: torch.nn.Module) -> Iterator[Iterator[tuple[str, torch
                 tensor = param.detach()
                 if hasattr(tensor, "full_tensor"):  # torch.distributed.tensor.DTensor (FSDP2)
                     tensor = tensor.full_tensor()
+                if deltas and name in deltas:
+                    tensor = tensor + deltas[name].to(tensor.dtype)
                 yield clean, tensor
 
         with torch.no_grad():
             yield items()
     finally:
-        if peft:
+        if merge:
             model.unmerge_adapter()
 
 

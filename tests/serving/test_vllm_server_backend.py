@@ -75,13 +75,30 @@ def test_sync_weights_full_and_peft_merged(tiny_model_path):
         assert backend.version == 2
         layer = peft.base_model.model.model.layers[0].self_attn.q_proj
         expected = base_q + layer.get_delta_weight("default")
-        torch.testing.assert_close(served[q_name], expected, atol=1e-6, rtol=0)
+        assert torch.equal(served[q_name], expected) and torch.equal(layer.base_layer.weight, base_q)
+        # Same values as TRL's merge_adapter() (up to rounding), and the frozen base weights are untouched.
+        peft.merge_adapter()
+        torch.testing.assert_close(served[q_name], layer.base_layer.weight, atol=1e-6, rtol=0)
+        peft.unmerge_adapter()
         assert not layer.merged
-        torch.testing.assert_close(layer.base_layer.weight, base_q, atol=1e-6, rtol=0)
+        with torch.no_grad():
+            layer.base_layer.weight.copy_(base_q)
         remote = backend.generate(PROMPTS, SAMPLING, 2)
         assert remote.logprobs is not None and backend.version == 2
         backend.sync_weights(peft, version=10)  # e.g. the trainer's global_step
         assert backend.version == 10 and backend.client.health()["version"] == 10
+        # DoRA takes TRL's merge -> push -> unmerge path.
+        dora = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_path),
+                              LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))  # fmt: skip
+        with torch.no_grad():
+            for n, p in dora.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.1)
+        backend.sync_weights(dora)
+        dora_q = dora.base_model.model.model.layers[0].self_attn.q_proj
+        assert not dora_q.merged
+        dora.merge_adapter()
+        torch.testing.assert_close(served[q_name], dora_q.base_layer.weight, atol=1e-6, rtol=0)
 
 
 def _grpo_args(tmp_path, **overrides):
