@@ -68,6 +68,8 @@ class VLLMServerBackend:
         timeout: Seconds to wait for the server to come up.
         chunk_bytes: Most bytes per weight-push request (posttrain protocol).
         client_kwargs: Extra ``GenerationClient`` arguments (retries, timeouts).
+        seed_requests: Send each request a seed (reproducible runs). Unseeded requests can share an engine call with
+            other clients' requests on ``posttrain serve``; seeded ones cannot.
     """
 
     def __init__(
@@ -82,6 +84,7 @@ class VLLMServerBackend:
         seed: int | None = None,
         chunk_bytes: int | None = None,
         client_kwargs: dict[str, Any] | None = None,
+        seed_requests: bool = True,
     ):
         try:
             from posttrain.serving.client import GenerationClient
@@ -99,6 +102,7 @@ class VLLMServerBackend:
         self.base_url = base_url.rstrip("/")
         self.tokenizer = tokenizer
         self.seed = int(seed if seed is not None else getattr(args, "seed", 0))
+        self.seed_requests = seed_requests
         self.group_port = int(getattr(args, "vllm_group_port", 51216))
         self.regex = getattr(args, "vllm_structured_outputs_regex", None)
         self.chunk_bytes = chunk_bytes or DEFAULT_CHUNK_BYTES
@@ -137,7 +141,7 @@ class VLLMServerBackend:
         s = sampling.resolved()
         extra = dict(s.generation_kwargs or {})
         seed = extra.pop("seed", None)
-        if seed is None:
+        if seed is None and self.seed_requests:
             seed = request_seed(self.seed, _dist()[0], self._requests)
         self._requests += 1
         fields = dict(
@@ -183,7 +187,7 @@ class VLLMServerBackend:
             **fields,
             "logprobs": 0,
             "structured_outputs_regex": self.regex,
-            "generation_kwargs": {"seed": seed, **extra},
+            "generation_kwargs": {**({"seed": seed} if seed is not None else {}), **extra},
         }
         data = self.client.request("POST", "/generate/", json=payload).json()
         lps = data.get("logprobs")

@@ -18,8 +18,9 @@ Endpoints (FastAPI on uvicorn):
   weight broadcast: served by the vLLM engine; the posttrain engine answers 400 pointing at ``/v1/load_weights``).
 
 Every response carries the weight ``version`` the request was served with (the number of weight updates applied,
-or the ``version`` the trainer set). Requests and weight loads run one at a time, in arrival order, on one worker
-thread, so a generation never sees half-loaded weights.
+or the ``version`` the trainer set). Requests and weight loads run one at a time, in arrival order, on one engine
+thread, so a generation never sees half-loaded weights; unseeded requests with equal sampling parameters waiting
+back to back share one engine call (see ``ServerState``), seeded ones run alone and stay reproducible.
 
 Errors: a bad request gets a 400 in OpenAI's error shape, ``{"error": {"message", "type", "param", "code"}}``, whose
 ``param`` and message name the field. At most ``max_queue_size`` requests are admitted (running or waiting); more
@@ -33,12 +34,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
+import queue
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -119,19 +122,49 @@ def _validation_message(err: RequestValidationError) -> tuple[str, str | None]:
 
 
 # -- server state ---------------------------------------------------------------------------------------------------
-class ServerState:
-    """The engine, the weight version, the single worker thread and the admission counter."""
+class _Job:
+    """A unit of work for the engine thread; ``gen`` marks a generation that may share a batch with others."""
 
-    def __init__(self, engine: Any, max_queue_size: int, version: int = 0):
+    __slots__ = ("fn", "future", "gone", "gen")
+
+    def __init__(self, fn: Callable[[], Any], gen: GenerationRequest | None = None):
+        self.fn = fn
+        self.gen = gen
+        self.future: Future = Future()
+        self.gone = threading.Event()
+
+
+def _batch_key(request: GenerationRequest) -> tuple | None:
+    """Requests with equal keys can be served by one engine call (their prompts concatenated); seeded ones never."""
+    if request.seed is not None or request.extra or request.structured_outputs_regex is not None:
+        return None
+    return (request.n, request.max_tokens, request.temperature, request.top_p, request.top_k, request.min_p,
+            request.repetition_penalty, tuple(request.stop_token_ids), request.ignore_eos, request.logprobs)  # fmt: skip
+
+
+class ServerState:
+    """The engine, the weight version, the engine thread with its FIFO queue, and the admission counter.
+
+    Jobs run one at a time in arrival order. Unseeded generation requests with the same sampling parameters that
+    are waiting back to back are served by one engine call (their prompts concatenated, at most
+    ``max_batch_prompts`` prompts), which on the group sampler batches their decode steps; a seeded request always
+    runs alone, so its tokens depend only on its seed and the weights.
+    """
+
+    def __init__(self, engine: Any, max_queue_size: int, version: int = 0, max_batch_prompts: int = 64):
         if max_queue_size < 1:
             raise ValueError(f"max_queue_size must be >= 1, got {max_queue_size}.")
         self.engine = engine
         self.version = version
         self.max_queue_size = max_queue_size
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="posttrain-engine")
+        self.max_batch_prompts = max_batch_prompts
+        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name="posttrain-engine", daemon=True)
+        self._thread.start()
         self._lock = threading.Lock()
         self.pending = 0
-        self.stats = {"completed": 0, "dropped_disconnected": 0, "rejected_busy": 0, "weight_updates": 0}
+        self.stats = {"completed": 0, "dropped_disconnected": 0, "rejected_busy": 0, "weight_updates": 0,
+                      "engine_calls": 0}  # fmt: skip
         self.staged_id: str | None = None
         self.staged: dict[str, Any] = {}
         self.nccl_params_since_version = False
@@ -152,48 +185,98 @@ class ServerState:
         with self._lock:
             self.stats[key] += 1
 
-    async def run(self, request: Request | None, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` on the worker thread (after every earlier job); skipped if the client left while it waited.
+    # -- the engine thread ----------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            batch = [job]
+            key = _batch_key(job.gen) if job.gen is not None else None
+            if key is not None:
+                prompts = len(job.gen.prompts)
+                while True:  # only this thread takes from the queue, so a peeked job is still there to take
+                    with self._queue.mutex:
+                        nxt = self._queue.queue[0] if self._queue.queue else None
+                    if nxt is None or nxt.gen is None or _batch_key(nxt.gen) != key:
+                        break
+                    if prompts + len(nxt.gen.prompts) > self.max_batch_prompts:
+                        break
+                    batch.append(self._queue.get_nowait())
+                    prompts += len(nxt.gen.prompts)
+            self._run(batch)
+
+    def _run(self, batch: list[_Job]) -> None:
+        live = []
+        for job in batch:
+            if not job.future.set_running_or_notify_cancel():
+                self.release()
+            elif job.gone.is_set():
+                self.count("dropped_disconnected")
+                job.future.set_result(None)
+                self.release()
+            else:
+                live.append(job)
+        if not live:
+            return
+        try:
+            if len(live) == 1:
+                self.count("engine_calls")
+                results = [live[0].fn()]
+            else:
+                merged = dataclasses.replace(live[0].gen, prompts=[p for j in live for p in j.gen.prompts])
+                self.count("engine_calls")
+                groups = self.engine.generate(merged)
+                results, start = [], 0
+                for j in live:
+                    results.append((self.version, groups[start : start + len(j.gen.prompts)]))
+                    start += len(j.gen.prompts)
+        except BaseException as err:
+            for job in live:
+                job.future.set_exception(err)
+                self.release()
+            return
+        for job, result in zip(live, results):
+            job.future.set_result(result)
+            self.release()
+
+    def shutdown(self) -> None:
+        """Let the queued jobs finish, then stop the engine thread."""
+        self._queue.put(None)
+        self._thread.join()
+
+    # -- scheduling from the event loop ---------------------------------------------------------------------------
+    async def run(self, request: Request | None, fn: Callable[[], Any], gen: GenerationRequest | None = None) -> Any:
+        """Run ``fn`` on the engine thread (after every earlier job); skipped if the client left while it waited.
 
         Returns ``fn()``'s result, or ``None`` when skipped. The admission slot is released when the job ends.
+        ``gen`` (with ``fn`` returning ``(version, engine.generate(gen))``) lets the job share a batch.
         """
-        gone = threading.Event()
-
-        def job() -> Any:
-            try:
-                if gone.is_set():
-                    self.count("dropped_disconnected")
-                    return None
-                return fn()
-            finally:
-                self.release()
-
-        future = self.executor.submit(job)
-        watcher = asyncio.ensure_future(self._watch(request, gone, future)) if request is not None else None
+        job = _Job(fn, gen)
+        self._queue.put(job)
+        watcher = asyncio.ensure_future(self._watch(request, job)) if request is not None else None
         try:
-            return await asyncio.wrap_future(future)
+            return await asyncio.wrap_future(job.future)
         finally:
             if watcher is not None:
                 watcher.cancel()
 
     def submit(self, fn: Callable[[], Any]) -> None:
-        """Queue ``fn`` on the worker thread without waiting for it (errors are logged)."""
+        """Queue ``fn`` on the engine thread without waiting for it (errors are logged)."""
 
-        def job() -> None:
+        def logged() -> None:
             try:
                 fn()
             except Exception:
                 logger.exception("Background engine job failed")
-            finally:
-                self.release()
 
-        self.executor.submit(job)
+        self._queue.put(_Job(logged))
 
     @staticmethod
-    async def _watch(request: Request, gone: threading.Event, future: Any) -> None:
-        while not future.running() and not future.done():
+    async def _watch(request: Request, job: _Job) -> None:
+        while not job.future.running() and not job.future.done():
             if await request.is_disconnected():
-                gone.set()
+                job.gone.set()
                 return
             await asyncio.sleep(0.05)
 
@@ -279,7 +362,7 @@ def create_app(engine: Any, *, max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE, ver
     async def lifespan(app: FastAPI):
         yield
         # Graceful shutdown: uvicorn has let in-flight requests finish; stop the worker after its last job.
-        state.executor.shutdown(wait=True)
+        state.shutdown()
         with contextlib.suppress(Exception):
             engine.close()
 
@@ -341,7 +424,7 @@ def create_app(engine: Any, *, max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE, ver
         engine.check(gen)
         if not state.admit():
             return busy()
-        result = await state.run(request, _generate(gen))
+        result = await state.run(request, _generate(gen), gen)
         if result is None:  # the client left before its turn
             return error_response(499, "Client disconnected.", None, "ClientDisconnected")
         version, groups = result
@@ -391,7 +474,7 @@ def create_app(engine: Any, *, max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE, ver
         engine.check(gen)
         if not state.admit():
             return busy()
-        result = await state.run(request, _generate(gen))
+        result = await state.run(request, _generate(gen), gen)
         if result is None:
             return error_response(499, "Client disconnected.", None, "ClientDisconnected")
         version, groups = result

@@ -324,3 +324,34 @@ def test_async_weight_push_sets_version():
     with serve_in_thread(_BlockingEngine()) as url:
         assert asyncio.run(push(url)) == 5
         assert httpx.get(f"{url}/health").json()["version"] == 5
+
+
+def test_waiting_unseeded_requests_share_one_engine_call():
+    engine = _BlockingEngine()
+    seen: list[int] = []
+    real = engine.generate
+
+    def recording(request):
+        seen.append(len(request.prompts))
+        return real(request)
+
+    engine.generate = recording
+    with serve_in_thread(engine) as url:
+        results: list = []
+        first = _post_in_thread(url, results)
+        assert engine.started.wait(10)
+        waiting = [_post_in_thread(url, results) for _ in range(3)]
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{url}/health").json()["pending"] < 4 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        seeded = threading.Thread(target=lambda: results.append(httpx.post(
+            f"{url}/v1/completions", json={"prompt": [[1], [2]], "max_tokens": 1, "seed": 1}, timeout=30).status_code))
+        seeded.start()
+        while httpx.get(f"{url}/health").json()["pending"] < 5 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        engine.release.set()
+        for t in [first, *waiting, seeded]:
+            t.join(20)
+        assert results == [200] * 5
+        assert seen == [1, 3, 2]  # the first alone, the three waiting ones together, the seeded one alone
+        assert httpx.get(f"{url}/health").json()["stats_engine_calls"] == 3
