@@ -305,7 +305,9 @@ def test_async_client_matches_sync_client(server_url):
         return results, health
 
     (first, second), health = asyncio.run(run())
-    with GenerationClient(server_url) as c:
+    import pickle
+
+    with pickle.loads(pickle.dumps(GenerationClient(server_url))) as c:  # picklable for a spawned rollout worker
         assert first.choices == c.completions(PROMPTS, n=2, max_tokens=4, seed=1).choices
         assert second.choices == c.completions(PROMPTS, n=2, max_tokens=4, seed=2).choices
     assert first.version == health["version"]
