@@ -103,7 +103,9 @@ def test_step_label_loss_hand_computed():
     labels = torch.tensor([[1, -100, 1]])
     # −log(3/4) = 0.287682 and −log(1/2) = 0.693147; the unlabelled position (which would cost 100) is ignored.
     assert step_label_loss(logits, labels).item() == pytest.approx((0.287682 + 0.693147) / 2, abs=1e-5)
-    assert step_label_accuracy(logits, labels).item() == pytest.approx(0.5)  # [0, 0] argmaxes to class 0 ≠ 1: one hit of two
+    assert step_label_accuracy(logits, labels).item() == pytest.approx(
+        0.5
+    )  # [0, 0] argmaxes to class 0 ≠ 1: one hit of two
     empty = step_label_loss(logits.requires_grad_(), torch.full_like(labels, -100))
     assert empty.item() == 0.0 and empty.requires_grad
 
