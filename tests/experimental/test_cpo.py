@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from datasets import Dataset
+from experimental_helpers import naive_logps, pairs
 from trainer_helpers import fast_config, params_changed, quiet_single_thread, trainable_params  # noqa: F401
 
 from posttrain.experimental.cpo import CPOConfig, CPOTrainer
@@ -21,20 +22,6 @@ METRICS = [
     "logits/rejected",
     "nll_loss",
 ]
-
-
-def pairs(n: int = 4) -> Dataset:
-    prompts = ["The sky is", "Grass is", "Snow is", "Coal is"]
-    chosen = [" blue.", " green.", " white.", " black."]
-    rejected = [" red.", " pink.", " hot.", " soft and round."]
-    idx = [i % 4 for i in range(n)]
-    return Dataset.from_dict(
-        {
-            "prompt": [prompts[i] for i in idx],
-            "chosen": [chosen[i] for i in idx],
-            "rejected": [rejected[i] for i in idx],
-        }
-    )
 
 
 def _config(tmp_path, **kw) -> CPOConfig:
@@ -70,14 +57,6 @@ def test_alphapo_is_simpo_without_nll():
     assert config.loss_type == "simpo" and config.cpo_alpha == 0.0 and config.alpha == 0.25
 
 
-def _naive_logps(model, batch):
-    """Per-row completion log-prob sums and token counts from full logits (the reference the chunked path must match)."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].float()
-    logps = torch.log_softmax(logits, -1).gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
-    mask = batch["completion_mask"][:, 1:].float()
-    return (logps * mask).sum(-1), mask.sum(-1), logps, mask
-
-
 @pytest.mark.parametrize("loss_type", ["sigmoid", "simpo"])
 def test_loss_equals_formula_on_full_logits(tmp_path, tiny_model_path, loss_type):
     trainer = CPOTrainer(
@@ -87,7 +66,7 @@ def test_loss_equals_formula_on_full_logits(tmp_path, tiny_model_path, loss_type
     model = trainer.model.eval()
     with torch.no_grad():
         loss = trainer.compute_loss(model, batch)
-        sums, lengths, logps, mask = _naive_logps(model, batch)
+        sums, lengths, logps, mask = naive_logps(model, batch)
     seq = sums / lengths if loss_type == "simpo" else sums
     r = (1 - torch.exp(seq) ** -0.3) / 0.3  # AlphaPO reward shape
     z = 0.1 * (r[:2] - r[2:])
