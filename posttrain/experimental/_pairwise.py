@@ -193,12 +193,14 @@ class ReferenceFreePairwiseTrainer(PreferenceTrainer):
         nll: bool,
         entropy: bool = False,
         accuracy: bool = False,
+        n_branches: int = 2,
     ) -> PairScores:
-        """Score the batch in one chunked forward; per-row log-probs are token means when ``average`` else sums.
-        ``nll``: also the token-mean NLL of the chosen completions (else 0)."""
+        """Score the batch (``n_branches`` stacked blocks of B rows, chosen first) in one chunked forward; per-row
+        log-probs are token means when ``average`` else sums. ``nll``: also the token-mean NLL of the chosen
+        completions (else 0). ``entropy`` / ``accuracy``: per-token entropies and top-1 hits on the chosen rows."""
         input_ids = inputs["input_ids"]
         n_rows = input_ids.shape[0]
-        batch_size = n_rows // len(self._completion_columns)
+        batch_size = n_rows // n_branches
         accuracy_rows = None
         if accuracy:
             accuracy_rows = torch.arange(n_rows, device=input_ids.device) < batch_size
