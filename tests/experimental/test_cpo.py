@@ -121,3 +121,61 @@ def test_evaluation_logs_eval_metrics(tmp_path, tiny_model_path):
     trainer.evaluate()
     logged = trainer.state.log_history[-1]
     assert "eval_loss" in logged and "eval_rewards/accuracies" in logged and "eval_nll_loss" in logged
+
+
+def test_seed_doc_quick_start_runs(tmp_path, tiny_model_path, monkeypatch):
+    # cpo_trainer.md "Quick start" (s/trl/posttrain/; hub model / dataset replaced by the local tiny ones, and the
+    # run shortened to one offline step)
+    import datasets
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pairs(4))
+    from datasets import load_dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from posttrain.experimental.cpo import CPOConfig, CPOTrainer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    train_dataset = load_dataset("trl-lib/ultrafeedback_binarized", split="train")
+
+    training_args = CPOConfig(
+        output_dir="Qwen2-0.5B-CPO", max_steps=1, per_device_train_batch_size=2, report_to="none", save_strategy="no"
+    )
+    trainer = CPOTrainer(model=model, args=training_args, processing_class=tokenizer, train_dataset=train_dataset)
+    trainer.train()
+    assert trainer.state.global_step == 1
+
+
+def test_paper_index_configs_build():
+    # paper_index.md: CPO, SimPO and AlphaPO settings (s/trl/posttrain/)
+    from posttrain.experimental.cpo import CPOConfig
+
+    cpo = CPOConfig(
+        loss_type="sigmoid",  # preference learning loss (Section 3 of the paper)
+        cpo_alpha=1.0,  # NLL regularizer weight (Section 3 of the paper)
+        beta=0.1,  # β temperature (Section 4.2 of the paper)
+        learning_rate=1e-4,  # learning rate (official code)
+        lr_scheduler_type="inverse_sqrt",  # scheduler (official code)
+        num_train_epochs=1,  # Section 4.2 of the paper
+        # warm-up ratio (Section 4.2 of the paper); the docs' `warmup_ratio=0.01` is `warmup_steps=0.01` in
+        # transformers 5, which removed `warmup_ratio` (a float < 1 in warmup_steps is a ratio)
+        warmup_steps=0.01,
+        max_length=512,  # max sequence length (Section 4.2 of the paper)
+        report_to="none",
+    )
+    simpo = CPOConfig(
+        loss_type="simpo",  # SimPO loss (Section 3 of the paper)
+        cpo_alpha=0.0,  # no BC regularizer for SimPO
+        beta=2.5,  # β in Appendix B of the paper
+        simpo_gamma=1.375,  # γ target reward margin, from γ/β=0.55 in Appendix B of the paper
+        learning_rate=1e-6,  # learning rate in Appendix B of the paper
+        num_train_epochs=1,  # Appendix B of the paper
+        report_to="none",
+    )
+    # Mistral-Instruct from Table 3 of the paper
+    alphapo = CPOConfig(
+        loss_type="alphapo", alpha=0.25, beta=2.5, simpo_gamma=0.1, learning_rate=7e-7, report_to="none"
+    )
+    assert cpo.max_length == 512 and simpo.simpo_gamma == 1.375
+    assert (alphapo.loss_type, alphapo.cpo_alpha, alphapo.alpha) == ("simpo", 0.0, 0.25)
