@@ -5,6 +5,7 @@ experimental DPOTrainer's reference model tracks them (seed doc example included
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -36,6 +37,8 @@ def _sft_data(n: int = 6) -> Dataset:
 
 def test_top_level_export_is_lazy_and_stable():
     assert posttrain.BEMACallback.__module__ == "posttrain.callbacks"
+    # the stable callback does not import posttrain.experimental (which would emit the experimental notice)
+    assert "posttrain.experimental" not in Path(posttrain.callbacks.__file__).read_text()
     assert "BEMACallback" in posttrain.__all__
 
 
