@@ -7,6 +7,7 @@
   ``prompt_attention_mask``) for on-policy generation, and completion-relative ``byte_offsets``.
 - :class:`DataCollatorForVisionLanguageChatML` — the same for images + ``prompt``/``completion`` rows, processed
   with a multimodal processor, plus the raw prompt/completion text.
+- ``truncate_dataset`` — re-exported from :mod:`posttrain.data_utils` (TRL exports it here too).
 
 ``byte_offsets`` hold each completion token's ``(start, end)`` UTF-8 byte span counted from the start of the
 completion (``(0, 0)`` on prompt and padding positions); they are computed from the fast tokenizer's character
@@ -24,8 +25,14 @@ import torch
 
 from posttrain.data.collators import pad
 from posttrain.data.vision_collators import _PER_TOKEN_KEYS, _ProcessorCollator, _row_images
+from posttrain.data_utils import truncate_dataset
 
-__all__ = ["DPODataCollatorWithPadding", "DataCollatorForChatML", "DataCollatorForVisionLanguageChatML"]
+__all__ = [
+    "DPODataCollatorWithPadding",
+    "DataCollatorForChatML",
+    "DataCollatorForVisionLanguageChatML",
+    "truncate_dataset",
+]
 
 IGNORE_INDEX = -100
 
