@@ -201,7 +201,12 @@ def test_gradient_accumulation_equals_larger_batch(tmp_path, tiny_model_path):
     results = []
     for i, (bs, ga) in enumerate([(2, 1), (1, 2)]):
         args = _config(
-            tmp_path / str(i), per_device_train_batch_size=bs, gradient_accumulation_steps=ga, cpo_alpha=0.0
+            tmp_path / str(i),
+            per_device_train_batch_size=bs,
+            gradient_accumulation_steps=ga,
+            cpo_alpha=0.0,
+            optim="sgd",
+            learning_rate=1.0,
         )
         results.append(train_and_snapshot(CPOTrainer(tiny_model_path, args=args, train_dataset=pairs(2))))
     assert_same_params(results)
