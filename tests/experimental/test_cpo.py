@@ -207,6 +207,7 @@ def test_gradient_accumulation_equals_larger_batch(tmp_path, tiny_model_path):
             cpo_alpha=0.0,
             optim="sgd",
             learning_rate=1.0,
+            max_grad_norm=0.0,  # no clipping: it would hide a wrongly scaled gradient too
         )
         results.append(train_and_snapshot(CPOTrainer(tiny_model_path, args=args, train_dataset=pairs(2))))
     assert_same_params(results)
