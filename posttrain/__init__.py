@@ -59,6 +59,7 @@ _LAZY: dict[str, str] = {
     "RichProgressCallback": "posttrain.callbacks",
     "LogCompletionsCallback": "posttrain.callbacks",
     "SyncRefModelCallback": "posttrain.callbacks",
+    "BEMACallback": "posttrain.callbacks",
     # models
     "create_reference_model": "posttrain.models.peft_utils",
     "disable_dropout_in_model": "posttrain.models.loading",

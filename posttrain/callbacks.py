@@ -4,6 +4,7 @@
 - ``ReportCallback`` writes PNG plots and ``report/index.html`` when training ends (``posttrain.report``).
 - ``RichProgressCallback`` shows a progress bar with live metrics on a terminal, plain lines otherwise.
 - ``LogCompletionsCallback`` samples completions for eval prompts every ``freq`` steps into a table.
+- ``BEMACallback`` keeps a bias-corrected EMA of the weights (BEMA) and saves it to ``output_dir/bema``.
 ``SyncRefModelCallback`` (TR-DPO reference mixing) lives with the reference-policy code and is re-exported here.
 """
 
@@ -217,6 +218,139 @@ class LogCompletionsCallback(TrainerCallback):
                     )
             except ImportError:
                 pass
+
+
+class BEMACallback(TrainerCallback):
+    r"""BEMA (Bias-Corrected Exponential Moving Average, https://huggingface.co/papers/2508.00180) of the trained
+    weights, kept in a separate model on ``device`` and saved to ``output_dir/bema`` when training ends (TRL's
+    ``trl.BEMACallback``).
+
+    ``θ'_t = α_t·(θ_t − θ_0) + EMA_t`` with ``EMA_t = (1 − β_t)·EMA_{t−1} + β_t·θ_t``, ``β_t = (ρ + γ·t)^{−κ}``
+    (floored at ``min_ema_multiplier``) and ``α_t = (ρ + γ·t)^{−η}``; θ_0 is the snapshot at step ``update_after``
+    (the initial weights when it is 0). The math is :mod:`posttrain.core.averaging`. Only trainable parameters are
+    averaged; the others are copied once.
+
+    Args:
+        update_freq: Update the BEMA weights every this many steps (φ).
+        ema_power: κ, the power of the EMA decay factor; 0 disables the EMA.
+        bias_power: η, the power of the bias-correction scale; large values approximate no correction, 0 pins α at 1.
+        lag: ρ, the initial offset of the schedules (a virtual starting age).
+        update_after: τ, burn-in steps before BEMA starts.
+        multiplier: γ, the step multiplier of the schedules.
+        min_ema_multiplier: Floor of the EMA decay factor β_t.
+        device: Device of the BEMA buffers and model (usually not the training device, to save its memory).
+
+    Example::
+
+        from posttrain import BEMACallback
+        trainer = SFTTrainer(..., callbacks=[BEMACallback()])
+    """
+
+    def __init__(
+        self,
+        update_freq: int = 400,
+        ema_power: float = 0.5,
+        bias_power: float = 0.2,
+        lag: int = 10,
+        update_after: int = 0,
+        multiplier: float = 1.0,
+        min_ema_multiplier: float = 0.0,
+        device: str = "cpu",
+    ):
+        if update_freq < 1:
+            raise ValueError(f"update_freq must be >= 1, got {update_freq}.")
+        if lag + multiplier * max(update_after, 0) <= 0:
+            raise ValueError(f"lag + multiplier * step must stay > 0 (got lag={lag}, multiplier={multiplier}).")
+        self.update_freq = update_freq
+        self.ema_power = ema_power
+        self.bias_power = bias_power
+        self.lag = lag
+        self.update_after = update_after
+        self.multiplier = multiplier
+        self.min_ema_multiplier = min_ema_multiplier
+        self.device = device
+        self.param_names: list[str] = []
+        self.thetat_params: list[Any] = []  # the live trainable parameters θ_t
+        self.theta0_params: list[Any] = []  # θ_0 buffers (on device)
+        self.ema_params: list[Any] = []  # EMA buffers (on device)
+        self.running_model = None  # the BEMA weights, as a model
+        self._running_params: list[Any] = []  # running_model's parameters matching thetat_params
+
+    @staticmethod
+    def _unwrap_model(model: Any) -> Any:
+        """The module inside DDP / DeepSpeed / FSDP wrappers."""
+        for attr in ("module", "_fsdp_wrapped_module"):
+            while hasattr(model, attr) and not hasattr(model, "config"):
+                model = getattr(model, attr)
+        return model
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        import copy
+
+        import torch
+
+        model = self._unwrap_model(model)
+        with torch.no_grad():
+            self.running_model = copy.deepcopy(model).to(self.device)
+        self.running_model.requires_grad_(False)
+        running = dict(self.running_model.named_parameters())
+        self.param_names, self.thetat_params, self.theta0_params, self.ema_params = [], [], [], []
+        self._running_params = []
+        for name, param in model.named_parameters():
+            if not param.requires_grad:
+                continue
+            self.param_names.append(name)
+            self.thetat_params.append(param)
+            theta0 = param.detach().clone().to(self.device)
+            self.theta0_params.append(theta0)
+            self.ema_params.append(theta0.clone())
+            self._running_params.append(running[name])
+
+    def _ema_beta(self, step: int) -> float:
+        from posttrain.core.averaging import bema_ema_beta
+
+        return bema_ema_beta(
+            step,
+            lag=self.lag,
+            multiplier=self.multiplier,
+            ema_power=self.ema_power,
+            min_ema_multiplier=self.min_ema_multiplier,
+        )
+
+    def _bema_alpha(self, step: int) -> float:
+        from posttrain.core.averaging import bema_alpha
+
+        return bema_alpha(step, lag=self.lag, multiplier=self.multiplier, bias_power=self.bias_power)
+
+    def _update_bema_weights(self, step: int) -> None:
+        from posttrain.core.averaging import bema_update_
+
+        bema_update_(
+            self.thetat_params,
+            self.theta0_params,
+            self.ema_params,
+            self._running_params,
+            beta=self._ema_beta(step),
+            alpha=self._bema_alpha(step),
+        )
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        import torch
+
+        step = state.global_step
+        if step < self.update_after:
+            return
+        with torch.no_grad():
+            if step == self.update_after:  # snapshot θ_0 and the EMA at the first BEMA step
+                for live, theta0, ema in zip(self.thetat_params, self.theta0_params, self.ema_params, strict=True):
+                    theta0.copy_(live.detach())
+                    ema.copy_(live.detach())
+            elif (step - self.update_after) % self.update_freq == 0:
+                self._update_bema_weights(step)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if state.is_world_process_zero and self.running_model is not None:
+            self.running_model.save_pretrained(os.path.join(args.output_dir, "bema"))
 
 
 def __getattr__(name: str):

@@ -11,4 +11,6 @@ Submodules (import the one you need; nothing is imported eagerly here, so ``impo
 * ``presets`` — TRL ``loss_type`` → (objective, aggregation), configuration checks
 * ``importance`` — rollout IS correction, off-policy sequence mask, entropy quantile mask
 * ``preference`` — DPO/KTO/Bradley-Terry losses; ``distill`` — distillation divergences
+* ``reference_free`` — CPO (SimPO, AlphaPO), TPO and ORPO losses; ``process_reward`` — PRM step-label loss
+* ``averaging`` — BEMA weight averaging
 """

@@ -1,0 +1,56 @@
+"""ORPOConfig: TRL's ``trl.experimental.orpo.ORPOConfig`` fields and defaults."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from posttrain.experimental._pairwise import check_common_options
+from posttrain.trainers.base import BaseConfig
+
+
+@dataclass
+class ORPOConfig(BaseConfig):
+    """Configuration for :class:`~posttrain.experimental.orpo.ORPOTrainer` (TRL's ``ORPOConfig``).
+
+    Only ORPO-specific fields are listed; everything else is ``transformers.TrainingArguments`` with TRL's overrides
+    (``logging_steps=10``, ``gradient_checkpointing=True``, ``bf16`` automatic, ``learning_rate=1e-6``).
+    """
+
+    learning_rate: float = field(default=1e-6, metadata={"help": "The initial learning rate for AdamW."})
+    max_length: int | None = field(
+        default=1024,
+        metadata={
+            "help": "Maximum length of the sequences (prompt + completion) in the batch; longer sequences are "
+            "truncated (their end is cut) and rows whose prompt alone reaches it are dropped. None: no limit."
+        },
+    )
+    max_completion_length: int | None = field(
+        default=None, metadata={"help": "Maximum length of each completion (cut before max_length applies)."}
+    )
+    beta: float = field(
+        default=0.1,
+        metadata={"help": "λ in the paper: the weight of the relative (odds-ratio) loss against the NLL loss."},
+    )
+    disable_dropout: bool = field(default=True, metadata={"help": "Whether to disable dropout in the model."})
+    padding_value: int | None = field(
+        default=None, metadata={"help": "Padding value to use; None: the tokenizer's pad token id."}
+    )
+    generate_during_eval: bool = field(
+        default=False, metadata={"help": "Not supported by posttrain (TRL: log generations to W&B during eval)."}
+    )
+    is_encoder_decoder: bool | None = field(
+        default=None, metadata={"help": "Whether the model is an encoder-decoder model (only decoder-only here)."}
+    )
+    trust_remote_code: bool = field(
+        default=False,
+        metadata={"help": "Whether to allow loading models that ship custom Python code from the Hub."},
+    )
+    dataset_num_proc: int | None = field(
+        default=None, metadata={"help": "Number of processes to use for processing the dataset."}
+    )
+
+    def __post_init__(self):
+        if self.beta < 0:
+            raise ValueError(f"beta (ORPO's λ) must be >= 0, got {self.beta}.")
+        check_common_options(self)
+        super().__post_init__()

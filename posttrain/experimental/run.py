@@ -1,0 +1,114 @@
+"""Run an experimental trainer from a YAML recipe and/or flags, as TRL's ``trl <verb>`` scripts do for the stable
+ones (TRL has no CLI verbs for these, so neither has ``posttrain``)::
+
+    python -m posttrain.experimental.run cpo --config examples/cpo.yaml
+    python -m posttrain.experimental.run orpo --config examples/orpo.yaml --max_steps 5
+    python -m posttrain.experimental.run tpo --config examples/tpo.yaml
+    python -m posttrain.experimental.run prm --config examples/prm.yaml
+    python -m posttrain.experimental.run bema_dpo --config examples/bema_dpo.yaml
+
+Each method parses ``(ScriptArguments, <X>Config, ModelConfig, DatasetMixtureConfig)`` with ``TrlParser`` (YAML
+keys and ``--flags``; flags win), trains in this process and saves to ``output_dir``. ``bema_dpo`` is
+``bema_for_ref_model.DPOTrainer`` with a ``BEMACallback`` whose options are :class:`BEMAArguments`. Errors are one
+paragraph (``--debug`` for the traceback).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["BEMAArguments", "METHODS", "main"]
+
+
+@dataclass
+class BEMAArguments:
+    """The ``BEMACallback`` options of the ``bema_dpo`` recipe (defaults: the callback's, with the reference
+    updated)."""
+
+    bema_update_freq: int = field(default=400, metadata={"help": "BEMACallback update_freq."})
+    bema_ema_power: float = field(default=0.5, metadata={"help": "BEMACallback ema_power (κ)."})
+    bema_bias_power: float = field(default=0.2, metadata={"help": "BEMACallback bias_power (η)."})
+    bema_lag: int = field(default=10, metadata={"help": "BEMACallback lag (ρ)."})
+    bema_update_after: int = field(default=0, metadata={"help": "BEMACallback update_after (τ)."})
+    bema_multiplier: float = field(default=1.0, metadata={"help": "BEMACallback multiplier (γ)."})
+    bema_min_ema_multiplier: float = field(default=0.0, metadata={"help": "BEMACallback min_ema_multiplier."})
+    bema_device: str = field(default="cpu", metadata={"help": "BEMACallback device."})
+    update_ref_model: bool = field(default=True, metadata={"help": "Update the reference with the BEMA weights."})
+    ref_model_update_freq: int = field(default=400, metadata={"help": "Steps between reference updates."})
+    ref_model_update_after: int = field(default=0, metadata={"help": "Steps before the first reference update."})
+
+    def callback(self) -> Any:
+        from posttrain.experimental.bema_for_ref_model import BEMACallback
+
+        return BEMACallback(
+            update_freq=self.bema_update_freq,
+            ema_power=self.bema_ema_power,
+            bias_power=self.bema_bias_power,
+            lag=self.bema_lag,
+            update_after=self.bema_update_after,
+            multiplier=self.bema_multiplier,
+            min_ema_multiplier=self.bema_min_ema_multiplier,
+            device=self.bema_device,
+            update_ref_model=self.update_ref_model,
+            ref_model_update_freq=self.ref_model_update_freq,
+            ref_model_update_after=self.ref_model_update_after,
+        )
+
+
+# method -> (config "module:Class", trainer "module:Class")
+METHODS: dict[str, tuple[str, str]] = {
+    "cpo": ("posttrain.experimental.cpo:CPOConfig", "posttrain.experimental.cpo:CPOTrainer"),
+    "orpo": ("posttrain.experimental.orpo:ORPOConfig", "posttrain.experimental.orpo:ORPOTrainer"),
+    "tpo": ("posttrain.experimental.tpo:TPOConfig", "posttrain.experimental.tpo:TPOTrainer"),
+    "prm": ("posttrain.experimental.prm:PRMConfig", "posttrain.experimental.prm:PRMTrainer"),
+    "bema_dpo": ("posttrain.trainers.dpo:DPOConfig", "posttrain.experimental.bema_for_ref_model:DPOTrainer"),
+}
+
+
+def _load(spec: str) -> Any:
+    import importlib
+
+    module, name = spec.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _train(method: str, argv: list[str]) -> int:
+    from posttrain.cli.configs import ModelConfig, ScriptArguments
+    from posttrain.cli.parser import ConfigError
+    from posttrain.data.loading import DatasetMixtureConfig
+    from posttrain.scripts._common import build_and_train, make_trl_parser
+
+    if method not in METHODS:
+        raise ConfigError(f"Unknown experimental method {method!r}; choose one of: {', '.join(METHODS)}.")
+    config_spec, trainer_spec = METHODS[method]
+    types: tuple = (ScriptArguments, _load(config_spec), ModelConfig, DatasetMixtureConfig)
+    if method == "bema_dpo":
+        types = (*types, BEMAArguments)
+    parser = make_trl_parser(f"python -m posttrain.experimental.run {method}", types, __doc__)
+    namespace, remaining = parser.parse_namespace_and_config(argv)
+    if remaining:
+        raise ConfigError(parser.unknown_args_message(remaining))
+    configs = parser.namespace_to_dataclasses(namespace)
+    script_args, training_args, model_args, dataset_args = configs[:4]
+    extra = {"callbacks": [configs[4].callback()]} if method == "bema_dpo" else {}
+    build_and_train(method, _load(trainer_spec), script_args, training_args, model_args, dataset_args, **extra)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m posttrain.experimental.run METHOD [--config recipe.yaml] [--flags]``; returns the exit code."""
+    from posttrain.cli.run import guarded, pop_debug_flag
+
+    debug, argv = pop_debug_flag(list(sys.argv[1:] if argv is None else argv))
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        print(f"\nMethods: {', '.join(METHODS)}. `python -m posttrain.experimental.run METHOD --help` lists options.")
+        return 0
+    method, rest = argv[0], argv[1:]
+    return guarded(f"posttrain.experimental.run {method}", lambda: _train(method, rest), debug)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

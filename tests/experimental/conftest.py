@@ -1,0 +1,10 @@
+"""The experimental trainers' tests reuse the stable trainers' helpers (tests/trainers/trainer_helpers.py)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+_TRAINERS = str(Path(__file__).resolve().parents[1] / "trainers")
+if _TRAINERS not in sys.path:
+    sys.path.insert(0, _TRAINERS)
