@@ -291,8 +291,11 @@ def _forward_last(
 ) -> torch.Tensor:
     """One forward through ``cache``; returns the last position's logits as float32 ``(B, V)``.
 
-    ``logits_to_keep=1`` keeps the prefill from materialising ``(B, T, V)`` logits.
+    ``logits_to_keep=1`` keeps the prefill from materialising ``(B, T, V)`` logits. A MoE model set to output its
+    router logits (for the training loss's aux term) is asked not to: sampling needs no load-balancing loss, and
+    its computation assumes the attention mask covers only the new tokens.
     """
+    extra = {"output_router_logits": False} if getattr(model.config, "output_router_logits", False) else {}
     out = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -300,5 +303,6 @@ def _forward_last(
         use_cache=True,
         logits_to_keep=1,
         **{cache_kw: cache},
+        **extra,
     )
     return out.logits[:, -1, :].float()

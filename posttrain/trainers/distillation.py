@@ -443,9 +443,7 @@ class DistillationTrainer(OnlineTrainerBase):
             # Every token masked (e.g. mask_truncated_completions): a zero loss that still reaches every parameter,
             # so backward and DDP's gradient hooks run as usual.
             loss = loss + 0.0 * sum(p.sum() for p in model.parameters() if p.requires_grad)
-        if self.aux_loss_enabled and student.aux_loss is not None:
-            loss = loss + args.router_aux_loss_coef * student.aux_loss / self._grad_accum_divisor()
-            self.record_metric("aux_loss", self._gather_mean(student.aux_loss), mode=mode)
+        loss = self._finish_loss(loss, student.aux_loss, divide_by_grad_accum=False)  # normalised over the step
         mean = divergence.detach().sum() / n_tokens if divergence.numel() else divergence.new_tensor(float("nan"))
         self.record_metric("distillation_loss", self._gather_mean(mean), mode=mode)
         entropy_mean = entropy.mean() if entropy.numel() else entropy.new_tensor(float("nan"))

@@ -12,7 +12,9 @@ module adds GRPO's config fields and its loss, which reads as TRL's ``_compute_l
 5. the aggregation of ``loss_type`` (DAPO's global token mean over the whole generation batch and all processes;
    the others divided by the gradient-accumulation steps, so accumulation and data parallelism leave the loss
    unchanged);
-6. the entropy bonus (static, or Skywork-OR1's adaptive coefficient, saved in ``entropy_ctrl_state.json``).
+6. the entropy bonus (static, or Skywork-OR1's adaptive coefficient, saved in ``entropy_ctrl_state.json``), its
+   entropies reduced by the same aggregation;
+7. the online base's loss tail (``_finish_loss``): the gradient-accumulation divisor and the MoE router aux loss.
 
 Deliberate differences from TRL: the ``vllm_importance_sampling_*`` correction can also be applied to posttrain's
 own sampler, which returns sampling log-probs (``rollout_importance_sampling=True``; TRL applies it only with
@@ -361,22 +363,22 @@ class GRPOTrainer(OnlineTrainerBase):
             per_token_loss = per_token_loss + args.beta * per_token_kl
             self.record_metric("kl", self._gather_mean(masked_mean(per_token_kl.detach(), mask)), mode=mode)
 
-        loss = self.aggregation(
-            per_token_loss,
+        loss = self._aggregate(per_token_loss, mask, inputs)
+        if self.entropy_ctrl.enabled:
+            loss = self._add_entropy_bonus(loss, entropies, entropy_mask if entropy_mask is not None else mask, inputs)
+        loss = self._finish_loss(loss, stats.aux_loss, divide_by_grad_accum=self.divide_by_grad_accum)
+        self._record_loss_metrics(entropies, mask, objective_stats, mode)
+        return loss
+
+    def _aggregate(self, per_token: torch.Tensor, mask: torch.Tensor, inputs: RolloutBatch) -> torch.Tensor:
+        """``loss_type``'s aggregation of a per-token term (before the gradient-accumulation divisor)."""
+        return self.aggregation(
+            per_token,
             mask,
-            max_completion_length=args.max_completion_length,
+            max_completion_length=self.args.max_completion_length,
             num_items_in_batch=inputs["num_items_in_batch"],
             num_processes=self.accelerator.num_processes,
         )
-        if self.divide_by_grad_accum:
-            loss = loss / self._grad_accum_divisor()
-        if self.entropy_ctrl.enabled:
-            loss = self._add_entropy_bonus(loss, entropies, entropy_mask if entropy_mask is not None else mask, inputs)
-        if self.aux_loss_enabled and stats.aux_loss is not None:
-            loss = loss + args.router_aux_loss_coef * stats.aux_loss / self._grad_accum_divisor()
-            self.record_metric("aux_loss", self._gather_mean(stats.aux_loss), mode=mode)
-        self._record_loss_metrics(entropies, mask, objective_stats, mode)
-        return loss
 
     def _entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
         """Top-ρ entropy tokens (Wang et al. 2025), ρ = ``top_entropy_quantile``; the quantile is over all processes."""
@@ -434,14 +436,12 @@ class GRPOTrainer(OnlineTrainerBase):
     def _add_entropy_bonus(
         self, loss: torch.Tensor, entropies: torch.Tensor, bonus_mask: torch.Tensor, inputs: RolloutBatch
     ) -> torch.Tensor:
-        """loss − c·H, H the mean per-token entropy of the optimizer step (same normalisation as the policy term)."""
+        """loss − c·H, H the per-token entropies reduced by ``loss_type``'s aggregation, as the policy term is (both
+        are then divided alike by ``_finish_loss``)."""
         mode = self._mode()
-        if self.divide_by_grad_accum:
-            entropy_term = masked_mean(entropies, bonus_mask) / self._grad_accum_divisor()
-        else:
-            normalizer = inputs["num_items_in_batch"].to(entropies.dtype) / self.accelerator.num_processes
-            entropy_term = masked_sum(entropies, bonus_mask) / normalizer.clamp(min=1.0)
-        self.record_metric("policy_loss", self._gather_mean(loss.detach()), mode=mode)
+        entropy_term = self._aggregate(entropies, bonus_mask, inputs)
+        scale = self._grad_accum_divisor() if self.divide_by_grad_accum else 1
+        self.record_metric("policy_loss", self._gather_mean(loss.detach() / scale), mode=mode)
         self.record_metric("entropy_coef", self.entropy_ctrl.coef, mode=mode)  # the controller's current value
         if mode == "train":
             detached = entropies.detach()

@@ -18,6 +18,8 @@ from trainer_helpers import (  # noqa: F401
     trainable_params,
 )
 
+from posttrain.core.aggregation import AGGREGATIONS
+from posttrain.core.presets import GRPO_LOSS_PRESETS, needs_grad_accum_division
 from posttrain.trainers.grpo import ENTROPY_CTRL_STATE, GRPOConfig, GRPOTrainer
 
 EOS = 258
@@ -504,6 +506,37 @@ def test_entropy_bonus_stays_chunked_with_the_full_logits_gradient(tiny_model_pa
     assert chunked.keys() == full.keys() and any(g.abs().sum() > 0 for g in full.values())
     for name, grad in full.items():
         torch.testing.assert_close(chunked[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("loss_type", sorted(GRPO_LOSS_PRESETS))
+def test_entropy_bonus_uses_the_loss_types_aggregation(tiny_model_path, tmp_path, loss_type):
+    """Zero advantages, β = 0: the loss is the bonus alone, −c · aggregation(H) (/ GA unless globally normalised),
+    with ``loss_type``'s aggregation — e.g. grpo's per-sequence mean, not a token mean, over rows of unequal length."""
+    trainer = GRPOTrainer(
+        tiny_model_path, varied_reward, _config(tmp_path, entropy_coef=0.5, loss_type=loss_type), train_dataset=_dataset()
+    )
+    model = trainer.model.train()
+    generator = torch.Generator().manual_seed(0)
+    batch = {
+        "prompt_ids": torch.randint(0, 256, (4, 5), generator=generator),
+        "prompt_mask": torch.ones(4, 5, dtype=torch.long),
+        "completion_ids": torch.randint(0, 256, (4, 6), generator=generator),
+        "completion_lengths": torch.tensor([6, 3, 5, 1]),
+        "advantages": torch.zeros(4),
+    }
+    mask = (torch.arange(6).unsqueeze(0) < batch["completion_lengths"].unsqueeze(1)).long()
+    batch["completion_mask"] = mask
+    batch["num_items_in_batch"] = mask.sum() * 2  # as if the optimizer step had a second micro-batch like this one
+    with torch.no_grad():
+        loss = trainer._compute_loss(model, batch)
+        entropies = trainer._token_stats(model, batch, compute_entropy=True).entropy
+    aggregation = AGGREGATIONS.get(GRPO_LOSS_PRESETS[loss_type][1])
+    expected = -0.5 * aggregation(
+        entropies, mask.float(), max_completion_length=8, num_items_in_batch=batch["num_items_in_batch"]
+    )
+    if needs_grad_accum_division(loss_type):
+        expected = expected / trainer._grad_accum_divisor()
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-7)
 
 
 def test_shared_prompt_forward_trains_like_the_plain_forward(tiny_model_path, tmp_path, monkeypatch):
