@@ -28,7 +28,8 @@ from typing import Any
 import torch
 
 from posttrain.generation.base import Completions, SamplingConfig
-from posttrain.generation.transformers_backend import left_pad, model_device, sampling_mode, unwrap_model
+from posttrain.generation.transformers_backend import left_pad, model_device, sampling_mode
+from posttrain.models.unwrap import unwrap_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -162,7 +163,7 @@ class GroupSampler:
         for i, ids in enumerate(prompt_ids):
             if len(ids) == 0:
                 raise ValueError(f"prompt_ids[{i}] is empty; every prompt needs at least one token.")
-        model = unwrap_model(self.model)
+        model = unwrap_parallel(self.model)
         with sampling_mode(model):
             for start, stop in self._batches(prompt_ids, num_generations, s.max_new_tokens):
                 self._generate_batch(

@@ -11,8 +11,9 @@ from typing import Any
 
 import torch
 
-from posttrain.models.forward import TokenStats, forward_token_stats, unwrap_model
+from posttrain.models.forward import TokenStats, forward_token_stats
 from posttrain.models.prefix_sharing import SharedPromptLayout, build_shared_prompt_layout
+from posttrain.models.unwrap import unwrap_base_model
 
 # A rollout micro-batch (``posttrain.rollout.buffer.RolloutBatch``: ``prompt_ids``, ``prompt_mask``,
 # ``completion_ids``, ``completion_lengths``, ...); models/ sits below rollout/ and does not import it.
@@ -99,7 +100,7 @@ def choose_shared_prompt_layout(model: torch.nn.Module, batch: RolloutBatch) -> 
     attention span), :meth:`SharedPromptLayout.cost_ratio` — is not clearly lower. One long pack shares a system
     prompt across groups; one pack per group keeps the (dense) attention small; the cheaper one wins.
     """
-    config = getattr(unwrap_model(model), "config", None)
+    config = getattr(unwrap_base_model(model), "config", None)
     impl = str(getattr(config, "_attn_implementation", None) or "sdpa")
     if config is None or impl not in TREE_MASK_ATTENTION or _is_prompt_learning(model):
         return None

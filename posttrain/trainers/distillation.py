@@ -47,7 +47,7 @@ from posttrain.rollout.distillation import (
     DistillationRollout,
     check_shared_vocabulary,
     model_vocab_size,
-    score_completions,
+    score_distillation_completions,
     token_divergence,
 )
 from posttrain.trainers.online import OnlineRLConfig, OnlineTrainerBase
@@ -402,7 +402,7 @@ class DistillationTrainer(OnlineTrainerBase):
 
     # -- loss --------------------------------------------------------------------------------------------------
     def _scoring_inputs(self, model: torch.nn.Module, inputs: RolloutBatch) -> tuple:
-        """``score_completions`` arguments for ``model``: the shared-prompt layout when it saves work for this model
+        """``score_distillation_completions`` arguments for ``model``: the shared-prompt layout when it saves work for this model
         (``shared_prompt_forward``; each distinct prompt encoded once), else ``[prompt | completion]`` rows. Both
         give the loss tokens in the same order, so student and teacher may differ in which one they use."""
         targets = (inputs["completion_ids"], inputs["completion_mask"])
@@ -420,9 +420,9 @@ class DistillationTrainer(OnlineTrainerBase):
         """
         args = self.args
         mode = self._mode()
-        student = score_completions(model, *self._scoring_inputs(model, inputs))
+        student = score_distillation_completions(model, *self._scoring_inputs(model, inputs))
         with torch.no_grad():
-            teacher = score_completions(self.teacher_model, *self._scoring_inputs(self.teacher_model, inputs))
+            teacher = score_distillation_completions(self.teacher_model, *self._scoring_inputs(self.teacher_model, inputs))
         divergence, entropy = token_divergence(
             student,
             teacher,

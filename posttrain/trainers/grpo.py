@@ -33,9 +33,14 @@ import torch
 from posttrain.core.importance import entropy_quantile_mask, entropy_threshold, off_policy_sequence_mask
 from posttrain.core.kl import kl_k3
 from posttrain.core.masking import masked_batch_mean, masked_mean, masked_sum
-from posttrain.core.policy_objectives import importance_weights
-from posttrain.core.presets import needs_grad_accum_division, resolve_grpo_loss, validate_grpo_loss_config
-from posttrain.models.forward import unwrap_model
+from posttrain.core.policy_objectives import ObjectiveArguments, importance_weights, objective_properties
+from posttrain.core.presets import (
+    GRPO_LOSS_PRESETS,
+    needs_grad_accum_division,
+    resolve_grpo_loss,
+    validate_grpo_loss_config,
+)
+from posttrain.models.unwrap import unwrap_base_model
 from posttrain.rollout.buffer import RolloutBatch
 from posttrain.rollout.estimators import GroupRelativeEstimator
 from posttrain.rollout.pipeline import ImportanceSamplingSettings
@@ -43,37 +48,37 @@ from posttrain.trainers.online import OnlineRLConfig, OnlineTrainerBase
 
 ENTROPY_CTRL_STATE = "entropy_ctrl_state.json"
 _IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+_IS_LEVELS = ("token", "sequence")
+_MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 
 
 @dataclass
-class GRPOConfig(OnlineRLConfig):
+class GRPOConfig(ObjectiveArguments, OnlineRLConfig):
     """Configuration of :class:`GRPOTrainer`: TRL's ``GRPOConfig`` fields and defaults (features.md §B1.1).
 
     Shared online-RL fields (generation, batch arithmetic, vLLM, β, logging) are documented on
-    ``OnlineRLConfig``; ``generation_backend`` ("posttrain" | "transformers") and ``rollout_importance_sampling``
-    are posttrain additions.
+    ``OnlineRLConfig``; the objectives' own hyper-parameters (``delta``, ``sapo_*``, ``vespo_*``) on
+    ``core.policy_objectives.ObjectiveArguments``, beside the objectives that read them. ``generation_backend``
+    ("posttrain" | "transformers") and ``rollout_importance_sampling`` are posttrain additions.
     """
 
     cast_lm_head_to_fp32: bool = field(
         default=False,
         metadata={"help": "Run the LM head in float32 (ScaleRL). Needs untied embeddings and no adapter on it."},
     )
-    delta: float | None = field(
-        default=None, metadata={"help": "INTELLECT-2 two-sided clipping: cap the unclipped ratio at δ (> 1 + ε)."}
-    )
-    sapo_temperature_neg: float = field(default=1.05, metadata={"help": "SAPO τ for non-positive advantages."})
-    sapo_temperature_pos: float = field(default=1.0, metadata={"help": "SAPO τ for positive advantages."})
-    vespo_k_pos: float = field(default=2.0, metadata={"help": "VESPO k for non-negative advantages."})
-    vespo_lambda_pos: float = field(default=3.0, metadata={"help": "VESPO λ for non-negative advantages."})
-    vespo_k_neg: float = field(default=3.0, metadata={"help": "VESPO k for negative advantages."})
-    vespo_lambda_neg: float = field(default=2.0, metadata={"help": "VESPO λ for negative advantages."})
     importance_sampling_level: str = field(
         default="token",
-        metadata={"help": "'token' (per-token ratios) or 'sequence' (GSPO: geometric mean ratio per sequence)."},
+        metadata={
+            "help": "'token' (per-token ratios) or 'sequence' (GSPO: geometric mean ratio per sequence).",
+            "choices": list(_IS_LEVELS),
+        },
     )
     multi_objective_aggregation: str = field(
         default="sum_then_normalize",
-        metadata={"help": "'sum_then_normalize' (weighted sum, then scale_rewards) or 'normalize_then_sum' (GDPO)."},
+        metadata={
+            "help": "'sum_then_normalize' (weighted sum, then scale_rewards) or 'normalize_then_sum' (GDPO).",
+            "choices": list(_MULTI_OBJECTIVE_AGGREGATIONS),
+        },
     )
     scale_rewards: str = field(
         default="group",
@@ -81,7 +86,11 @@ class GRPOConfig(OnlineRLConfig):
     )
     loss_type: str = field(
         default="dapo",
-        metadata={"help": "'grpo', 'dr_grpo', 'dapo' (default), 'bnpo', 'cispo', 'sapo', 'luspo' or 'vespo'."},
+        metadata={
+            "help": f"One of {', '.join(GRPO_LOSS_PRESETS)} (default: dapo), or in Python a pair (objective, "
+            "aggregation) of core registry names or callables.",
+            "choices": list(GRPO_LOSS_PRESETS),
+        },
     )
     top_entropy_quantile: float = field(
         default=1.0, metadata={"help": "ρ: keep only the top-ρ fraction of tokens by entropy in the loss (0.2)."}
@@ -114,7 +123,7 @@ class GRPOConfig(OnlineRLConfig):
     )
     vllm_importance_sampling_mode: str = field(
         default="sequence_mask",
-        metadata={"help": "'token_truncate', 'token_mask', 'sequence_truncate' or 'sequence_mask'."},
+        metadata={"help": f"One of {', '.join(_IS_MODES)}.", "choices": list(_IS_MODES)},
     )
     vllm_importance_sampling_clip_max: float | None = field(default=3.0, metadata={"help": "IS upper bound C_max."})
     vllm_importance_sampling_clip_min: float | None = field(default=None, metadata={"help": "IS lower bound C_min."})
@@ -153,6 +162,13 @@ class GRPOConfig(OnlineRLConfig):
             )
             self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
         super().__post_init__()
+        resolve_grpo_loss(self.loss_type)  # a typo fails here, listing the valid loss types
+        for name, valid in (
+            ("importance_sampling_level", _IS_LEVELS),
+            ("multi_objective_aggregation", _MULTI_OBJECTIVE_AGGREGATIONS),
+        ):
+            if getattr(self, name) not in valid:
+                raise ValueError(f"Invalid {name} {getattr(self, name)!r}. Valid values: {', '.join(valid)}.")
         if self.scale_rewards not in ("group", "batch", "none"):
             raise ValueError(
                 f"Invalid scale_rewards {self.scale_rewards!r}. Valid values: 'group' (or True), 'batch', 'none' "
@@ -279,6 +295,10 @@ class GRPOTrainer(OnlineTrainerBase):
         args = self.args
         self.objective, self.aggregation = resolve_grpo_loss(args.loss_type)
         self.divide_by_grad_accum = needs_grad_accum_division(args.loss_type)
+        properties = objective_properties(self.objective)
+        # The hyper-parameters the objective declares it reads, from their config fields.
+        self.objective_kwargs = {kw: getattr(args, name) for kw, name in properties.config_fields.items()}
+        self.objective_folds_sampling_ratio = properties.folds_sampling_ratio
         is_settings = self._importance_sampling()
         for message in validate_grpo_loss_config(
             args.loss_type,
@@ -316,7 +336,7 @@ class GRPOTrainer(OnlineTrainerBase):
     def _prepare_model(self, model: torch.nn.Module, args: GRPOConfig) -> None:
         if not args.cast_lm_head_to_fp32:
             return
-        inner = unwrap_model(model)
+        inner = unwrap_base_model(model)
         if getattr(getattr(inner, "config", None), "tie_word_embeddings", False):
             raise ValueError(
                 "cast_lm_head_to_fp32=True needs untied word embeddings and LM head (config.tie_word_embeddings is "
@@ -404,21 +424,10 @@ class GRPOTrainer(OnlineTrainerBase):
         args = self.args
         advantages = inputs["advantages"]  # (B,)
         is_ratio = inputs.get("importance_sampling_ratio")  # (B, C) or (B, 1), when the correction is active
-        vespo = args.loss_type == "vespo"
-        objective_kwargs = dict(
-            importance_sampling_level=args.importance_sampling_level,
-            epsilon_low=args.epsilon,
-            epsilon_high=args.epsilon_high,
-            delta=args.delta,
-            sapo_temperature_pos=args.sapo_temperature_pos,
-            sapo_temperature_neg=args.sapo_temperature_neg,
-            vespo_k_pos=args.vespo_k_pos,
-            vespo_lambda_pos=args.vespo_lambda_pos,
-            vespo_k_neg=args.vespo_k_neg,
-            vespo_lambda_neg=args.vespo_lambda_neg,
-        )
-        if vespo and is_ratio is not None:  # VESPO folds the sampler correction into its kernel
-            objective_kwargs["importance_sampling_ratio"] = is_ratio
+        folds_ratio = self.objective_folds_sampling_ratio  # e.g. VESPO: the sampler correction enters its kernel
+        objective_kwargs = self.objective_kwargs
+        if folds_ratio and is_ratio is not None:
+            objective_kwargs = {**objective_kwargs, "importance_sampling_ratio": is_ratio}
         per_token_loss, objective_stats = self.objective(logps, old_logps, advantages, mask, **objective_kwargs)
         if args.off_policy_mask_threshold is not None:
             # The sampler's log-probs when the correction is active (TRL: vLLM's), else π_old's.
@@ -429,7 +438,7 @@ class GRPOTrainer(OnlineTrainerBase):
             )
         if entropy_mask is not None:
             per_token_loss = per_token_loss * entropy_mask
-        if is_ratio is not None and not vespo:
+        if is_ratio is not None and not folds_ratio:
             per_token_loss = per_token_loss * is_ratio
         return per_token_loss, objective_stats
 

@@ -36,7 +36,7 @@ from transformers import TrainingArguments
 from posttrain.core.masking import masked_batch_mean, masked_mean
 from posttrain.generation.base import SamplingConfig
 from posttrain.models.completion_scoring import completion_token_stats
-from posttrain.models.forward import TokenStats, unwrap_model
+from posttrain.models.forward import TokenStats
 from posttrain.models.loading import (
     create_model_from_path,
     disable_dropout_in_model,
@@ -44,6 +44,7 @@ from posttrain.models.loading import (
     resolve_processing_class,
 )
 from posttrain.models.reference import SyncRefModelCallback, create_reference_policy
+from posttrain.models.unwrap import unwrap_base_model
 from posttrain.reliability.validation import check_text_only
 from posttrain.rollout.buffer import RolloutBatch, RolloutBuffer
 from posttrain.rollout.completions_log import print_completions_table, write_completions_parquet
@@ -136,7 +137,8 @@ class OnlineRLConfig(BaseConfig):
         metadata={
             "help": "Generation backend when use_vllm=False and no rollout_func is given: 'posttrain' (default: "
             "posttrain's group sampler — each prompt prefilled once, KV cache shared by its G completions, finished "
-            "rows dropped, sampling log-probs returned) or 'transformers' (`model.generate`, as TRL)."
+            "rows dropped, sampling log-probs returned) or 'transformers' (`model.generate`, as TRL).",
+            "choices": list(GENERATION_BACKENDS),
         },
     )
     use_transformers_continuous_batching: bool = field(
@@ -444,7 +446,7 @@ class OnlineTrainerBase(BaseTrainer):
                 func.to(self.accelerator.device).eval()
         if args.sync_ref_model:
             self.add_callback(SyncRefModelCallback(self.reference.model, self.accelerator))
-        config = getattr(unwrap_model(self.model), "config", None)
+        config = getattr(unwrap_base_model(self.model), "config", None)
         self.aux_loss_enabled = bool(getattr(config, "output_router_logits", False)) and args.router_aux_loss_coef != 0
 
     def _setup_rollout(self, rollout_func: Any) -> None:

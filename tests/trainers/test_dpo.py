@@ -16,7 +16,8 @@ from trainer_helpers import fast_config, params_changed, quiet_single_thread, tr
 from transformers import TrainingArguments
 
 from posttrain.core.preference import DPO_LOSSES
-from posttrain.trainers.dpo import DPOConfig, DPOTrainer, score_completions
+from posttrain.trainers.dpo import DPOConfig, DPOTrainer
+from posttrain.trainers.preference import score_preference_completions
 
 METRICS = [
     "rewards/chosen",
@@ -284,7 +285,7 @@ def test_score_completions_matches_full_logits(tiny_llama_path):
     ids = torch.tensor([[72, 105, 32, 116, 104, 101, 114, 101, 258], [65, 66, 67, 68, 258, 259, 259, 259, 259]])
     attention = (ids != 259).long()
     completion = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 0, 0, 0, 0]])
-    scores = score_completions(
+    scores = score_preference_completions(
         model,
         ids,
         attention,
@@ -310,7 +311,7 @@ def test_score_completions_matches_full_logits(tiny_llama_path):
     hits = (logits.argmax(-1) == target) & mask
     torch.testing.assert_close(scores.correct[:, 1:], hits)
     assert scores.logps[:, 0].eq(0).all()
-    rows = score_completions(
+    rows = score_preference_completions(
         model, ids, attention, completion, accuracy_rows=torch.tensor([True, False]), chunk_size=2
     )
     torch.testing.assert_close(rows.correct[0, 1:], hits[0])

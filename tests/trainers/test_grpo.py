@@ -4,6 +4,7 @@ rollout_func, batch × gradient-accumulation invariance, learning, eval, logging
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 
@@ -19,6 +20,7 @@ from trainer_helpers import (  # noqa: F401
 )
 
 from posttrain.core.aggregation import AGGREGATIONS
+from posttrain.core.policy_objectives import POLICY_OBJECTIVES, objective_properties
 from posttrain.core.presets import GRPO_LOSS_PRESETS, needs_grad_accum_division
 from posttrain.trainers.grpo import ENTROPY_CTRL_STATE, GRPOConfig, GRPOTrainer
 
@@ -537,6 +539,49 @@ def test_entropy_bonus_uses_the_loss_types_aggregation(tiny_model_path, tmp_path
     if needs_grad_accum_division(loss_type):
         expected = expected / trainer._grad_accum_divisor()
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-7)
+
+
+def test_custom_pair_behaves_as_its_preset(tiny_model_path, tmp_path):
+    """loss_type=("vespo", "token_mean_global") is "vespo": the sampling IS ratio goes into VESPO's kernel (not onto
+    the loss), the same hyper-parameters are read, the same GA rule applies — same loss on the same batch."""
+    trainer = GRPOTrainer(
+        tiny_model_path, varied_reward, _config(tmp_path, loss_type="vespo", vespo_k_pos=1.5), train_dataset=_dataset()
+    )
+    model = trainer.model.train()
+    generator = torch.Generator().manual_seed(0)
+    batch = {
+        "prompt_ids": torch.randint(0, 256, (4, 5), generator=generator),
+        "prompt_mask": torch.ones(4, 5, dtype=torch.long),
+        "completion_ids": torch.randint(0, 256, (4, 6), generator=generator),
+        "completion_lengths": torch.tensor([6, 3, 5, 1]),
+        "advantages": torch.tensor([1.0, -0.5, 0.25, -1.0]),
+        "importance_sampling_ratio": 0.5 + torch.rand(4, 6, generator=generator),
+    }
+    mask = (torch.arange(6).unsqueeze(0) < batch["completion_lengths"].unsqueeze(1)).long()
+    batch["completion_mask"] = mask
+    batch["num_items_in_batch"] = mask.sum()
+    with torch.no_grad():
+        batch["old_per_token_logps"] = trainer._token_stats(model, batch).logps - 0.1 * mask
+        losses = {}
+        for loss_type in ("vespo", ("vespo", "token_mean_global"), ("clip", "token_mean_global")):
+            trainer.args.loss_type = loss_type
+            trainer._setup_loss()
+            losses[str(loss_type)] = trainer._compute_loss(model, batch)
+    torch.testing.assert_close(losses["('vespo', 'token_mean_global')"], losses["vespo"])
+    assert not torch.allclose(losses["('clip', 'token_mean_global')"], losses["vespo"])  # the batch tells them apart
+
+
+def test_objectives_read_existing_config_fields():
+    """Every config field an objective declares is a GRPOConfig field (a typo there would fail only at the first step)."""
+    names = {f.name for f in dataclasses.fields(GRPOConfig)}
+    for objective_name in POLICY_OBJECTIVES:
+        fields = objective_properties(POLICY_OBJECTIVES.get(objective_name)).config_fields
+        assert fields and set(fields.values()) <= names, objective_name
+
+
+def test_loss_type_typo_fails_in_the_config(tmp_path):
+    with pytest.raises(ValueError, match="Valid loss types: .*dapo"):
+        GRPOConfig(output_dir=str(tmp_path), loss_type="dapoo")
 
 
 def test_shared_prompt_forward_trains_like_the_plain_forward(tiny_model_path, tmp_path, monkeypatch):
