@@ -120,6 +120,7 @@ def test_peft_and_reward_model(tiny_model_path, tiny_reward_model_path, tmp_path
     assert f"rewards/{os.path.basename(tiny_reward_model_path.rstrip('/'))}/mean" in logs
 
 
+@pytest.mark.invariance
 def test_batch_times_grad_accum_invariance(tiny_model_path, tmp_path):
     """RLOO's sequence-mean loss is divided by GA: 4×1 ≡ 2×2 ≡ 1×4 (SGD). The whole generation batch is sampled in
     one call from the same seed, so every split trains on the same completions."""
