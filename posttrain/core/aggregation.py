@@ -119,6 +119,11 @@ def token_mean_global(
     return masked_sum(loss, mask) / normalizer
 
 
+# Already normalised by the whole optimizer step's token count: the trainer must not divide it by the number of
+# gradient-accumulation steps (``presets.needs_grad_accum_division`` reads this; other aggregations are divided).
+token_mean_global.normalised_over_step = True
+
+
 @AGGREGATIONS.register("length_weighted")
 def length_weighted(loss: torch.Tensor, mask: torch.Tensor, **_) -> torch.Tensor:
     """LUSPO (arXiv 2602.05261): each sequence's loss scaled by its length, to undo GSPO's bias against long answers.

@@ -14,15 +14,22 @@ Notation: ℓ_t = logp_t − old_t, w the importance weight (token: exp ℓ_t; s
 * ``vespo`` (arXiv 2602.10693):  L = −sg(φ(W))·A·logp with the gamma kernel φ(W) = e^λ W^k e^{−λW} of the
   *sequence* ratio W = exp Σ_t m·ℓ_t, (k, λ) = (k_pos, λ_pos) if A ≥ 0 else (k_neg, λ_neg).
 
-Advantages may be ``(B,)``, ``(B, 1)`` or ``(B, T)``. Extra keyword arguments are accepted and ignored, so a trainer
-can pass one kwargs dict to whichever objective is configured.
+Advantages may be ``(B,)``, ``(B, 1)`` or ``(B, T)``. Extra keyword arguments are accepted and ignored.
+
+Each registered objective declares what a trainer needs to know about it (:class:`ObjectiveProperties`, read with
+:func:`objective_properties`): the config fields it reads, keyed by its keyword arguments, and whether it folds the
+rollout importance-sampling ratio into its weights (VESPO) instead of having the loss multiplied by it. Its
+hyper-parameters that are not shared with other losses are declared here too, as :class:`ObjectiveArguments`
+(TRL's field names, defaults and help), which ``GRPOConfig`` inherits. Adding an objective with a new
+hyper-parameter is then one function, one field and one preset row (``presets.py``); the trainer does not change.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import Literal
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import torch
 
@@ -31,9 +38,13 @@ from posttrain.registry import Registry
 
 __all__ = [
     "POLICY_OBJECTIVES",
+    "ObjectiveArguments",
+    "ObjectiveProperties",
     "cispo_objective",
     "clip_objective",
+    "declare_objective",
     "importance_weights",
+    "objective_properties",
     "sapo_objective",
     "vespo_gamma_weights",
     "vespo_objective",
@@ -43,6 +54,72 @@ ObjectiveFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 POLICY_OBJECTIVES: Registry[ObjectiveFn] = Registry("policy objective")
 
 ImportanceLevel = Literal["token", "sequence", "sequence_sum"]
+
+
+@dataclass
+class ObjectiveArguments:
+    """The objectives' own hyper-parameters as config fields (TRL's ``GRPOConfig`` names and defaults).
+
+    ``GRPOConfig`` inherits these; the options shared with other trainers (``epsilon``, ``epsilon_high``,
+    ``importance_sampling_level``) stay on the configs. Each objective says which fields it reads in its
+    :class:`ObjectiveProperties`.
+    """
+
+    delta: float | None = field(
+        default=None, metadata={"help": "INTELLECT-2 two-sided clipping: cap the unclipped ratio at δ (> 1 + ε)."}
+    )
+    sapo_temperature_neg: float = field(default=1.05, metadata={"help": "SAPO τ for non-positive advantages."})
+    sapo_temperature_pos: float = field(default=1.0, metadata={"help": "SAPO τ for positive advantages."})
+    vespo_k_pos: float = field(default=2.0, metadata={"help": "VESPO k for non-negative advantages."})
+    vespo_lambda_pos: float = field(default=3.0, metadata={"help": "VESPO λ for non-negative advantages."})
+    vespo_k_neg: float = field(default=3.0, metadata={"help": "VESPO k for negative advantages."})
+    vespo_lambda_neg: float = field(default=2.0, metadata={"help": "VESPO λ for negative advantages."})
+
+
+@dataclass(frozen=True)
+class ObjectiveProperties:
+    """What a trainer needs to know about an objective besides its formula.
+
+    Attributes:
+        config_fields: ``{keyword argument: config field}`` — the hyper-parameters the objective reads and the config
+            field that supplies each (``epsilon_low`` ← ``epsilon``). The trainer passes exactly these.
+        folds_sampling_ratio: The objective takes the rollout importance-sampling ratio as
+            ``importance_sampling_ratio`` (token level, ``(B, T)``) and folds it into its weights; the trainer then
+            passes it and does not multiply the loss by it (VESPO).
+    """
+
+    config_fields: Mapping[str, str] = field(default_factory=dict)
+    folds_sampling_ratio: bool = False
+
+
+def declare_objective(
+    *, config_fields: Mapping[str, str], folds_sampling_ratio: bool = False
+) -> Callable[[ObjectiveFn], ObjectiveFn]:
+    """Decorator attaching :class:`ObjectiveProperties` to an objective function (see :func:`objective_properties`)."""
+
+    def mark(fn: ObjectiveFn) -> ObjectiveFn:
+        fn.objective_properties = ObjectiveProperties(dict(config_fields), folds_sampling_ratio)  # type: ignore[attr-defined]
+        return fn
+
+    return mark
+
+
+def objective_properties(objective: Any) -> ObjectiveProperties:
+    """The declared properties of ``objective``; an undeclared callable reads every registered objective's config
+    fields (passed as keyword arguments it may ignore) and does not fold the sampling ratio."""
+    declared = getattr(objective, "objective_properties", None)
+    if isinstance(declared, ObjectiveProperties):
+        return declared
+    fields: dict[str, str] = {}
+    for _, fn in POLICY_OBJECTIVES.items():
+        other = getattr(fn, "objective_properties", None)
+        if isinstance(other, ObjectiveProperties):
+            fields.update(other.config_fields)
+    return ObjectiveProperties(fields)
+
+
+_IS_LEVEL_AND_CLIP = {"importance_sampling_level": "importance_sampling_level", "epsilon_low": "epsilon",
+                      "epsilon_high": "epsilon_high"}  # fmt: skip
 
 
 def importance_weights(
@@ -91,6 +168,7 @@ def _advantages_2d(advantages: torch.Tensor, logp: torch.Tensor) -> torch.Tensor
 
 
 @POLICY_OBJECTIVES.register("clip")
+@declare_objective(config_fields={**_IS_LEVEL_AND_CLIP, "delta": "delta"})
 def clip_objective(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -140,6 +218,7 @@ def clip_objective(
 
 
 @POLICY_OBJECTIVES.register("cispo")
+@declare_objective(config_fields=_IS_LEVEL_AND_CLIP)
 def cispo_objective(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -170,6 +249,13 @@ def cispo_objective(
 
 
 @POLICY_OBJECTIVES.register("sapo")
+@declare_objective(
+    config_fields={
+        "importance_sampling_level": "importance_sampling_level",
+        "sapo_temperature_pos": "sapo_temperature_pos",
+        "sapo_temperature_neg": "sapo_temperature_neg",
+    }
+)
 def sapo_objective(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -239,6 +325,10 @@ def vespo_gamma_weights(
 
 
 @POLICY_OBJECTIVES.register("vespo")
+@declare_objective(
+    config_fields={name: name for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")},
+    folds_sampling_ratio=True,
+)
 def vespo_objective(
     logp: torch.Tensor,
     old_logp: torch.Tensor,

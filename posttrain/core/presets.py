@@ -4,6 +4,10 @@
 ``policy_objectives.POLICY_OBJECTIVES`` and one of ``aggregation.AGGREGATIONS``. Adding a loss type is one row here
 (plus a function if either axis is new). ``validate_grpo_loss_config`` reproduces TRL's warnings for combinations
 that work but are probably not what the user meant, and raises for the ones that cannot work.
+
+A custom pair behaves as the preset it equals (``("vespo", "token_mean_global")`` is ``"vespo"``): what the trainer
+does differently per loss comes from the functions' declared properties (``objective_properties``, an
+aggregation's ``normalised_over_step``), and the checks look the pair's preset up (:func:`preset_name`).
 """
 
 from __future__ import annotations
@@ -11,12 +15,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from posttrain.core.aggregation import AGGREGATIONS
-from posttrain.core.policy_objectives import POLICY_OBJECTIVES
+from posttrain.core.policy_objectives import POLICY_OBJECTIVES, objective_properties
 
 __all__ = [
     "GRPO_LOSS_PRESETS",
     "RLOO_LOSS_PRESET",
     "needs_grad_accum_division",
+    "preset_name",
     "resolve_grpo_loss",
     "validate_grpo_loss_config",
 ]
@@ -38,10 +43,6 @@ RLOO_LOSS_PRESET: dict[str, str] = {
     "aggregation": "sequence_mean",
     "importance_sampling_level": "sequence_sum",
 }
-
-# Aggregations already normalised by the whole optimizer step's token count: the trainer must not divide them by
-# the number of gradient-accumulation steps.
-_GLOBALLY_NORMALISED = frozenset({"token_mean_global"})
 
 _SEQUENCE_LEVEL_DISCOURAGED = ("bnpo", "dr_grpo", "dapo", "cispo")
 
@@ -79,15 +80,24 @@ def resolve_grpo_loss(
 def needs_grad_accum_division(loss_type: str | Sequence[str | Callable]) -> bool:
     """Whether the trainer divides the aggregated loss by the gradient-accumulation steps (TRL semantics).
 
-    False for the globally normalised ``dapo``/``cispo``/``vespo`` (``token_mean_global``), True for the others.
+    False for an aggregation already normalised over the optimizer step (``normalised_over_step``: the global token
+    mean of ``dapo``/``cispo``/``vespo``), True for the others (and for a custom aggregation that does not say so).
     """
-    resolve_grpo_loss(loss_type)  # validates
-    aggregation = GRPO_LOSS_PRESETS[loss_type][1] if isinstance(loss_type, str) else loss_type[1]
-    return aggregation not in _GLOBALLY_NORMALISED
+    _, aggregation = resolve_grpo_loss(loss_type)
+    return not getattr(aggregation, "normalised_over_step", False)
+
+
+def preset_name(loss_type: str | Sequence[str | Callable]) -> str | None:
+    """The preset ``loss_type`` is or equals: the name itself, or the preset whose ``(objective, aggregation)``
+    resolves to the same two functions; None for a combination no preset has."""
+    pair = resolve_grpo_loss(loss_type)
+    if isinstance(loss_type, str):
+        return loss_type
+    return next((name for name in GRPO_LOSS_PRESETS if resolve_grpo_loss(name) == pair), None)
 
 
 def validate_grpo_loss_config(
-    loss_type: str,
+    loss_type: str | Sequence[str | Callable],
     importance_sampling_level: str = "token",
     *,
     epsilon: float = 0.2,
@@ -102,28 +112,32 @@ def validate_grpo_loss_config(
     ``epsilon_high=None`` (the weight cap silently becomes ``epsilon``).
 
     Args:
-        loss_type: TRL loss type.
+        loss_type: TRL loss type, or a pair ``(objective, aggregation)`` (checked as the preset it equals).
         importance_sampling_level: ``"token"`` or ``"sequence"``.
         epsilon: lower clip ε (used in the cispo message).
         epsilon_high: upper clip ε_high (None = ``epsilon``).
         vllm_importance_sampling_mode: the rollout IS mode when the correction is active, else None.
 
     Raises:
-        ValueError: unknown ``loss_type`` or ``importance_sampling_level``; ``vespo`` with a sequence-level rollout
-            IS mode (VESPO folds a token-level ratio into its kernel).
+        ValueError: unknown ``loss_type`` or ``importance_sampling_level``; an objective that folds the sampling
+            ratio (``vespo``) with a sequence-level rollout IS mode (VESPO folds a token-level ratio into its kernel).
     """
-    resolve_grpo_loss(loss_type)
+    objective, _ = resolve_grpo_loss(loss_type)
+    name = preset_name(loss_type)
     if importance_sampling_level not in ("token", "sequence"):
         raise ValueError(
             f"Unknown importance_sampling_level {importance_sampling_level!r}. Valid values: 'token', 'sequence'."
         )
-    if loss_type == "vespo" and vllm_importance_sampling_mode not in (None, "token_truncate", "token_mask"):
+    folds_ratio = objective_properties(objective).folds_sampling_ratio
+    if folds_ratio and vllm_importance_sampling_mode not in (None, "token_truncate", "token_mask"):
         raise ValueError(
-            f"loss_type='vespo' needs a token-level importance-sampling correction, got "
+            f"loss_type={name or loss_type!r} needs a token-level importance-sampling correction (its objective "
+            "folds the ratio into its weights), got "
             f"vllm_importance_sampling_mode={vllm_importance_sampling_mode!r}: set it to 'token_truncate' or "
             "'token_mask' (or disable vllm_importance_sampling_correction)."
         )
     warnings: list[str] = []
+    loss_type = name  # a custom pair is checked as the preset it equals (no preset: no preset-specific warning)
     if loss_type == "luspo" and importance_sampling_level != "sequence":
         warnings.append(
             "loss_type='luspo' scales a sequence-level (GSPO) loss by sequence length; the LUSPO paper uses "

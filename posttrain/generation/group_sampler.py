@@ -28,7 +28,8 @@ from typing import Any
 import torch
 
 from posttrain.generation.base import Completions, SamplingConfig
-from posttrain.generation.transformers_backend import left_pad, model_device, sampling_mode, unwrap_model
+from posttrain.generation.transformers_backend import left_pad, model_device, sampling_mode
+from posttrain.models.unwrap import unwrap_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -162,7 +163,7 @@ class GroupSampler:
         for i, ids in enumerate(prompt_ids):
             if len(ids) == 0:
                 raise ValueError(f"prompt_ids[{i}] is empty; every prompt needs at least one token.")
-        model = unwrap_model(self.model)
+        model = unwrap_parallel(self.model)
         with sampling_mode(model):
             for start, stop in self._batches(prompt_ids, num_generations, s.max_new_tokens):
                 self._generate_batch(
@@ -291,8 +292,11 @@ def _forward_last(
 ) -> torch.Tensor:
     """One forward through ``cache``; returns the last position's logits as float32 ``(B, V)``.
 
-    ``logits_to_keep=1`` keeps the prefill from materialising ``(B, T, V)`` logits.
+    ``logits_to_keep=1`` keeps the prefill from materialising ``(B, T, V)`` logits. A MoE model set to output its
+    router logits (for the training loss's aux term) is asked not to: sampling needs no load-balancing loss, and
+    its computation assumes the attention mask covers only the new tokens.
     """
+    extra = {"output_router_logits": False} if getattr(model.config, "output_router_logits", False) else {}
     out = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -300,5 +304,6 @@ def _forward_last(
         use_cache=True,
         logits_to_keep=1,
         **{cache_kw: cache},
+        **extra,
     )
     return out.logits[:, -1, :].float()

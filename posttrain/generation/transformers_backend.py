@@ -8,7 +8,7 @@ Note that ``output_scores`` keeps one ``(B, V)`` float tensor per generated toke
 large vocabularies set ``return_logprobs=False`` or use the ``posttrain`` backend (``GroupSampler``), which keeps
 only the current step's scores.
 
-The helpers ``left_pad``, ``sampling_mode`` and ``unwrap_model`` are shared with ``group_sampler``.
+The helpers ``left_pad`` and ``sampling_mode`` are shared with ``group_sampler``.
 """
 
 from __future__ import annotations
@@ -20,13 +20,7 @@ from typing import Any
 import torch
 
 from posttrain.generation.base import Completions, SamplingConfig, truncate_at_eos
-
-
-def unwrap_model(model: Any) -> Any:
-    """Strip DDP/FSDP-style ``.module`` wrappers (not PEFT: a PEFT model generates with its adapters)."""
-    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
-        model = model.module
-    return model
+from posttrain.models.unwrap import unwrap_parallel
 
 
 def model_device(model: Any) -> torch.device:
@@ -124,7 +118,7 @@ class TransformersBackend:
         if not prompt_ids:
             return Completions([], [] if self.return_logprobs else None, [], [])
         s = sampling.resolved()  # generation_kwargs that name a field are applied (and validated) here
-        model = unwrap_model(self.model)
+        model = unwrap_parallel(self.model)
         gen_config = generation_config_from_sampling(s, self.tokenizer)
         gen_config.return_dict_in_generate = True
         gen_config.output_scores = self.return_logprobs

@@ -11,8 +11,9 @@ from typing import Any
 
 import torch
 
-from posttrain.models.forward import TokenStats, forward_token_stats, unwrap_model
+from posttrain.models.forward import TokenStats, forward_token_stats
 from posttrain.models.prefix_sharing import SharedPromptLayout, build_shared_prompt_layout
+from posttrain.models.unwrap import unwrap_base_model
 
 # A rollout micro-batch (``posttrain.rollout.buffer.RolloutBatch``: ``prompt_ids``, ``prompt_mask``,
 # ``completion_ids``, ``completion_lengths``, ...); models/ sits below rollout/ and does not import it.
@@ -94,15 +95,18 @@ def choose_shared_prompt_layout(model: torch.nn.Module, batch: RolloutBatch) -> 
 
     None when the model's attention cannot take a tree-shaped 4-D mask (flash attention, flex), with PEFT prompt
     learning, when a row is longer than an active sliding window (the tree mask would replace the model's window
-    mask), for rows with an empty prompt, or when the estimated cost — tokens times (per-token projections +
+    mask), for a MoE model that outputs its router logits (the load-balancing aux loss reads a 2-D mask and counts
+    every row's prompt tokens, so it would change), for rows with an empty prompt, or when the estimated cost — tokens times (per-token projections +
     attention span), :meth:`SharedPromptLayout.cost_ratio` — is not clearly lower. One long pack shares a system
     prompt across groups; one pack per group keeps the (dense) attention small; the cheaper one wins.
     """
-    config = getattr(unwrap_model(model), "config", None)
+    config = getattr(unwrap_base_model(model), "config", None)
     impl = str(getattr(config, "_attn_implementation", None) or "sdpa")
     if config is None or impl not in TREE_MASK_ATTENTION or _is_prompt_learning(model):
         return None
     text_config = config.get_text_config()
+    if getattr(text_config, "output_router_logits", False):
+        return None
     window = getattr(text_config, "sliding_window", None)
     if window and getattr(text_config, "use_sliding_window", True) is not False:
         longest = int(batch["prompt_mask"].sum(dim=1).max()) + int(batch["completion_lengths"].max())

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from posttrain.core.logprobs import chunked_logprobs_from_hidden, entropy_from_logits, selective_log_softmax
+from posttrain.models.unwrap import unwrap_base_model
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +47,6 @@ __all__ = [
     "sequence_scores",
     "token_logprobs",
     "token_stats_from_logits",
-    "unwrap_model",
 ]
 
 # Heads whose chunked computation was checked against the model's own logits (True) or found different (False).
@@ -85,21 +85,6 @@ class TokenStats:
 # ----------------------------------------------------------------------------------------------------------------
 # Model introspection
 # ----------------------------------------------------------------------------------------------------------------
-
-
-def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers model inside DDP / DeepSpeed / FSDP / ``torch.compile`` / PEFT wrappers."""
-    from transformers import PreTrainedModel
-
-    inner = model
-    if not isinstance(inner, PreTrainedModel) and not type(inner).__module__.startswith("peft"):
-        from accelerate.utils import extract_model_from_parallel  # slow-ish (probes optional packages): only here
-
-        inner = extract_model_from_parallel(inner)
-    get_base = getattr(inner, "get_base_model", None)
-    if callable(get_base) and type(inner).__module__.startswith("peft"):
-        inner = get_base()
-    return inner
 
 
 def _config(model: torch.nn.Module) -> Any:
@@ -188,7 +173,7 @@ def prepare_attention_mask(model: torch.nn.Module, attention_mask: torch.Tensor 
     """
     if attention_mask is None or attention_mask.dim() != 4:
         return attention_mask
-    config = _config(unwrap_model(model))
+    config = _config(unwrap_base_model(model))
     impl = str(getattr(config, "_attn_implementation", None) or "sdpa")
     if "flash" in impl:
         return None
@@ -252,7 +237,7 @@ def _targets_and_mask(
 
 def _accepts(model: torch.nn.Module, name: str) -> bool:
     try:
-        params = inspect.signature(unwrap_model(model).forward).parameters
+        params = inspect.signature(unwrap_base_model(model).forward).parameters
     except (TypeError, ValueError):
         return False
     return name in params
@@ -297,7 +282,7 @@ def auto_chunk_size(vocab_size: int, budget_bytes: int = CHUNK_BUDGET_BYTES) -> 
 def resolve_lm_head(model: torch.nn.Module) -> _Head | str:
     """The model's LM head as a plain linear map with a constant logit scale, or why it is not one (see the module
     docstring); a head found to differ from that map by :func:`forward_capturing_head_input` stays excluded."""
-    head = _resolve_head(unwrap_model(model))
+    head = _resolve_head(unwrap_base_model(model))
     if isinstance(head, _Head) and _HEAD_VERIFIED.get(head.module, True) is False:
         return "its logits differ from hidden_states @ lm_head.weight (an unknown head transform)"
     return head
@@ -328,7 +313,7 @@ def forward_capturing_head_input(
     finally:
         handle.remove()
     if "hidden" not in captured:
-        raise RuntimeError(f"{type(unwrap_model(model)).__name__}.forward never called its LM head.")
+        raise RuntimeError(f"{type(unwrap_base_model(model)).__name__}.forward never called its LM head.")
     if verify and captured["stub"].numel() > 0:
         with torch.no_grad():
             stub = captured["stub"].float()
@@ -538,7 +523,7 @@ def length_bucket_groups(
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     if distributed and torch.distributed.get_world_size() > 1:  # DDP/FSDP sync per forward call: same calls on all
         return None
-    config = _config(unwrap_model(model))
+    config = _config(unwrap_base_model(model))
     if config is None or getattr(config, "output_router_logits", False):  # MoE aux loss is per call
         return None
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -716,7 +701,7 @@ def forward_token_stats(
     )
     stats = None
     if chunked:
-        inner = unwrap_model(model)
+        inner = unwrap_base_model(model)
         head = resolve_lm_head(model)
         if isinstance(head, _Head):
             stats = _chunked_path(model, head, **common)

@@ -38,6 +38,7 @@ import torch
 from transformers import TrainerCallback
 
 from posttrain.models.peft_utils import add_reference_adapter, is_peft_model, use_adapter
+from posttrain.models.unwrap import unwrap_parallel
 
 __all__ = [
     "ReferencePolicy",
@@ -61,13 +62,6 @@ def _freeze(module: torch.nn.Module) -> torch.nn.Module:
     for param in module.parameters():
         param.requires_grad_(False)
     return module.eval()
-
-
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The module inside DDP / DataParallel wrappers (``.module``), which is where PEFT's adapter switches live."""
-    while isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
-        model = model.module
-    return model
 
 
 def _has_target_parameters(model: torch.nn.Module) -> bool:
@@ -129,7 +123,7 @@ class ReferencePolicy:
             )
         if policy is None:
             raise ValueError(f"ReferencePolicy(kind={self.kind!r}).activate() needs the policy model.")
-        inner = _unwrap(policy)
+        inner = unwrap_parallel(policy)
         if self.kind == "adapters_disabled":
             with use_adapter(inner, None):
                 yield policy
@@ -339,7 +333,7 @@ def sync_target_model(model: torch.nn.Module, target_model: torch.nn.Module, alp
     Under DeepSpeed ZeRO-3 both models' shards are gathered first and the update is done on rank 0's full copy,
     then re-partitioned.
     """
-    model, target_model = _unwrap(model), _unwrap(target_model)
+    model, target_model = unwrap_parallel(model), unwrap_parallel(target_model)
     source_params = dict(model.named_parameters())
     target_params = dict(target_model.named_parameters())
     missing = sorted(set(target_params) - set(source_params))

@@ -2,7 +2,7 @@
 
 - ``check_shared_vocabulary``: student and teacher must score the same token ids (same tokenizer vocabulary, LM
   heads that cover it); returns how many head rows the divergence compares.
-- ``score_completions``: one forward pass of a causal LM over ``[prompt | completion]`` that returns the last hidden
+- ``score_distillation_completions``: one forward pass of a causal LM over ``[prompt | completion]`` that returns the last hidden
   states at the positions predicting the loss tokens plus the LM-head weight — the head runs on an empty slice, so
   no ``(B, T, V)`` logits are built. Heads that are not a plain linear map (LoRA on ``lm_head``, soft-capping, logit
   scales, sharded weights) fall back to the model's own logits at those positions, logged once.
@@ -38,8 +38,8 @@ from posttrain.models.forward import (
     forward_capturing_head_input,
     prepare_attention_mask,
     resolve_lm_head,
-    unwrap_model,
 )
+from posttrain.models.unwrap import unwrap_base_model
 from posttrain.rollout.buffer import RolloutBatch
 from posttrain.rollout.metrics import completion_length_metrics
 from posttrain.rollout.pipeline import CompletionsTable, collate_completions, render_prompts
@@ -63,7 +63,7 @@ def _log_once(message: str) -> None:
 
 def model_vocab_size(model: torch.nn.Module) -> int:
     """Rows of the model's LM head (``config.vocab_size`` of its text config)."""
-    inner = unwrap_model(model)
+    inner = unwrap_base_model(model)
     config = getattr(inner, "config", None)
     get_text = getattr(config, "get_text_config", None)
     text = get_text() if callable(get_text) else config
@@ -139,7 +139,7 @@ def check_shared_vocabulary(
 
 
 @dataclass
-class CompletionScores:
+class DistillationScores:
     """What one forward pass gives the divergence, for the ``N`` loss tokens of a micro-batch.
 
     Either ``hidden`` ``(N, H)`` (the last hidden states at the positions predicting the loss tokens) with the LM
@@ -174,12 +174,12 @@ def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
     import inspect
 
     try:
-        return "logits_to_keep" in inspect.signature(unwrap_model(model).forward).parameters
+        return "logits_to_keep" in inspect.signature(unwrap_base_model(model).forward).parameters
     except (TypeError, ValueError):
         return False
 
 
-def score_completions(
+def score_distillation_completions(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
@@ -187,7 +187,7 @@ def score_completions(
     completion_ids: torch.Tensor,
     loss_mask: torch.Tensor,
     predictors: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> CompletionScores:
+) -> DistillationScores:
     """Run ``model`` over ``[prompt | completion]`` and keep what the divergence needs at the loss tokens.
 
     Position ``P + t − 1`` predicts completion token ``t``, so the last ``C + 1`` hidden states minus the final one
@@ -207,7 +207,7 @@ def score_completions(
             rather than ``[prompt | completion]`` rows; the attention mask is then its 4-D tree mask.
 
     Returns:
-        :class:`CompletionScores` with ``N = loss_mask.sum()`` rows, differentiable when grad is enabled.
+        :class:`DistillationScores` with ``N = loss_mask.sum()`` rows, differentiable when grad is enabled.
     """
     width = completion_ids.shape[1]
     keep = width + 1
@@ -235,7 +235,7 @@ def score_completions(
         captured = forward_capturing_head_input(model, head, forward)
         if captured is not None:
             outputs, hidden = captured
-            return CompletionScores(
+            return DistillationScores(
                 tokens=tokens,
                 hidden=at_loss_tokens(hidden),  # (N, H)
                 weight=head.weight,
@@ -244,18 +244,18 @@ def score_completions(
             )
         reason = "its logits differ from hidden_states @ lm_head.weight (an unknown head transform)"
     _log_once(
-        f"posttrain distillation: chunked divergence is not used for {type(unwrap_model(model)).__name__} because "
+        f"posttrain distillation: chunked divergence is not used for {type(unwrap_base_model(model)).__name__} because "
         f"{reason}; using its full-vocabulary logits at the completion positions (more memory, same result)."
     )
     outputs = forward()
-    return CompletionScores(
+    return DistillationScores(
         tokens=tokens, logits=at_loss_tokens(outputs.logits), aux_loss=getattr(outputs, "aux_loss", None)
     )
 
 
 def token_divergence(
-    student: CompletionScores,
-    teacher: CompletionScores,
+    student: DistillationScores,
+    teacher: DistillationScores,
     *,
     vocab_rows: int,
     beta: float,

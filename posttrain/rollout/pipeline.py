@@ -17,6 +17,8 @@ loss reads the batch:
 7. advantages — the estimator on the gathered batch; this process keeps its slice.
 8. metrics (TRL's names), the sampling importance-sampling ratio, and the completions table for ``log_completions``.
 
+``run`` reads as these stages, one named method call each, timed into ``timing/<stage>`` metrics (``STAGES``).
+
 The returned batch holds ``prompt_ids``/``prompt_mask`` ``(B, P)``, ``completion_ids``/``completion_mask`` ``(B, C)``,
 ``completion_lengths`` ``(B,)``, ``advantages`` ``(B,)``, optional ``old_per_token_logps``,
 ``ref_per_token_logps``, ``sampling_per_token_logps``, ``importance_sampling_ratio``, and ``num_items_in_batch``
@@ -25,9 +27,11 @@ The returned batch holds ``prompt_ids``/``prompt_mask`` ``(B, P)``, ``completion
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +47,39 @@ from posttrain.rollout.estimators import AdvantageEstimator
 from posttrain.rollout.metrics import completion_length_metrics, reward_metrics
 
 MetricSink = Callable[[str, float], None]
+
+# The stages of RolloutPipeline.run, each timed into ``timing/<stage>`` (seconds). TRL's profiling entries for the
+# same work: ``transformers.generate`` / ``vLLM.generate`` (generate), ``_get_per_token_logps_and_entropies``
+# (old_logps, ref_logps), ``_calculate_rewards`` (calculate_rewards).
+STAGES = (
+    "prepare_rows",
+    "render_prompts",
+    "generate",
+    "collate",
+    "decode",
+    "old_logps",
+    "ref_logps",
+    "calculate_rewards",
+    "advantages",
+    "metrics",
+    "importance_sampling",
+    "completions_table",
+)
+
+
+class StageTimer:
+    """``with timer("name"): ...`` records the block's wall time as ``timing/name`` through ``record``."""
+
+    def __init__(self, record: MetricSink):
+        self.record = record
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.record(f"timing/{name}", time.perf_counter() - start)
 # Completions.extra fields that are the rollout's bookkeeping, not reward-function keyword arguments.
 _NOT_REWARD_KWARGS = ("env_mask", "tool_mask", "tool_call_count", "tool_failure_count", "completion_messages")
 LogpsFn = Callable[[RolloutBatch], torch.Tensor]
@@ -337,6 +374,9 @@ class RolloutPipeline:
     ) -> RolloutBatch:
         """Generate, score and prepare ``rows`` (this process's share of the generation batch).
 
+        Each stage is a named call, timed into a ``timing/<stage>`` metric (seconds on this process; see
+        :data:`STAGES`), and the whole rollout into ``timing/rollout``.
+
         Args:
             rows: Dataset rows with a ``prompt`` column (each prompt repeated G times, consecutively).
             mode: ``"train"`` or ``"eval"`` (G = ``num_generations_eval`` in eval).
@@ -345,8 +385,64 @@ class RolloutPipeline:
             record_metric: ``(name, value)`` sink for metrics (and for reward functions' ``log_metric``).
         """
         record = record_metric or (lambda name, value: None)
+        stage = StageTimer(record)
         settings = self.settings
         g = settings.num_generations if mode == "train" else settings.num_generations_eval
+        device = torch.device(device)
+        with stage("rollout"):
+            with stage("prepare_rows"):
+                rows, agent_batch = self.prepare_rows(rows)
+            prompts = [row["prompt"] for row in rows]
+            with stage("render_prompts"):
+                prompt_texts, prompt_ids = render_prompts(
+                    rows,
+                    self.tokenizer,
+                    settings.chat_template_kwargs,
+                    agent_batch.tool_schemas if agent_batch else None,
+                )
+            with stage("generate"):
+                completions = self.generate(prompts, prompt_ids, g, agent_batch.tools if agent_batch else None)
+                self.check_completions(completions, rows)
+            with stage("collate"):
+                batch = collate_completions(
+                    completions,
+                    pad_token_id=self.pad_token_id,
+                    mask_truncated_completions=settings.mask_truncated_completions,
+                    pad_to_multiple_of=settings.pad_to_multiple_of,
+                )
+            with stage("decode"):
+                texts, completion_objs = self.decode(prompts, completions)
+            importance = settings.importance_sampling if "sampling_per_token_logps" in batch else None
+            if settings.compute_old_logps or self.estimator.needs_old_logps or importance is not None:
+                with stage("old_logps"):
+                    batch["old_per_token_logps"] = self._logps_in_chunks(self.policy_logps, batch, device).cpu()
+            if (settings.compute_ref_logps or self.estimator.needs_ref_logps) and self.ref_logps is not None:
+                with stage("ref_logps"):
+                    batch["ref_per_token_logps"] = self._logps_in_chunks(self.ref_logps, batch, device).cpu()
+            with stage("calculate_rewards"):
+                rewards_per_func, extra_columns = self.calculate_rewards(
+                    rows, prompts, completions, completion_objs, trainer_state, record, agent_batch
+                )
+            with stage("advantages"):
+                result = self.advantages(rewards_per_func, g, batch)
+            with stage("metrics"):
+                self.record_metrics(batch, completions, rewards_per_func, result, record)
+            if importance is not None:
+                with stage("importance_sampling"):
+                    self.importance_sampling(batch, importance, record)
+            batch["num_items_in_batch"] = self.gather(batch["completion_mask"].sum().reshape(1)).sum()
+            if settings.keep_completions:
+                with stage("completions_table"):
+                    self.last_completions = self.completions_table(
+                        prompt_texts, texts, rewards_per_func, extra_columns, result
+                    )
+        batch.pop("finished")
+        return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+
+    # -- the stages of run(), in order -------------------------------------------------------------------------
+    def prepare_rows(self, rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], Any]:
+        """Agent training: reset the environments and complete the prompts (``AgentRollout.prepare``); check that
+        every row has a prompt. Returns the rows and the agent batch (None without an agent)."""
         agent_batch = self.agent.prepare(rows) if self.agent is not None else None  # reset envs, complete prompts
         if agent_batch is not None:
             rows = agent_batch.rows
@@ -355,23 +451,19 @@ class RolloutPipeline:
                 f"Every row needs a 'prompt' column; got columns {sorted(rows[0]) if rows else []}. Rename your "
                 "prompt column to 'prompt' (prompt-only format: {'prompt': 'text'} or {'prompt': [messages]})."
             )
-        prompts = [row["prompt"] for row in rows]
-        prompt_texts, prompt_ids = render_prompts(
-            rows, self.tokenizer, settings.chat_template_kwargs, agent_batch.tool_schemas if agent_batch else None
-        )
+        return rows, agent_batch
 
-        completions = self.generate(prompts, prompt_ids, g, agent_batch.tools if agent_batch else None)
+    @staticmethod
+    def check_completions(completions: Completions, rows: list[dict[str, Any]]) -> None:
         if len(completions) != len(rows):
             raise ValueError(
                 f"The generation backend returned {len(completions)} completions for {len(rows)} rows; it must "
                 "return exactly one completion per row (a rollout_func gets each prompt once per completion)."
             )
-        batch = collate_completions(
-            completions,
-            pad_token_id=self.pad_token_id,
-            mask_truncated_completions=settings.mask_truncated_completions,
-            pad_to_multiple_of=settings.pad_to_multiple_of,
-        )
+
+    def decode(self, prompts: list[Any], completions: Completions) -> tuple[list[str], list[Any]]:
+        """Completion texts, and the completions as reward functions see them (text, or messages for
+        conversational prompts; the whole parsed conversation after a tool loop, as TRL)."""
         texts = self.tokenizer.batch_decode(completions.completion_ids, skip_special_tokens=True)
         completion_objs = completions_as_messages(
             prompts, texts, tokenizer=self.tokenizer, completion_ids=completions.completion_ids
@@ -381,16 +473,21 @@ class RolloutPipeline:
                 messages if is_conversational({"prompt": prompt}) else text
                 for prompt, messages, text in zip(prompts, completions.extra["completion_messages"], texts)
             ]
+        return texts, completion_objs
 
-        device = torch.device(device)
-        importance = settings.importance_sampling if "sampling_per_token_logps" in batch else None
-        need_old = settings.compute_old_logps or self.estimator.needs_old_logps or importance is not None
-        if need_old:
-            batch["old_per_token_logps"] = self._logps_in_chunks(self.policy_logps, batch, device).cpu()
-        if (settings.compute_ref_logps or self.estimator.needs_ref_logps) and self.ref_logps is not None:
-            batch["ref_per_token_logps"] = self._logps_in_chunks(self.ref_logps, batch, device).cpu()
+    def calculate_rewards(
+        self,
+        rows: list[dict[str, Any]],
+        prompts: list[Any],
+        completions: Completions,
+        completion_objs: list[Any],
+        trainer_state: Any,
+        record: MetricSink,
+        agent_batch: Any,
+    ) -> tuple[torch.Tensor, dict[str, list]]:
+        """``(N, K)`` rewards gathered over processes, and the columns reward functions logged (``log_extra``).
 
-        # Rewards: every dataset column but the prompt, plus the rollout function's extra fields.
+        Reward functions get every dataset column but the prompt, plus the rollout function's extra fields."""
         columns: dict[str, list] = defaultdict(list)
         for row in rows:
             for key, value in row.items():
@@ -410,14 +507,27 @@ class RolloutPipeline:
             log_metric=record,
             environments=agent_batch.environments if agent_batch else None,
         )
-        rewards_per_func = self.gather(rewards_local.float())
+        return self.gather(rewards_local.float()), extra_columns
+
+    def advantages(self, rewards_per_func: torch.Tensor, num_generations: int, batch: RolloutBatch) -> Any:
+        """The estimator on the gathered rewards; this process keeps its slice as ``batch["advantages"]``."""
         weights = torch.as_tensor(self.scorer.weights, dtype=torch.float32).to(rewards_per_func.device)
-        result = self.estimator(rewards_per_func, weights, g, batch=batch, gather=self.gather)
-        n_local = len(rows)
+        result = self.estimator(rewards_per_func, weights, num_generations, batch=batch, gather=self.gather)
+        n_local = batch["completion_ids"].shape[0]
         local = slice(self.process_index * n_local, (self.process_index + 1) * n_local)
         batch["advantages"] = result.advantages[local].float().cpu()
+        return result
 
-        # Metrics (over the gathered batch).
+    def record_metrics(
+        self,
+        batch: RolloutBatch,
+        completions: Completions,
+        rewards_per_func: torch.Tensor,
+        result: Any,
+        record: MetricSink,
+    ) -> None:
+        """TRL's rollout metrics over the gathered batch: tokens, completion lengths, rewards, the estimator's,
+        tool calls."""
         lengths = batch["completion_lengths"]
         if "tool_mask" in batch:
             lengths = batch["tool_mask"].sum(dim=1)
@@ -442,35 +552,41 @@ class RolloutPipeline:
             for name, value in tool_metrics(counts[:, 0].tolist(), counts[:, 1].tolist()).items():
                 record(name, value)
 
-        if importance is not None:
-            ratio, stats = rollout_importance_weights(
-                batch["old_per_token_logps"],
-                batch["sampling_per_token_logps"],
-                batch["completion_mask"],
-                mode=importance.mode,
-                clip_min=importance.clip_min,
-                clip_max=importance.clip_max,
-            )
-            batch["importance_sampling_ratio"] = ratio
-            for name, value in stats.items():
-                gathered = self.gather(value.reshape(1).float())
-                reduce = name.rsplit("/", 1)[-1]
-                reduced = {"mean": gathered.mean(), "max": gathered.max(), "min": gathered.min()}[reduce]
-                record(f"sampling/{name}", float(reduced))
+    def importance_sampling(
+        self, batch: RolloutBatch, importance: ImportanceSamplingSettings, record: MetricSink
+    ) -> None:
+        """The sampler-vs-trainer ratio ``batch["importance_sampling_ratio"]`` and its ``sampling/*`` metrics."""
+        ratio, stats = rollout_importance_weights(
+            batch["old_per_token_logps"],
+            batch["sampling_per_token_logps"],
+            batch["completion_mask"],
+            mode=importance.mode,
+            clip_min=importance.clip_min,
+            clip_max=importance.clip_max,
+        )
+        batch["importance_sampling_ratio"] = ratio
+        for name, value in stats.items():
+            gathered = self.gather(value.reshape(1).float())
+            reduce = name.rsplit("/", 1)[-1]
+            reduced = {"mean": gathered.mean(), "max": gathered.max(), "min": gathered.min()}[reduce]
+            record(f"sampling/{name}", float(reduced))
 
-        batch["num_items_in_batch"] = self.gather(batch["completion_mask"].sum().reshape(1)).sum()
-
-        if settings.keep_completions:
-            table = {
-                "prompt": self.gather_object(prompt_texts),
-                "completion": self.gather_object(texts),
-            }
-            for k, name in enumerate(self.scorer.names):
-                table[name] = rewards_per_func[:, k].tolist()
-            for column in sorted(extra_columns):
-                table[column] = self.gather_object(extra_columns[column])
-            table["advantage"] = result.advantages.tolist()
-            self.last_completions = CompletionsTable(table)
-
-        batch.pop("finished")
-        return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+    def completions_table(
+        self,
+        prompt_texts: list[str],
+        texts: list[str],
+        rewards_per_func: torch.Tensor,
+        extra_columns: dict[str, list],
+        result: Any,
+    ) -> CompletionsTable:
+        """Prompts, completions, rewards, logged columns and advantages over every process (``log_completions``)."""
+        table = {
+            "prompt": self.gather_object(prompt_texts),
+            "completion": self.gather_object(texts),
+        }
+        for k, name in enumerate(self.scorer.names):
+            table[name] = rewards_per_func[:, k].tolist()
+        for column in sorted(extra_columns):
+            table[column] = self.gather_object(extra_columns[column])
+        table["advantage"] = result.advantages.tolist()
+        return CompletionsTable(table)

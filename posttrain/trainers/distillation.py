@@ -47,7 +47,7 @@ from posttrain.rollout.distillation import (
     DistillationRollout,
     check_shared_vocabulary,
     model_vocab_size,
-    score_completions,
+    score_distillation_completions,
     token_divergence,
 )
 from posttrain.trainers.online import OnlineRLConfig, OnlineTrainerBase
@@ -402,7 +402,7 @@ class DistillationTrainer(OnlineTrainerBase):
 
     # -- loss --------------------------------------------------------------------------------------------------
     def _scoring_inputs(self, model: torch.nn.Module, inputs: RolloutBatch) -> tuple:
-        """``score_completions`` arguments for ``model``: the shared-prompt layout when it saves work for this model
+        """``score_distillation_completions`` arguments for ``model``: the shared-prompt layout when it saves work for this model
         (``shared_prompt_forward``; each distinct prompt encoded once), else ``[prompt | completion]`` rows. Both
         give the loss tokens in the same order, so student and teacher may differ in which one they use."""
         targets = (inputs["completion_ids"], inputs["completion_mask"])
@@ -420,9 +420,9 @@ class DistillationTrainer(OnlineTrainerBase):
         """
         args = self.args
         mode = self._mode()
-        student = score_completions(model, *self._scoring_inputs(model, inputs))
+        student = score_distillation_completions(model, *self._scoring_inputs(model, inputs))
         with torch.no_grad():
-            teacher = score_completions(self.teacher_model, *self._scoring_inputs(self.teacher_model, inputs))
+            teacher = score_distillation_completions(self.teacher_model, *self._scoring_inputs(self.teacher_model, inputs))
         divergence, entropy = token_divergence(
             student,
             teacher,
@@ -443,9 +443,7 @@ class DistillationTrainer(OnlineTrainerBase):
             # Every token masked (e.g. mask_truncated_completions): a zero loss that still reaches every parameter,
             # so backward and DDP's gradient hooks run as usual.
             loss = loss + 0.0 * sum(p.sum() for p in model.parameters() if p.requires_grad)
-        if self.aux_loss_enabled and student.aux_loss is not None:
-            loss = loss + args.router_aux_loss_coef * student.aux_loss / self._grad_accum_divisor()
-            self.record_metric("aux_loss", self._gather_mean(student.aux_loss), mode=mode)
+        loss = self._finish_loss(loss, student.aux_loss, divide_by_grad_accum=False)  # normalised over the step
         mean = divergence.detach().sum() / n_tokens if divergence.numel() else divergence.new_tensor(float("nan"))
         self.record_metric("distillation_loss", self._gather_mean(mean), mode=mode)
         entropy_mean = entropy.mean() if entropy.numel() else entropy.new_tensor(float("nan"))

@@ -38,6 +38,7 @@ import torch
 from transformers import TrainingArguments
 
 from posttrain.core.preference import (
+    DPO_LOSSES,
     F_DIVERGENCES,
     DPOLossInputs,
     dpo_loss,
@@ -52,7 +53,7 @@ from posttrain.models.reference import precompute_reference_columns
 from posttrain.reliability.validation import check_single_split
 from posttrain.trainers.base import BaseConfig
 from posttrain.trainers.preference import (
-    CompletionScores,
+    PreferenceScores,
     PreferenceTrainer,
     PromptFits,
     activation_offloading_context,
@@ -66,13 +67,12 @@ from posttrain.trainers.preference import (
     map_dataset,
     prepare_splits,
     resolve_pad_token,
-    score_completions,
+    score_preference_completions,
     shared_field,
     tokenize_dataset,
 )
 
-# CompletionScores / score_completions are re-exported: they were importable from here before moving.
-__all__ = ["CompletionScores", "DPOConfig", "DPOTrainer", "score_completions"]
+__all__ = ["DPOConfig", "DPOTrainer"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -126,9 +126,8 @@ class DPOConfig(BaseConfig):
     loss_type: list[str] = field(
         default_factory=lambda: ["sigmoid"],
         metadata={
-            "help": "DPO loss type, or a list of them combined with loss_weights: sigmoid, hinge, ipo, exo_pair, "
-            "nca_pair, robust, bco_pair, sppo_hard, aot, aot_unpaired, apo_zero, apo_down, discopop, sft, "
-            "sigmoid_norm."
+            "help": f"DPO loss type, or a list of them combined with loss_weights: {', '.join(DPO_LOSSES)}.",
+            "choices": list(DPO_LOSSES),
         },
     )
     loss_weights: list[float] | None = field(
@@ -142,9 +141,8 @@ class DPOConfig(BaseConfig):
     f_divergence_type: str = field(
         default="reverse_kl",
         metadata={
-            "help": "f-divergence of the implicit reward: reverse_kl (DPO), forward_kl, js_divergence, "
-            "alpha_divergence.",
-            "choices": ["reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"],
+            "help": f"f-divergence of the implicit reward: {', '.join(F_DIVERGENCES)} (reverse_kl: DPO's).",
+            "choices": list(F_DIVERGENCES),
         },
     )
     f_alpha_divergence_coef: float = field(default=0.5, metadata={"help": "α of alpha_divergence."})
@@ -310,7 +308,7 @@ class DPOTrainer(PreferenceTrainer):
         return dataset
 
     # -- reference -----------------------------------------------------------------------------------------------
-    def _sequence_logps(self, scores: CompletionScores) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sequence_logps(self, scores: PreferenceScores) -> tuple[torch.Tensor, torch.Tensor]:
         """(chosen, rejected) per-pair log-probs from a ``(2B, T)`` scored batch: sums, or LD-DPO weighted."""
         half = scores.logps.shape[0] // 2
         if self.args.ld_alpha is None:
@@ -330,7 +328,7 @@ class DPOTrainer(PreferenceTrainer):
                 "after precomputation. Do not pass datasets without the precomputed columns to this trainer."
             )
         with torch.no_grad(), self.reference.activate(model) as ref_model:
-            scores = score_completions(
+            scores = score_preference_completions(
                 ref_model,
                 inputs["input_ids"],
                 inputs["attention_mask"],
@@ -361,7 +359,7 @@ class DPOTrainer(PreferenceTrainer):
         # Reference first: its no-grad activations are freed before the policy's autograd graph is built.
         ref_chosen, ref_rejected = self._reference_logps(model, inputs)
         with activation_offloading_context(args.activation_offloading):
-            scores = score_completions(
+            scores = score_preference_completions(
                 model,
                 input_ids,
                 attention_mask,

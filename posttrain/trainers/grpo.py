@@ -12,7 +12,9 @@ module adds GRPO's config fields and its loss, which reads as TRL's ``_compute_l
 5. the aggregation of ``loss_type`` (DAPO's global token mean over the whole generation batch and all processes;
    the others divided by the gradient-accumulation steps, so accumulation and data parallelism leave the loss
    unchanged);
-6. the entropy bonus (static, or Skywork-OR1's adaptive coefficient, saved in ``entropy_ctrl_state.json``).
+6. the entropy bonus (static, or Skywork-OR1's adaptive coefficient, saved in ``entropy_ctrl_state.json``), its
+   entropies reduced by the same aggregation;
+7. the online base's loss tail (``_finish_loss``): the gradient-accumulation divisor and the MoE router aux loss.
 
 Deliberate differences from TRL: the ``vllm_importance_sampling_*`` correction can also be applied to posttrain's
 own sampler, which returns sampling log-probs (``rollout_importance_sampling=True``; TRL applies it only with
@@ -31,9 +33,14 @@ import torch
 from posttrain.core.importance import entropy_quantile_mask, entropy_threshold, off_policy_sequence_mask
 from posttrain.core.kl import kl_k3
 from posttrain.core.masking import masked_batch_mean, masked_mean, masked_sum
-from posttrain.core.policy_objectives import importance_weights
-from posttrain.core.presets import needs_grad_accum_division, resolve_grpo_loss, validate_grpo_loss_config
-from posttrain.models.forward import unwrap_model
+from posttrain.core.policy_objectives import ObjectiveArguments, importance_weights, objective_properties
+from posttrain.core.presets import (
+    GRPO_LOSS_PRESETS,
+    needs_grad_accum_division,
+    resolve_grpo_loss,
+    validate_grpo_loss_config,
+)
+from posttrain.models.unwrap import unwrap_base_model
 from posttrain.rollout.buffer import RolloutBatch
 from posttrain.rollout.estimators import GroupRelativeEstimator
 from posttrain.rollout.pipeline import ImportanceSamplingSettings
@@ -41,37 +48,37 @@ from posttrain.trainers.online import OnlineRLConfig, OnlineTrainerBase
 
 ENTROPY_CTRL_STATE = "entropy_ctrl_state.json"
 _IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+_IS_LEVELS = ("token", "sequence")
+_MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 
 
 @dataclass
-class GRPOConfig(OnlineRLConfig):
+class GRPOConfig(ObjectiveArguments, OnlineRLConfig):
     """Configuration of :class:`GRPOTrainer`: TRL's ``GRPOConfig`` fields and defaults (features.md §B1.1).
 
     Shared online-RL fields (generation, batch arithmetic, vLLM, β, logging) are documented on
-    ``OnlineRLConfig``; ``generation_backend`` ("posttrain" | "transformers") and ``rollout_importance_sampling``
-    are posttrain additions.
+    ``OnlineRLConfig``; the objectives' own hyper-parameters (``delta``, ``sapo_*``, ``vespo_*``) on
+    ``core.policy_objectives.ObjectiveArguments``, beside the objectives that read them. ``generation_backend``
+    ("posttrain" | "transformers") and ``rollout_importance_sampling`` are posttrain additions.
     """
 
     cast_lm_head_to_fp32: bool = field(
         default=False,
         metadata={"help": "Run the LM head in float32 (ScaleRL). Needs untied embeddings and no adapter on it."},
     )
-    delta: float | None = field(
-        default=None, metadata={"help": "INTELLECT-2 two-sided clipping: cap the unclipped ratio at δ (> 1 + ε)."}
-    )
-    sapo_temperature_neg: float = field(default=1.05, metadata={"help": "SAPO τ for non-positive advantages."})
-    sapo_temperature_pos: float = field(default=1.0, metadata={"help": "SAPO τ for positive advantages."})
-    vespo_k_pos: float = field(default=2.0, metadata={"help": "VESPO k for non-negative advantages."})
-    vespo_lambda_pos: float = field(default=3.0, metadata={"help": "VESPO λ for non-negative advantages."})
-    vespo_k_neg: float = field(default=3.0, metadata={"help": "VESPO k for negative advantages."})
-    vespo_lambda_neg: float = field(default=2.0, metadata={"help": "VESPO λ for negative advantages."})
     importance_sampling_level: str = field(
         default="token",
-        metadata={"help": "'token' (per-token ratios) or 'sequence' (GSPO: geometric mean ratio per sequence)."},
+        metadata={
+            "help": "'token' (per-token ratios) or 'sequence' (GSPO: geometric mean ratio per sequence).",
+            "choices": list(_IS_LEVELS),
+        },
     )
     multi_objective_aggregation: str = field(
         default="sum_then_normalize",
-        metadata={"help": "'sum_then_normalize' (weighted sum, then scale_rewards) or 'normalize_then_sum' (GDPO)."},
+        metadata={
+            "help": "'sum_then_normalize' (weighted sum, then scale_rewards) or 'normalize_then_sum' (GDPO).",
+            "choices": list(_MULTI_OBJECTIVE_AGGREGATIONS),
+        },
     )
     scale_rewards: str = field(
         default="group",
@@ -79,7 +86,11 @@ class GRPOConfig(OnlineRLConfig):
     )
     loss_type: str = field(
         default="dapo",
-        metadata={"help": "'grpo', 'dr_grpo', 'dapo' (default), 'bnpo', 'cispo', 'sapo', 'luspo' or 'vespo'."},
+        metadata={
+            "help": f"One of {', '.join(GRPO_LOSS_PRESETS)} (default: dapo), or in Python a pair (objective, "
+            "aggregation) of core registry names or callables.",
+            "choices": list(GRPO_LOSS_PRESETS),
+        },
     )
     top_entropy_quantile: float = field(
         default=1.0, metadata={"help": "ρ: keep only the top-ρ fraction of tokens by entropy in the loss (0.2)."}
@@ -112,7 +123,7 @@ class GRPOConfig(OnlineRLConfig):
     )
     vllm_importance_sampling_mode: str = field(
         default="sequence_mask",
-        metadata={"help": "'token_truncate', 'token_mask', 'sequence_truncate' or 'sequence_mask'."},
+        metadata={"help": f"One of {', '.join(_IS_MODES)}.", "choices": list(_IS_MODES)},
     )
     vllm_importance_sampling_clip_max: float | None = field(default=3.0, metadata={"help": "IS upper bound C_max."})
     vllm_importance_sampling_clip_min: float | None = field(default=None, metadata={"help": "IS lower bound C_min."})
@@ -151,6 +162,13 @@ class GRPOConfig(OnlineRLConfig):
             )
             self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
         super().__post_init__()
+        resolve_grpo_loss(self.loss_type)  # a typo fails here, listing the valid loss types
+        for name, valid in (
+            ("importance_sampling_level", _IS_LEVELS),
+            ("multi_objective_aggregation", _MULTI_OBJECTIVE_AGGREGATIONS),
+        ):
+            if getattr(self, name) not in valid:
+                raise ValueError(f"Invalid {name} {getattr(self, name)!r}. Valid values: {', '.join(valid)}.")
         if self.scale_rewards not in ("group", "batch", "none"):
             raise ValueError(
                 f"Invalid scale_rewards {self.scale_rewards!r}. Valid values: 'group' (or True), 'batch', 'none' "
@@ -277,6 +295,10 @@ class GRPOTrainer(OnlineTrainerBase):
         args = self.args
         self.objective, self.aggregation = resolve_grpo_loss(args.loss_type)
         self.divide_by_grad_accum = needs_grad_accum_division(args.loss_type)
+        properties = objective_properties(self.objective)
+        # The hyper-parameters the objective declares it reads, from their config fields.
+        self.objective_kwargs = {kw: getattr(args, name) for kw, name in properties.config_fields.items()}
+        self.objective_folds_sampling_ratio = properties.folds_sampling_ratio
         is_settings = self._importance_sampling()
         for message in validate_grpo_loss_config(
             args.loss_type,
@@ -314,7 +336,7 @@ class GRPOTrainer(OnlineTrainerBase):
     def _prepare_model(self, model: torch.nn.Module, args: GRPOConfig) -> None:
         if not args.cast_lm_head_to_fp32:
             return
-        inner = unwrap_model(model)
+        inner = unwrap_base_model(model)
         if getattr(getattr(inner, "config", None), "tie_word_embeddings", False):
             raise ValueError(
                 "cast_lm_head_to_fp32=True needs untied word embeddings and LM head (config.tie_word_embeddings is "
@@ -361,22 +383,22 @@ class GRPOTrainer(OnlineTrainerBase):
             per_token_loss = per_token_loss + args.beta * per_token_kl
             self.record_metric("kl", self._gather_mean(masked_mean(per_token_kl.detach(), mask)), mode=mode)
 
-        loss = self.aggregation(
-            per_token_loss,
+        loss = self._aggregate(per_token_loss, mask, inputs)
+        if self.entropy_ctrl.enabled:
+            loss = self._add_entropy_bonus(loss, entropies, entropy_mask if entropy_mask is not None else mask, inputs)
+        loss = self._finish_loss(loss, stats.aux_loss, divide_by_grad_accum=self.divide_by_grad_accum)
+        self._record_loss_metrics(entropies, mask, objective_stats, mode)
+        return loss
+
+    def _aggregate(self, per_token: torch.Tensor, mask: torch.Tensor, inputs: RolloutBatch) -> torch.Tensor:
+        """``loss_type``'s aggregation of a per-token term (before the gradient-accumulation divisor)."""
+        return self.aggregation(
+            per_token,
             mask,
-            max_completion_length=args.max_completion_length,
+            max_completion_length=self.args.max_completion_length,
             num_items_in_batch=inputs["num_items_in_batch"],
             num_processes=self.accelerator.num_processes,
         )
-        if self.divide_by_grad_accum:
-            loss = loss / self._grad_accum_divisor()
-        if self.entropy_ctrl.enabled:
-            loss = self._add_entropy_bonus(loss, entropies, entropy_mask if entropy_mask is not None else mask, inputs)
-        if self.aux_loss_enabled and stats.aux_loss is not None:
-            loss = loss + args.router_aux_loss_coef * stats.aux_loss / self._grad_accum_divisor()
-            self.record_metric("aux_loss", self._gather_mean(stats.aux_loss), mode=mode)
-        self._record_loss_metrics(entropies, mask, objective_stats, mode)
-        return loss
 
     def _entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
         """Top-ρ entropy tokens (Wang et al. 2025), ρ = ``top_entropy_quantile``; the quantile is over all processes."""
@@ -402,21 +424,10 @@ class GRPOTrainer(OnlineTrainerBase):
         args = self.args
         advantages = inputs["advantages"]  # (B,)
         is_ratio = inputs.get("importance_sampling_ratio")  # (B, C) or (B, 1), when the correction is active
-        vespo = args.loss_type == "vespo"
-        objective_kwargs = dict(
-            importance_sampling_level=args.importance_sampling_level,
-            epsilon_low=args.epsilon,
-            epsilon_high=args.epsilon_high,
-            delta=args.delta,
-            sapo_temperature_pos=args.sapo_temperature_pos,
-            sapo_temperature_neg=args.sapo_temperature_neg,
-            vespo_k_pos=args.vespo_k_pos,
-            vespo_lambda_pos=args.vespo_lambda_pos,
-            vespo_k_neg=args.vespo_k_neg,
-            vespo_lambda_neg=args.vespo_lambda_neg,
-        )
-        if vespo and is_ratio is not None:  # VESPO folds the sampler correction into its kernel
-            objective_kwargs["importance_sampling_ratio"] = is_ratio
+        folds_ratio = self.objective_folds_sampling_ratio  # e.g. VESPO: the sampler correction enters its kernel
+        objective_kwargs = self.objective_kwargs
+        if folds_ratio and is_ratio is not None:
+            objective_kwargs = {**objective_kwargs, "importance_sampling_ratio": is_ratio}
         per_token_loss, objective_stats = self.objective(logps, old_logps, advantages, mask, **objective_kwargs)
         if args.off_policy_mask_threshold is not None:
             # The sampler's log-probs when the correction is active (TRL: vLLM's), else π_old's.
@@ -427,21 +438,19 @@ class GRPOTrainer(OnlineTrainerBase):
             )
         if entropy_mask is not None:
             per_token_loss = per_token_loss * entropy_mask
-        if is_ratio is not None and not vespo:
+        if is_ratio is not None and not folds_ratio:
             per_token_loss = per_token_loss * is_ratio
         return per_token_loss, objective_stats
 
     def _add_entropy_bonus(
         self, loss: torch.Tensor, entropies: torch.Tensor, bonus_mask: torch.Tensor, inputs: RolloutBatch
     ) -> torch.Tensor:
-        """loss − c·H, H the mean per-token entropy of the optimizer step (same normalisation as the policy term)."""
+        """loss − c·H, H the per-token entropies reduced by ``loss_type``'s aggregation, as the policy term is (both
+        are then divided alike by ``_finish_loss``)."""
         mode = self._mode()
-        if self.divide_by_grad_accum:
-            entropy_term = masked_mean(entropies, bonus_mask) / self._grad_accum_divisor()
-        else:
-            normalizer = inputs["num_items_in_batch"].to(entropies.dtype) / self.accelerator.num_processes
-            entropy_term = masked_sum(entropies, bonus_mask) / normalizer.clamp(min=1.0)
-        self.record_metric("policy_loss", self._gather_mean(loss.detach()), mode=mode)
+        entropy_term = self._aggregate(entropies, bonus_mask, inputs)
+        scale = self._grad_accum_divisor() if self.divide_by_grad_accum else 1
+        self.record_metric("policy_loss", self._gather_mean(loss.detach() / scale), mode=mode)
         self.record_metric("entropy_coef", self.entropy_ctrl.coef, mode=mode)  # the controller's current value
         if mode == "train":
             detached = entropies.detach()

@@ -42,7 +42,7 @@ from posttrain.models.reference import precompute_reference_columns
 from posttrain.reliability.validation import check_single_split
 from posttrain.trainers.base import BaseConfig
 from posttrain.trainers.preference import (
-    CompletionScores,
+    PreferenceScores,
     PreferenceTrainer,
     PromptFits,
     activation_offloading_context,
@@ -55,7 +55,7 @@ from posttrain.trainers.preference import (
     load_policy_and_reference,
     map_dataset,
     prepare_splits,
-    score_completions,
+    score_preference_completions,
     shared_field,
     tokenize_dataset,
 )
@@ -102,8 +102,9 @@ class KTOConfig(BaseConfig):
     loss_type: str = field(
         default="kto",
         metadata={
-            "help": "'kto' (with the KL reference point) or 'apo_zero_unpaired' (anchored, no KL term).",
-            "choices": ["kto", "apo_zero_unpaired"],
+            "help": f"One of {', '.join(KTO_LOSSES)}: 'kto' has the KL reference point, 'apo_zero_unpaired' is "
+            "anchored (no KL term).",
+            "choices": list(KTO_LOSSES),
         },
     )
     beta: float = field(default=0.1, metadata={"help": "β: strength of the deviation from the reference."})
@@ -291,7 +292,7 @@ class KTOTrainer(PreferenceTrainer):
     # -- reference -----------------------------------------------------------------------------------------------
     def _ref_forward(self, model: torch.nn.Module, inputs: dict[str, Any], prefix: str) -> torch.Tensor:
         with torch.no_grad(), self.reference.activate(model) as ref_model:
-            scores = score_completions(
+            scores = score_preference_completions(
                 ref_model,
                 inputs[f"{prefix}input_ids"],
                 inputs[f"{prefix}attention_mask"],
@@ -332,7 +333,7 @@ class KTOTrainer(PreferenceTrainer):
         if ref_kl is None:
             return torch.zeros((), device=inputs["input_ids"].device)
         with torch.no_grad():
-            kl_scores = score_completions(
+            kl_scores = score_preference_completions(
                 model,
                 inputs["KL_input_ids"],
                 inputs["KL_attention_mask"],
@@ -349,7 +350,7 @@ class KTOTrainer(PreferenceTrainer):
         ref_logps, ref_kl = self._reference_logps(model, inputs)
         kl = self._kl_reference_point(model, inputs, ref_kl)
         with activation_offloading_context(args.activation_offloading):
-            scores = score_completions(
+            scores = score_preference_completions(
                 model,
                 inputs["input_ids"],
                 inputs["attention_mask"],
@@ -378,7 +379,7 @@ class KTOTrainer(PreferenceTrainer):
         return loss
 
     def _log_kto_metrics(
-        self, mode: str, inputs, scores: CompletionScores, logps: torch.Tensor, rewards, labels, kl
+        self, mode: str, inputs, scores: PreferenceScores, logps: torch.Tensor, rewards, labels, kl
     ) -> None:
         acc = self.accelerator
         metrics = self._metrics[mode]

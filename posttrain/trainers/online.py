@@ -10,8 +10,9 @@ the parts: model and tokenizer (left padding), reward functions into a ``RewardS
   ``RepeatSampler`` (identity collator);
 - ``_prepare_inputs`` generates once every ``steps_per_generation × num_iterations`` micro-steps and serves the
   buffered micro-batches in between (evaluation generates for every batch, with ``num_generations_eval``);
-- ``compute_loss`` calls the subclass's ``_compute_loss(model, inputs)``, which does its own gradient-accumulation
-  scaling (``loss_is_scaled_for_ga``), so HF Trainer does not divide again.
+- ``compute_loss`` calls the subclass's ``_compute_loss(model, inputs)``, which ends in ``_finish_loss`` (the
+  gradient-accumulation divisor and the MoE router aux loss; ``loss_is_scaled_for_ga``), so HF Trainer does not
+  divide again.
 
 Subclasses provide ``config_class``, ``_trainer_name``, ``_make_estimator()``, ``_compute_loss()`` and may extend
 ``_setup_loss()``, ``_rollout_settings()`` and the checkpoint hooks. A trainer without rewards or a reference
@@ -35,7 +36,7 @@ from transformers import TrainingArguments
 from posttrain.core.masking import masked_batch_mean, masked_mean
 from posttrain.generation.base import SamplingConfig
 from posttrain.models.completion_scoring import completion_token_stats
-from posttrain.models.forward import TokenStats, unwrap_model
+from posttrain.models.forward import TokenStats
 from posttrain.models.loading import (
     create_model_from_path,
     disable_dropout_in_model,
@@ -43,6 +44,7 @@ from posttrain.models.loading import (
     resolve_processing_class,
 )
 from posttrain.models.reference import SyncRefModelCallback, create_reference_policy
+from posttrain.models.unwrap import unwrap_base_model
 from posttrain.reliability.validation import check_text_only
 from posttrain.rollout.buffer import RolloutBatch, RolloutBuffer
 from posttrain.rollout.completions_log import print_completions_table, write_completions_parquet
@@ -135,7 +137,8 @@ class OnlineRLConfig(BaseConfig):
         metadata={
             "help": "Generation backend when use_vllm=False and no rollout_func is given: 'posttrain' (default: "
             "posttrain's group sampler — each prompt prefilled once, KV cache shared by its G completions, finished "
-            "rows dropped, sampling log-probs returned) or 'transformers' (`model.generate`, as TRL)."
+            "rows dropped, sampling log-probs returned) or 'transformers' (`model.generate`, as TRL).",
+            "choices": list(GENERATION_BACKENDS),
         },
     )
     use_transformers_continuous_batching: bool = field(
@@ -451,7 +454,7 @@ class OnlineTrainerBase(BaseTrainer):
                 func.to(self.accelerator.device).eval()
         if args.sync_ref_model:
             self.add_callback(SyncRefModelCallback(self.reference.model, self.accelerator))
-        config = getattr(unwrap_model(self.model), "config", None)
+        config = getattr(unwrap_base_model(self.model), "config", None)
         self.aux_loss_enabled = bool(getattr(config, "output_router_logits", False)) and args.router_aux_loss_coef != 0
 
     def _setup_rollout(self, rollout_func: Any) -> None:
@@ -755,6 +758,25 @@ class OnlineTrainerBase(BaseTrainer):
         if self._mode() == "eval":
             return 1
         return int(getattr(self, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps))
+
+    def _finish_loss(
+        self, loss: torch.Tensor, aux_loss: torch.Tensor | None, *, divide_by_grad_accum: bool = True
+    ) -> torch.Tensor:
+        """The end of every online loss (GRPO, RLOO, distillation): the gradient-accumulation divisor, then the MoE
+        router's load-balancing term.
+
+        ``loss / GA`` (``divide_by_grad_accum=False`` for a loss already normalised over the whole optimizer step,
+        e.g. DAPO's global token mean) ``+ router_aux_loss_coef · aux_loss / GA`` when the policy outputs router
+        logits (``aux_loss`` is one micro-batch's, hence always divided); ``aux_loss`` is logged, averaged over
+        processes. GA is HF's count of micro-batches in the current optimizer step in training, 1 in evaluation.
+        """
+        divisor = self._grad_accum_divisor()
+        if divide_by_grad_accum:
+            loss = loss / divisor
+        if self.aux_loss_enabled and aux_loss is not None:
+            loss = loss + self.args.router_aux_loss_coef * aux_loss / divisor
+            self.record_metric("aux_loss", self._gather_mean(aux_loss), mode=self._mode())
+        return loss
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if return_outputs:

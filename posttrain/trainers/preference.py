@@ -4,7 +4,7 @@ subclass.
 
 - :func:`shared_field`: the options the configs share (one default, one help text);
   :func:`check_reference_options` validates the reference ones.
-- :func:`score_completions`: per-token log-probs of the completion tokens (chunked, no ``(B, T, V)`` logits) with
+- :func:`score_preference_completions`: per-token log-probs of the completion tokens (chunked, no ``(B, T, V)`` logits) with
   optional entropy, top-1 hits, mean logits and WPO normalisers (DPO, KTO).
 - :func:`gather_mean` / :func:`gather_masked_mean`: metric reductions over every process.
 - Dataset helpers that accept both ``Dataset`` and ``IterableDataset`` (:func:`map_dataset`,
@@ -31,14 +31,14 @@ from posttrain.models.forward import (
     forward_token_stats,
     length_bucket_groups,
     restore_row_order,
-    unwrap_model,
 )
 from posttrain.models.loading import disable_dropout_in_model, resolve_model, resolve_processing_class
 from posttrain.models.reference import ReferencePolicy, SyncRefModelCallback, create_reference_policy
+from posttrain.models.unwrap import unwrap_base_model
 from posttrain.trainers.base import BaseTrainer
 
 __all__ = [
-    "CompletionScores",
+    "PreferenceScores",
     "PreferenceTrainer",
     "PromptFits",
     "activation_offloading_context",
@@ -56,7 +56,7 @@ __all__ = [
     "prepare_splits",
     "resolve_pad_token",
     "router_aux_loss_coef",
-    "score_completions",
+    "score_preference_completions",
     "shared_field",
     "tokenize_dataset",
 ]
@@ -114,7 +114,7 @@ def check_reference_options(config: Any) -> None:
 
 
 @dataclass
-class CompletionScores:
+class PreferenceScores:
     """Per-token results of one scored forward pass, all ``(B, T)`` aligned with ``input_ids`` (position t holds
     the quantity for ``input_ids[:, t]`` predicted from ``< t``; unscored positions hold 0).
 
@@ -228,7 +228,7 @@ def _captured_hidden(
     return restore_row_order([h[:, -w:] for h, (_, w) in zip(captured, groups)], groups, width)
 
 
-def score_completions(
+def score_preference_completions(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
@@ -241,7 +241,7 @@ def score_completions(
     accuracy_rows: torch.Tensor | None = None,
     chunk_size: int | None = None,
     **model_kwargs: Any,
-) -> CompletionScores:
+) -> PreferenceScores:
     """Per-token log-probs of the completion tokens of right-padded ``(B, T)`` sequences, plus optional statistics.
 
     The log-probs, entropy and top-1 hits come from :func:`posttrain.models.forward.forward_token_stats` (chunked
@@ -266,7 +266,7 @@ def score_completions(
     handle = None
     head = None
     if compute_mean_logits or compute_wpo or accuracy_rows is not None:
-        head = unwrap_model(model).get_output_embeddings()
+        head = unwrap_base_model(model).get_output_embeddings()
         if head is not None:
 
             def capture(module, args, kwargs):
@@ -289,7 +289,7 @@ def score_completions(
     finally:
         if handle is not None:
             handle.remove()
-    scores = CompletionScores(
+    scores = PreferenceScores(
         logps=stats.logps, mask=stats.mask, entropy=stats.entropy, correct=stats.correct, aux_loss=stats.aux_loss
     )
     hidden = _captured_hidden(captured, model, attention_mask, input_ids.shape[1])
@@ -384,7 +384,7 @@ def load_policy_and_reference(
 def enable_router_aux_loss(model: torch.nn.Module) -> bool:
     """Turn on a MoE model's router logits when its ``router_aux_loss_coef`` is nonzero (TRL), so the forward
     returns the load-balancing ``aux_loss`` that the trainer adds as ``coef · aux_loss``. Dense models: no-op."""
-    config = getattr(unwrap_model(model), "config", None)
+    config = getattr(unwrap_base_model(model), "config", None)
     if config is None or not hasattr(config, "output_router_logits"):
         return False
     if not getattr(config, "router_aux_loss_coef", 0.0):
@@ -395,7 +395,7 @@ def enable_router_aux_loss(model: torch.nn.Module) -> bool:
 
 def router_aux_loss_coef(model: torch.nn.Module) -> float:
     """``router_aux_loss_coef`` of a MoE model that outputs router logits, else 0 (dense models: no aux loss)."""
-    config = getattr(unwrap_model(model), "config", None)
+    config = getattr(unwrap_base_model(model), "config", None)
     if config is None or not getattr(config, "output_router_logits", False):
         return 0.0
     return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)

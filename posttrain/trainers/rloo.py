@@ -127,7 +127,8 @@ class RLOOTrainer(OnlineTrainerBase):
         return LeaveOneOutEstimator(args.beta, args.reward_clip_range, args.normalize_advantages)
 
     def _compute_loss(self, model: torch.nn.Module, inputs: RolloutBatch) -> torch.Tensor:
-        """mean_i −min(ρ_i·A_i, clip(ρ_i, 1 − ε_low, 1 + ε_high)·A_i) / GA with ρ_i = exp Σ_t m·(logp − old)."""
+        """mean_i −min(ρ_i·A_i, clip(ρ_i, 1 − ε_low, 1 + ε_high)·A_i) / GA with ρ_i = exp Σ_t m·(logp − old), plus
+        ``router_aux_loss_coef · aux_loss / GA`` for a MoE policy with router logits (as TRL's RLOO)."""
         args = self.args
         mode = self._mode()
         stats = self._token_stats(model, inputs, compute_entropy=True)
@@ -142,7 +143,7 @@ class RLOOTrainer(OnlineTrainerBase):
             epsilon_low=args.epsilon,
             epsilon_high=args.epsilon_high,
         )
-        loss = self.aggregation(per_sequence_loss, mask) / self._grad_accum_divisor()
+        loss = self._finish_loss(self.aggregation(per_sequence_loss, mask), stats.aux_loss)
 
         self._record_policy_metrics(entropies, mask, objective_stats, mode)
         return loss

@@ -42,9 +42,9 @@ from posttrain.models.forward import (
     forward_token_stats,
     prepare_attention_mask,
     token_stats_from_logits,
-    unwrap_model,
 )
 from posttrain.models.loading import load_processor
+from posttrain.models.unwrap import unwrap_base_model
 from posttrain.registry import Registry
 from posttrain.trainers.base import BaseConfig, BaseTrainer
 
@@ -188,8 +188,10 @@ class SFTConfig(BaseConfig):
     loss_type: str | None = field(
         default=None,
         metadata={
-            "help": "`nll` (cross-entropy from full logits), `chunked_nll` (same value without full-vocabulary "
-            "logits), or `dft` (Dynamic Fine-Tuning). None: `chunked_nll` (`nll` with `use_liger_kernel`)."
+            "help": f"One of {', '.join(SFT_LOSSES)}: `nll` (cross-entropy from full logits), `chunked_nll` (same "
+            "value without full-vocabulary logits), `dft` (Dynamic Fine-Tuning). None: `chunked_nll` (`nll` with "
+            "`use_liger_kernel`).",
+            "choices": list(SFT_LOSSES),
         },
     )
     activation_offloading: bool = field(
@@ -480,7 +482,7 @@ class SFTTrainer(BaseTrainer):
     @staticmethod
     def _enable_router_aux_loss(model: Any, args: SFTConfig) -> bool:
         """MoE models: ask the model for its load-balancing loss (added as ``router_aux_loss_coef · aux_loss``)."""
-        config = getattr(unwrap_model(model), "config", None)
+        config = getattr(unwrap_base_model(model), "config", None)
         if config is None or not hasattr(config, "output_router_logits") or args.router_aux_loss_coef == 0:
             return False
         config.output_router_logits = True
@@ -501,7 +503,7 @@ class SFTTrainer(BaseTrainer):
             return True
         if not args.packing or args.packing_strategy == "wrapped":
             return False
-        impl = str(getattr(getattr(unwrap_model(model), "config", None), "_attn_implementation", None) or "")
+        impl = str(getattr(getattr(unwrap_base_model(model), "config", None), "_attn_implementation", None) or "")
         return "flash" in impl
 
     def _validate(self, args: SFTConfig, data_collator: Any, formatting_func: Any) -> None:
@@ -571,7 +573,7 @@ class SFTTrainer(BaseTrainer):
                 pad_to_multiple_of=args.pad_to_multiple_of,
                 dataset_text_field=args.dataset_text_field,
             )
-        impl = str(getattr(getattr(unwrap_model(model), "config", None), "_attn_implementation", None) or "")
+        impl = str(getattr(getattr(unwrap_base_model(model), "config", None), "_attn_implementation", None) or "")
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         return DataCollatorForLanguageModeling(
             pad_token_id=pad_id,

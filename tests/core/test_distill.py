@@ -119,6 +119,7 @@ def make_heads(seed: int = 0):
     return hidden, weight, bias, t_hidden, t_weight, mask
 
 
+@pytest.mark.invariance
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
 @pytest.mark.parametrize("reduction", ["batchmean", "sum", "mean", "none"])
 def test_chunked_equals_naive_value_and_gradient(beta, reduction):

@@ -47,6 +47,7 @@ def test_selective_log_softmax_hand_computed():
     torch.testing.assert_close(out, torch.tensor([math.log(5 / 8), math.log(1 / 8)]))
 
 
+@pytest.mark.invariance
 def test_selective_log_softmax_matches_naive_values_and_grad():
     """(B, T, V) logits, chunk of 5 rows over 12 positions: same values and d/dlogits as log_softmax + gather."""
     logits = torch.randn(3, 4, 11, requires_grad=True)
@@ -90,6 +91,7 @@ def test_entropy_from_logits_with_masked_vocab():
     assert torch.isfinite(logits.grad).all() and logits.grad[0, 1].item() == 0.0
 
 
+@pytest.mark.invariance
 def test_entropy_from_logits_matches_naive_values_and_grad():
     """Chunked entropy (chunk 3 over 2×5 positions) equals −Σ p log p, and so does its gradient."""
     logits = torch.randn(2, 5, 7, requires_grad=True)
@@ -126,6 +128,7 @@ def test_chunked_hand_computed_value_and_gradient():
     assert hot.item() == pytest.approx(math.log(math.sqrt(3) / (1 + math.sqrt(3))), abs=1e-6)
 
 
+@pytest.mark.invariance
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("use_bias", [False, True])
 def test_chunked_matches_naive_values_and_grads(temperature, use_bias):
@@ -167,6 +170,7 @@ def test_chunked_accepts_batch_time_shape():
     torch.testing.assert_close(shaped.reshape(-1), flat)
 
 
+@pytest.mark.invariance
 def test_chunked_differentiable_entropy_matches_naive():
     """entropy_requires_grad=True: d(Σ c·H + Σ u·logp)/d(hidden, weight, bias) equals the naive path."""
     hidden, weight, bias, labels = _inputs(n=21)

@@ -176,7 +176,7 @@ def test_vespo_importance_sampling_ratio_argument():
 
 def test_registry_and_shared_kwargs():
     """All four objectives are registered, accept one shared kwargs dict, and an unknown name lists the valid ones."""
-    assert POLICY_OBJECTIVES.names() == ["cispo", "clip", "sapo", "vespo"]
+    assert {"cispo", "clip", "sapo", "vespo"} <= set(POLICY_OBJECTIVES.names())
     logp, old = _logps(RATIOS)
     kwargs = dict(
         importance_sampling_level="token",
@@ -196,8 +196,9 @@ def test_registry_and_shared_kwargs():
         loss, stats = POLICY_OBJECTIVES.get(name)(logp, old, ADV, MASK, **kwargs)
         assert loss.shape == (2, 2) and torch.isfinite(loss).all()
         assert isinstance(stats, dict)
-    with pytest.raises(ValueError, match="Valid names: cispo, clip, sapo, vespo"):
+    with pytest.raises(ValueError, match="Valid names: ") as error:
         POLICY_OBJECTIVES.get("ppo")
+    assert all(name in str(error.value) for name in ("cispo", "clip", "sapo", "vespo"))
 
 
 def test_advantage_shape_validation():

@@ -6,27 +6,32 @@ import pytest
 import torch
 
 from posttrain.core.aggregation import AGGREGATIONS
-from posttrain.core.policy_objectives import POLICY_OBJECTIVES
+from posttrain.core.policy_objectives import POLICY_OBJECTIVES, objective_properties
 from posttrain.core.presets import (
     GRPO_LOSS_PRESETS,
     RLOO_LOSS_PRESET,
     needs_grad_accum_division,
+    preset_name,
     resolve_grpo_loss,
     validate_grpo_loss_config,
 )
 
+TRL_PRESETS = {
+    "grpo": ("clip", "seq_mean_token_mean"),
+    "bnpo": ("clip", "token_mean_local"),
+    "dr_grpo": ("clip", "constant_norm"),
+    "dapo": ("clip", "token_mean_global"),
+    "cispo": ("cispo", "token_mean_global"),
+    "sapo": ("sapo", "seq_mean_token_mean"),
+    "luspo": ("clip", "length_weighted"),
+    "vespo": ("vespo", "token_mean_global"),
+}
+
 
 def test_preset_table_is_trls():
-    assert GRPO_LOSS_PRESETS == {
-        "grpo": ("clip", "seq_mean_token_mean"),
-        "bnpo": ("clip", "token_mean_local"),
-        "dr_grpo": ("clip", "constant_norm"),
-        "dapo": ("clip", "token_mean_global"),
-        "cispo": ("cispo", "token_mean_global"),
-        "sapo": ("sapo", "seq_mean_token_mean"),
-        "luspo": ("clip", "length_weighted"),
-        "vespo": ("vespo", "token_mean_global"),
-    }
+    """Every TRL loss type is a preset with TRL's pair (posttrain may add more)."""
+    for loss_type, pair in TRL_PRESETS.items():
+        assert GRPO_LOSS_PRESETS[loss_type] == pair, loss_type
 
 
 def test_resolve_every_loss_type():
@@ -49,7 +54,32 @@ def test_resolve_custom_pair_and_errors():
 
 
 def test_needs_grad_accum_division():
-    assert [lt for lt in GRPO_LOSS_PRESETS if not needs_grad_accum_division(lt)] == ["dapo", "cispo", "vespo"]
+    assert [lt for lt in TRL_PRESETS if not needs_grad_accum_division(lt)] == ["dapo", "cispo", "vespo"]
+    assert needs_grad_accum_division(("clip", "token_mean_global")) is False  # a pair: its aggregation decides
+    assert needs_grad_accum_division(("clip", lambda loss, mask, **_: loss.sum())) is True
+
+
+def test_custom_pair_is_checked_as_its_preset():
+    """A pair equal to a preset (by name or by function) gets that preset's checks; other pairs the generic ones."""
+    assert preset_name("grpo") == "grpo"
+    assert preset_name(("vespo", "token_mean_global")) == "vespo"
+    assert preset_name((POLICY_OBJECTIVES.get("clip"), AGGREGATIONS.get("length_weighted"))) == "luspo"
+    assert preset_name(("sapo", "token_mean_global")) is None
+    assert validate_grpo_loss_config(("clip", "length_weighted"), "token") == validate_grpo_loss_config("luspo", "token")
+    with pytest.raises(ValueError, match="'token_truncate' or 'token_mask'"):  # folds the ratio: needs token level
+        validate_grpo_loss_config(("vespo", "seq_mean_token_mean"), vllm_importance_sampling_mode="sequence_mask")
+
+
+def test_objective_properties():
+    """VESPO alone folds the sampling ratio into its weights; each objective reads its own hyper-parameters; an
+    undeclared callable reads all of them (so it may pick any) and folds nothing."""
+    props = {name: objective_properties(POLICY_OBJECTIVES.get(name)) for name in ("clip", "cispo", "sapo", "vespo")}
+    assert [name for name, p in props.items() if p.folds_sampling_ratio] == ["vespo"]
+    assert props["clip"].config_fields["epsilon_low"] == "epsilon" and "delta" in props["clip"].config_fields
+    assert "delta" not in props["cispo"].config_fields and "vespo_k_pos" not in props["sapo"].config_fields
+    custom = objective_properties(lambda *args, **kwargs: None)
+    assert not custom.folds_sampling_ratio
+    assert {"epsilon_low", "delta", "sapo_temperature_pos", "vespo_k_neg"} <= set(custom.config_fields)
 
 
 def test_dapo_end_to_end_hand_computed():

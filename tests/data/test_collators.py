@@ -146,6 +146,7 @@ def lm_examples():
     "attn, mask_kwargs",
     [("sdpa", {}), ("eager", {"mask_dtype": torch.float32}), ("sdpa", {"block_diagonal_mask": False})],
 )
+@pytest.mark.invariance
 def test_padding_free_loss_equals_padded_loss(attn, mask_kwargs):
     model = build_tiny_model("qwen2").eval()
     model.set_attn_implementation(attn)
@@ -166,6 +167,7 @@ def test_padding_free_loss_equals_padded_loss(attn, mask_kwargs):
     torch.testing.assert_close(losses.mean(), padded.mean(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.invariance
 def test_packed_dataset_loss_equals_padded_loss():
     model = build_tiny_model("llama").eval()
     examples = [{"input_ids": ex["input_ids"], "labels": ex["input_ids"]} for ex in lm_examples()]

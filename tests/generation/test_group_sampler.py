@@ -11,6 +11,7 @@ from posttrain.generation import GroupSampler, SamplingConfig
 from posttrain.generation.group_sampler import sample_categorical
 
 
+@pytest.mark.invariance
 @pytest.mark.parametrize("arch", ["llama", "qwen"])
 @pytest.mark.parametrize("g", [1, 3])
 @pytest.mark.parametrize("penalty", [1.0, 1.3])

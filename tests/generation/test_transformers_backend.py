@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from generation_helpers import EOS, PAD, hand_logprobs, hf_generate, make_model
 
@@ -9,6 +10,7 @@ from posttrain.generation import GroupSampler, SamplingConfig, TransformersBacke
 from posttrain.generation.transformers_backend import generation_config_from_sampling, left_pad
 
 
+@pytest.mark.invariance
 def test_greedy_matches_generate_and_group_sampler(llama, tokenizer, prompts, greedy):
     out = TransformersBackend(llama, tokenizer).generate(prompts, greedy, num_generations=2)
     assert out.completion_ids == hf_generate(llama, prompts, 2, do_sample=False, max_new_tokens=24)

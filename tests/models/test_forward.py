@@ -52,6 +52,7 @@ def batch(seed=0, b=3, t=10, vocab=256):
     return ids, mask, labels
 
 
+@pytest.mark.invariance
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])  # tied and untied embeddings
 def test_chunked_equals_naive_values_and_gradients(arch):
     model = build_tiny_model(arch)
@@ -87,6 +88,7 @@ def test_chunked_equals_naive_values_and_gradients(arch):
     assert not stats.correct[~scored].any()
 
 
+@pytest.mark.invariance
 def test_plain_path_matches_chunked_and_default_mask_skips_padding():
     model = build_tiny_model("qwen2")
     ids, mask, _ = batch(1)
@@ -311,6 +313,7 @@ def test_plan_length_buckets_by_hand():
     assert plan_length_buckets([10, 200, 12], hidden_size=64) is None  # too few rows to split
 
 
+@pytest.mark.invariance
 @pytest.mark.parametrize("use_labels", [True, False])
 def test_length_buckets_equal_one_padded_call(use_labels):
     """Rows of very different lengths run in length groups: same log-probs, masks, entropies and gradients."""

@@ -87,6 +87,7 @@ def _grouped_batch(seed: int, vocab: int) -> dict:
     return _batch(prompts, completions)
 
 
+@pytest.mark.invariance
 @pytest.mark.parametrize("fixture", ["tiny_model_path", "tiny_llama_path"])
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_shared_forward_equals_plain_forward(fixture, attn, request):
@@ -113,6 +114,7 @@ def test_shared_forward_equals_plain_forward(fixture, attn, request):
     torch.testing.assert_close(g1, g0, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.invariance
 def test_shared_forward_entropy_gradient_matches(tiny_model_path):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     batch = _grouped_batch(1, model.config.vocab_size)

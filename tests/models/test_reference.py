@@ -77,6 +77,7 @@ def test_frozen_copy_by_default_and_loaded_again_from_a_path(tiny_model_path):
     torch.testing.assert_close(_logits(by_path.model, IDS), _logits(loaded, IDS))
 
 
+@pytest.mark.invariance
 def test_peft_reference_equals_base_model_without_adapters():
     """Invariance: adapters disabled on the trained PEFT policy gives exactly the base model, with no copy."""
     from peft import get_peft_model

@@ -116,6 +116,7 @@ _CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.invariance
 def test_sigkill_mid_checkpoint_keeps_previous_checkpoint_and_resume_matches(tmp_path, tiny_model_path):
     out = tmp_path / "run"
     out.mkdir()

@@ -8,6 +8,7 @@ difference means some state (optimizer, scheduler, RNG, data position, generatio
 
 from __future__ import annotations
 
+import pytest
 import torch
 from datasets import Dataset
 from transformers import TrainerCallback
@@ -59,6 +60,7 @@ def _check_exact_resume(make, tmp_path, total: int, stop_at: int) -> tuple:
     return full, resumed
 
 
+@pytest.mark.invariance
 def test_sft_resume_mid_epoch_across_epoch_boundary(tmp_path, tiny_model_path):
     from posttrain.trainers.sft import SFTConfig, SFTTrainer
 
@@ -72,6 +74,7 @@ def test_sft_resume_mid_epoch_across_epoch_boundary(tmp_path, tiny_model_path):
     _check_exact_resume(make, tmp_path, total=6, stop_at=3)
 
 
+@pytest.mark.invariance
 def test_dpo_resume(tmp_path, tiny_model_path):
     from posttrain.trainers.dpo import DPOConfig, DPOTrainer
 
@@ -94,6 +97,7 @@ def _reward(completions, **kwargs):
     return [float(sum(map(ord, c)) % 7) for c in completions]
 
 
+@pytest.mark.invariance
 def test_grpo_resume_mid_generation_round_with_adaptive_entropy(tmp_path, tiny_model_path):
     from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
 

@@ -73,6 +73,7 @@ def _load(folder, kind):
     return json.load(open(folder / f"{kind}.json")), torch.load(folder / f"{kind}_params.pt", weights_only=True)
 
 
+@pytest.mark.invariance
 @pytest.mark.parametrize("kind", ["sft", "dpo", "grpo"])
 def test_two_processes_match_one_process(runs, kind, tiny_model_path):
     one, two = runs
@@ -100,6 +101,7 @@ def test_grpo_groups_split_across_processes_are_normalised_whole(runs):
     assert sum(a for _, a in per_rank[0]) != pytest.approx(0.0, abs=1e-3)
 
 
+@pytest.mark.invariance
 def test_two_process_checkpoints_resume_exactly(runs):
     _, two = runs
     checkpoint = two / "sft" / "checkpoint-2"

@@ -187,3 +187,22 @@ def test_completions_are_parsed_with_the_response_template(tiny_tokenizer):
     message = got["completions"][0][0]
     assert message["content"] == "Let me add."
     assert message["tool_calls"] == [{"type": "function", "function": {"name": "add", "arguments": {"a": 1}}}]
+
+
+def test_each_stage_is_timed(tiny_tokenizer):
+    """run() is a sequence of named stages, each recorded as timing/<stage> (seconds), the whole as timing/rollout;
+    stages that do not run (ref log-probs without a reference, the table without log_completions) record nothing."""
+    from posttrain.rollout.pipeline import STAGES
+
+    pipe = _pipeline(
+        tiny_tokenizer,
+        [lambda completion_ids, **kwargs: [float(len(ids)) for ids in completion_ids]],
+        compute_old_logps=True,
+        importance_sampling=ImportanceSamplingSettings(mode="token_truncate", clip_max=2.0),
+    )
+    metrics = {}
+    pipe.run([{"prompt": "hi"}] * 2, record_metric=metrics.__setitem__)
+    timed = {name.removeprefix("timing/") for name in metrics if name.startswith("timing/")}
+    assert timed == {*STAGES, "rollout"} - {"ref_logps", "completions_table"}
+    assert all(metrics[f"timing/{name}"] >= 0.0 for name in timed)
+    assert metrics["timing/rollout"] >= sum(metrics[f"timing/{name}"] for name in STAGES if name in timed)

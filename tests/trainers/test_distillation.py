@@ -132,6 +132,7 @@ def _reference_divergence(student, teacher, batch, beta, temperature) -> torch.T
 # ---------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.invariance
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
 def test_loss_and_gradients_equal_the_full_logits_jsd_then_train(tiny_model_path, teacher_path, tmp_path, beta):
     trainer = DistillationTrainer(
@@ -156,6 +157,7 @@ def test_loss_and_gradients_equal_the_full_logits_jsd_then_train(tiny_model_path
     assert torch.isfinite(torch.tensor(logs["loss"])) and logs["distillation_loss"] >= 0
 
 
+@pytest.mark.invariance
 def test_fallback_head_lora_on_lm_head_matches_full_logits(tiny_model_path, teacher_path, tmp_path, caplog):
     from peft import LoraConfig
 
@@ -522,6 +524,7 @@ def test_rollout_draws_are_reproducible_from_the_state():
     assert rollout.draw_on_policy(4, mode="eval") == [True] * 4
 
 
+@pytest.mark.invariance
 def test_shared_prompt_layout_gives_the_same_loss_and_gradients(tiny_model_path, teacher_path, tmp_path):
     """Long shared prompts, 4 completions each: the shared-prompt layout is used and changes nothing."""
     from posttrain.models.completion_scoring import choose_shared_prompt_layout

@@ -17,7 +17,7 @@ from vision_helpers import color_rows, vision_config
 from posttrain.data.vision_collators import DataCollatorForVisionPreference
 from posttrain.models.tiny import build_tiny_vlm, save_tiny_vlm
 from posttrain.trainers.dpo import DPOConfig, DPOTrainer
-from posttrain.trainers.preference import score_completions
+from posttrain.trainers.preference import score_preference_completions
 
 
 def preference_dataset(column: str = "images") -> Dataset:
@@ -78,7 +78,7 @@ def test_pixel_values_reach_the_model():
     def logps(b):
         extra = {k: v for k, v in b.items() if k not in ("input_ids", "attention_mask", "completion_mask")}
         with torch.no_grad():
-            scores = score_completions(model, b["input_ids"], b["attention_mask"], b["completion_mask"], **extra)
+            scores = score_preference_completions(model, b["input_ids"], b["attention_mask"], b["completion_mask"], **extra)
         return scores.sequence_sums()
 
     assert not torch.allclose(logps(batch), logps(other))

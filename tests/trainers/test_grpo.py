@@ -4,6 +4,7 @@ rollout_func, batch × gradient-accumulation invariance, learning, eval, logging
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 
@@ -18,6 +19,9 @@ from trainer_helpers import (  # noqa: F401
     trainable_params,
 )
 
+from posttrain.core.aggregation import AGGREGATIONS
+from posttrain.core.policy_objectives import POLICY_OBJECTIVES, objective_properties
+from posttrain.core.presets import GRPO_LOSS_PRESETS, needs_grad_accum_division
 from posttrain.trainers.grpo import ENTROPY_CTRL_STATE, GRPOConfig, GRPOTrainer
 
 EOS = 258
@@ -54,7 +58,7 @@ def _logs(trainer) -> dict:
     return merged
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo"])
+@pytest.mark.parametrize("loss_type", list(GRPO_LOSS_PRESETS))
 def test_each_loss_type_trains(tiny_model_path, tmp_path, loss_type):
     extra = {"importance_sampling_level": "sequence"} if loss_type == "luspo" else {}
     trainer = GRPOTrainer(
@@ -205,6 +209,7 @@ def test_rollout_func_with_fixed_completions(tiny_model_path, tmp_path):
     assert torch.equal(batch["completion_mask"].sum(dim=1) > 0, ended)  # truncated completions are masked out
 
 
+@pytest.mark.invariance
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
 def test_batch_times_grad_accum_invariance(tiny_model_path, tmp_path, loss_type):
     """Same generation batch (4 completions, 2 prompts), split as 4×1, 2×2 or 1×4: identical SGD update."""
@@ -353,6 +358,7 @@ def test_adaptive_entropy_state_is_checkpointed_and_restored(tiny_model_path, tm
     assert resumed.state.global_step == 2
 
 
+@pytest.mark.invariance
 def test_resume_mid_round_replays_the_buffer(tiny_model_path, tmp_path):
     """steps_per_generation = 2 × GA: a checkpoint after step 1 falls mid-round; the resumed run reuses the buffered
     completions and ends with the uninterrupted run's parameters."""
@@ -426,7 +432,9 @@ def test_default_args_and_save_model(tiny_model_path, tmp_path, monkeypatch):
     trainer.save_model(str(tmp_path / "saved"))
     from transformers import AutoModelForCausalLM
 
-    assert AutoModelForCausalLM.from_pretrained(tmp_path / "saved") is not None
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved").state_dict()
+    saved = trainer.model.state_dict()
+    assert reloaded.keys() == saved.keys() and all(torch.equal(reloaded[k], saved[k].cpu()) for k in saved)
 
 
 def test_entropy_controller_updates_and_applies():
@@ -471,6 +479,7 @@ def test_command_line_parsing_of_dict_and_bool_fields(tmp_path):
     assert args.reward_weights == [1.0, 2.0]
 
 
+@pytest.mark.invariance
 def test_entropy_bonus_stays_chunked_with_the_full_logits_gradient(tiny_model_path, tmp_path, monkeypatch):
     """With an entropy bonus the loss forward stays on the chunked path, and (zero advantages, β = 0: the bonus is the
     whole loss) its gradient equals the one from full-vocabulary logits."""
@@ -506,6 +515,80 @@ def test_entropy_bonus_stays_chunked_with_the_full_logits_gradient(tiny_model_pa
         torch.testing.assert_close(chunked[name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def _hand_batch(advantages: torch.Tensor) -> dict:
+    """A rollout micro-batch of 4 rows: random 5-token prompts, random completions of lengths 6, 3, 5, 1."""
+    generator = torch.Generator().manual_seed(0)
+    batch = {
+        "prompt_ids": torch.randint(0, 256, (4, 5), generator=generator),
+        "prompt_mask": torch.ones(4, 5, dtype=torch.long),
+        "completion_ids": torch.randint(0, 256, (4, 6), generator=generator),
+        "completion_lengths": torch.tensor([6, 3, 5, 1]),
+        "advantages": advantages,
+    }
+    batch["completion_mask"] = (torch.arange(6).unsqueeze(0) < batch["completion_lengths"].unsqueeze(1)).long()
+    batch["num_items_in_batch"] = batch["completion_mask"].sum()
+    return batch
+
+
+@pytest.mark.parametrize("loss_type", sorted(GRPO_LOSS_PRESETS))
+def test_entropy_bonus_uses_the_loss_types_aggregation(tiny_model_path, tmp_path, loss_type):
+    """Zero advantages, β = 0: the loss is the bonus alone, −c · aggregation(H) (/ GA unless globally normalised),
+    with ``loss_type``'s aggregation — e.g. grpo's per-sequence mean, not a token mean, over rows of unequal length."""
+    trainer = GRPOTrainer(
+        tiny_model_path, varied_reward, _config(tmp_path, entropy_coef=0.5, loss_type=loss_type), train_dataset=_dataset()
+    )
+    model = trainer.model.train()
+    batch = _hand_batch(advantages=torch.zeros(4))
+    mask = batch["completion_mask"]
+    batch["num_items_in_batch"] = mask.sum() * 2  # as if the optimizer step had a second micro-batch like this one
+    with torch.no_grad():
+        loss = trainer._compute_loss(model, batch)
+        entropies = trainer._token_stats(model, batch, compute_entropy=True).entropy
+    aggregation = AGGREGATIONS.get(GRPO_LOSS_PRESETS[loss_type][1])
+    expected = -0.5 * aggregation(
+        entropies, mask.float(), max_completion_length=8, num_items_in_batch=batch["num_items_in_batch"]
+    )
+    if needs_grad_accum_division(loss_type):
+        expected = expected / trainer._grad_accum_divisor()
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.invariance
+def test_custom_pair_behaves_as_its_preset(tiny_model_path, tmp_path):
+    """loss_type=("vespo", "token_mean_global") is "vespo": the sampling IS ratio goes into VESPO's kernel (not onto
+    the loss), the same hyper-parameters are read, the same GA rule applies — same loss on the same batch."""
+    trainer = GRPOTrainer(
+        tiny_model_path, varied_reward, _config(tmp_path, loss_type="vespo", vespo_k_pos=1.5), train_dataset=_dataset()
+    )
+    model = trainer.model.train()
+    batch = _hand_batch(advantages=torch.tensor([1.0, -0.5, 0.25, -1.0]))
+    batch["importance_sampling_ratio"] = 0.5 + torch.rand(4, 6, generator=torch.Generator().manual_seed(1))
+    mask = batch["completion_mask"]
+    with torch.no_grad():
+        batch["old_per_token_logps"] = trainer._token_stats(model, batch).logps - 0.1 * mask
+        losses = {}
+        for loss_type in ("vespo", ("vespo", "token_mean_global"), ("clip", "token_mean_global")):
+            trainer.args.loss_type = loss_type
+            trainer._setup_loss()
+            losses[str(loss_type)] = trainer._compute_loss(model, batch)
+    torch.testing.assert_close(losses["('vespo', 'token_mean_global')"], losses["vespo"])
+    assert not torch.allclose(losses["('clip', 'token_mean_global')"], losses["vespo"])  # the batch tells them apart
+
+
+def test_objectives_read_existing_config_fields():
+    """Every config field an objective declares is a GRPOConfig field (a typo there would fail only at the first step)."""
+    names = {f.name for f in dataclasses.fields(GRPOConfig)}
+    for objective_name in POLICY_OBJECTIVES:
+        fields = objective_properties(POLICY_OBJECTIVES.get(objective_name)).config_fields
+        assert fields and set(fields.values()) <= names, objective_name
+
+
+def test_loss_type_typo_fails_in_the_config(tmp_path):
+    with pytest.raises(ValueError, match="Valid loss types: .*dapo"):
+        GRPOConfig(output_dir=str(tmp_path), loss_type="dapoo")
+
+
+@pytest.mark.invariance
 def test_shared_prompt_forward_trains_like_the_plain_forward(tiny_model_path, tmp_path, monkeypatch):
     """shared_prompt_forward (on by default) changes how the policy/reference forwards run, not the update."""
     import posttrain.models.completion_scoring as online

@@ -157,6 +157,7 @@ def test_class_weights_change_the_loss(tmp_path, tiny_model_path):
     assert trainer.state.log_history[0]["loss"] == pytest.approx(0.15, abs=1e-6)
 
 
+@pytest.mark.invariance
 def test_precomputed_reference_equals_live_reference(tmp_path, tiny_model_path):
     live = KTOTrainer(tiny_model_path, args=_config(tmp_path / "live", max_steps=2), train_dataset=_unpaired())
     live.train()

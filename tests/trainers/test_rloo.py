@@ -80,6 +80,28 @@ def test_normalize_advantages_and_reward_clip_range(tiny_model_path, tmp_path):
     assert advantages.mean().abs() < 1e-5  # batch-normalised
 
 
+def test_moe_router_aux_loss_is_added_and_logged(tmp_path, tiny_tokenizer):
+    """A tiny Qwen2-MoE policy with router logits: RLOO's loss includes router_aux_loss_coef · aux_loss (TRL's RLOO).
+
+    β = 0 and one on-policy step: ρ_i = 1 and the leave-one-out advantages of a group sum to 0, so the policy term is
+    0 and the logged loss is the aux term alone (without it the loss would be ~0 and no aux_loss would be logged)."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    config = Qwen2MoeConfig(
+        vocab_size=320, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        num_experts=4, num_experts_per_tok=2, output_router_logits=True, pad_token_id=259, eos_token_id=EOS,
+        bos_token_id=None,
+    )  # fmt: skip
+    model = Qwen2MoeForCausalLM(config)
+    args = _config(tmp_path, beta=0.0, num_generations=4, router_aux_loss_coef=0.1)
+    trainer = RLOOTrainer(model, varied_reward, args, train_dataset=_dataset(4), processing_class=tiny_tokenizer)
+    trainer.train()
+    logged = trainer.state.log_history[0]
+    assert logged["aux_loss"] > 0
+    assert logged["loss"] == pytest.approx(0.1 * logged["aux_loss"], abs=1e-5)
+
+
 def test_peft_and_reward_model(tiny_model_path, tiny_reward_model_path, tmp_path):
     from peft import LoraConfig
 
@@ -98,6 +120,7 @@ def test_peft_and_reward_model(tiny_model_path, tiny_reward_model_path, tmp_path
     assert f"rewards/{os.path.basename(tiny_reward_model_path.rstrip('/'))}/mean" in logs
 
 
+@pytest.mark.invariance
 def test_batch_times_grad_accum_invariance(tiny_model_path, tmp_path):
     """RLOO's sequence-mean loss is divided by GA: 4×1 ≡ 2×2 ≡ 1×4 (SGD). The whole generation batch is sampled in
     one call from the same seed, so every split trains on the same completions."""

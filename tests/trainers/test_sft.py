@@ -217,6 +217,7 @@ def test_packing_strategies(strategy, tiny_model_path, tmp_path):
     assert all(math.isfinite(v) for v in logged(trainer, "loss"))
 
 
+@pytest.mark.invariance
 def test_packed_equals_unpacked_loss(tiny_model_path, tmp_path):
     """With the whole dataset in one batch, BFD packing (padding-free, block-diagonal attention) gives the padded
     batch's loss and gradients: same label tokens, same per-sequence context."""
@@ -254,6 +255,7 @@ def _run_pair(tiny_model_path, tmp_path, data, a: dict, b: dict, steps=2):
     return runs
 
 
+@pytest.mark.invariance
 def test_gradient_accumulation_equals_large_batch(tiny_model_path, tmp_path):
     """1 × GA 4 ≡ 4 × 1: rows of different lengths and completion masks, loss normalised by num_items_in_batch."""
     data = Dataset.from_dict(DATASETS["prompt_completion"]())
@@ -264,11 +266,13 @@ def test_gradient_accumulation_equals_large_batch(tiny_model_path, tmp_path):
     )  # fmt: skip
 
 
+@pytest.mark.invariance
 def test_padding_free_equals_padded(tiny_model_path, tmp_path):
     data = Dataset.from_dict(DATASETS["messages"]())
     _run_pair(tiny_model_path, tmp_path, data, {"padding_free": True, "max_length": None}, {})
 
 
+@pytest.mark.invariance
 def test_chunked_nll_equals_nll_and_dft_differs(tiny_model_path, tmp_path):
     data = Dataset.from_dict({"text": TEXTS})
     chunked, naive = _run_pair(tiny_model_path, tmp_path, data, {}, {"loss_type": "nll"})
@@ -289,6 +293,7 @@ def test_loss_functions_by_hand():
     torch.testing.assert_close(logps.grad, torch.tensor([[-0.5, -0.25]]))
 
 
+@pytest.mark.invariance
 def test_activation_offloading_gives_the_same_loss(tiny_model_path, tmp_path):
     data = Dataset.from_dict({"text": TEXTS})
     _run_pair(tiny_model_path, tmp_path, data, {"activation_offloading": True}, {}, steps=1)
