@@ -3,7 +3,7 @@ chunked ``[chosen; rejected(; ...)]`` scoring forward and TRL's pair metrics.
 
 They sit on :class:`posttrain.trainers.preference.PreferenceTrainer` (signature columns, ``num_tokens``, MoE
 ``aux_loss``, ``prediction_step``) and read token log-probs through
-:func:`posttrain.trainers.preference.score_completions` — the chunked path, never ``(B, T, V)`` logits. Unlike DPO
+:func:`posttrain.trainers.preference.score_preference_completions` — the chunked path, never ``(B, T, V)`` logits. Unlike DPO
 there is no reference policy: no second model, no reference forward.
 """
 
@@ -19,7 +19,7 @@ from posttrain.core.reference_free import masked_token_mean_nll
 from posttrain.models.loading import disable_dropout_in_model, resolve_model, resolve_processing_class
 from posttrain.reliability.validation import check_single_split, check_text_only
 from posttrain.trainers.preference import (
-    CompletionScores,
+    PreferenceScores,
     PreferenceTrainer,
     PromptFits,
     configure_iterable_dataset,
@@ -30,7 +30,7 @@ from posttrain.trainers.preference import (
     map_dataset,
     prepare_splits,
     resolve_pad_token,
-    score_completions,
+    score_preference_completions,
     tokenize_dataset,
 )
 
@@ -74,7 +74,7 @@ class PairScores:
     chosen_logps: torch.Tensor  # (B,)
     rejected_logps: torch.Tensor  # (B,)
     chosen_nll: torch.Tensor  # scalar
-    scores: CompletionScores  # (nB, T) per-token
+    scores: PreferenceScores  # (nB, T) per-token
     batch_size: int  # B
 
     def branch(self, index: int) -> slice:
@@ -204,7 +204,7 @@ class ReferenceFreePairwiseTrainer(PreferenceTrainer):
         accuracy_rows = None
         if accuracy:
             accuracy_rows = torch.arange(n_rows, device=input_ids.device) < batch_size
-        scores = score_completions(
+        scores = score_preference_completions(
             model,
             input_ids,
             inputs["attention_mask"],
