@@ -668,17 +668,20 @@ class OnlineTrainerBase(BaseTrainer):
         """Unique prompts per generation round over all processes (``generation_batch_size`` counts completions)."""
         return self.args.generation_batch_size // self.num_generations
 
-    def _get_train_sampler(self, train_dataset=None) -> RepeatSampler:
-        dataset = train_dataset if train_dataset is not None else self.train_dataset
+    def _repeat_kwargs(self) -> dict[str, Any]:
+        """TRL's prompt grouping for training, shared by the map-style sampler and the stream."""
         args = self.args
-        return RepeatSampler(
-            dataset,
+        return dict(
             mini_repeat_count=self.num_generations,
             batch_size=self._prompts_per_round(),
             repeat_count=args.num_iterations * args.steps_per_generation,
             shuffle=args.shuffle_dataset,
             seed=args.seed,
         )
+
+    def _get_train_sampler(self, train_dataset=None) -> RepeatSampler:
+        dataset = train_dataset if train_dataset is not None else self.train_dataset
+        return RepeatSampler(dataset, **self._repeat_kwargs())
 
     def _get_eval_sampler(self, eval_dataset) -> RepeatSampler:
         return RepeatSampler(eval_dataset, mini_repeat_count=self.num_generations_eval, seed=self.args.seed)
@@ -687,14 +690,7 @@ class OnlineTrainerBase(BaseTrainer):
         args = self.args
         dataset = self.train_dataset
         if self._is_iterable:
-            dataset = repeat_iterable_dataset(
-                dataset,
-                mini_repeat_count=self.num_generations,
-                batch_size=self._prompts_per_round(),
-                repeat_count=args.num_iterations * args.steps_per_generation,
-                shuffle=args.shuffle_dataset,
-                seed=args.seed,
-            )
+            dataset = repeat_iterable_dataset(dataset, **self._repeat_kwargs())
         return self._get_dataloader(
             dataset=dataset,
             description="Training",
