@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from posttrain.core.distill import chunked_generalized_jsd, generalized_jsd_loss
 from posttrain.core.logprobs import chunked_logprobs_from_hidden, entropy_from_logits
 from posttrain.data.tokenization import tokenize_prompt_completion, truncate_sequence
+from posttrain.distributed import gather_objects, gather_rows
 from posttrain.generation.base import Completions, SamplingConfig, truncate_at_eos
 from posttrain.models.forward import (
     forward_capturing_head_input,
@@ -387,22 +388,11 @@ class DistillationRollout:
         self._truncation = "keep_end" if getattr(tok, "truncation_side", "left") == "left" else "keep_start"
 
     # -- distributed helpers -----------------------------------------------------------------------------------
-    @property
-    def _num_processes(self) -> int:
-        return getattr(self.accelerator, "num_processes", 1) if self.accelerator is not None else 1
-
     def _gather_sum(self, value: torch.Tensor) -> torch.Tensor:
-        value = value.reshape(1).float()
-        if self._num_processes == 1:
-            return value.sum()
-        return self.accelerator.gather(value.to(self.accelerator.device)).sum().cpu()
+        return gather_rows(self.accelerator, value.reshape(1).float()).sum().cpu()
 
     def _gather_list(self, values: list) -> list:
-        if self._num_processes == 1:
-            return values
-        from accelerate.utils import gather_object
-
-        return gather_object(values)
+        return gather_objects(self.accelerator, values)
 
     # -- sources -----------------------------------------------------------------------------------------------
     def draw_on_policy(self, num_slices: int, mode: str = "train") -> list[bool]:

@@ -41,6 +41,7 @@ from posttrain.core.importance import rollout_importance_weights
 from posttrain.data.response_parsing import parse_response
 from posttrain.data.tokenization import tokenize_prompt
 from posttrain.data.utils import is_conversational
+from posttrain.distributed import gather_objects, gather_rows
 from posttrain.generation.base import Completions, SamplingConfig
 from posttrain.rollout.buffer import RolloutBatch
 from posttrain.rollout.estimators import AdvantageEstimator
@@ -294,17 +295,10 @@ class RolloutPipeline:
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Concatenate ``tensor`` over processes along dim 0 (identity on one process)."""
-        if self.num_processes == 1:
-            return tensor
-        device = getattr(self.accelerator, "device", tensor.device)
-        return self.accelerator.gather(tensor.to(device))
+        return gather_rows(self.accelerator, tensor)
 
     def gather_object(self, values: list) -> list:
-        if self.num_processes == 1:
-            return values
-        from accelerate.utils import gather_object
-
-        return gather_object(values)
+        return gather_objects(self.accelerator, values)
 
     # -- stages ------------------------------------------------------------------------------------------------
     def generate(

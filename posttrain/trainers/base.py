@@ -218,11 +218,19 @@ class BaseTrainer(Trainer):
     def _mode(self) -> str:
         return "train" if self.model is not None and self.model.training else "eval"
 
-    def record_metric(self, name: str, value: float | torch.Tensor, mode: str | None = None) -> None:
-        """Add one value of ``name`` to the current logging window."""
+    def record_metric(
+        self, name: str, value: float | torch.Tensor, mode: str | None = None, *, replace: bool = False
+    ) -> None:
+        """Add one value of ``name`` to the current logging window (the one way every trainer records a metric).
+
+        ``replace``: the window keeps only this value (running totals such as ``num_tokens``)."""
         if isinstance(value, torch.Tensor):
             value = value.detach().float().mean().item() if value.numel() else float("nan")
-        self._metrics[mode or self._mode()][name].append(float(value))
+        window = self._metrics[mode or self._mode()]
+        if replace:
+            window[name] = [float(value)]
+        else:
+            window[name].append(float(value))
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         mode = self._mode()

@@ -5,7 +5,7 @@ from Self-Generated Mistakes", https://huggingface.co/papers/2306.13649) on the 
 (``trainers/online.py``): the same prompt sampler, generation backends, rollout buffer, step metrics, completions
 log and checkpoint/resume handling as GRPO and RLOO. What distillation changes:
 
-- the round (``_distill_parts.DistillationRollout``): each gradient-accumulation slice is on-policy with probability
+- the round (``rollout.distillation.DistillationRollout``): each gradient-accumulation slice is on-policy with probability
   ``lmbda`` (student samples from the generation backend); the others use the dataset's completions, or teacher
   samples with ``seq_kd`` (sequence-level KD). With prompt-only data everything is on-policy. No rewards, no
   advantages, no reference model;
@@ -21,7 +21,7 @@ Metrics (TRL's names): ``loss`` (the divergence per token), ``distillation_loss`
 ``step_time``; ``aux_loss`` for MoE students.
 
 Deliberate differences from TRL: heads of different sizes that both cover the tokenizer are accepted (see
-``_distill_parts``); evaluation scores student samples when ``lmbda > 0`` and dataset (or, with ``seq_kd``, teacher)
+``rollout/distillation.py``); evaluation scores student samples when ``lmbda > 0`` and dataset (or, with ``seq_kd``, teacher)
 completions when ``lmbda = 0``; teacher-server / top-k losses (TRL's ``ServerDistillationTrainer``), Liger, tools
 and VLMs are not supported.
 """

@@ -29,6 +29,7 @@ policy + reference setup, ``PreferenceTrainer``) live in :mod:`posttrain.trainer
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -47,7 +48,17 @@ from posttrain.core.preference import (
     wpo_pair_weight,
     wpo_sequence_weight,
 )
+from posttrain.data.dataset_ops import (
+    PromptFits,
+    check_precompute_supported,
+    configure_streaming,
+    filter_dataset,
+    map_dataset,
+    prepare_splits,
+    tokenize_dataset,
+)
 from posttrain.data.formats import is_vision_dataset
+from posttrain.distributed import gather_masked_mean, gather_mean
 from posttrain.models.loading import load_processor
 from posttrain.models.reference import precompute_reference_columns
 from posttrain.reliability.validation import check_single_split
@@ -55,21 +66,12 @@ from posttrain.trainers.base import BaseConfig
 from posttrain.trainers.preference import (
     PreferenceScores,
     PreferenceTrainer,
-    PromptFits,
     activation_offloading_context,
-    check_precompute_supported,
     check_reference_options,
-    configure_iterable_dataset,
-    filter_dataset,
-    gather_masked_mean,
-    gather_mean,
     load_policy_and_reference,
-    map_dataset,
-    prepare_splits,
     resolve_pad_token,
     score_preference_completions,
     shared_field,
-    tokenize_dataset,
 )
 
 __all__ = ["DPOConfig", "DPOTrainer"]
@@ -242,7 +244,7 @@ class DPOTrainer(PreferenceTrainer):
         processing_class, policy, self.reference = load_policy_and_reference(
             model, ref_model, args, processing_class, peft_config
         )
-        configure_iterable_dataset(args, train_dataset)
+        configure_streaming(args, train_dataset)
 
         self.pad_token_id = resolve_pad_token(processing_class, args.pad_token)
         if data_collator is None and self._vision:
@@ -408,21 +410,21 @@ class DPOTrainer(PreferenceTrainer):
     def _log_dpo_metrics(self, mode, inputs, scores, chosen_logps, rejected_logps, out) -> None:
         acc = self.accelerator
         half = scores.logps.shape[0] // 2
-        metrics = self._metrics[mode]
+        record = functools.partial(self.record_metric, mode=mode)
         self._count_train_tokens(inputs, mode)
         mask = scores.mask
-        metrics["entropy"].append(gather_masked_mean(acc, scores.entropy, mask))
-        metrics["mean_token_accuracy"].append(gather_masked_mean(acc, scores.correct.float()[:half], mask[:half]))
+        record("entropy", gather_masked_mean(acc, scores.entropy, mask))
+        record("mean_token_accuracy", gather_masked_mean(acc, scores.correct.float()[:half], mask[:half]))
         if scores.mean_logits is not None:
-            metrics["logits/chosen"].append(gather_masked_mean(acc, scores.mean_logits[:half], mask[:half]))
-            metrics["logits/rejected"].append(gather_masked_mean(acc, scores.mean_logits[half:], mask[half:]))
+            record("logits/chosen", gather_masked_mean(acc, scores.mean_logits[:half], mask[:half]))
+            record("logits/rejected", gather_masked_mean(acc, scores.mean_logits[half:], mask[half:]))
         chosen_r, rejected_r = out["chosen_rewards"], out["rejected_rewards"]
-        metrics["rewards/chosen"].append(gather_mean(acc, chosen_r))
-        metrics["rewards/rejected"].append(gather_mean(acc, rejected_r))
-        metrics["rewards/accuracies"].append(gather_mean(acc, (chosen_r > rejected_r).float()))
-        metrics["rewards/margins"].append(gather_mean(acc, chosen_r - rejected_r))
-        metrics["logps/chosen"].append(gather_mean(acc, chosen_logps))
-        metrics["logps/rejected"].append(gather_mean(acc, rejected_logps))
+        record("rewards/chosen", gather_mean(acc, chosen_r))
+        record("rewards/rejected", gather_mean(acc, rejected_r))
+        record("rewards/accuracies", gather_mean(acc, (chosen_r > rejected_r).float()))
+        record("rewards/margins", gather_mean(acc, chosen_r - rejected_r))
+        record("logps/chosen", gather_mean(acc, chosen_logps))
+        record("logps/rejected", gather_mean(acc, rejected_logps))
 
 
 # Raw columns the vision collator reads.

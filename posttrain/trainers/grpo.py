@@ -40,6 +40,7 @@ from posttrain.core.presets import (
     resolve_grpo_loss,
     validate_grpo_loss_config,
 )
+from posttrain.distributed import gather_variable_length
 from posttrain.models.unwrap import unwrap_base_model
 from posttrain.rollout.buffer import RolloutBatch
 from posttrain.rollout.estimators import GroupRelativeEstimator
@@ -354,11 +355,7 @@ class GRPOTrainer(OnlineTrainerBase):
     # -- helpers -----------------------------------------------------------------------------------------------
     def _gather_1d(self, values: torch.Tensor) -> torch.Tensor:
         """Concatenate variable-length 1-D tensors from every process (NaN-padded, padding dropped)."""
-        if self.accelerator.num_processes == 1:
-            return values
-        padded = self.accelerator.pad_across_processes(values.float(), dim=0, pad_index=float("nan"))
-        gathered = self.accelerator.gather(padded)
-        return gathered[~torch.isnan(gathered)]
+        return gather_variable_length(self.accelerator, values)
 
     # -- loss --------------------------------------------------------------------------------------------------
     def _compute_loss(self, model: torch.nn.Module, inputs: RolloutBatch) -> torch.Tensor:

@@ -27,6 +27,7 @@ as for text (the images are copied to both rows).
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -36,7 +37,18 @@ import torch
 from transformers import TrainingArguments
 
 from posttrain.core.preference import KTO_LOSSES, kto_kl_estimate, kto_loss, kto_weight_range_warning
+from posttrain.data.dataset_ops import (
+    PromptFits,
+    check_precompute_supported,
+    configure_streaming,
+    filter_dataset,
+    is_iterable_dataset,
+    map_dataset,
+    prepare_splits,
+    tokenize_dataset,
+)
 from posttrain.data.formats import is_vision_dataset
+from posttrain.distributed import gather_masked_mean
 from posttrain.models.loading import load_processor
 from posttrain.models.reference import precompute_reference_columns
 from posttrain.reliability.validation import check_single_split
@@ -44,20 +56,11 @@ from posttrain.trainers.base import BaseConfig
 from posttrain.trainers.preference import (
     PreferenceScores,
     PreferenceTrainer,
-    PromptFits,
     activation_offloading_context,
-    check_precompute_supported,
     check_reference_options,
-    configure_iterable_dataset,
-    filter_dataset,
-    gather_masked_mean,
-    is_iterable_dataset,
     load_policy_and_reference,
-    map_dataset,
-    prepare_splits,
     score_preference_completions,
     shared_field,
-    tokenize_dataset,
 )
 
 __all__ = ["KTOConfig", "KTOTrainer"]
@@ -189,7 +192,7 @@ class KTOTrainer(PreferenceTrainer):
         processing_class, policy, self.reference = load_policy_and_reference(
             model, ref_model, args, processing_class, peft_config
         )
-        configure_iterable_dataset(args, train_dataset)
+        configure_streaming(args, train_dataset)
         tok = getattr(processing_class, "tokenizer", processing_class)
         if data_collator is None and self._vision:
             from posttrain.data.vision_collators import DataCollatorForVisionUnpairedPreference
@@ -382,22 +385,22 @@ class KTOTrainer(PreferenceTrainer):
         self, mode: str, inputs, scores: PreferenceScores, logps: torch.Tensor, rewards, labels, kl
     ) -> None:
         acc = self.accelerator
-        metrics = self._metrics[mode]
+        record = functools.partial(self.record_metric, mode=mode)
         self._count_train_tokens(inputs, mode)
-        metrics["kl"].append(kl.item())
-        metrics["entropy"].append(gather_masked_mean(acc, scores.entropy, scores.mask))
+        record("kl", kl.item())
+        record("entropy", gather_masked_mean(acc, scores.entropy, scores.mask))
         desirable = labels.unsqueeze(1) & scores.mask
         undesirable = (~labels).unsqueeze(1) & scores.mask
         if scores.mean_logits is not None:
-            metrics["logits/chosen"].append(gather_masked_mean(acc, scores.mean_logits, desirable))
-            metrics["logits/rejected"].append(gather_masked_mean(acc, scores.mean_logits, undesirable))
+            record("logits/chosen", gather_masked_mean(acc, scores.mean_logits, desirable))
+            record("logits/rejected", gather_masked_mean(acc, scores.mean_logits, undesirable))
         chosen_reward = gather_masked_mean(acc, rewards, labels)
         rejected_reward = gather_masked_mean(acc, rewards, ~labels)
-        metrics["rewards/chosen"].append(chosen_reward)
-        metrics["rewards/rejected"].append(rejected_reward)
-        metrics["rewards/margins"].append(chosen_reward - rejected_reward)
-        metrics["logps/chosen"].append(gather_masked_mean(acc, logps, labels))
-        metrics["logps/rejected"].append(gather_masked_mean(acc, logps, ~labels))
+        record("rewards/chosen", chosen_reward)
+        record("rewards/rejected", rejected_reward)
+        record("rewards/margins", chosen_reward - rejected_reward)
+        record("logps/chosen", gather_masked_mean(acc, logps, labels))
+        record("logps/rejected", gather_masked_mean(acc, logps, ~labels))
 
     def _eval_predictions(self, outputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-row implied rewards ``(B,)`` and the desirable (1) / undesirable (0) labels."""

@@ -34,6 +34,8 @@ import torch
 from transformers import TrainingArguments
 
 from posttrain.core.masking import masked_batch_mean, masked_mean
+from posttrain.data.dataset_ops import configure_streaming
+from posttrain.distributed import mean_over_processes
 from posttrain.generation.base import SamplingConfig
 from posttrain.models.completion_scoring import completion_token_stats
 from posttrain.models.forward import TokenStats
@@ -405,20 +407,11 @@ class OnlineTrainerBase(BaseTrainer):
         self._validate_reward_signatures(reward_funcs, env_rewards, train_dataset, rollout_func, environment_factory)
 
     def _configure_train_dataset(self, train_dataset: Any, args: OnlineRLConfig) -> int | None:
-        """Streaming datasets need ``max_steps``, no workers, no batch dispatch. Returns the length (None: stream)."""
+        """Text only; a stream gets the shared streaming set-up (``configure_streaming``). Returns the length (None:
+        stream)."""
         check_text_only(train_dataset, f"{self._trainer_name}Trainer")
-        self._is_iterable = isinstance(train_dataset, torch.utils.data.IterableDataset)
-        if not self._is_iterable:
-            return len(train_dataset)
-        if args.max_steps is None or args.max_steps <= 0:
-            raise ValueError(
-                "A streaming (IterableDataset) train_dataset has no length: set max_steps to a positive number."
-            )
-        if args.dataloader_num_workers:
-            warnings.warn("IterableDataset training forces dataloader_num_workers=0.", stacklevel=3)
-            args.dataloader_num_workers = 0
-        args.accelerator_config.dispatch_batches = False
-        return None
+        self._is_iterable = configure_streaming(args, train_dataset)
+        return None if self._is_iterable else len(train_dataset)
 
     def _init_trainer(
         self,
@@ -683,17 +676,20 @@ class OnlineTrainerBase(BaseTrainer):
         """Unique prompts per generation round over all processes (``generation_batch_size`` counts completions)."""
         return self.args.generation_batch_size // self.num_generations
 
-    def _get_train_sampler(self, train_dataset=None) -> RepeatSampler:
-        dataset = train_dataset if train_dataset is not None else self.train_dataset
+    def _repeat_kwargs(self) -> dict[str, Any]:
+        """TRL's prompt grouping for training, shared by the map-style sampler and the stream."""
         args = self.args
-        return RepeatSampler(
-            dataset,
+        return dict(
             mini_repeat_count=self.num_generations,
             batch_size=self._prompts_per_round(),
             repeat_count=args.num_iterations * args.steps_per_generation,
             shuffle=args.shuffle_dataset,
             seed=args.seed,
         )
+
+    def _get_train_sampler(self, train_dataset=None) -> RepeatSampler:
+        dataset = train_dataset if train_dataset is not None else self.train_dataset
+        return RepeatSampler(dataset, **self._repeat_kwargs())
 
     def _get_eval_sampler(self, eval_dataset) -> RepeatSampler:
         return RepeatSampler(eval_dataset, mini_repeat_count=self.num_generations_eval, seed=self.args.seed)
@@ -702,14 +698,7 @@ class OnlineTrainerBase(BaseTrainer):
         args = self.args
         dataset = self.train_dataset
         if self._is_iterable:
-            dataset = repeat_iterable_dataset(
-                dataset,
-                mini_repeat_count=self.num_generations,
-                batch_size=self._prompts_per_round(),
-                repeat_count=args.num_iterations * args.steps_per_generation,
-                shuffle=args.shuffle_dataset,
-                seed=args.seed,
-            )
+            dataset = repeat_iterable_dataset(dataset, **self._repeat_kwargs())
         return self._get_dataloader(
             dataset=dataset,
             description="Training",
@@ -818,9 +807,7 @@ class OnlineTrainerBase(BaseTrainer):
 
     def _gather_mean(self, value: torch.Tensor) -> float:
         """Mean over processes of a per-process scalar (NaN-aware)."""
-        value = value.detach().float().reshape(1).to(self.accelerator.device)
-        gathered = self.accelerator.gather(value) if self.accelerator.num_processes > 1 else value
-        return float(torch.nanmean(gathered))
+        return mean_over_processes(self.accelerator, value)
 
     # -- logging -----------------------------------------------------------------------------------------------
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:

@@ -6,10 +6,8 @@ subclass.
   :func:`check_reference_options` validates the reference ones.
 - :func:`score_preference_completions`: per-token log-probs of the completion tokens (chunked, no ``(B, T, V)`` logits) with
   optional entropy, top-1 hits, mean logits and WPO normalisers (DPO, KTO).
-- :func:`gather_mean` / :func:`gather_masked_mean`: metric reductions over every process.
-- Dataset helpers that accept both ``Dataset`` and ``IterableDataset`` (:func:`map_dataset`,
-  :func:`tokenize_dataset`, :func:`filter_dataset`, :func:`prepare_splits`, :class:`PromptFits`,
-  :func:`configure_iterable_dataset`, :func:`check_precompute_supported`).
+- Metric reductions over processes live in :mod:`posttrain.distributed`; dataset helpers (``Dataset`` and
+  ``IterableDataset``) in :mod:`posttrain.data.dataset_ops`.
 - :func:`load_policy_and_reference`: the policy, its tokenizer and the reference policy (DPO, KTO).
 - :class:`PreferenceTrainer`: signature columns, reference attachment, ``num_tokens``, the MoE ``aux_loss`` term
   and ``prediction_step``.
@@ -19,12 +17,12 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from posttrain.distributed import gather_mean
 from posttrain.models.forward import (
     TokenStats,
     auto_chunk_size,
@@ -40,25 +38,15 @@ from posttrain.trainers.base import BaseTrainer
 __all__ = [
     "PreferenceScores",
     "PreferenceTrainer",
-    "PromptFits",
     "activation_offloading_context",
-    "check_precompute_supported",
     "check_reference_options",
-    "configure_iterable_dataset",
     "enable_router_aux_loss",
-    "filter_dataset",
-    "gather_masked_mean",
-    "gather_mean",
-    "is_iterable_dataset",
     "load_policy_and_reference",
-    "map_dataset",
     "pair_predictions",
-    "prepare_splits",
     "resolve_pad_token",
     "router_aux_loss_coef",
     "score_preference_completions",
     "shared_field",
-    "tokenize_dataset",
 ]
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -324,25 +312,6 @@ def score_preference_completions(
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Metrics
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def gather_mean(accelerator: Any, values: torch.Tensor) -> float:
-    """Mean of ``values`` over every process (NaN when there are none)."""
-    values = accelerator.gather_for_metrics(values.detach().float().reshape(-1))
-    return values.mean().item() if values.numel() else float("nan")
-
-
-def gather_masked_mean(accelerator: Any, values: torch.Tensor, mask: torch.Tensor) -> float:
-    """Σ values·mask / Σ mask over every process (NaN when the mask is empty everywhere)."""
-    mask = mask.float()
-    totals = torch.stack([(values.detach().float() * mask).sum(), mask.sum()])
-    totals = accelerator.gather(totals.unsqueeze(0)).sum(dim=0)
-    return (totals[0] / totals[1]).item() if totals[1] > 0 else float("nan")
-
-
-# ---------------------------------------------------------------------------------------------------------------
 # Model setup
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -426,95 +395,6 @@ def resolve_pad_token(processing_class: Any, pad_token: str | None) -> int:
     return tok.pad_token_id
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Datasets
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def is_iterable_dataset(dataset: Any) -> bool:
-    """Whether ``dataset`` is a streaming ``datasets.IterableDataset`` (no length, no ``num_proc``, no columns)."""
-    import datasets
-
-    return isinstance(dataset, datasets.IterableDataset)
-
-
-def map_dataset(dataset: Any, fn: Callable, args: Any, desc: str, **kwargs) -> Any:
-    """``dataset.map`` with ``dataset_num_proc`` and a progress description (not for IterableDataset)."""
-    if not is_iterable_dataset(dataset):
-        kwargs.update(num_proc=getattr(args, "dataset_num_proc", None), desc=desc)
-    return dataset.map(fn, **kwargs)
-
-
-def tokenize_dataset(dataset: Any, tokenize_fn: Callable, tokenizer: Any, args: Any, name: str, *, add_eos: bool):
-    """Tokenize every row with ``tokenize_fn(row, tokenizer, add_eos=..., row_index=i)`` (data errors name the row);
-    per-row ``tools`` / ``chat_template_kwargs`` columns are read by the tokenize functions."""
-    from posttrain.data.tokenization import map_with_row_index
-
-    kwargs = {} if is_iterable_dataset(dataset) else {"num_proc": args.dataset_num_proc, "desc": f"Tokenizing {name}"}
-    tok = getattr(tokenizer, "tokenizer", tokenizer)
-    return map_with_row_index(dataset, tokenize_fn, fn_kwargs={"tokenizer": tok, "add_eos": add_eos}, **kwargs)
-
-
-def filter_dataset(dataset: Any, fn: Callable, args: Any, desc: str) -> Any:
-    """``dataset.filter`` with ``dataset_num_proc`` and a progress description (not for IterableDataset)."""
-    kwargs = (
-        {} if is_iterable_dataset(dataset) else {"num_proc": getattr(args, "dataset_num_proc", None), "desc": desc}
-    )
-    return dataset.filter(fn, **kwargs)
-
-
-class PromptFits:
-    """Picklable filter: keep rows whose prompt leaves room for at least one completion token."""
-
-    def __init__(self, max_length: int):
-        self.max_length = max_length
-
-    def __call__(self, row: Mapping[str, Any]) -> bool:
-        from posttrain.data.tokenization import prompt_overflows
-
-        return not prompt_overflows(len(row["prompt_ids"]), self.max_length)
-
-
-def configure_iterable_dataset(args: Any, train_dataset: Any) -> None:
-    """A streaming train set cannot be dispatched from the main process as a whole batch of columns: switch
-    ``accelerator_config.dispatch_batches`` off (with a warning), as TRL does. ``max_steps`` is required by Trainer."""
-    if train_dataset is None or not is_iterable_dataset(train_dataset):
-        return
-    if getattr(args.accelerator_config, "dispatch_batches", None) is not False:
-        warnings.warn(
-            "The train dataset is an IterableDataset: setting accelerator_config.dispatch_batches=False so each "
-            "process reads its own batches.",
-            UserWarning,
-            stacklevel=3,
-        )
-        args.accelerator_config.dispatch_batches = False
-
-
-def _splits(dataset: Any) -> list[Any]:
-    if dataset is None:
-        return []
-    return list(dataset.values()) if isinstance(dataset, dict) else [dataset]
-
-
-def check_precompute_supported(args: Any, train_dataset: Any, eval_dataset: Any) -> None:
-    """``precompute_ref_log_probs`` stores the reference log-probs as dataset columns: refuse an IterableDataset."""
-    if args.precompute_ref_log_probs and any(
-        is_iterable_dataset(d) for d in _splits(train_dataset) + _splits(eval_dataset)
-    ):
-        raise ValueError(
-            "precompute_ref_log_probs=True is not supported with an IterableDataset (train or eval): the "
-            "reference log-probs are stored as dataset columns. Use a map-style Dataset or set it to False."
-        )
-
-
-def prepare_splits(dataset: Any, prepare: Callable[[Any, str], Any], name: str) -> Any:
-    """``prepare(dataset, name)``; a dict of datasets (named evaluation sets) becomes the dict of
-    ``prepare(split, f"{name}/{key}")``."""
-    if isinstance(dataset, dict):
-        return {key: prepare(split, f"{name}/{key}") for key, split in dataset.items()}
-    return prepare(dataset, name)
-
-
 def pair_predictions(chosen: torch.Tensor, rejected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Evaluation predictions for pairwise trainers: logits ``(B, 2)`` = ``[chosen, rejected]`` (detached) and labels
     ``(B,)`` of zeros, the index of the chosen column."""
@@ -568,7 +448,7 @@ class PreferenceTrainer(BaseTrainer):
             return
         acc = self.accelerator
         self._total_train_tokens += int(acc.gather(inputs["attention_mask"].sum().reshape(1)).sum().item())
-        self._metrics[mode]["num_tokens"] = [float(self._total_train_tokens)]
+        self.record_metric("num_tokens", float(self._total_train_tokens), mode, replace=True)
 
     def _add_router_aux_loss(
         self, loss: torch.Tensor, model: torch.nn.Module, aux_loss: torch.Tensor | None, mode: str
@@ -578,7 +458,7 @@ class PreferenceTrainer(BaseTrainer):
         coef = router_aux_loss_coef(model)
         if aux_loss is None or not coef:
             return loss
-        self._metrics[mode]["aux_loss"].append(self.accelerator.gather(aux_loss.detach().reshape(1)).mean().item())
+        self.record_metric("aux_loss", gather_mean(self.accelerator, aux_loss), mode)
         return loss + coef * aux_loss
 
     def _eval_predictions(self, outputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,6 +20,7 @@ Metrics (TRL's names): ``accuracy`` (r_c > r_r), ``margin`` (mean r_c − r_r), 
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -29,6 +30,8 @@ import torch
 from transformers import TrainingArguments
 
 from posttrain.core.preference import bradley_terry_loss
+from posttrain.data.dataset_ops import configure_streaming, filter_dataset, prepare_splits, tokenize_dataset
+from posttrain.distributed import gather_mean
 from posttrain.models.forward import sequence_scores
 from posttrain.models.loading import disable_dropout_in_model, resolve_model, resolve_processing_class
 from posttrain.reliability.validation import check_single_split, check_text_only
@@ -36,13 +39,8 @@ from posttrain.trainers.base import BaseConfig
 from posttrain.trainers.preference import (
     PreferenceTrainer,
     activation_offloading_context,
-    configure_iterable_dataset,
-    filter_dataset,
-    gather_mean,
-    prepare_splits,
     resolve_pad_token,
     shared_field,
-    tokenize_dataset,
 )
 
 __all__ = ["RewardConfig", "RewardTrainer"]
@@ -162,7 +160,7 @@ class RewardTrainer(PreferenceTrainer):
             )
         if args.disable_dropout:
             disable_dropout_in_model(reward_model)
-        configure_iterable_dataset(args, train_dataset)
+        configure_streaming(args, train_dataset)
         pad_id = resolve_pad_token(tok, args.pad_token)
         # The classifier reads the reward at the last token that is not padding.
         reward_model.config.pad_token_id = pad_id
@@ -230,11 +228,11 @@ class RewardTrainer(PreferenceTrainer):
 
     def _log_reward_metrics(self, mode: str, inputs, chosen: torch.Tensor, rejected: torch.Tensor) -> None:
         acc = self.accelerator
-        metrics = self._metrics[mode]
+        record = functools.partial(self.record_metric, mode=mode)
         self._count_train_tokens(inputs, mode)
         all_rewards = acc.gather_for_metrics(torch.cat([chosen, rejected]))
-        metrics["min_reward"].append(all_rewards.min().item())
-        metrics["mean_reward"].append(all_rewards.mean().item())
-        metrics["max_reward"].append(all_rewards.max().item())
-        metrics["accuracy"].append(gather_mean(acc, (chosen > rejected).float()))
-        metrics["margin"].append(gather_mean(acc, chosen - rejected))
+        record("min_reward", all_rewards.min().item())
+        record("mean_reward", all_rewards.mean().item())
+        record("max_reward", all_rewards.max().item())
+        record("accuracy", gather_mean(acc, (chosen > rejected).float()))
+        record("margin", gather_mean(acc, chosen - rejected))

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from transformers import TrainingArguments
 
+from posttrain.data.dataset_ops import configure_streaming
 from posttrain.data.formats import is_vision_dataset
 from posttrain.models.forward import (
     forward_token_stats,
@@ -349,6 +350,7 @@ class SFTTrainer(BaseTrainer):
         if train_dataset is None:
             raise ValueError("SFTTrainer needs a train_dataset.")
         check_single_split(train_dataset, "train_dataset")
+        configure_streaming(args, train_dataset)  # a stream: max_steps required, no workers, no batch dispatch
         quantized = quantization_config is not None or "quantization_config" in (args.model_init_kwargs or {})
         if quantized and importlib.util.find_spec("bitsandbytes") is None:
             raise ImportError(
@@ -803,4 +805,4 @@ class SFTTrainer(BaseTrainer):
                     n_tokens = torch.tensor(inputs["input_ids"].numel())
                 n_tokens = self.accelerator.gather_for_metrics(n_tokens.reshape(1).to(self.accelerator.device)).sum()
                 self._total_train_tokens += int(n_tokens.item())
-                self._metrics["train"]["num_tokens"] = [float(self._total_train_tokens)]
+                self.record_metric("num_tokens", float(self._total_train_tokens), "train", replace=True)

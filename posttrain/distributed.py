@@ -1,0 +1,74 @@
+"""Reductions and gathers over data-parallel processes, in one place (each is the identity on one process).
+
+- :func:`gather_mean` / :func:`gather_masked_mean`: a metric over every process's values (offline trainers);
+- :func:`mean_over_processes`: the NaN-aware mean of one scalar per process (online trainers' metrics);
+- :func:`gather_rows` / :func:`gather_objects`: tensors concatenated along dim 0, or Python lists, over processes
+  (the rollout's rewards, lengths, completions table);
+- :func:`gather_variable_length`: 1-D tensors of different lengths per process, concatenated (NaN-padded first).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = [
+    "gather_masked_mean",
+    "gather_mean",
+    "gather_objects",
+    "gather_rows",
+    "gather_variable_length",
+    "mean_over_processes",
+]
+
+
+def _num_processes(accelerator: Any) -> int:
+    return getattr(accelerator, "num_processes", 1) if accelerator is not None else 1
+
+
+def gather_mean(accelerator: Any, values: torch.Tensor) -> float:
+    """Mean of ``values`` over every process (NaN when there are none)."""
+    values = accelerator.gather_for_metrics(values.detach().float().reshape(-1))
+    return values.mean().item() if values.numel() else float("nan")
+
+
+def gather_masked_mean(accelerator: Any, values: torch.Tensor, mask: torch.Tensor) -> float:
+    """Σ values·mask / Σ mask over every process (NaN when the mask is empty everywhere)."""
+    mask = mask.float()
+    totals = torch.stack([(values.detach().float() * mask).sum(), mask.sum()])
+    totals = accelerator.gather(totals.unsqueeze(0)).sum(dim=0)
+    return (totals[0] / totals[1]).item() if totals[1] > 0 else float("nan")
+
+
+def mean_over_processes(accelerator: Any, value: torch.Tensor) -> float:
+    """Mean over processes of a per-process scalar (NaN-aware)."""
+    value = value.detach().float().reshape(1).to(accelerator.device)
+    gathered = accelerator.gather(value) if accelerator.num_processes > 1 else value
+    return float(torch.nanmean(gathered))
+
+
+def gather_variable_length(accelerator: Any, values: torch.Tensor) -> torch.Tensor:
+    """Concatenate variable-length 1-D tensors from every process (NaN-padded, padding dropped)."""
+    if accelerator.num_processes == 1:
+        return values
+    padded = accelerator.pad_across_processes(values.float(), dim=0, pad_index=float("nan"))
+    gathered = accelerator.gather(padded)
+    return gathered[~torch.isnan(gathered)]
+
+
+def gather_rows(accelerator: Any, tensor: torch.Tensor) -> torch.Tensor:
+    """Concatenate ``tensor`` over processes along dim 0 (identity on one process)."""
+    if _num_processes(accelerator) == 1:
+        return tensor
+    device = getattr(accelerator, "device", tensor.device)
+    return accelerator.gather(tensor.to(device))
+
+
+def gather_objects(accelerator: Any, values: list) -> list:
+    """Concatenate Python lists over processes (identity on one process)."""
+    if _num_processes(accelerator) == 1:
+        return values
+    from accelerate.utils import gather_object
+
+    return gather_object(values)
