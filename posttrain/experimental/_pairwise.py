@@ -16,22 +16,23 @@ from typing import Any
 import torch
 
 from posttrain.core.reference_free import masked_token_mean_nll
+from posttrain.data.dataset_ops import (
+    PromptFits,
+    configure_streaming,
+    filter_dataset,
+    map_dataset,
+    prepare_splits,
+    tokenize_dataset,
+)
+from posttrain.distributed import gather_masked_mean, gather_mean
 from posttrain.models.loading import disable_dropout_in_model, resolve_model, resolve_processing_class
 from posttrain.reliability.validation import check_single_split, check_text_only
 from posttrain.trainers.preference import (
     PreferenceScores,
     PreferenceTrainer,
-    PromptFits,
-    configure_iterable_dataset,
     enable_router_aux_loss,
-    filter_dataset,
-    gather_masked_mean,
-    gather_mean,
-    map_dataset,
-    prepare_splits,
     resolve_pad_token,
     score_preference_completions,
-    tokenize_dataset,
 )
 
 __all__ = ["PairScores", "ReferenceFreePairwiseTrainer", "check_common_options"]
@@ -122,7 +123,7 @@ class ReferenceFreePairwiseTrainer(PreferenceTrainer):
         if args.disable_dropout:
             disable_dropout_in_model(policy)
         enable_router_aux_loss(policy)
-        configure_iterable_dataset(args, train_dataset)
+        configure_streaming(args, train_dataset)
         # ORPO's `padding_value` (an id) overrides the tokenizer's pad token, as in TRL.
         padding_value = getattr(args, "padding_value", None)
         self.pad_token_id = resolve_pad_token(processing_class, None) if padding_value is None else int(padding_value)

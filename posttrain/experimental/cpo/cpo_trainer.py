@@ -17,9 +17,10 @@ TRL averages every position of the full logits), and over-long sequences are cut
 from __future__ import annotations
 
 from posttrain.core.reference_free import cpo_loss
+from posttrain.distributed import gather_mean
 from posttrain.experimental._pairwise import ReferenceFreePairwiseTrainer
 from posttrain.experimental.cpo.cpo_config import CPOConfig
-from posttrain.trainers.preference import activation_offloading_context, gather_mean
+from posttrain.trainers.preference import activation_offloading_context
 
 __all__ = ["CPOTrainer"]
 

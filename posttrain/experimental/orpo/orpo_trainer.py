@@ -15,9 +15,10 @@ them (+ ``aux_loss`` for MoE). ``logits/*`` are the mean logit over completion t
 from __future__ import annotations
 
 from posttrain.core.reference_free import orpo_odds_ratio_loss
+from posttrain.distributed import gather_mean
 from posttrain.experimental._pairwise import ReferenceFreePairwiseTrainer
 from posttrain.experimental.orpo.orpo_config import ORPOConfig
-from posttrain.trainers.preference import activation_offloading_context, gather_mean
+from posttrain.trainers.preference import activation_offloading_context
 
 __all__ = ["ORPOTrainer"]
 

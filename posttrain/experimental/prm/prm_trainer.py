@@ -21,11 +21,11 @@ import numpy as np
 import torch
 
 from posttrain.core.process_reward import IGNORE_INDEX, step_label_loss
+from posttrain.data.dataset_ops import map_dataset, prepare_splits
 from posttrain.data.formats import STEPWISE_SUPERVISION, DataFormatError, column_names, validate_format
 from posttrain.experimental.prm.prm_config import PRMConfig
 from posttrain.models.loading import disable_dropout_in_model, resolve_processing_class
 from posttrain.reliability.validation import check_single_split, check_text_only
-from posttrain.trainers.preference import map_dataset, prepare_splits
 from posttrain.trainers.base import BaseTrainer
 
 __all__ = ["PRMTrainer", "compute_accuracy", "tokenize_stepwise_row"]

@@ -25,9 +25,9 @@ import torch
 from posttrain.core.reference_free import contrastive_loss, masked_token_mean_nll
 from posttrain.data.collators import _cat_truncate, _PairedPadding, _to_list
 from posttrain.data.formats import DataFormatError, column_names
+from posttrain.distributed import gather_masked_mean
 from posttrain.experimental._pairwise import ReferenceFreePairwiseTrainer
 from posttrain.experimental.tpo.tpo_config import TPOConfig
-from posttrain.trainers.preference import gather_masked_mean
 
 __all__ = ["DataCollatorForTriplePreference", "TPOTrainer", "tokenize_triple_preference"]
 
