@@ -232,7 +232,9 @@ class RewardTrainer(PreferenceTrainer):
         acc = self.accelerator
         metrics = self._metrics[mode]
         self._count_train_tokens(inputs, mode)
-        all_rewards = acc.gather_for_metrics(torch.cat([chosen, rejected]))
+        # one value per row for gather_for_metrics (it trims the last batch of an epoch to its row count): gather
+        # each half on its own, then join them
+        all_rewards = torch.cat([acc.gather_for_metrics(chosen), acc.gather_for_metrics(rejected)])
         metrics["min_reward"].append(all_rewards.min().item())
         metrics["mean_reward"].append(all_rewards.mean().item())
         metrics["max_reward"].append(all_rewards.max().item())

@@ -789,7 +789,9 @@ class SFTTrainer(BaseTrainer):
             sums = torch.stack(
                 [(stats.entropy * mask).sum().float(), (stats.correct & mask).sum().float(), mask.sum().float()]
             ).to(self.accelerator.device)
-            sums = self.accelerator.gather_for_metrics(sums).reshape(-1, 3).sum(0)
+            # gather, not gather_for_metrics: at the end of an epoch the latter trims to the last batch's row count
+            # (a vector of sums is not one value per row)
+            sums = self.accelerator.gather(sums).reshape(-1, 3).sum(0)
             count = sums[2].clamp(min=1)
             self.record_metric("entropy", (sums[0] / count).item(), mode)
             self.record_metric("mean_token_accuracy", (sums[1] / count).item(), mode)
@@ -799,6 +801,6 @@ class SFTTrainer(BaseTrainer):
                     n_tokens = attention_mask.sum()
                 else:  # padding-free: one row, every position is a token
                     n_tokens = torch.tensor(inputs["input_ids"].numel())
-                n_tokens = self.accelerator.gather_for_metrics(n_tokens.reshape(1).to(self.accelerator.device)).sum()
+                n_tokens = self.accelerator.gather(n_tokens.reshape(1).to(self.accelerator.device)).sum()
                 self._total_train_tokens += int(n_tokens.item())
                 self._metrics["train"]["num_tokens"] = [float(self._total_train_tokens)]
