@@ -423,6 +423,10 @@ class OnlineTrainerBase(BaseTrainer):
 
         Needs ``self.reference`` and ``self.reward_funcs`` (``ReferencePolicy("none")`` and ``[]`` when unused).
         """
+        splits = list(eval_dataset.values()) if isinstance(eval_dataset, dict) else [eval_dataset]
+        if any(isinstance(split, torch.utils.data.IterableDataset) for split in splits):
+            # raw rows (strings) cannot be dispatched from the main process; each process reads its own share
+            args.accelerator_config.dispatch_batches = False
         super().__init__(
             model=model,
             args=args,
@@ -706,6 +710,23 @@ class OnlineTrainerBase(BaseTrainer):
             sampler_fn=self._get_train_sampler,
             is_training=True,
         )
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        """HF's eval dataloader; a streaming eval set gets the eval sampler's grouping (each prompt
+        ``num_generations_eval`` times, in order) and no workers, leaving the training dataloader's settings alone."""
+        dataset = self.eval_dataset[eval_dataset] if isinstance(eval_dataset, str) else eval_dataset
+        dataset = self.eval_dataset if dataset is None else dataset
+        if not isinstance(dataset, torch.utils.data.IterableDataset):
+            return super().get_eval_dataloader(eval_dataset)
+        stream = repeat_iterable_dataset(dataset, mini_repeat_count=self.num_generations_eval, shuffle=False)
+        loader = torch.utils.data.DataLoader(
+            stream,
+            batch_size=self.args.eval_batch_size,
+            collate_fn=self._get_collator_with_removed_columns(self.data_collator, description="Evaluation"),
+            num_workers=0,  # several workers would each replay the stream
+            pin_memory=self.args.dataloader_pin_memory,
+        )
+        return self.accelerator.prepare(loader)
 
     def _prepare_inputs(self, inputs: list[dict[str, Any]]) -> RolloutBatch:
         mode = self._mode()

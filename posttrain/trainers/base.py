@@ -231,7 +231,7 @@ class BaseTrainer(Trainer):
             averaged = {f"eval_{k}": v for k, v in averaged.items()}
         elif self._numerics.policy == "skip":
             averaged["numerics/skipped_steps"] = self._numerics.skipped_steps
-        logs = {**logs, **averaged}
+        logs.update(averaged)  # in place, as TRL: evaluate() returns this dict, eval_rewards/... included
         self._metrics[mode].clear()
         super().log(logs, start_time)
 
