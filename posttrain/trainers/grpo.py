@@ -132,7 +132,12 @@ class GRPOConfig(OnlineRLConfig):
         metadata={"help": "DeepSeek-V3.2 δ: drop negative-advantage sequences whose mean KL to the sampler > δ."},
     )
     use_bias_correction_kl: bool = field(
-        default=False, metadata={"help": "Multiply the KL term by the importance ratio (DeepSeek-V3.2)."}
+        default=True,
+        metadata={
+            "help": "Multiply the per-token KL term by the importance ratio π_θ/π_old (DeepSeek-V3.2's unbiased KL "
+            "estimate; token or sequence level as importance_sampling_level). Default on, as TRL; only matters "
+            "when beta > 0. --no_use_bias_correction_kl turns it off."
+        },
     )
     log_completions_hub_repo: str | None = field(
         default=None, metadata={"help": "Hub dataset repo for completions parquet files (requires log_completions)."}

@@ -469,6 +469,31 @@ def test_command_line_parsing_of_dict_and_bool_fields(tmp_path):
     )
     assert args.generation_kwargs == {"do_sample": False} and args.scale_rewards == "none"
     assert args.reward_weights == [1.0, 2.0]
+    assert args.use_bias_correction_kl is True  # TRL's default (seeds 001/003)
+    (off,) = HfArgumentParser(GRPOConfig).parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path), "--no_use_bias_correction_kl", "--report_to", "none"]
+    )
+    assert off.use_bias_correction_kl is False
+
+
+def test_bias_corrected_kl_is_the_default_and_changes_the_gradient(tiny_model_path, tmp_path):
+    """On-policy the importance ratio is 1 in value but not in gradient: the KL term's gradient gains kl·∇logπ."""
+    assert GRPOConfig(output_dir=str(tmp_path)).use_bias_correction_kl is True
+    grads = {}
+    for corrected in (True, False):
+        torch.manual_seed(0)
+        args = _config(tmp_path, beta=0.5, learning_rate=0.0, max_grad_norm=None)
+        if not corrected:
+            args.use_bias_correction_kl = False
+        trainer = GRPOTrainer(tiny_model_path, reward_funcs=varied_reward, args=args, train_dataset=_dataset())
+        inputs = trainer._prepare_inputs([{"prompt": f"Question {i}:"} for i in range(2) for _ in range(2)])
+        with torch.no_grad():  # a reference that differs from the policy, so the KL and its gradient are non-zero
+            inputs["ref_per_token_logps"] = inputs["ref_per_token_logps"] - 0.3
+        trainer.model.train()
+        trainer.model.zero_grad()
+        trainer._compute_loss(trainer.model, inputs).backward()
+        grads[corrected] = torch.cat([p.grad.flatten() for p in trainer.model.parameters() if p.grad is not None])
+    assert not torch.allclose(grads[True], grads[False], atol=1e-6)
 
 
 def test_entropy_bonus_stays_chunked_with_the_full_logits_gradient(tiny_model_path, tmp_path, monkeypatch):
