@@ -32,7 +32,6 @@ from typing import Any
 import torch
 from transformers import TrainingArguments
 
-from posttrain.core.masking import masked_batch_mean, masked_mean
 from posttrain.generation.base import SamplingConfig
 from posttrain.models.loading import (
     create_model_from_path,
@@ -794,18 +793,47 @@ class OnlineTrainerBase(BaseTrainer):
     def _record_policy_metrics(
         self, entropies: torch.Tensor, mask: torch.Tensor, objective_stats: dict[str, torch.Tensor], mode: str
     ) -> None:
-        """``entropy`` (masked mean over the micro-batch) and, for clipping objectives, ``clip_ratio/*``."""
-        self.record_metric("entropy", self._gather_mean(masked_mean(entropies.detach(), mask)), mode=mode)
+        """``entropy`` and, for clipping objectives, ``clip_ratio/*``, reduced as TRL does.
+
+        Means are over every valid token of every process (Σ x·m / Σ m; one value per sequence at sequence level);
+        ``low_min`` / ``high_max`` are the min / max over the gathered per-sequence fractions (NaN for an empty
+        completion, skipped).
+        """
+        self.record_metric("entropy", self._global_masked_mean(entropies.detach(), mask), mode=mode)
         if "is_low_clipped" not in objective_stats:
             return
-        fractions = [
-            masked_batch_mean(objective_stats[key], mask).reshape(1).to(self.accelerator.device)
-            for key in ("is_low_clipped", "is_high_clipped", "is_region_clipped")
-        ]
-        if self.accelerator.num_processes > 1:
-            fractions = [self.accelerator.gather(f) for f in fractions]
-        for name, value in clip_ratio_metrics(*fractions).items():
+        means, per_sequence = [], []
+        weights = mask.float()
+        for key in ("is_low_clipped", "is_high_clipped", "is_region_clipped"):
+            x = objective_stats[key].detach().float()
+            if x.dim() >= 2 and x.shape[-1] == 1 and weights.shape[-1] != 1:  # sequence level: one per sequence
+                per_sequence.append(x.squeeze(-1))
+                means.append(self._global_masked_mean(x.squeeze(-1), torch.ones_like(x.squeeze(-1))))
+            else:
+                per_sequence.append((x * weights).sum(-1) / weights.sum(-1))
+                means.append(self._global_masked_mean(x, weights))
+        low, high = (self._gather_rows(v) for v in per_sequence[:2])
+        values = clip_ratio_metrics(
+            *(torch.tensor([m]) for m in means), low_per_sequence=low, high_per_sequence=high
+        )
+        for name, value in values.items():
             self.record_metric(name, value, mode=mode)
+
+    def _global_masked_mean(self, values: torch.Tensor, mask: torch.Tensor) -> float:
+        """Σ values·mask / max(Σ mask, 1) over every process (TRL's ``global_masked_mean``)."""
+        mask = mask.float()
+        totals = torch.stack([(values.float() * mask).sum(), mask.sum()]).to(self.accelerator.device)
+        if self.accelerator.num_processes > 1:
+            totals = self.accelerator.reduce(totals, reduction="sum")
+        return float(totals[0] / totals[1].clamp(min=1.0))
+
+    def _gather_rows(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` (one per row) from every process, NaN-padded to equal lengths first."""
+        values = values.detach().float().to(self.accelerator.device)
+        if self.accelerator.num_processes == 1:
+            return values
+        values = self.accelerator.pad_across_processes(values, dim=0, pad_index=float("nan"))
+        return self.accelerator.gather(values)
 
     def _gather_mean(self, value: torch.Tensor) -> float:
         """Mean over processes of a per-process scalar (NaN-aware)."""

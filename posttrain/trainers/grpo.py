@@ -364,7 +364,7 @@ class GRPOTrainer(OnlineTrainerBase):
                     logps, old_logps, mask, args.importance_sampling_level
                 )
             per_token_loss = per_token_loss + args.beta * per_token_kl
-            self.record_metric("kl", self._gather_mean(masked_mean(per_token_kl.detach(), mask)), mode=mode)
+            self.record_metric("kl", self._global_masked_mean(per_token_kl.detach(), mask), mode=mode)
 
         loss = self.aggregation(
             per_token_loss,

@@ -564,3 +564,24 @@ def test_shared_prompt_forward_trains_like_the_plain_forward(tiny_model_path, tm
         results.append(train_and_snapshot(trainer))
     assert taken and all(taken), "the shared layout must be used for policy, old and reference log-probs"
     assert_same_params(results, atol=2e-5)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_clip_ratio_min_and_max_reduce_over_sequences(tiny_model_path, tmp_path, level):
+    """TRL: *_mean over every token (sequence-level: every sequence), low_min / high_max over the per-sequence
+    fractions — not the same value as the mean (issue 18, item 6)."""
+    trainer = GRPOTrainer(tiny_model_path, reward_funcs=varied_reward, args=_config(tmp_path), train_dataset=_dataset())
+    mask = torch.tensor([[1.0, 1, 1, 1], [1, 1, 1, 1], [1, 1, 0, 0], [0, 0, 0, 0]])
+    if level == "token":
+        high = torch.tensor([[1.0, 1, 1, 1], [0, 0, 0, 0], [0, 1, 0, 0], [0, 0, 0, 0]])
+        low = torch.tensor([[0.0, 0, 0, 0], [1, 1, 0, 0], [1, 1, 0, 0], [0, 0, 0, 0]])
+        expected = {"low_mean": 4 / 10, "low_min": 0.0, "high_mean": 5 / 10, "high_max": 1.0, "region_mean": 8 / 10}
+    else:
+        high = torch.tensor([[1.0], [0.0], [0.0], [1.0]])
+        low = torch.tensor([[0.0], [1.0], [0.0], [0.0]])
+        expected = {"low_mean": 0.25, "low_min": 0.0, "high_mean": 0.5, "high_max": 1.0, "region_mean": 0.75}
+    stats = {"is_low_clipped": low, "is_high_clipped": high, "is_region_clipped": torch.maximum(low, high)}
+    trainer._metrics["train"].clear()
+    trainer._record_policy_metrics(torch.ones(4, 4), mask, stats, "train")
+    for name, value in expected.items():
+        assert trainer._metrics["train"][f"clip_ratio/{name}"] == [pytest.approx(value)], name
