@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from transformers import TrainingArguments
 
+from posttrain.data.collators import DataCollatorForLanguageModeling
 from posttrain.data.formats import is_vision_dataset
 from posttrain.models.loading import load_processor
 from posttrain.registry import Registry
@@ -52,7 +53,7 @@ IGNORE_INDEX = -100
 _PACKING_STRATEGIES = ("bfd", "bfd_split", "wrapped")
 _TRUNCATION_MODES = ("keep_start", "keep_end")
 # Batch keys the collator may emit that are not model inputs.
-_NON_MODEL_INPUTS = ("labels", "seq_lengths", "completion_mask", "assistant_masks")
+_NON_MODEL_INPUTS = ("labels", "seq_lengths", "completion_mask", "assistant_masks", "_num_tokens")
 
 # ----------------------------------------------------------------------------------------------------------------
 # Loss types: per-token losses over (B, T) log-probs; the trainer sums them over label tokens and normalises.
@@ -559,8 +560,6 @@ class SFTTrainer(BaseTrainer):
         return {"prompt", "completion"} <= columns or "completion_mask" in columns
 
     def _default_collator(self, model: Any, tokenizer: Any, args: SFTConfig):
-        from posttrain.data.collators import DataCollatorForLanguageModeling
-
         if self._vision:
             from posttrain.data.vision_collators import DataCollatorForVisionLanguageModeling
 
@@ -573,7 +572,7 @@ class SFTTrainer(BaseTrainer):
             )
         impl = str(getattr(getattr(unwrap_model(model), "config", None), "_attn_implementation", None) or "")
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        return DataCollatorForLanguageModeling(
+        return _TokenCountingCollator(
             pad_token_id=pad_id,
             completion_only_loss=self.completion_only_loss,
             padding_free=self.padding_free,
@@ -797,10 +796,29 @@ class SFTTrainer(BaseTrainer):
             self.record_metric("mean_token_accuracy", (sums[1] / count).item(), mode)
             if mode == "train":
                 attention_mask = inputs.get("attention_mask")
-                if attention_mask is not None and attention_mask.dim() == 2:
+                if "_num_tokens" in inputs:  # the default collator's count of each row's real tokens
+                    n_tokens = inputs["_num_tokens"].sum()
+                elif attention_mask is not None and attention_mask.dim() == 2:
                     n_tokens = attention_mask.sum()
                 else:  # padding-free: one row, every position is a token
                     n_tokens = torch.tensor(inputs["input_ids"].numel())
                 n_tokens = self.accelerator.gather(n_tokens.reshape(1).to(self.accelerator.device)).sum()
                 self._total_train_tokens += int(n_tokens.item())
                 self._metrics["train"]["num_tokens"] = [float(self._total_train_tokens)]
+
+
+
+class _TokenCountingCollator(DataCollatorForLanguageModeling):
+    """The default SFT collator, plus ``_num_tokens`` ``(rows,)``: each row's real tokens, for TRL's ``num_tokens``.
+
+    TRL counts ``attention_mask.sum()``, or a padding-free row's whole length; posttrain keeps packed sequences in
+    separate rows (padded, with 4-D masks), whose padding must not count.
+    """
+
+    def __call__(self, examples):
+        out = super().__call__(examples)
+        if out["input_ids"].shape[0] == len(examples):
+            out["_num_tokens"] = torch.tensor([len(ex["input_ids"]) for ex in examples])
+        else:  # padding-free: one row, its whole length (TRL's position_ids.size(1))
+            out["_num_tokens"] = torch.tensor([out["input_ids"].shape[1]])
+        return out
