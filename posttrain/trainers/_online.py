@@ -390,6 +390,8 @@ class OnlineTrainerBase(BaseTrainer):
         )
         self.reward_funcs = reward_funcs
         self.reward_func_names = list(self.scorer.names)
+        # TRL's attribute: one tokenizer per reward function (None for callables)
+        self.reward_processing_classes = self.scorer.reward_processing_classes
         self._validate_reward_signatures(reward_funcs, env_rewards, train_dataset, rollout_func, environment_factory)
 
     def _configure_train_dataset(self, train_dataset: Any, args: OnlineRLConfig) -> int | None:
@@ -665,6 +667,13 @@ class OnlineTrainerBase(BaseTrainer):
     def _ref_logps(self, batch: RolloutBatch) -> torch.Tensor:
         with self.reference.activate(self.model) as ref_model:
             return self._token_stats(ref_model, batch).logps
+
+    @property
+    def ref_model(self) -> torch.nn.Module | None:
+        """TRL's ``trainer.ref_model``: the separate frozen reference module, or None (β = 0, or a PEFT policy whose
+        reference is the base model with adapters disabled)."""
+        reference = getattr(self, "reference", None)
+        return None if reference is None else reference.model
 
     # -- data path ---------------------------------------------------------------------------------------------
     def _set_signature_columns_if_needed(self):

@@ -149,6 +149,8 @@ class BaseTrainer(Trainer):
             # HF's __init__ creates output_dir; fail first with an error that names the option and the fix.
             validation.check_output_dir_writable(training_args.output_dir)
         super().__init__(*args, **kwargs)
+        if hasattr(self.model, "add_model_tags"):  # TRL: the trainer's tags on the model (hub model card)
+            self.model.add_model_tags(self._tag_names)
         nan_policy = getattr(self.args, "nan_policy", "stop")
         if nan_policy == "skip" and self.is_deepspeed_enabled:
             raise ValueError(
@@ -211,8 +213,8 @@ class BaseTrainer(Trainer):
 
     def _report_name(self) -> str | None:
         """Which report panels fit this trainer (``"sft"``, ``"grpo"``...); None lets the report guess."""
-        tags = [t for t in self._tag_names if t != "posttrain"]
-        return tags[0] if tags else None
+        tags = [t for t in self._tag_names if t not in ("posttrain", "trl")]
+        return {"reward-trainer": "reward"}.get(tags[0], tags[0]) if tags else None
 
     # -- metrics -------------------------------------------------------------------------------------------------
     def _mode(self) -> str:

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from posttrain.core.importance import entropy_quantile_mask, entropy_threshold, off_policy_sequence_mask
+from posttrain.core.importance import entropy_threshold, off_policy_sequence_mask
 from posttrain.core.kl import kl_k3
 from posttrain.core.masking import masked_batch_mean, masked_mean, masked_sum
 from posttrain.core.policy_objectives import importance_weights
@@ -388,12 +388,49 @@ class GRPOTrainer(OnlineTrainerBase):
         rho = self.args.top_entropy_quantile
         if rho >= 1.0:
             return None
-        valid = self._gather_1d(entropies.detach()[mask.bool()])
-        if rho > 0:
-            threshold = entropy_threshold(valid, rho)
-        else:  # ρ = 0 keeps only the highest-entropy token
-            threshold = valid.max() if valid.numel() else torch.tensor(float("inf"))
-        return entropy_quantile_mask(entropies.detach(), mask, rho, threshold=threshold.to(mask.device))
+        return self.get_high_entropy_mask(entropies.detach(), mask, 1.0 - rho).to(mask.dtype)
+
+    def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
+        """TRL's method: the tokens whose entropy is at least the ``threshold`` quantile (in [0, 1]) of the valid
+        tokens' entropies over every process.
+
+        Args:
+            entropies: ``(B, T)`` per-token entropies.
+            mask: ``(B, T)`` 1 = valid token.
+            threshold: quantile level, ``1 - top_entropy_quantile`` in training (1.0 keeps only the maximum).
+
+        Returns:
+            ``(B, T)`` bool mask, False on padding (all False when there is no valid token).
+        """
+        valid = self._gather_1d(entropies.detach()[mask.bool()].float())
+        if valid.numel() == 0:
+            return torch.zeros_like(entropies, dtype=torch.bool)
+        cut = valid.max() if threshold >= 1.0 else entropy_threshold(valid, 1.0 - threshold)
+        return (entropies.detach() >= cut.to(entropies.device)) & mask.bool()
+
+    @staticmethod
+    def get_off_policy_mask(
+        advantages: torch.Tensor,
+        per_token_logps: torch.Tensor,
+        sampling_per_token_logps: torch.Tensor,
+        mask: torch.Tensor,
+        off_policy_threshold: float,
+    ) -> torch.Tensor:
+        """TRL's method: DeepSeek-V3.2's off-policy sequence mask, ``(B, 1)`` with 1 = keep (A ≥ 0, or the mean
+        of ``sampling − current`` log-probs over the completion ≤ δ) and 0 = drop."""
+        mask = mask.to(per_token_logps.dtype)
+        return off_policy_sequence_mask(
+            advantages, sampling_per_token_logps, per_token_logps, mask, off_policy_threshold
+        ).to(mask.dtype)
+
+    @property
+    def entropy_coef(self) -> float:
+        """TRL's attribute: the entropy-bonus coefficient now (moved each step by the adaptive controller)."""
+        return self.entropy_ctrl.coef
+
+    @entropy_coef.setter
+    def entropy_coef(self, value: float) -> None:
+        self.entropy_ctrl.coef = float(value)
 
     def _policy_term(
         self,
@@ -427,8 +464,8 @@ class GRPOTrainer(OnlineTrainerBase):
             # The sampler's log-probs when the correction is active (TRL: vLLM's), else π_old's.
             sampling_logps = inputs.get("sampling_per_token_logps") if is_ratio is not None else None
             sampling_logps = old_logps if sampling_logps is None else sampling_logps
-            per_token_loss = per_token_loss * off_policy_sequence_mask(
-                advantages, sampling_logps, logps, mask, args.off_policy_mask_threshold
+            per_token_loss = per_token_loss * self.get_off_policy_mask(
+                advantages, logps, sampling_logps, mask, args.off_policy_mask_threshold
             )
         if entropy_mask is not None:
             per_token_loss = per_token_loss * entropy_mask
