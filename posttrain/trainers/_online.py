@@ -23,6 +23,7 @@ config replaces ``OnlineRLConfig._resolve_batch_plan`` (the shared option checks
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 import warnings
@@ -56,6 +57,7 @@ from posttrain.trainers._reference import SyncRefModelCallback, create_reference
 from posttrain.trainers.base import BaseConfig, BaseTrainer
 
 GENERATION_BACKENDS = ("posttrain", "transformers")
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -581,12 +583,13 @@ class OnlineTrainerBase(BaseTrainer):
             )
             name = "transformers"
         if name == "posttrain" and self.sampling.generation_kwargs:
-            raise ValueError(
-                f"generation_kwargs {sorted(self.sampling.generation_kwargs)} cannot be used with "
-                "generation_backend='posttrain', which accepts only keys that override sampling fields "
-                "(max_new_tokens, temperature, top_p, top_k, min_p, repetition_penalty, do_sample, eos_token_id, "
-                "pad_token_id). Set generation_backend='transformers' to pass other GenerationConfig arguments."
+            # TRL passes generation_kwargs to model.generate: so does the transformers backend
+            logger.info(
+                "generation_kwargs %s are not options of the 'posttrain' group sampler (it takes only keys that "
+                "override sampling fields); generating with generation_backend='transformers' (model.generate).",
+                sorted(self.sampling.generation_kwargs),
             )
+            name = "transformers"
         return get_backend(name, model, self.processing_class, return_logprobs=self._wants_sampling_logprobs())
 
     # -- subclass hooks ----------------------------------------------------------------------------------------

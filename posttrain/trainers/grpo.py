@@ -54,7 +54,10 @@ class GRPOConfig(OnlineRLConfig):
 
     cast_lm_head_to_fp32: bool = field(
         default=False,
-        metadata={"help": "Run the LM head in float32 (ScaleRL). Needs untied embeddings and no adapter on it."},
+        metadata={
+            "help": "Run the LM head in float32 (ScaleRL); with tied embeddings the shared weight becomes float32 and "
+            "the embedding output keeps the model's dtype. Not with a PEFT adapter on the LM head."
+        },
     )
     delta: float | None = field(
         default=None, metadata={"help": "INTELLECT-2 two-sided clipping: cap the unclipped ratio at δ (> 1 + ε)."}
@@ -320,19 +323,20 @@ class GRPOTrainer(OnlineTrainerBase):
         if not args.cast_lm_head_to_fp32:
             return
         inner = unwrap_model(model)
-        if getattr(getattr(inner, "config", None), "tie_word_embeddings", False):
-            raise ValueError(
-                "cast_lm_head_to_fp32=True needs untied word embeddings and LM head (config.tie_word_embeddings is "
-                "True); set cast_lm_head_to_fp32=False for this model."
-            )
         head = inner.get_output_embeddings()
         if type(head) is not torch.nn.Linear:
             raise ValueError(
                 f"cast_lm_head_to_fp32=True cannot be used when the LM head is a {type(head).__name__} (e.g. a PEFT "
                 "adapter on lm_head); remove lm_head from the adapter's target_modules."
             )
+        original_dtype = head.weight.dtype
         head.float()
         head.register_forward_pre_hook(lambda module, inputs: tuple(x.float() for x in inputs))
+        embeddings = inner.get_input_embeddings()
+        if embeddings is not None and embeddings.weight is head.weight and original_dtype != torch.float32:
+            # tied embeddings (as TRL accepts): the shared weight is float32 now; the embedding output keeps the
+            # model's dtype so that the rest of the network runs as before
+            embeddings.register_forward_hook(lambda module, inputs, output: output.to(original_dtype))
 
     # -- helpers -----------------------------------------------------------------------------------------------
     def _gather_1d(self, values: torch.Tensor) -> torch.Tensor:

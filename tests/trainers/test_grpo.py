@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 
 import pytest
@@ -412,8 +413,19 @@ def test_cast_lm_head_to_fp32(tiny_model_path, tiny_llama_path, tmp_path):
     before = _trainable(trainer)
     trainer.train()
     assert _changed(trainer, before) > 0
-    with pytest.raises(ValueError, match="untied word embeddings"):
-        GRPOTrainer(tiny_model_path, varied_reward, args, train_dataset=_dataset())  # qwen2 ties them
+    # qwen2 ties its embeddings: accepted as TRL does; the shared weight is float32, the embedding output keeps the
+    # model's dtype (issue 18, item 8)
+    args = _config(tmp_path, cast_lm_head_to_fp32=True, model_init_kwargs={"dtype": "bfloat16"})
+    tied = GRPOTrainer(tiny_model_path, varied_reward, args, train_dataset=_dataset())
+    inner = tied.model
+    assert inner.get_input_embeddings().weight is inner.lm_head.weight
+    assert inner.lm_head.weight.dtype == torch.float32
+    ids = torch.tensor([[1, 2, 3]])
+    assert inner.get_input_embeddings()(ids).dtype == torch.bfloat16
+    assert inner(ids).logits.dtype == torch.float32
+    before = _trainable(tied)
+    tied.train()
+    assert _changed(tied, before) > 0
 
 
 def test_default_args_and_save_model(tiny_model_path, tmp_path, monkeypatch):
@@ -585,3 +597,40 @@ def test_clip_ratio_min_and_max_reduce_over_sequences(tiny_model_path, tmp_path,
     trainer._record_policy_metrics(torch.ones(4, 4), mask, stats, "train")
     for name, value in expected.items():
         assert trainer._metrics["train"][f"clip_ratio/{name}"] == [pytest.approx(value)], name
+
+
+def test_generation_kwargs_the_sampler_lacks_fall_back_to_transformers(tiny_model_path, tmp_path, caplog):
+    """num_beams / length_penalty are model.generate options: generate with the transformers backend, say so in an
+    info log, and train (issue 18, item 8)."""
+    import logging
+
+    from posttrain.generation.transformers_backend import TransformersBackend
+
+    args = _config(tmp_path, generation_kwargs={"num_beams": 2, "length_penalty": 1.0}, max_completion_length=4)
+    with caplog.at_level(logging.INFO):
+        trainer = GRPOTrainer(tiny_model_path, varied_reward, args, train_dataset=_dataset())
+    assert isinstance(trainer.backend, TransformersBackend)
+    assert "num_beams" in caplog.text and "transformers" in caplog.text
+    trainer.train()
+    assert math.isfinite(_logs(trainer)["loss"])
+
+
+def test_reward_model_tokenizer_whose_pad_token_is_not_in_its_vocabulary(tiny_model_path, tmp_path):
+    """TRL's different-reward-model recipe sets pad_token to a string the tiny tokenizer lacks (pad_token_id None):
+    the reward tokenizer then pads with EOS, as TRL (was: '<' not supported between NoneType and int)."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from posttrain.models.tiny import save_tiny_model
+
+    rm_path = save_tiny_model(tmp_path / "rm-llama", arch="llama", task="sequence-classification")
+    reward_model = AutoModelForSequenceClassification.from_pretrained(rm_path)
+    reward_tokenizer = AutoTokenizer.from_pretrained(rm_path)
+    reward_tokenizer.pad_token = "<|finetune_right_pad_id|>"
+    assert reward_tokenizer.pad_token_id is None
+    trainer = GRPOTrainer(
+        tiny_model_path, reward_model, _config(tmp_path), train_dataset=_dataset(),
+        reward_processing_classes=reward_tokenizer,
+    )  # fmt: skip
+    trainer.train()
+    assert reward_model.config.pad_token_id == reward_tokenizer.eos_token_id
+    assert math.isfinite(_logs(trainer)["reward"])
