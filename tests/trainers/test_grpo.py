@@ -399,9 +399,6 @@ def test_config_and_constructor_errors(tiny_model_path, tmp_path):
     with pytest.raises(ValueError, match="one generation round needs"):
         GRPOTrainer(tiny_model_path, varied_reward, _config(tmp_path, per_device_train_batch_size=8),
                     train_dataset=_dataset(2))  # fmt: skip
-    with pytest.raises(ValueError, match="cannot be used with generation_backend='posttrain'"):
-        GRPOTrainer(tiny_model_path, varied_reward, _config(tmp_path, generation_kwargs={"num_beams": 2}),
-                    train_dataset=_dataset())  # fmt: skip
     with pytest.raises((ImportError, RuntimeError), match="CUDA GPU|vLLM"):
         GRPOTrainer(tiny_model_path, varied_reward, _config(tmp_path, use_vllm=True), train_dataset=_dataset())
 
