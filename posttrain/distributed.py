@@ -28,7 +28,11 @@ def _num_processes(accelerator: Any) -> int:
 
 
 def gather_mean(accelerator: Any, values: torch.Tensor) -> float:
-    """Mean of ``values`` over every process (NaN when there are none)."""
+    """Mean of ``values`` — one per batch row — over every process (NaN when there are none).
+
+    ``gather_for_metrics`` drops the rows a process repeats to even out the last batch, and trims what it gathers to
+    that batch's row count: pass only per-row values here (sums go through :func:`gather_masked_mean`).
+    """
     values = accelerator.gather_for_metrics(values.detach().float().reshape(-1))
     return values.mean().item() if values.numel() else float("nan")
 

@@ -305,18 +305,24 @@ def is_chat_template_stop_token_trained(processing_class: Any, chat_template: st
 
     With ``return_assistant_tokens_mask=True``, takes the last non-whitespace masked token of an assistant turn and
     checks it is one of the tokenizer's added tokens (e.g. ``<|im_end|>``): only then does assistant-only loss
-    teach the model to stop. ``False`` when the template yields no mask at all.
+    teach the model to stop. ``False`` when the template yields no mask at all, or cannot render the probe (a jinja
+    ``TemplateError``, e.g. ``raise_exception``; no template), as TRL.
     """
+    from jinja2 import TemplateError
+
     tok = processing_class
-    template = get_chat_template(tok, chat_template)
     messages = [_PROBE_USER, {"role": "assistant", "content": "It is a probe."}]
-    out = tok.apply_chat_template(
-        messages,
-        chat_template=template,
-        tokenize=True,
-        return_dict=True,
-        return_assistant_tokens_mask=True,
-    )
+    try:
+        template = get_chat_template(tok, chat_template)
+        out = tok.apply_chat_template(
+            messages,
+            chat_template=template,
+            tokenize=True,
+            return_dict=True,
+            return_assistant_tokens_mask=True,
+        )
+    except (TemplateError, TypeError, ValueError):
+        return False
     ids, mask = _flat(out["input_ids"]), _flat(out["assistant_masks"])
     masked = [i for i, m in zip(ids, mask) if m]
     added = set(getattr(tok, "added_tokens_decoder", {}) or {})

@@ -142,15 +142,22 @@ def load_dataset_from_spec(
         )
     if path.is_absolute() or name_or_path.startswith((".", "~")) or name_or_path.count("/") > 1:
         raise _not_found(name_or_path, "no such file or folder.")
-    if is_offline():
-        raise _not_found(name_or_path, "Hugging Face Hub access is disabled (offline mode).")
+    # Offline, datasets still serves a copy from its local cache: let it try (TRL's get_dataset does the same)
+    failure = None
     try:
         return datasets.load_dataset(
             name_or_path, name=config, data_dir=data_dir, data_files=data_files, split=split, streaming=streaming
         )
     except _hub_errors() as err:
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise _not_found(name_or_path, f"the hub did not return it ({type(err).__name__}: {reason}).") from None
+        failure = f"{type(err).__name__}: {reason}"
+    if is_offline():
+        raise _not_found(
+            name_or_path,
+            f"Hugging Face Hub access is disabled (offline mode) and the dataset is not in the local datasets cache "
+            f"({failure}).",
+        )
+    raise _not_found(name_or_path, f"the hub did not return it ({failure}).")
 
 
 def _hub_errors() -> tuple[type[BaseException], ...]:

@@ -194,7 +194,7 @@ class RewardScorer:
                     "pass it in reward_processing_classes."
                 )
             tokenizer = AutoTokenizer.from_pretrained(name)
-        if tokenizer.pad_token is None:
+        if tokenizer.pad_token_id is None:  # no pad token, or one the vocabulary lacks (TRL checks the id too)
             tokenizer.pad_token = tokenizer.eos_token
         model.config.pad_token_id = tokenizer.pad_token_id
         model.eval()  # dropout off: inference_mode alone does not disable it

@@ -79,20 +79,32 @@ def reward_metrics(
     return out
 
 
-def clip_ratio_metrics(low: torch.Tensor, high: torch.Tensor, region: torch.Tensor) -> dict[str, float]:
-    """TRL's clipping metrics from per-process clip fractions gathered over processes.
+def clip_ratio_metrics(
+    low: torch.Tensor,
+    high: torch.Tensor,
+    region: torch.Tensor,
+    low_per_sequence: torch.Tensor | None = None,
+    high_per_sequence: torch.Tensor | None = None,
+) -> dict[str, float]:
+    """TRL's clipping metrics.
 
     Args:
-        low / high / region: ``(P,)`` each process's fraction of clipped tokens (or sequences) of the micro-batch.
+        low / high / region: the clipped fraction of the micro-batch's tokens (or sequences), over every process:
+            one value, or ``(P,)`` per-process values (averaged, NaN ignored).
+        low_per_sequence / high_per_sequence: ``(N,)`` each sequence's clipped fraction, gathered over processes
+            (NaN = empty completion, ignored). TRL's ``low_min`` / ``high_max`` are the min / max over these
+            finer-grained values; None: over ``low`` / ``high`` themselves.
 
     Returns:
         ``clip_ratio/low_mean``, ``clip_ratio/low_min``, ``clip_ratio/high_mean``, ``clip_ratio/high_max``,
         ``clip_ratio/region_mean``.
     """
+    low_values = low if low_per_sequence is None else low_per_sequence
+    high_values = high if high_per_sequence is None else high_per_sequence
     return {
         "clip_ratio/low_mean": _item(torch.nanmean(low.float())),
-        "clip_ratio/low_min": _item(nanmin(low.float())),
+        "clip_ratio/low_min": _item(nanmin(low_values.float())),
         "clip_ratio/high_mean": _item(torch.nanmean(high.float())),
-        "clip_ratio/high_max": _item(nanmax(high.float())),
+        "clip_ratio/high_max": _item(nanmax(high_values.float())),
         "clip_ratio/region_mean": _item(torch.nanmean(region.float())),
     }

@@ -15,8 +15,9 @@ and writes saved models atomically. It also carries the reliability layer every 
   complete; ``resume_from_checkpoint=True`` finds the newest complete one; rotation never deletes the newest;
 - exact resume: besides HF's model/optimizer/scheduler/RNG/data position, each process saves
   ``posttrain_state_{process}.pt`` from ``resume_state_dict()``, which trainers extend with their own state;
-- the numerics guard (``nan_policy``): a NaN/inf loss or gradient norm stops training with a report of the step and
-  the batch, or skips the step and counts it in ``numerics/skipped_steps``;
+- the numerics guard (``nan_policy``): a NaN/inf loss or gradient norm skips the step (default: training goes on as
+  with TRL, weights stay finite) and counts it in ``numerics/skipped_steps``, or stops training with a report of the
+  step and the batch (``"stop"``);
 - generic up-front checks at ``train()``: writable output_dir, non-empty train dataset, batch arithmetic, a
   tokenizer that can pad, a valid checkpoint to resume from.
 """
@@ -88,12 +89,14 @@ class BaseConfig(TrainingArguments):
         },
     )
 
-    nan_policy: str = field(
-        default="stop",
+    nan_policy: str | None = field(
+        default=None,
         metadata={
-            "help": "posttrain only: what to do when a loss or the gradient norm is NaN/inf. 'stop': raise an error "
-            "naming the step and the batch (saved under output_dir/numerics). 'skip': drop that optimizer step "
-            "(no parameter update; the LR schedule still advances) and count it in `numerics/skipped_steps`.",
+            "help": "posttrain only: what to do when a loss or the gradient norm is NaN/inf. 'skip': drop that "
+            "optimizer step (no parameter update; the LR schedule still advances), warn, and count it in "
+            "`numerics/skipped_steps`, so training goes on as with TRL but the weights stay finite. 'stop': raise "
+            "an error naming the step and the batch (saved under output_dir/numerics). None (default): 'skip', or "
+            "'stop' under DeepSpeed (its engine owns the optimizer step).",
             "choices": list(NAN_POLICIES),
         },
     )
@@ -107,7 +110,7 @@ class BaseConfig(TrainingArguments):
         ):
             if getattr(self, new, None) is None and getattr(self, old, None) is not None:
                 setattr(self, new, getattr(self, old))
-        if self.nan_policy not in NAN_POLICIES:
+        if self.nan_policy is not None and self.nan_policy not in NAN_POLICIES:
             raise ValueError(f"nan_policy={self.nan_policy!r} is not valid; use one of {list(NAN_POLICIES)}.")
         if not self.use_cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not _accelerator_available():
             # torchrun on a CPU-only machine: without use_cpu, HF/accelerate set up no DDP (MULTI_CPU needs it) and
@@ -149,7 +152,11 @@ class BaseTrainer(Trainer):
             # HF's __init__ creates output_dir; fail first with an error that names the option and the fix.
             validation.check_output_dir_writable(training_args.output_dir)
         super().__init__(*args, **kwargs)
-        nan_policy = getattr(self.args, "nan_policy", "stop")
+        if hasattr(self.model, "add_model_tags"):  # TRL: the trainer's tags on the model (hub model card)
+            self.model.add_model_tags(self._tag_names)
+        nan_policy = getattr(self.args, "nan_policy", None)
+        if nan_policy is None:  # training goes on past a non-finite step, as with TRL (the step itself is dropped)
+            nan_policy = "stop" if self.is_deepspeed_enabled else "skip"
         if nan_policy == "skip" and self.is_deepspeed_enabled:
             raise ValueError(
                 "nan_policy='skip' is not supported with DeepSpeed (its engine owns the gradients and the optimizer "
@@ -211,8 +218,8 @@ class BaseTrainer(Trainer):
 
     def _report_name(self) -> str | None:
         """Which report panels fit this trainer (``"sft"``, ``"grpo"``...); None lets the report guess."""
-        tags = [t for t in self._tag_names if t != "posttrain"]
-        return tags[0] if tags else None
+        tags = [t for t in self._tag_names if t not in ("posttrain", "trl")]
+        return {"reward-trainer": "reward"}.get(tags[0], tags[0]) if tags else None
 
     # -- metrics -------------------------------------------------------------------------------------------------
     def _mode(self) -> str:
@@ -237,9 +244,9 @@ class BaseTrainer(Trainer):
         averaged = {name: nanmean_or_none(vals) for name, vals in self._metrics[mode].items()}
         if mode == "eval":
             averaged = {f"eval_{k}": v for k, v in averaged.items()}
-        elif self._numerics.policy == "skip":
+        elif self._numerics.policy == "skip" and self._numerics.skipped_steps:  # TRL's metrics only, until a skip
             averaged["numerics/skipped_steps"] = self._numerics.skipped_steps
-        logs = {**logs, **averaged}
+        logs.update(averaged)  # in place, as TRL: evaluate() returns this dict, eval_rewards/... included
         self._metrics[mode].clear()
         super().log(logs, start_time)
 

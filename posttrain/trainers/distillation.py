@@ -316,6 +316,8 @@ class DistillationTrainer(OnlineTrainerBase):
 
             # The teacher samples in-process (it is frozen: nothing to sync); vLLM serves only the student.
             name = "transformers" if args.generation_backend == "transformers" else "posttrain"
+            if self.sampling.generation_kwargs:  # options of model.generate only, as for the student
+                name = "transformers"
             teacher_backend = get_backend(name, self.teacher_model, self.processing_class, return_logprobs=False)
         self.rollout = DistillationRollout(
             tokenizer=self.processing_class,

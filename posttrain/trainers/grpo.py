@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 
-from posttrain.core.importance import entropy_quantile_mask, entropy_threshold, off_policy_sequence_mask
+from posttrain.core.importance import entropy_threshold, off_policy_sequence_mask
 from posttrain.core.kl import kl_k3
-from posttrain.core.masking import masked_batch_mean, masked_mean, masked_sum
+from posttrain.core.masking import masked_batch_mean, masked_sum
 from posttrain.core.policy_objectives import ObjectiveArguments, importance_weights, objective_properties
 from posttrain.core.presets import (
     GRPO_LOSS_PRESETS,
@@ -65,7 +65,10 @@ class GRPOConfig(ObjectiveArguments, OnlineRLConfig):
 
     cast_lm_head_to_fp32: bool = field(
         default=False,
-        metadata={"help": "Run the LM head in float32 (ScaleRL). Needs untied embeddings and no adapter on it."},
+        metadata={
+            "help": "Run the LM head in float32 (ScaleRL); with tied embeddings the shared weight becomes float32 and "
+            "the embedding output keeps the model's dtype. Not with a PEFT adapter on the LM head."
+        },
     )
     importance_sampling_level: str = field(
         default="token",
@@ -144,7 +147,12 @@ class GRPOConfig(ObjectiveArguments, OnlineRLConfig):
         metadata={"help": "DeepSeek-V3.2 δ: drop negative-advantage sequences whose mean KL to the sampler > δ."},
     )
     use_bias_correction_kl: bool = field(
-        default=False, metadata={"help": "Multiply the KL term by the importance ratio (DeepSeek-V3.2)."}
+        default=True,
+        metadata={
+            "help": "Multiply the per-token KL term by the importance ratio π_θ/π_old (DeepSeek-V3.2's unbiased KL "
+            "estimate; token or sequence level as importance_sampling_level). Default on, as TRL; only matters "
+            "when beta > 0. --no_use_bias_correction_kl turns it off."
+        },
     )
     log_completions_hub_repo: str | None = field(
         default=None, metadata={"help": "Hub dataset repo for completions parquet files (requires log_completions)."}
@@ -338,19 +346,20 @@ class GRPOTrainer(OnlineTrainerBase):
         if not args.cast_lm_head_to_fp32:
             return
         inner = unwrap_base_model(model)
-        if getattr(getattr(inner, "config", None), "tie_word_embeddings", False):
-            raise ValueError(
-                "cast_lm_head_to_fp32=True needs untied word embeddings and LM head (config.tie_word_embeddings is "
-                "True); set cast_lm_head_to_fp32=False for this model."
-            )
         head = inner.get_output_embeddings()
         if type(head) is not torch.nn.Linear:
             raise ValueError(
                 f"cast_lm_head_to_fp32=True cannot be used when the LM head is a {type(head).__name__} (e.g. a PEFT "
                 "adapter on lm_head); remove lm_head from the adapter's target_modules."
             )
+        original_dtype = head.weight.dtype
         head.float()
         head.register_forward_pre_hook(lambda module, inputs: tuple(x.float() for x in inputs))
+        embeddings = inner.get_input_embeddings()
+        if embeddings is not None and embeddings.weight is head.weight and original_dtype != torch.float32:
+            # tied embeddings (as TRL accepts): the shared weight is float32 now; the embedding output keeps the
+            # model's dtype so that the rest of the network runs as before
+            embeddings.register_forward_hook(lambda module, inputs, output: output.to(original_dtype))
 
     # -- helpers -----------------------------------------------------------------------------------------------
     def _gather_1d(self, values: torch.Tensor) -> torch.Tensor:
@@ -378,7 +387,7 @@ class GRPOTrainer(OnlineTrainerBase):
                     logps, old_logps, mask, args.importance_sampling_level
                 )
             per_token_loss = per_token_loss + args.beta * per_token_kl
-            self.record_metric("kl", self._gather_mean(masked_mean(per_token_kl.detach(), mask)), mode=mode)
+            self.record_metric("kl", self._global_masked_mean(per_token_kl.detach(), mask), mode=mode)
 
         loss = self._aggregate(per_token_loss, mask, inputs)
         if self.entropy_ctrl.enabled:
@@ -402,12 +411,49 @@ class GRPOTrainer(OnlineTrainerBase):
         rho = self.args.top_entropy_quantile
         if rho >= 1.0:
             return None
-        valid = self._gather_1d(entropies.detach()[mask.bool()])
-        if rho > 0:
-            threshold = entropy_threshold(valid, rho)
-        else:  # ρ = 0 keeps only the highest-entropy token
-            threshold = valid.max() if valid.numel() else torch.tensor(float("inf"))
-        return entropy_quantile_mask(entropies.detach(), mask, rho, threshold=threshold.to(mask.device))
+        return self.get_high_entropy_mask(entropies.detach(), mask, 1.0 - rho).to(mask.dtype)
+
+    def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
+        """TRL's method: the tokens whose entropy is at least the ``threshold`` quantile (in [0, 1]) of the valid
+        tokens' entropies over every process.
+
+        Args:
+            entropies: ``(B, T)`` per-token entropies.
+            mask: ``(B, T)`` 1 = valid token.
+            threshold: quantile level, ``1 - top_entropy_quantile`` in training (1.0 keeps only the maximum).
+
+        Returns:
+            ``(B, T)`` bool mask, False on padding (all False when there is no valid token).
+        """
+        valid = self._gather_1d(entropies.detach()[mask.bool()].float())
+        if valid.numel() == 0:
+            return torch.zeros_like(entropies, dtype=torch.bool)
+        cut = valid.max() if threshold >= 1.0 else entropy_threshold(valid, 1.0 - threshold)
+        return (entropies.detach() >= cut.to(entropies.device)) & mask.bool()
+
+    @staticmethod
+    def get_off_policy_mask(
+        advantages: torch.Tensor,
+        per_token_logps: torch.Tensor,
+        sampling_per_token_logps: torch.Tensor,
+        mask: torch.Tensor,
+        off_policy_threshold: float,
+    ) -> torch.Tensor:
+        """TRL's method: DeepSeek-V3.2's off-policy sequence mask, ``(B, 1)`` with 1 = keep (A ≥ 0, or the mean
+        of ``sampling − current`` log-probs over the completion ≤ δ) and 0 = drop."""
+        mask = mask.to(per_token_logps.dtype)
+        return off_policy_sequence_mask(
+            advantages, sampling_per_token_logps, per_token_logps, mask, off_policy_threshold
+        ).to(mask.dtype)
+
+    @property
+    def entropy_coef(self) -> float:
+        """TRL's attribute: the entropy-bonus coefficient now (moved each step by the adaptive controller)."""
+        return self.entropy_ctrl.coef
+
+    @entropy_coef.setter
+    def entropy_coef(self, value: float) -> None:
+        self.entropy_ctrl.coef = float(value)
 
     def _policy_term(
         self,
@@ -430,8 +476,8 @@ class GRPOTrainer(OnlineTrainerBase):
             # The sampler's log-probs when the correction is active (TRL: vLLM's), else π_old's.
             sampling_logps = inputs.get("sampling_per_token_logps") if is_ratio is not None else None
             sampling_logps = old_logps if sampling_logps is None else sampling_logps
-            per_token_loss = per_token_loss * off_policy_sequence_mask(
-                advantages, sampling_logps, logps, mask, args.off_policy_mask_threshold
+            per_token_loss = per_token_loss * self.get_off_policy_mask(
+                advantages, logps, sampling_logps, mask, args.off_policy_mask_threshold
             )
         if entropy_mask is not None:
             per_token_loss = per_token_loss * entropy_mask

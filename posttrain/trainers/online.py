@@ -24,6 +24,7 @@ config replaces ``OnlineRLConfig._resolve_batch_plan`` (the shared option checks
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 import warnings
@@ -33,7 +34,6 @@ from typing import Any
 import torch
 from transformers import TrainingArguments
 
-from posttrain.core.masking import masked_batch_mean, masked_mean
 from posttrain.data.dataset_ops import configure_streaming
 from posttrain.distributed import mean_over_processes
 from posttrain.generation.base import SamplingConfig
@@ -61,6 +61,7 @@ from posttrain.rollout.sampler import (
 from posttrain.trainers.base import BaseConfig, BaseTrainer
 
 GENERATION_BACKENDS = ("posttrain", "transformers")
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -404,6 +405,8 @@ class OnlineTrainerBase(BaseTrainer):
         )
         self.reward_funcs = reward_funcs
         self.reward_func_names = list(self.scorer.names)
+        # TRL's attribute: one tokenizer per reward function (None for callables)
+        self.reward_processing_classes = self.scorer.reward_processing_classes
         self._validate_reward_signatures(reward_funcs, env_rewards, train_dataset, rollout_func, environment_factory)
 
     def _configure_train_dataset(self, train_dataset: Any, args: OnlineRLConfig) -> int | None:
@@ -427,6 +430,10 @@ class OnlineTrainerBase(BaseTrainer):
 
         Needs ``self.reference`` and ``self.reward_funcs`` (``ReferencePolicy("none")`` and ``[]`` when unused).
         """
+        splits = list(eval_dataset.values()) if isinstance(eval_dataset, dict) else [eval_dataset]
+        if any(isinstance(split, torch.utils.data.IterableDataset) for split in splits):
+            # raw rows (strings) cannot be dispatched from the main process; each process reads its own share
+            args.accelerator_config.dispatch_batches = False
         super().__init__(
             model=model,
             args=args,
@@ -580,12 +587,13 @@ class OnlineTrainerBase(BaseTrainer):
             )
             name = "transformers"
         if name == "posttrain" and self.sampling.generation_kwargs:
-            raise ValueError(
-                f"generation_kwargs {sorted(self.sampling.generation_kwargs)} cannot be used with "
-                "generation_backend='posttrain', which accepts only keys that override sampling fields "
-                "(max_new_tokens, temperature, top_p, top_k, min_p, repetition_penalty, do_sample, eos_token_id, "
-                "pad_token_id). Set generation_backend='transformers' to pass other GenerationConfig arguments."
+            # TRL passes generation_kwargs to model.generate: so does the transformers backend
+            logger.info(
+                "generation_kwargs %s are not options of the 'posttrain' group sampler (it takes only keys that "
+                "override sampling fields); generating with generation_backend='transformers' (model.generate).",
+                sorted(self.sampling.generation_kwargs),
             )
+            name = "transformers"
         return get_backend(name, model, self.processing_class, return_logprobs=self._wants_sampling_logprobs())
 
     # -- subclass hooks ----------------------------------------------------------------------------------------
@@ -667,6 +675,13 @@ class OnlineTrainerBase(BaseTrainer):
         with self.reference.activate(self.model) as ref_model:
             return self._token_stats(ref_model, batch).logps
 
+    @property
+    def ref_model(self) -> torch.nn.Module | None:
+        """TRL's ``trainer.ref_model``: the separate frozen reference module, or None (β = 0, or a PEFT policy whose
+        reference is the base model with adapters disabled)."""
+        reference = getattr(self, "reference", None)
+        return None if reference is None else reference.model
+
     # -- data path ---------------------------------------------------------------------------------------------
     def _set_signature_columns_if_needed(self):
         if self._signature_columns is None:
@@ -706,6 +721,23 @@ class OnlineTrainerBase(BaseTrainer):
             sampler_fn=self._get_train_sampler,
             is_training=True,
         )
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        """HF's eval dataloader; a streaming eval set gets the eval sampler's grouping (each prompt
+        ``num_generations_eval`` times, in order) and no workers, leaving the training dataloader's settings alone."""
+        dataset = self.eval_dataset[eval_dataset] if isinstance(eval_dataset, str) else eval_dataset
+        dataset = self.eval_dataset if dataset is None else dataset
+        if not isinstance(dataset, torch.utils.data.IterableDataset):
+            return super().get_eval_dataloader(eval_dataset)
+        stream = repeat_iterable_dataset(dataset, mini_repeat_count=self.num_generations_eval, shuffle=False)
+        loader = torch.utils.data.DataLoader(
+            stream,
+            batch_size=self.args.eval_batch_size,
+            collate_fn=self._get_collator_with_removed_columns(self.data_collator, description="Evaluation"),
+            num_workers=0,  # several workers would each replay the stream
+            pin_memory=self.args.dataloader_pin_memory,
+        )
+        return self.accelerator.prepare(loader)
 
     def _prepare_inputs(self, inputs: list[dict[str, Any]]) -> RolloutBatch:
         mode = self._mode()
@@ -792,18 +824,47 @@ class OnlineTrainerBase(BaseTrainer):
     def _record_policy_metrics(
         self, entropies: torch.Tensor, mask: torch.Tensor, objective_stats: dict[str, torch.Tensor], mode: str
     ) -> None:
-        """``entropy`` (masked mean over the micro-batch) and, for clipping objectives, ``clip_ratio/*``."""
-        self.record_metric("entropy", self._gather_mean(masked_mean(entropies.detach(), mask)), mode=mode)
+        """``entropy`` and, for clipping objectives, ``clip_ratio/*``, reduced as TRL does.
+
+        Means are over every valid token of every process (Σ x·m / Σ m; one value per sequence at sequence level);
+        ``low_min`` / ``high_max`` are the min / max over the gathered per-sequence fractions (NaN for an empty
+        completion, skipped).
+        """
+        self.record_metric("entropy", self._global_masked_mean(entropies.detach(), mask), mode=mode)
         if "is_low_clipped" not in objective_stats:
             return
-        fractions = [
-            masked_batch_mean(objective_stats[key], mask).reshape(1).to(self.accelerator.device)
-            for key in ("is_low_clipped", "is_high_clipped", "is_region_clipped")
-        ]
-        if self.accelerator.num_processes > 1:
-            fractions = [self.accelerator.gather(f) for f in fractions]
-        for name, value in clip_ratio_metrics(*fractions).items():
+        means, per_sequence = [], []
+        weights = mask.float()
+        for key in ("is_low_clipped", "is_high_clipped", "is_region_clipped"):
+            x = objective_stats[key].detach().float()
+            if x.dim() >= 2 and x.shape[-1] == 1 and weights.shape[-1] != 1:  # sequence level: one per sequence
+                per_sequence.append(x.squeeze(-1))
+                means.append(self._global_masked_mean(x.squeeze(-1), torch.ones_like(x.squeeze(-1))))
+            else:
+                per_sequence.append((x * weights).sum(-1) / weights.sum(-1))
+                means.append(self._global_masked_mean(x, weights))
+        low, high = (self._gather_rows(v) for v in per_sequence[:2])
+        values = clip_ratio_metrics(
+            *(torch.tensor([m]) for m in means), low_per_sequence=low, high_per_sequence=high
+        )
+        for name, value in values.items():
             self.record_metric(name, value, mode=mode)
+
+    def _global_masked_mean(self, values: torch.Tensor, mask: torch.Tensor) -> float:
+        """Σ values·mask / max(Σ mask, 1) over every process (TRL's ``global_masked_mean``)."""
+        mask = mask.float()
+        totals = torch.stack([(values.float() * mask).sum(), mask.sum()]).to(self.accelerator.device)
+        if self.accelerator.num_processes > 1:
+            totals = self.accelerator.reduce(totals, reduction="sum")
+        return float(totals[0] / totals[1].clamp(min=1.0))
+
+    def _gather_rows(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` (one per row) from every process, NaN-padded to equal lengths first."""
+        values = values.detach().float().to(self.accelerator.device)
+        if self.accelerator.num_processes == 1:
+            return values
+        values = self.accelerator.pad_across_processes(values, dim=0, pad_index=float("nan"))
+        return self.accelerator.gather(values)
 
     def _gather_mean(self, value: torch.Tensor) -> float:
         """Mean over processes of a per-process scalar (NaN-aware)."""

@@ -433,10 +433,20 @@ class PreferenceTrainer(BaseTrainer):
         if self._signature_columns is None:
             self._signature_columns = list(self._signature_columns_extra)
 
+    @property
+    def ref_model(self) -> torch.nn.Module | None:
+        """TRL's ``trainer.ref_model``: the separate frozen reference module, or None (PEFT policy with adapters
+        disabled, precomputed reference log-probs, or no reference)."""
+        reference = getattr(self, "reference", None)
+        return None if reference is None else reference.model
+
     def _attach_reference(self) -> None:
         """Place the reference on the accelerator, add the TR-DPO sync callback (``sync_ref_model``) and fill the
         precomputed reference columns (``precompute_ref_log_probs``, via the subclass's ``_precompute_reference``)."""
         self.reference.prepare(self.accelerator)
+        config = getattr(unwrap_base_model(self.model), "config", None)
+        # TRL's attribute: the policy returns router logits (a MoE model), so its load-balancing loss is added
+        self.aux_loss_enabled = bool(getattr(config, "output_router_logits", False))
         if self.args.sync_ref_model:
             self.add_callback(SyncRefModelCallback(ref_model=self.reference.model, accelerator=self.accelerator))
         if self.args.precompute_ref_log_probs:
@@ -456,7 +466,7 @@ class PreferenceTrainer(BaseTrainer):
         """``loss + router_aux_loss_coef · aux_loss`` for a MoE model that returns its load-balancing loss (logged as
         ``aux_loss``, averaged over processes); ``loss`` unchanged for dense models."""
         coef = router_aux_loss_coef(model)
-        if aux_loss is None or not coef:
+        if aux_loss is None or not coef or not getattr(self, "aux_loss_enabled", True):
             return loss
         self.record_metric("aux_loss", gather_mean(self.accelerator, aux_loss), mode)
         return loss + coef * aux_loss

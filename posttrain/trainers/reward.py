@@ -230,7 +230,9 @@ class RewardTrainer(PreferenceTrainer):
         acc = self.accelerator
         record = functools.partial(self.record_metric, mode=mode)
         self._count_train_tokens(inputs, mode)
-        all_rewards = acc.gather_for_metrics(torch.cat([chosen, rejected]))
+        # one value per row for gather_for_metrics (it trims the last batch of an epoch to its row count): gather
+        # each half on its own, then join them
+        all_rewards = torch.cat([acc.gather_for_metrics(chosen), acc.gather_for_metrics(rejected)])
         record("min_reward", all_rewards.min().item())
         record("mean_reward", all_rewards.mean().item())
         record("max_reward", all_rewards.max().item())

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from transformers import TrainingArguments
 
+from posttrain.data.collators import DataCollatorForLanguageModeling
 from posttrain.data.dataset_ops import configure_streaming
 from posttrain.data.formats import is_vision_dataset
 from posttrain.models.forward import (
@@ -53,7 +54,7 @@ IGNORE_INDEX = -100
 _PACKING_STRATEGIES = ("bfd", "bfd_split", "wrapped")
 _TRUNCATION_MODES = ("keep_start", "keep_end")
 # Batch keys the collator may emit that are not model inputs.
-_NON_MODEL_INPUTS = ("labels", "seq_lengths", "completion_mask", "assistant_masks")
+_NON_MODEL_INPUTS = ("labels", "seq_lengths", "completion_mask", "assistant_masks", "_num_tokens")
 
 # ----------------------------------------------------------------------------------------------------------------
 # Loss types: per-token losses over (B, T) log-probs; the trainer sums them over label tokens and normalises.
@@ -563,8 +564,6 @@ class SFTTrainer(BaseTrainer):
         return {"prompt", "completion"} <= columns or "completion_mask" in columns
 
     def _default_collator(self, model: Any, tokenizer: Any, args: SFTConfig):
-        from posttrain.data.collators import DataCollatorForLanguageModeling
-
         if self._vision:
             from posttrain.data.vision_collators import DataCollatorForVisionLanguageModeling
 
@@ -577,7 +576,7 @@ class SFTTrainer(BaseTrainer):
             )
         impl = str(getattr(getattr(unwrap_base_model(model), "config", None), "_attn_implementation", None) or "")
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        return DataCollatorForLanguageModeling(
+        return _TokenCountingCollator(
             pad_token_id=pad_id,
             completion_only_loss=self.completion_only_loss,
             padding_free=self.padding_free,
@@ -793,16 +792,36 @@ class SFTTrainer(BaseTrainer):
             sums = torch.stack(
                 [(stats.entropy * mask).sum().float(), (stats.correct & mask).sum().float(), mask.sum().float()]
             ).to(self.accelerator.device)
-            sums = self.accelerator.gather_for_metrics(sums).reshape(-1, 3).sum(0)
+            # gather, not gather_for_metrics: at the end of an epoch the latter trims to the last batch's row count
+            # (a vector of sums is not one value per row)
+            sums = self.accelerator.gather(sums).reshape(-1, 3).sum(0)
             count = sums[2].clamp(min=1)
             self.record_metric("entropy", (sums[0] / count).item(), mode)
             self.record_metric("mean_token_accuracy", (sums[1] / count).item(), mode)
             if mode == "train":
                 attention_mask = inputs.get("attention_mask")
-                if attention_mask is not None and attention_mask.dim() == 2:
+                if "_num_tokens" in inputs:  # the default collator's count of each row's real tokens
+                    n_tokens = inputs["_num_tokens"].sum()
+                elif attention_mask is not None and attention_mask.dim() == 2:
                     n_tokens = attention_mask.sum()
                 else:  # padding-free: one row, every position is a token
                     n_tokens = torch.tensor(inputs["input_ids"].numel())
-                n_tokens = self.accelerator.gather_for_metrics(n_tokens.reshape(1).to(self.accelerator.device)).sum()
+                n_tokens = self.accelerator.gather(n_tokens.reshape(1).to(self.accelerator.device)).sum()
                 self._total_train_tokens += int(n_tokens.item())
                 self.record_metric("num_tokens", float(self._total_train_tokens), "train", replace=True)
+
+
+class _TokenCountingCollator(DataCollatorForLanguageModeling):
+    """The default SFT collator, plus ``_num_tokens`` ``(rows,)``: each row's real tokens, for TRL's ``num_tokens``.
+
+    TRL counts ``attention_mask.sum()``, or a padding-free row's whole length; posttrain keeps packed sequences in
+    separate rows (padded, with 4-D masks), whose padding must not count.
+    """
+
+    def __call__(self, examples):
+        out = super().__call__(examples)
+        if out["input_ids"].shape[0] == len(examples):
+            out["_num_tokens"] = torch.tensor([len(ex["input_ids"]) for ex in examples])
+        else:  # padding-free: one row, its whole length (TRL's position_ids.size(1))
+            out["_num_tokens"] = torch.tensor([out["input_ids"].shape[1]])
+        return out

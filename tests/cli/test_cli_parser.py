@@ -228,3 +228,15 @@ def test_peft_and_quantization_configs():
     )
     assert lora.r == 4 and lora.lora_alpha == 8 and set(lora.target_modules) == {"q_proj", "v_proj"}
     assert lora.bias == "none" and lora.use_rslora is True and lora.task_type == "CAUSAL_LM"
+
+
+def test_grpo_bias_corrected_kl_defaults_on_with_a_no_flag(tmp_path):
+    """TRL's default use_bias_correction_kl=True; the CLI turns it off with --no_use_bias_correction_kl."""
+    from posttrain.trainers.grpo import GRPOConfig
+
+    parser = TrlParser((GRPOScriptArguments, GRPOConfig, ModelConfig), prog="posttrain grpo")
+    assert "--no_use_bias_correction_kl" in parser.format_help()
+    base = ["--output_dir", str(tmp_path), "--report_to", "none"]
+    _, on, _ = parser.parse_args_and_config(base)
+    _, off, _ = parser.parse_args_and_config([*base, "--no_use_bias_correction_kl"])
+    assert on.use_bias_correction_kl is True and off.use_bias_correction_kl is False

@@ -79,6 +79,9 @@ def test_capability_probes_on_other_templates():
     assert is_chat_template_prefix_preserving(with_template(QWEN_LIKE))
     assert not is_chat_template_stop_token_trained(with_template(EOT_OUTSIDE_MASK))
     assert not is_chat_template_stop_token_trained(with_template(NO_MARKERS))
+    # a template that cannot render the probe is not one that trains the stop token (TRL), not an error
+    assert not is_chat_template_stop_token_trained(with_template("{{ raise_exception('no') }}"))
+    assert not is_chat_template_stop_token_trained(with_template("{% if %}"))
     assert detect_chat_template_family(with_template(QWEN_LIKE)) == "chatml"
     assert detect_chat_template_family(with_template(LLAMA_LIKE)) is None
 

@@ -78,9 +78,24 @@ def test_unresolvable_names_give_one_paragraph():
         load_dataset_from_spec("trl-lib/Capybara")
     err = info.value
     assert "'trl-lib/Capybara'" in str(err) and "offline" in str(err) and "\n" not in str(err)
+    assert "not in the local datasets cache" in str(err)
     assert err.__cause__ is None and err.__suppress_context__ is False and err.__context__ is None
     with pytest.raises(DatasetNotFoundError, match="no such file or folder"):
         load_dataset_from_spec("./missing/train.jsonl")
+
+
+def test_offline_hub_names_are_served_from_the_cache(monkeypatch):
+    """HF_HUB_OFFLINE does not refuse a hub name: datasets serves cached copies offline (issue 18, item 8)."""
+    cached = Dataset.from_dict(ROWS)
+    calls = []
+
+    def fake_load_dataset(path, **kwargs):
+        calls.append(path)
+        return cached
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    assert load_dataset_from_spec("trl-lib/Capybara", split="train") is cached
+    assert calls == ["trl-lib/Capybara"]
 
 
 def test_hub_failures_are_converted(monkeypatch):

@@ -58,8 +58,35 @@ def _reward(completions, **kwargs):
     return [float(len(c)) for c in completions]
 
 
+def _build_epoch(kind: str, args: dict):
+    """One epoch over 10 rows: with 2 processes × 2 rows the last batch holds 2 rows (issue 18, item 1)."""
+    import posttrain
+
+    args.update(max_steps=-1, num_train_epochs=1)
+    n = 10
+    if kind == "sft_epoch":
+        data = Dataset.from_dict({"text": [f"line {i} " + "xyz" * (1 + i % 5) for i in range(n)]})
+        return posttrain.SFTTrainer(args["model"], args=posttrain.SFTConfig(**_no_model(args)), train_dataset=data)
+    data = Dataset.from_dict(
+        {
+            "prompt": [f"question {i}? " for i in range(n)],
+            "chosen": ["yes " * (1 + i % 3) for i in range(n)],
+            "rejected": ["no " * (1 + i % 4) for i in range(n)],
+        }
+    )
+    if kind == "dpo_epoch":
+        return posttrain.DPOTrainer(args["model"], args=posttrain.DPOConfig(**_no_model(args)), train_dataset=data)
+    return posttrain.RewardTrainer(args["model"], args=posttrain.RewardConfig(**_no_model(args)), train_dataset=data)
+
+
+def _no_model(args: dict) -> dict:
+    return {k: v for k, v in args.items() if k != "model"}
+
+
 def _build(kind: str, model_path: str, out: str, per_device: int):
     args = dict(COMMON, output_dir=os.path.join(out, kind), per_device_train_batch_size=per_device)
+    if kind.endswith("_epoch"):
+        return _build_epoch(kind, {**args, "model": model_path})
     if kind in ("sft", "sft_resume", "nan_skip"):
         from posttrain.trainers.sft import SFTConfig, SFTTrainer
 
@@ -128,8 +155,9 @@ def run(kind: str, model_path: str, out: str, per_device: int) -> None:
             json.dump({"skipped": trainer._numerics.skipped_steps, "checksum": flat.double().sum().item()}, f)
     if trainer.accelerator.is_main_process:
         losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
+        logs = [r for r in trainer.state.log_history if "loss" in r]
         with open(os.path.join(out, f"{kind}.json"), "w") as f:
-            json.dump({"losses": losses, "num_processes": trainer.accelerator.num_processes}, f)
+            json.dump({"losses": losses, "logs": logs, "num_processes": trainer.accelerator.num_processes}, f)
         state = {k: v.detach().cpu() for k, v in trainer.accelerator.unwrap_model(trainer.model).state_dict().items()}
         torch.save(state, os.path.join(out, f"{kind}_params.pt"))
     trainer.accelerator.wait_for_everyone()

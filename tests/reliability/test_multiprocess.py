@@ -54,7 +54,7 @@ def runs(tmp_path_factory, tiny_model_path):
         tiny_model_path,
         str(two),
         "2",
-        "sft,sft_resume,dpo,grpo,nan_skip",
+        "sft,sft_resume,dpo,grpo,nan_skip,sft_epoch,dpo_epoch,reward_epoch",
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -119,3 +119,19 @@ def test_nan_on_one_process_skips_the_step_on_both(runs):
     ranks = [json.load(open(two / f"nan_skip_{r}.json")) for r in (0, 1)]
     assert ranks[0]["skipped"] == ranks[1]["skipped"] == 1
     assert ranks[0]["checksum"] == ranks[1]["checksum"]  # the replicas did not diverge
+
+
+@pytest.mark.parametrize("kind", ["sft_epoch", "dpo_epoch", "reward_epoch"])
+def test_two_processes_finish_an_epoch_with_a_short_last_batch(runs, kind):
+    """10 rows over 2 processes × 2 rows: the last step's batch is short; its metrics gather whole (issue 18)."""
+    _, two = runs
+    log = json.load(open(two / f"{kind}.json"))
+    assert log["num_processes"] == 2 and len(log["logs"]) == 3
+    last = log["logs"][-1]
+    assert all(v == v for v in last.values() if isinstance(v, float))  # no NaN
+    if kind == "sft_epoch":
+        counts = [entry["num_tokens"] for entry in log["logs"]]
+        assert counts[0] < counts[1] < counts[2]
+        assert 0 <= last["mean_token_accuracy"] <= 1
+    if kind == "reward_epoch":
+        assert last["min_reward"] <= last["mean_reward"] <= last["max_reward"]

@@ -52,12 +52,23 @@ def _with_hook(hook):
 def test_config_rejects_unknown_policy():
     with pytest.raises(ValueError, match=r"nan_policy='ignore' is not valid; use one of \['stop', 'skip'\]"):
         BaseConfig(output_dir="x", nan_policy="ignore")
-    assert BaseConfig(output_dir="x").nan_policy == "stop"
+    assert BaseConfig(output_dir="x").nan_policy is None  # resolved by the trainer: "skip" (TRL users expect
+    # training to go on), "stop" under DeepSpeed
+
+
+def test_default_policy_skips_and_training_goes_on(tmp_path, tiny_model_path):
+    """Issue 18: a NaN loss (e.g. an fp16/bf16 run) no longer aborts by default; the step is skipped and counted."""
+    trainer = make_toy(tmp_path, tiny_model_path, trainer_cls=_with_hook(_nan_loss_on_step(2)), max_steps=3)
+    assert trainer._numerics.policy == "skip"
+    trainer.train()
+    assert trainer.state.global_step == 3 and trainer._numerics.skipped_at == [2]
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
 
 
 def test_stop_reports_step_microbatch_and_saves_the_batch(tmp_path, tiny_model_path):
     trainer = make_toy(
-        tmp_path, tiny_model_path, trainer_cls=_with_hook(_nan_loss_on_step(2, micro=1)), gradient_accumulation_steps=2
+        tmp_path, tiny_model_path, trainer_cls=_with_hook(_nan_loss_on_step(2, micro=1)), gradient_accumulation_steps=2,
+        nan_policy="stop",
     )
     snapshots = _Snapshots()
     trainer.add_callback(snapshots)
@@ -87,8 +98,8 @@ def test_skip_leaves_parameters_and_optimizer_untouched_and_counts(tmp_path, tin
     optimizer_steps = {int(s["step"]) for s in trainer.optimizer.state_dict()["state"].values()}
     assert optimizer_steps == {2}
     records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
-    counts = [r["numerics/skipped_steps"] for r in records if "loss" in r]
-    assert counts == [0, 1, 1]
+    counts = [r.get("numerics/skipped_steps") for r in records if "loss" in r]
+    assert counts == [None, 1, 1]  # logged from the first skip on: a clean run logs TRL's metrics only
     assert trainer.resume_state_dict()["numerics"] == {"skipped_steps": 1, "skipped_at": [2]}
 
 
@@ -98,7 +109,7 @@ def test_nonfinite_gradient_with_finite_loss_is_caught(tmp_path, tiny_model_path
         zero = next(model.parameters()).sum() * 0.0
         return loss + 0.0 * torch.sqrt(zero)
 
-    trainer = make_toy(tmp_path, tiny_model_path, trainer_cls=_with_hook(inf_grad), max_steps=1)
+    trainer = make_toy(tmp_path, tiny_model_path, trainer_cls=_with_hook(inf_grad), max_steps=1, nan_policy="stop")
     with pytest.raises(NonFiniteError, match=r"optimizer step 1 .*the gradient norm is nan \(losses were finite\)"):
         trainer.train()
     assert os.path.exists(tmp_path / "numerics" / "step-1-process-0.pt")

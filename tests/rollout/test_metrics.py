@@ -43,3 +43,12 @@ def test_clip_ratio_metrics_reduce_over_processes():
     assert out["clip_ratio/low_mean"] == pytest.approx(0.2) and out["clip_ratio/low_min"] == pytest.approx(0.1)
     assert out["clip_ratio/high_mean"] == pytest.approx(0.1) and out["clip_ratio/high_max"] == pytest.approx(0.2)
     assert out["clip_ratio/region_mean"] == pytest.approx(0.3)
+
+
+def test_clip_ratio_min_max_over_per_sequence_values():
+    out = clip_ratio_metrics(
+        torch.tensor([0.375]), torch.tensor([0.25]), torch.tensor([0.625]),
+        low_per_sequence=torch.tensor([0.0, 0.75, float("nan")]), high_per_sequence=torch.tensor([1.0, 0.0, 0.0]),
+    )  # fmt: skip
+    assert out["clip_ratio/low_mean"] == pytest.approx(0.375) and out["clip_ratio/low_min"] == 0.0
+    assert out["clip_ratio/high_mean"] == pytest.approx(0.25) and out["clip_ratio/high_max"] == 1.0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import math
 import os
 
 import pytest
@@ -404,9 +405,6 @@ def test_config_and_constructor_errors(tiny_model_path, tmp_path):
     with pytest.raises(ValueError, match="one generation round needs"):
         GRPOTrainer(tiny_model_path, varied_reward, _config(tmp_path, per_device_train_batch_size=8),
                     train_dataset=_dataset(2))  # fmt: skip
-    with pytest.raises(ValueError, match="cannot be used with generation_backend='posttrain'"):
-        GRPOTrainer(tiny_model_path, varied_reward, _config(tmp_path, generation_kwargs={"num_beams": 2}),
-                    train_dataset=_dataset())  # fmt: skip
     with pytest.raises((ImportError, RuntimeError), match="CUDA GPU|vLLM"):
         GRPOTrainer(tiny_model_path, varied_reward, _config(tmp_path, use_vllm=True), train_dataset=_dataset())
 
@@ -418,8 +416,19 @@ def test_cast_lm_head_to_fp32(tiny_model_path, tiny_llama_path, tmp_path):
     before = _trainable(trainer)
     trainer.train()
     assert _changed(trainer, before) > 0
-    with pytest.raises(ValueError, match="untied word embeddings"):
-        GRPOTrainer(tiny_model_path, varied_reward, args, train_dataset=_dataset())  # qwen2 ties them
+    # qwen2 ties its embeddings: accepted as TRL does; the shared weight is float32, the embedding output keeps the
+    # model's dtype (issue 18, item 8)
+    args = _config(tmp_path, cast_lm_head_to_fp32=True, model_init_kwargs={"dtype": "bfloat16"})
+    tied = GRPOTrainer(tiny_model_path, varied_reward, args, train_dataset=_dataset())
+    inner = tied.model
+    assert inner.get_input_embeddings().weight is inner.lm_head.weight
+    assert inner.lm_head.weight.dtype == torch.float32
+    ids = torch.tensor([[1, 2, 3]])
+    assert inner.get_input_embeddings()(ids).dtype == torch.bfloat16
+    assert inner(ids).logits.dtype == torch.float32
+    before = _trainable(tied)
+    tied.train()
+    assert _changed(tied, before) > 0
 
 
 def test_default_args_and_save_model(tiny_model_path, tmp_path, monkeypatch):
@@ -477,6 +486,31 @@ def test_command_line_parsing_of_dict_and_bool_fields(tmp_path):
     )
     assert args.generation_kwargs == {"do_sample": False} and args.scale_rewards == "none"
     assert args.reward_weights == [1.0, 2.0]
+    assert args.use_bias_correction_kl is True  # TRL's default (seeds 001/003)
+    (off,) = HfArgumentParser(GRPOConfig).parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path), "--no_use_bias_correction_kl", "--report_to", "none"]
+    )
+    assert off.use_bias_correction_kl is False
+
+
+def test_bias_corrected_kl_is_the_default_and_changes_the_gradient(tiny_model_path, tmp_path):
+    """On-policy the importance ratio is 1 in value but not in gradient: the KL term's gradient gains kl·∇logπ."""
+    assert GRPOConfig(output_dir=str(tmp_path)).use_bias_correction_kl is True
+    grads = {}
+    for corrected in (True, False):
+        torch.manual_seed(0)
+        args = _config(tmp_path, beta=0.5, learning_rate=0.0, max_grad_norm=None)
+        if not corrected:
+            args.use_bias_correction_kl = False
+        trainer = GRPOTrainer(tiny_model_path, reward_funcs=varied_reward, args=args, train_dataset=_dataset())
+        inputs = trainer._prepare_inputs([{"prompt": f"Question {i}:"} for i in range(2) for _ in range(2)])
+        with torch.no_grad():  # a reference that differs from the policy, so the KL and its gradient are non-zero
+            inputs["ref_per_token_logps"] = inputs["ref_per_token_logps"] - 0.3
+        trainer.model.train()
+        trainer.model.zero_grad()
+        trainer._compute_loss(trainer.model, inputs).backward()
+        grads[corrected] = torch.cat([p.grad.flatten() for p in trainer.model.parameters() if p.grad is not None])
+    assert not torch.allclose(grads[True], grads[False], atol=1e-6)
 
 
 @pytest.mark.invariance
@@ -622,3 +656,61 @@ def test_shared_prompt_forward_trains_like_the_plain_forward(tiny_model_path, tm
         results.append(train_and_snapshot(trainer))
     assert taken and all(taken), "the shared layout must be used for policy, old and reference log-probs"
     assert_same_params(results, atol=2e-5)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_clip_ratio_min_and_max_reduce_over_sequences(tiny_model_path, tmp_path, level):
+    """TRL: *_mean over every token (sequence-level: every sequence), low_min / high_max over the per-sequence
+    fractions — not the same value as the mean (issue 18, item 6)."""
+    trainer = GRPOTrainer(tiny_model_path, reward_funcs=varied_reward, args=_config(tmp_path), train_dataset=_dataset())
+    mask = torch.tensor([[1.0, 1, 1, 1], [1, 1, 1, 1], [1, 1, 0, 0], [0, 0, 0, 0]])
+    if level == "token":
+        high = torch.tensor([[1.0, 1, 1, 1], [0, 0, 0, 0], [0, 1, 0, 0], [0, 0, 0, 0]])
+        low = torch.tensor([[0.0, 0, 0, 0], [1, 1, 0, 0], [1, 1, 0, 0], [0, 0, 0, 0]])
+        expected = {"low_mean": 4 / 10, "low_min": 0.0, "high_mean": 5 / 10, "high_max": 1.0, "region_mean": 8 / 10}
+    else:
+        high = torch.tensor([[1.0], [0.0], [0.0], [1.0]])
+        low = torch.tensor([[0.0], [1.0], [0.0], [0.0]])
+        expected = {"low_mean": 0.25, "low_min": 0.0, "high_mean": 0.5, "high_max": 1.0, "region_mean": 0.75}
+    stats = {"is_low_clipped": low, "is_high_clipped": high, "is_region_clipped": torch.maximum(low, high)}
+    trainer._metrics["train"].clear()
+    trainer._record_policy_metrics(torch.ones(4, 4), mask, stats, "train")
+    for name, value in expected.items():
+        assert trainer._metrics["train"][f"clip_ratio/{name}"] == [pytest.approx(value)], name
+
+
+def test_generation_kwargs_the_sampler_lacks_fall_back_to_transformers(tiny_model_path, tmp_path, caplog):
+    """num_beams / length_penalty are model.generate options: generate with the transformers backend, say so in an
+    info log, and train (issue 18, item 8)."""
+    import logging
+
+    from posttrain.generation.transformers_backend import TransformersBackend
+
+    args = _config(tmp_path, generation_kwargs={"num_beams": 2, "length_penalty": 1.0}, max_completion_length=4)
+    with caplog.at_level(logging.INFO):
+        trainer = GRPOTrainer(tiny_model_path, varied_reward, args, train_dataset=_dataset())
+    assert isinstance(trainer.backend, TransformersBackend)
+    assert "num_beams" in caplog.text and "transformers" in caplog.text
+    trainer.train()
+    assert math.isfinite(_logs(trainer)["loss"])
+
+
+def test_reward_model_tokenizer_whose_pad_token_is_not_in_its_vocabulary(tiny_model_path, tmp_path):
+    """TRL's different-reward-model recipe sets pad_token to a string the tiny tokenizer lacks (pad_token_id None):
+    the reward tokenizer then pads with EOS, as TRL (was: '<' not supported between NoneType and int)."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from posttrain.models.tiny import save_tiny_model
+
+    rm_path = save_tiny_model(tmp_path / "rm-llama", arch="llama", task="sequence-classification")
+    reward_model = AutoModelForSequenceClassification.from_pretrained(rm_path)
+    reward_tokenizer = AutoTokenizer.from_pretrained(rm_path)
+    reward_tokenizer.pad_token = "<|finetune_right_pad_id|>"
+    assert reward_tokenizer.pad_token_id is None
+    trainer = GRPOTrainer(
+        tiny_model_path, reward_model, _config(tmp_path), train_dataset=_dataset(),
+        reward_processing_classes=reward_tokenizer,
+    )  # fmt: skip
+    trainer.train()
+    assert reward_model.config.pad_token_id == reward_tokenizer.eos_token_id
+    assert math.isfinite(_logs(trainer)["reward"])

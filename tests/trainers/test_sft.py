@@ -474,3 +474,16 @@ def test_trainer_validation_errors(tiny_model_path, tmp_path):
             tiny_model_path, args=args_for(tmp_path, model_init_kwargs={"quantization_config": {"load_in_4bit": True}}),
             train_dataset=text,
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("packing_strategy", ["bfd", "wrapped", None])
+def test_num_tokens_counts_real_tokens_as_trl(tiny_model_path, tmp_path, packing_strategy):
+    """TRL's num_tokens: every real token seen (its padding-free bfd rows have no padding); posttrain's packed rows
+    are padded apart, and that padding must not count (issue 18, item 6)."""
+    rows = Dataset.from_list([{"text": f"Row {i} text" * (1 + i % 3)} for i in range(18)])
+    packing = {"packing": True, "packing_strategy": packing_strategy} if packing_strategy else {}
+    args = args_for(tmp_path, max_steps=-1, num_train_epochs=1, max_length=32, **packing)
+    trainer = SFTTrainer(tiny_model_path, args=args, train_dataset=rows)
+    trainer.train()
+    expected = sum(len(ids) for ids in trainer.train_dataset["input_ids"])
+    assert trainer.state.log_history[-2]["num_tokens"] == expected
