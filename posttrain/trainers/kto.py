@@ -4,9 +4,10 @@ Paper: https://huggingface.co/papers/2402.01306. Pipeline (features.md §B5/§C2
 
 1. Data: unpaired preference rows (``prompt``, ``completion``, ``label``), standard or conversational; paired
    preference data is unpaired automatically (implicit prompts extracted first). Rows are tokenized with
-   :func:`posttrain.data.tokenization.tokenize_unpaired`, rows whose prompt alone fills ``max_length`` are dropped,
-   and the train set is shuffled once (seed ``data_seed``, else ``seed``) — TRL does this too, because the default
-   ``train_sampling_strategy`` is ``"sequential"`` and unpairing puts all desirable rows before the undesirable ones.
+   :func:`posttrain.data.tokenization.tokenize_unpaired` and rows whose prompt alone fills ``max_length`` are
+   dropped. The rows keep their order: the default ``train_sampling_strategy`` is ``"sequential"``, so batches are
+   consecutive rows, as in TRL (unpairing puts each chunk of 1,000 pairs' desirable rows before its undesirable
+   ones, so shuffle paired data yourself if batches should mix both classes).
 2. KL baseline (``loss_type="kto"``): each row gets a mismatched completion, ``KL_completion_ids``, by rotating the
    completions by one inside each block of ``per_device_train_batch_size`` rows, so with sequential sampling every
    batch pairs its prompts with its own completions shifted by one. The reference point
@@ -207,9 +208,7 @@ class KTOTrainer(PreferenceTrainer):
             )
         check_precompute_supported(args, train_dataset, eval_dataset)
         check_single_split(train_dataset, "train_dataset")
-        train_dataset = self._prepare_dataset(
-            train_dataset, tok, args, "train", args.per_device_train_batch_size, shuffle=True
-        )
+        train_dataset = self._prepare_dataset(train_dataset, tok, args, "train", args.per_device_train_batch_size)
 
         def prepare_eval(dataset: Any, name: str) -> Any:
             return self._prepare_dataset(dataset, tok, args, name, args.per_device_eval_batch_size)
@@ -227,13 +226,11 @@ class KTOTrainer(PreferenceTrainer):
         self._attach_reference()
 
     # -- data ----------------------------------------------------------------------------------------------------
-    def _prepare_dataset(
-        self, dataset: Any, tok: Any, args: KTOConfig, name: str, block_size: int, shuffle: bool = False
-    ) -> Any:
-        """Validate, unpair, tokenize, drop over-long prompts, shuffle once (train) and add the KL completions.
+    def _prepare_dataset(self, dataset: Any, tok: Any, args: KTOConfig, name: str, block_size: int) -> Any:
+        """Validate, unpair, tokenize, drop over-long prompts and add the KL completions (row order kept).
 
-        Vision datasets are only unpaired and shuffled: the vision collator renders, processes, truncates them and
-        builds their KL rows per batch."""
+        Vision datasets are only unpaired: the vision collator renders, processes, truncates them and builds their
+        KL rows per batch."""
         if dataset is None:
             return None
         if not self._vision and is_vision_dataset(dataset):
@@ -267,9 +264,6 @@ class KTOTrainer(PreferenceTrainer):
             )
         if args.max_length is not None and not self._vision:
             dataset = filter_dataset(dataset, PromptFits(args.max_length), args, f"Dropping long prompts ({name})")
-        if shuffle:  # streams are shuffled through a buffer (unpairing puts a block of desirable rows first)
-            seed = args.data_seed if args.data_seed is not None else args.seed
-            dataset = dataset.shuffle(seed=seed, buffer_size=1000) if iterable else dataset.shuffle(seed=seed)
         if args.loss_type == "kto" and not self._vision and "KL_completion_ids" not in (dataset.column_names or []):
             dataset = map_dataset(
                 dataset, _RotateCompletions(), args, f"Building KL pairs ({name})", batched=True, batch_size=block_size
@@ -385,22 +379,35 @@ class KTOTrainer(PreferenceTrainer):
         self._count_train_tokens(inputs, mode)
         metrics["kl"].append(kl.item())
         metrics["entropy"].append(gather_masked_mean(acc, scores.entropy, scores.mask))
+        # A class absent from the batch on every process logs nothing for it (TRL: the key is not appended), so the
+        # logged value is the mean over the micro-batches that had it, never NaN/None.
         desirable = labels.unsqueeze(1) & scores.mask
         undesirable = (~labels).unsqueeze(1) & scores.mask
         if scores.mean_logits is not None:
-            metrics["logits/chosen"].append(gather_masked_mean(acc, scores.mean_logits, desirable))
-            metrics["logits/rejected"].append(gather_masked_mean(acc, scores.mean_logits, undesirable))
-        chosen_reward = gather_masked_mean(acc, rewards, labels)
-        rejected_reward = gather_masked_mean(acc, rewards, ~labels)
-        metrics["rewards/chosen"].append(chosen_reward)
-        metrics["rewards/rejected"].append(rejected_reward)
-        metrics["rewards/margins"].append(chosen_reward - rejected_reward)
-        metrics["logps/chosen"].append(gather_masked_mean(acc, logps, labels))
-        metrics["logps/rejected"].append(gather_masked_mean(acc, logps, ~labels))
+            _append_masked_mean(metrics, "logits/chosen", acc, scores.mean_logits, desirable)
+            _append_masked_mean(metrics, "logits/rejected", acc, scores.mean_logits, undesirable)
+        has_chosen = _append_masked_mean(metrics, "rewards/chosen", acc, rewards, labels)
+        has_rejected = _append_masked_mean(metrics, "rewards/rejected", acc, rewards, ~labels)
+        if has_chosen and has_rejected:
+            metrics["rewards/margins"].append(metrics["rewards/chosen"][-1] - metrics["rewards/rejected"][-1])
+        _append_masked_mean(metrics, "logps/chosen", acc, logps, labels)
+        _append_masked_mean(metrics, "logps/rejected", acc, logps, ~labels)
 
     def _eval_predictions(self, outputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-row implied rewards ``(B,)`` and the desirable (1) / undesirable (0) labels."""
         return outputs["rewards"], outputs["labels"].long()
+
+
+def _append_masked_mean(
+    metrics: dict[str, list], key: str, accelerator: Any, tensor: torch.Tensor, mask: torch.Tensor
+) -> bool:
+    """Append Σ tensor·mask / Σ mask over every process to ``metrics[key]`` when the mask selects anything on some
+    process (else leave ``metrics`` untouched, so the key is not logged); return whether it did."""
+    mean = gather_masked_mean(accelerator, tensor, mask)
+    if mean != mean:  # NaN: empty mask on every process
+        return False
+    metrics[key].append(mean)
+    return True
 
 
 # Raw columns the vision collator reads.
