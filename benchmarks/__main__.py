@@ -308,6 +308,7 @@ def cmd_fidelity(args: argparse.Namespace) -> list[Any]:
     common.env_setup(1)
     causal = common.ensure_model("tiny", "causal-lm", cache_dir=args.cache_dir)
     seqcls = common.ensure_model("tiny", "sequence-classification", cache_dir=args.cache_dir)
+    qwen3 = fidelity.ensure_qwen3_copy(causal)
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="fidelity-") as tmp:
         names = os.path.join(tmp, "names.txt")
@@ -317,7 +318,7 @@ def cmd_fidelity(args: argparse.Namespace) -> list[Any]:
         for impl, python in (("posttrain", sys.executable), ("trl", str(TRL_PYTHON))):
             out = os.path.join(tmp, f"{impl}.json")
             cmd = [python, "-m", "benchmarks.fidelity_runner", "--impl", impl, "--names-file", names]
-            cmd += ["--causal", causal, "--seqcls", seqcls, "--out", out, *steps_flag]
+            cmd += ["--causal", causal, "--seqcls", seqcls, "--qwen3", qwen3, "--out", out, *steps_flag]
             env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV",)}
             if impl == "trl":
                 env.pop("PYTHONPATH", None)
@@ -331,7 +332,10 @@ def cmd_fidelity(args: argparse.Namespace) -> list[Any]:
     if args.save:
         with open(args.save, "w") as f:
             json.dump(results, f)
-    comparisons = [fidelity.compare(s.name, results["posttrain"][s.name], results["trl"][s.name]) for s in scenarios]
+    comparisons = [
+        fidelity.compare(s.name, results["posttrain"][s.name], results["trl"][s.name], keys=s.compare_keys)
+        for s in scenarios
+    ]
     table = fidelity.markdown_table(comparisons, fidelity.KNOWN_DIFFERENCES)
     print(table)
     counts = {status: sum(c.status == status for c in comparisons) for status in ("equal", "differs", "error")}

@@ -29,7 +29,7 @@ REL_TOL = 1e-4
 ABS_TOL = 1e-6  # values near zero (e.g. a KL of 1e-9) compare absolutely
 
 # Keys that describe the run rather than the math (or that each library counts its own way by design).
-IGNORED_KEYS = frozenset({"learning_rate", "epoch", "step", "numerics/skipped_steps"})
+IGNORED_KEYS = frozenset({"learning_rate", "epoch", "step", "numerics/skipped_steps", "step_time"})
 
 
 # -- datasets (pure Python, identical in both venvs) ---------------------------------------------------------------
@@ -153,32 +153,76 @@ def _seed_of(text: str) -> int:
     return int(hashlib.sha256(text.encode()).hexdigest()[:8], 16)
 
 
+def fixed_completion(prompt_ids: list[int], k: int, max_len: int, eos: int) -> tuple[list[int], list[float]]:
+    """The ``k``-th completion of a prompt and its "sampling" log-probs: a pure function of the prompt's token ids;
+    lengths 2..``max_len``, most shorter ones ending with EOS, the others truncated."""
+    rng = random.Random(_seed_of(",".join(map(str, prompt_ids))) * 31 + k)
+    length = rng.randint(2, max_len)
+    completion = [rng.randint(32, 126) for _ in range(length)]
+    if length < max_len and rng.random() < 0.7:
+        completion[-1] = eos
+    return completion, [-0.5 - 0.25 * rng.random() for _ in completion]
+
+
+def _tokenize_prompt(tok: Any, prompt: Any, chat_template_kwargs: dict[str, Any] | None) -> list[int]:
+    if isinstance(prompt, list):
+        out = tok.apply_chat_template(
+            prompt, add_generation_prompt=True, tokenize=True, return_dict=True, **(chat_template_kwargs or {})
+        )
+        return list(out["input_ids"])
+    return list(tok(prompt, add_special_tokens=False)["input_ids"])
+
+
 def fixed_rollout_func(prompts: list[Any], trainer: Any) -> dict[str, list]:
-    """TRL's ``rollout_func`` contract: one completion per (repeated) prompt, a pure function of the prompt text and
-    of its position in the group; lengths 2..(max_completion_length), some ending with EOS, some truncated."""
+    """TRL's ``rollout_func`` contract (GRPO): one completion per (repeated) prompt, see :func:`fixed_completion`."""
     tok = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
-    max_len = trainer.args.max_completion_length
-    eos = tok.eos_token_id
     prompt_ids, completion_ids, logprobs = [], [], []
-    seen: dict[str, int] = {}
+    seen: dict[tuple[int, ...], int] = {}
     for prompt in prompts:
-        if isinstance(prompt, list):
-            ids = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True)
-            ids = list(ids["input_ids"])
-        else:
-            ids = tok(prompt, add_special_tokens=False)["input_ids"]
-        key = _prompt_text(prompt)
-        k = seen.get(key, 0)
-        seen[key] = k + 1
-        rng = random.Random(_seed_of(key) * 31 + k)
-        length = rng.randint(2, max_len)
-        completion = [rng.randint(32, 126) for _ in range(length)]
-        if length < max_len and rng.random() < 0.7:
-            completion[-1] = eos
+        ids = _tokenize_prompt(tok, prompt, getattr(trainer.args, "chat_template_kwargs", None))
+        k = seen.get(tuple(ids), 0)
+        seen[tuple(ids)] = k + 1
+        completion, lps = fixed_completion(ids, k, trainer.args.max_completion_length, tok.eos_token_id)
         prompt_ids.append(ids)
         completion_ids.append(completion)
-        logprobs.append([-0.5 - 0.25 * rng.random() for _ in completion])
+        logprobs.append(lps)
     return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs}
+
+
+def patch_generation(trainer: Any) -> None:
+    """RLOO has no ``rollout_func`` in TRL 1.16: replace each library's generation step by :func:`fixed_completion`
+    (TRL: ``_generate_single_turn(prompt_ids, ...)``, one row per completion; posttrain: the pipeline's backend,
+    ``generate(unique_prompt_ids, sampling, num_generations)``)."""
+    tok = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
+    max_len, eos = trainer.args.max_completion_length, tok.eos_token_id
+    if hasattr(trainer, "_generate_single_turn"):  # TRL
+
+        def generate_single_turn(prompt_ids, images=None, multimodal_fields=None, *rest):
+            seen: dict[tuple[int, ...], int] = {}
+            out = []
+            for ids in prompt_ids:
+                k = seen.get(tuple(ids), 0)
+                seen[tuple(ids)] = k + 1
+                out.append(fixed_completion(list(ids), k, max_len, eos)[0])
+            return out
+
+        trainer._generate_single_turn = generate_single_turn
+        return
+    from posttrain.generation.base import Completions
+
+    class _FixedBackend:
+        def sync_weights(self, model):
+            pass
+
+        def generate(self, prompt_ids, sampling=None, num_generations=1, **kwargs):
+            rows, prompts = [], []
+            for ids in prompt_ids:
+                for k in range(num_generations):
+                    rows.append(fixed_completion(list(ids), k, max_len, eos)[0])
+                    prompts.append(list(ids))
+            return Completions(rows, None, [r[-1] == eos for r in rows], prompts)
+
+    trainer.pipeline.backend = _FixedBackend()
 
 
 def reward_vowels(completions: list[Any], **kwargs) -> list[float]:
@@ -202,6 +246,38 @@ def reward_length(completions: list[Any], **kwargs) -> list[float]:
 REWARD_FUNCS = {"vowels": reward_vowels, "length": reward_length}
 
 
+# The tool functions of the GRPO "Agent Training" example in TRL's docs.
+def multiply(a: int, b: int) -> int:
+    """
+    Multiplies two integers.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+
+    Returns:
+        The product of the two integers.
+    """
+    return a * b
+
+
+async def async_add(a: int, b: int) -> int:
+    """
+    Asynchronously adds two integers.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+
+    Returns:
+        The sum of the two integers.
+    """
+    return a + b
+
+
+TOOLS = {"multiply": multiply, "async_add": async_add}
+
+
 # -- scenarios -----------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Scenario:
@@ -212,9 +288,14 @@ class Scenario:
     dataset_kwargs: dict[str, Any] = field(default_factory=dict)
     reward_funcs: tuple[str, ...] = ()
     steps: int = 3
+    tools: tuple[str, ...] = ()  # names in TOOLS; the model then generates (no rollout_func)
+    compare_keys: tuple[str, ...] | None = None  # compare only these keys (sampled runs: the tool metrics)
+    model: str | None = None  # a key of the runner's model paths; default from the trainer
 
     @property
     def task(self) -> str:
+        if self.model:
+            return self.model
         return "sequence-classification" if self.trainer == "reward" else "causal-lm"
 
 
@@ -259,7 +340,7 @@ def _scenarios() -> list[Scenario]:
     add("sft/conv_prompt_completion", "sft", {"max_length": 64}, "conv_prompt_completion")
     add("sft/packed_bfd", "sft", {"max_length": 64, "packing": True}, "messages")
     add("sft/packed_wrapped", "sft", {"max_length": 64, "packing": True, "packing_strategy": "wrapped"}, "lm_text")
-    add("sft/padding_free", "sft", {"max_length": 64, "padding_free": True}, "prompt_completion")
+    add("sft/padding_free", "sft", {"max_length": None, "padding_free": True}, "prompt_completion")
     add("sft/truncation_16", "sft", {"max_length": 16}, "prompt_completion")
     add("sft/grad_accum_2", "sft", {"max_length": 64, "gradient_accumulation_steps": 2}, "prompt_completion")
 
@@ -332,7 +413,15 @@ def _scenarios() -> list[Scenario]:
         dataset = "prompts_text" if name == "text_prompts" else "prompts"
         add(f"grpo/{name}", "grpo", {**online, "beta": 0.0, **knob}, dataset, reward_funcs=funcs)
 
+    # Tool calling (issue 18 item 9): the docs' tools with a Qwen3 template on the untrained tiny model, which
+    # emits stray <tool_call> tokens; only the tool metrics are comparable (both sides sample).
+    add("grpo/tools_docs_example", "grpo", {**online, "beta": 0.0, "max_completion_length": 32,
+        "chat_template_kwargs": {"enable_thinking": False}}, "prompts", reward_funcs=("vowels",),
+        tools=("multiply", "async_add"), compare_keys=("tools/call_frequency", "tools/failure_frequency"),
+        model="causal-lm-qwen3", steps=4)  # fmt: skip
+
     # RLOO
+    online = {k: v for k, v in online.items() if k != "use_bias_correction_kl"}  # GRPO only
     add("rloo/default", "rloo", {**online}, "prompts", reward_funcs=("vowels",))
     add("rloo/beta0", "rloo", {**online, "beta": 0.0}, "prompts", reward_funcs=("vowels",))
     add("rloo/mu2", "rloo", {**online, "num_iterations": 2}, "prompts", reward_funcs=("vowels",))
@@ -367,7 +456,10 @@ def run_scenario(scenario: Scenario, model_path: str, trainer_classes: dict[str,
     kwargs: dict[str, Any] = {"model": model_path, "args": config, "train_dataset": dataset}
     if scenario.trainer in ("grpo", "rloo"):
         kwargs["reward_funcs"] = [REWARD_FUNCS[name] for name in scenario.reward_funcs]
-        kwargs["rollout_func"] = fixed_rollout_func
+        if scenario.tools:
+            kwargs["tools"] = [TOOLS[name] for name in scenario.tools]
+        elif scenario.trainer == "grpo":
+            kwargs["rollout_func"] = fixed_rollout_func
     logs: list[dict[str, Any]] = []
 
     class _Record(TrainerCallback):
@@ -380,6 +472,8 @@ def run_scenario(scenario: Scenario, model_path: str, trainer_classes: dict[str,
     record = logs
     torch.manual_seed(0)
     trainer = trainer_cls(**kwargs)
+    if scenario.trainer == "rloo":
+        patch_generation(trainer)
     trainer.add_callback(_Record())
     trainer.train()
     return logs
@@ -436,8 +530,17 @@ class Comparison:
     differing_keys: list[str] = field(default_factory=list)
 
 
-def compare(name: str, ours: dict[str, Any], theirs: dict[str, Any], rel_tol: float = REL_TOL) -> Comparison:
-    """Compare two scenario results step by step (keys both log; keys only one side logs are listed)."""
+def compare(
+    name: str,
+    ours: dict[str, Any],
+    theirs: dict[str, Any],
+    rel_tol: float = REL_TOL,
+    keys: tuple[str, ...] | None = None,
+) -> Comparison:
+    """Compare two scenario results step by step (keys both log, or only ``keys``; keys only one side logs are
+    listed)."""
+    if "error" in ours and "error" in theirs and ours["error"].split(":")[0] == theirs["error"].split(":")[0]:
+        return Comparison(name, "equal", detail=f"both refuse: {theirs['error'][:160]}")
     if "error" in ours or "error" in theirs:
         detail = "; ".join(f"{side}: {r['error']}" for side, r in (("posttrain", ours), ("TRL", theirs)) if "error" in r)
         return Comparison(name, "error", detail=detail)
@@ -448,6 +551,8 @@ def compare(name: str, ours: dict[str, Any], theirs: dict[str, Any], rel_tol: fl
         result.detail = f"{len(a_logs)} logged steps vs {len(b_logs)}"
     a_keys = set().union(*(r.keys() for r in a_logs)) - IGNORED_KEYS if a_logs else set()
     b_keys = set().union(*(r.keys() for r in b_logs)) - IGNORED_KEYS if b_logs else set()
+    if keys is not None:
+        a_keys, b_keys = a_keys & set(keys), b_keys & set(keys)
     result.only_posttrain = sorted(a_keys - b_keys)
     result.only_trl = sorted(b_keys - a_keys)
     shared = sorted(a_keys & b_keys)
@@ -526,3 +631,26 @@ def write_markdown(path: str, table: str, counts: dict[str, int], ours: Any, the
 
 def dumps(obj: Any) -> str:
     return json.dumps(obj, default=str)
+
+
+def ensure_qwen3_copy(causal_dir: str) -> str:
+    """A copy of the saved tiny causal LM whose tokenizer has posttrain's bundled Qwen3 chat template (tool calls
+    in ``<tool_call>`` tags; both libraries know its training template). posttrain's venv only."""
+    import shutil
+    from pathlib import Path
+
+    target = Path(causal_dir).with_name(Path(causal_dir).name + "-qwen3")
+    if (target / "config.json").is_file():
+        return str(target)
+    from transformers import AutoTokenizer
+
+    import posttrain.data.chat_templates as templates
+
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(causal_dir, tmp)
+    tok = AutoTokenizer.from_pretrained(tmp)
+    tok.chat_template = (Path(templates.__file__).parent / "templates" / "qwen3.jinja").read_text()
+    tok.save_pretrained(tmp)
+    tmp.rename(target)
+    return str(target)

@@ -34,6 +34,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--names-file", required=True, help="One scenario name per line.")
     parser.add_argument("--causal", required=True, help="Saved tiny causal LM directory.")
     parser.add_argument("--seqcls", required=True, help="Saved tiny sequence classifier directory.")
+    parser.add_argument("--qwen3", required=True, help="The tiny causal LM with a Qwen3 chat template.")
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=None, help="Override every scenario's optimizer steps.")
     args = parser.parse_args(argv)
@@ -44,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     scenarios = [fidelity.SCENARIOS[n] for n in names]
     if args.steps is not None:
         scenarios = [dataclasses.replace(s, steps=args.steps) for s in scenarios]
-    paths = {"causal-lm": args.causal, "sequence-classification": args.seqcls}
+    paths = {"causal-lm": args.causal, "sequence-classification": args.seqcls, "causal-lm-qwen3": args.qwen3}
     results = fidelity.run_many(scenarios, paths, trainer_classes(args.impl))
     other = "posttrain" if args.impl == "trl" else "trl"
     if other in sys.modules:
