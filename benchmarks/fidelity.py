@@ -415,7 +415,7 @@ def _scenarios() -> list[Scenario]:
 
     # Tool calling (issue 18 item 9): the docs' tools with a Qwen3 template on the untrained tiny model, which
     # emits stray <tool_call> tokens; only the tool metrics are comparable (both sides sample).
-    add("grpo/tools_docs_example", "grpo", {**online, "beta": 0.0, "max_completion_length": 32,
+    add("grpo/tools_docs_example", "grpo", {**online, "beta": 0.0, "max_completion_length": 160,
         "chat_template_kwargs": {"enable_thinking": False}}, "prompts", reward_funcs=("vowels",),
         tools=("multiply", "async_add"), compare_keys=("tools/call_frequency", "tools/failure_frequency"),
         model="causal-lm-qwen3", steps=4)  # fmt: skip
