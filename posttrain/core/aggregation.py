@@ -10,7 +10,7 @@ key                      loss                                                   
 ``token_mean_local``     Σ L·m / max(Σ m, 1)                                           bnpo
 ``constant_norm``        Σ L·m / (B · max_completion_length)                           dr_grpo
 ``token_mean_global``    Σ L·m / (num_items_in_batch / num_processes)                  dapo, cispo, vespo
-``length_weighted``      mean_i Σ_t L·m  (L_i·|o_i| for a (B, 1) loss)                luspo
+``length_weighted``      mean_i Σ_t L·m  (L_i·|o_i| for a (B, 1) loss)                 luspo
 ``sequence_mean``        mean_i L_i  (a ``(B, 1)`` per-sequence loss)                  RLOO
 =======================  ============================================================  ====================
 
