@@ -339,8 +339,10 @@ def cmd_fidelity(args: argparse.Namespace) -> list[Any]:
     table = fidelity.markdown_table(comparisons, fidelity.KNOWN_DIFFERENCES)
     print(table)
     counts = {status: sum(c.status == status for c in comparisons) for status in ("equal", "differs", "error")}
+    counts["known"] = sum(fidelity.known_difference(c) is not None for c in comparisons)
     print(f"\n{counts['equal']} equal, {counts['differs']} differ, {counts['error']} errors "
-          f"(of {len(comparisons)}; rel. tolerance {fidelity.REL_TOL})")
+          f"({counts['known']} of them understood, see the table; of {len(comparisons)}; "
+          f"rel. tolerance {fidelity.REL_TOL})")
     if args.md:
         fidelity.write_markdown(args.md, table, counts, results["posttrain"].get("_versions"),
                                 results["trl"].get("_versions"))
