@@ -1,4 +1,4 @@
-"""Entry point: ``python -m benchmarks run|compare|table|prepare|list``.
+"""Entry point: ``python -m benchmarks run|compare|table|prepare|list|fidelity``.
 
     python -m benchmarks run --trainer grpo --model tiny [--config grpo_beta] [--steps N] [--warmup N]
     python -m benchmarks run --config grpo_realistic --impl trl          # the same workload with TRL
@@ -6,6 +6,7 @@
     python -m benchmarks compare --configs grpo grpo@small sft_packed --runs 5 [--model bigvocab] [--out results.jsonl]
     python -m benchmarks table results.jsonl                            # markdown table of the ratios
     python -m benchmarks list
+    python -m benchmarks fidelity [--only dpo/ kto/] [--md benchmarks/FIDELITY.md]  # step-by-step equality with TRL
 
 ``run`` prints one JSON line (see benchmarks/README.md for the fields). ``compare`` runs posttrain and TRL in
 alternating fresh processes (ABBA order per round, so drift of a shared machine cancels) and prints every run's line
@@ -291,6 +292,63 @@ def cmd_table(args: argparse.Namespace) -> None:
         )
 
 
+# -- fidelity ----------------------------------------------------------------------------------------------------
+def cmd_fidelity(args: argparse.Namespace) -> list[Any]:
+    """Every selected scenario with posttrain and with TRL (one child process each), compared step by step."""
+    from benchmarks import fidelity
+
+    if not TRL_PYTHON.exists():
+        raise SystemExit(f"No TRL venv at {TRL_PYTHON.parent.parent}; create it with: bash benchmarks/setup_trl.sh")
+    scenarios = fidelity.select(args.only)
+    if args.steps is not None:
+        scenarios = [dataclasses.replace(s, steps=args.steps) for s in scenarios]
+        fidelity.SCENARIOS.update({s.name: s for s in scenarios})
+    if not scenarios:
+        raise SystemExit(f"No scenario matches {args.only}; names: {', '.join(fidelity.SCENARIOS)}")
+    common.env_setup(1)
+    causal = common.ensure_model("tiny", "causal-lm", cache_dir=args.cache_dir)
+    seqcls = common.ensure_model("tiny", "sequence-classification", cache_dir=args.cache_dir)
+    qwen3 = fidelity.ensure_qwen3_copy(causal)
+    results: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="fidelity-") as tmp:
+        names = os.path.join(tmp, "names.txt")
+        with open(names, "w") as f:
+            f.write("\n".join(s.name for s in scenarios))
+        steps_flag = [] if args.steps is None else ["--steps", str(args.steps)]
+        for impl, python in (("posttrain", sys.executable), ("trl", str(TRL_PYTHON))):
+            out = os.path.join(tmp, f"{impl}.json")
+            cmd = [python, "-m", "benchmarks.fidelity_runner", "--impl", impl, "--names-file", names]
+            cmd += ["--causal", causal, "--seqcls", seqcls, "--qwen3", qwen3, "--out", out, *steps_flag]
+            env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV",)}
+            if impl == "trl":
+                env.pop("PYTHONPATH", None)
+            else:
+                env["PYTHONPATH"] = str(common.REPO_ROOT)
+            done = subprocess.run(cmd, cwd=common.REPO_ROOT, env=env, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise SystemExit(f"{impl} runner failed ({done.returncode}):\n{done.stderr[-4000:]}")
+            with open(out) as f:
+                results[impl] = json.load(f)
+    if args.save:
+        with open(args.save, "w") as f:
+            json.dump(results, f)
+    comparisons = [
+        fidelity.compare(s.name, results["posttrain"][s.name], results["trl"][s.name], keys=s.compare_keys)
+        for s in scenarios
+    ]
+    table = fidelity.markdown_table(comparisons, fidelity.KNOWN_DIFFERENCES)
+    print(table)
+    counts = {status: sum(c.status == status for c in comparisons) for status in ("equal", "differs", "error")}
+    counts["known"] = sum(fidelity.known_difference(c) is not None for c in comparisons)
+    print(f"\n{counts['equal']} equal, {counts['differs']} differ, {counts['error']} errors "
+          f"({counts['known']} of them understood, see the table; of {len(comparisons)}; "
+          f"rel. tolerance {fidelity.REL_TOL})")
+    if args.md:
+        fidelity.write_markdown(args.md, table, counts, results["posttrain"].get("_versions"),
+                                results["trl"].get("_versions"))
+    return comparisons
+
+
 # -- prepare / list ----------------------------------------------------------------------------------------------
 def cmd_prepare(args: argparse.Namespace) -> None:
     workload = get_workload(args.config)
@@ -350,6 +408,14 @@ def build_parser() -> argparse.ArgumentParser:
     table = sub.add_parser("table", help="Markdown ratio table from `compare --out` JSONL files.")
     table.add_argument("files", nargs="+")
     table.set_defaults(func=cmd_table)
+
+    fid = sub.add_parser("fidelity", help="Step-by-step equality of posttrain and TRL on deterministic scenarios.")
+    fid.add_argument("--only", nargs="*", default=None, help="Scenario name substrings (e.g. dpo/ kto/kto).")
+    fid.add_argument("--steps", type=int, default=None, help="Optimizer steps per scenario (default: its own, 3).")
+    fid.add_argument("--md", default=None, help="Write the result table to this markdown file (FIDELITY.md).")
+    fid.add_argument("--save", default=None, help="Write both sides' raw per-step logs to this JSON file.")
+    fid.add_argument("--cache-dir", default=None)
+    fid.set_defaults(func=cmd_fidelity)
 
     lister = sub.add_parser("list", help="The workloads.")
     lister.set_defaults(func=cmd_list)

@@ -5,7 +5,9 @@
 ``TransformersBackend``, vLLM):
 
 1. the inner backend generates the first assistant turn of every rollout;
-2. each turn that ended with EOS is parsed for tool calls (``tool_calls.TOOL_CALL_PARSERS``);
+2. each turn that ended with EOS is parsed for tool calls (``tool_calls.TOOL_CALL_PARSERS``); a turn whose
+   tool-call markup does not parse is plain text and final, as in TRL (``tool_calls.assistant_message``), and string
+   arguments are cast with the tool's schema;
 3. the calls of all rollouts run together (async tools concurrently; errors become error messages, see ``tools``);
 4. the tool messages are rendered into *suffix tokens* by diffing two renders of a dummy conversation (with and
    without the tool messages + generation prompt), so the earlier tokens are never re-tokenised;
@@ -227,7 +229,7 @@ class ToolCallingBackend:
         rollout.mask.extend([1] * len(ids))
         rollout.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
         rollout.finished = finished
-        message, calls = assistant_message(self._decode_turn(ids), self.parser)
+        message, calls = assistant_message(self._decode_turn(ids), self.parser, rollout.tools)
         rollout.messages.append(message)
         # A turn cut by the budget is not acted on: its call (if any) may be incomplete and there is no room left.
         rollout.pending = calls if finished else []

@@ -2,9 +2,12 @@
 
 A parser turns the decoded text of one assistant turn into ``(content, calls)``: the text outside the tool-call
 markup and a list of :class:`ToolCall`. A call whose markup is there but whose JSON is broken, whose ``name`` is
-missing or whose arguments are not a JSON object is still returned, with ``error`` set: the tool loop answers it
-with an error message in the tool turn instead of silently treating the turn as final (the model should learn that
-its call was malformed).
+missing or whose arguments are not a JSON object is still returned, with ``error`` set, so callers can see it.
+:func:`assistant_message` (what the tool loop uses) then treats the whole turn as plain text with no calls, as
+TRL's ``parse_response`` does when a response does not parse: such a turn is final, it is not a failed call (an
+untrained model that emits stray ``<tool_call>`` tokens would otherwise report phantom tool failures).
+String arguments are cast with the called tool's JSON schema (``"7"`` → ``7`` for an ``integer`` parameter, as
+transformers' ``parse_response(tools=...)`` does): :func:`coerce_arguments`.
 
 Built-in formats:
 
@@ -22,8 +25,9 @@ Add a format with ``@TOOL_CALL_PARSERS.register("name")`` on a function ``(text)
 from __future__ import annotations
 
 import json
+import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -157,16 +161,93 @@ def parse_tool_calls(text: str, parser: str | ToolCallParser = "hermes") -> tupl
     return TOOL_CALL_PARSERS.get(parser)(text)
 
 
-def assistant_message(text: str, parser: str | ToolCallParser = "hermes") -> tuple[dict[str, Any], list[ToolCall]]:
+def assistant_message(
+    text: str, parser: str | ToolCallParser = "hermes", tools: Mapping[str, Any] | None = None
+) -> tuple[dict[str, Any], list[ToolCall]]:
     """The assistant message of one generated turn, as TRL's ``parse_response`` gives it, and its calls.
+
+    A turn with any malformed call (``ToolCall.error`` set) is plain text: ``({"role": "assistant", "content":
+    text}, [])``, as TRL falls back to the decoded text when the response does not parse. With ``tools``
+    (``{name: Tool}`` or ``{name: JSON schema}``), string arguments are cast with the called tool's schema
+    (:func:`coerce_arguments`).
 
     Returns ``({"role": "assistant", "content": ..., ["tool_calls": [...]]}, calls)``.
     """
     content, calls = parse_tool_calls(text, parser)
+    if any(call.error is not None for call in calls):
+        return {"role": "assistant", "content": text}, []
+    if tools:
+        for call in calls:
+            tool = tools.get(call.name)
+            schema = getattr(tool, "schema", tool)
+            if isinstance(schema, Mapping) and call.arguments:
+                call.arguments = coerce_arguments(call.arguments, schema)
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if calls:
         message["tool_calls"] = [call.to_message_dict() for call in calls]
     return message, calls
+
+
+def _schema_types(schema: Any) -> list[str]:
+    """The JSON types a parameter schema allows (``type`` as a name or list, ``anyOf``/``oneOf``, ``nullable``)."""
+    if not isinstance(schema, Mapping):
+        return []
+    declared = schema.get("type")
+    types = [declared] if isinstance(declared, str) else [t for t in declared or () if isinstance(t, str)]
+    for key in ("anyOf", "oneOf"):
+        for option in schema.get(key) or ():
+            types.extend(_schema_types(option))
+    if schema.get("nullable") and "null" not in types:
+        types.append("null")
+    return types
+
+
+def _cast(raw: str, types: list[str]) -> Any:
+    """``raw`` read as the first of ``types`` it is a valid literal of; unchanged when none fits (or ``string``)."""
+    text = raw.strip()
+    for kind in types:
+        try:
+            if kind == "integer":
+                try:
+                    return int(text)
+                except ValueError:  # whole numbers written as floats ("3.0") are integers too
+                    number = float(text)
+                    if number.is_integer():
+                        return int(number)
+            elif kind == "number":
+                number = float(text)
+                if math.isfinite(number):
+                    return int(number) if number.is_integer() and "." not in text else number
+            elif kind == "boolean" and text.lower() in ("true", "false", "1", "0"):
+                return text.lower() in ("true", "1")
+            elif kind == "null" and text in ("null", "None"):
+                return None
+            elif kind in ("object", "array"):
+                value = json.loads(text)
+                if isinstance(value, dict if kind == "object" else list):
+                    return value
+        except ValueError:
+            continue
+    return raw
+
+
+def coerce_arguments(arguments: dict[str, Any], schema: Mapping[str, Any]) -> dict[str, Any]:
+    """Cast string-valued ``arguments`` to the types the tool's JSON schema declares for them.
+
+    ``schema`` is the tool's ``{"type": "function", "function": {"parameters": {"properties": ...}}}`` (or the
+    ``function`` part). A model often writes ``{"a": "3"}`` for an ``integer`` parameter; TRL (through
+    transformers' ``parse_response(tools=...)``) calls the tool with ``3``, and so does posttrain. Values of
+    parameters the schema does not describe, ``string`` parameters and strings that are no valid literal of the
+    declared type stay as they are. Returns a new dict.
+    """
+    function = schema.get("function", schema)
+    properties = (function.get("parameters") or {}).get("properties") or {}
+    out = dict(arguments)
+    for key, value in arguments.items():
+        types = _schema_types(properties.get(key))
+        if isinstance(value, str) and types:
+            out[key] = _cast(value, types)
+    return out
 
 
 _PROBE_NAME, _PROBE_KEY, _PROBE_VALUE = "probe_tool_name", "probe_arg_key", "probe_arg_value"

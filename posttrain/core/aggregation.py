@@ -10,7 +10,7 @@ key                      loss                                                   
 ``token_mean_local``     Σ L·m / max(Σ m, 1)                                           bnpo
 ``constant_norm``        Σ L·m / (B · max_completion_length)                           dr_grpo
 ``token_mean_global``    Σ L·m / (num_items_in_batch / num_processes)                  dapo, cispo, vespo
-``length_weighted``      mean over elements of (L · |o_i|), |o_i| = Σ_t m              luspo
+``length_weighted``      mean_i Σ_t L·m  (L_i·|o_i| for a (B, 1) loss)                 luspo
 ``sequence_mean``        mean_i L_i  (a ``(B, 1)`` per-sequence loss)                  RLOO
 =======================  ============================================================  ====================
 
@@ -128,22 +128,19 @@ token_mean_global.normalised_over_step = True
 def length_weighted(loss: torch.Tensor, mask: torch.Tensor, **_) -> torch.Tensor:
     """LUSPO (arXiv 2602.05261): each sequence's loss scaled by its length, to undo GSPO's bias against long answers.
 
-    TRL computes ``mean(per_token_loss · |o_i|)`` with |o_i| = Σ_t m_it, meant for a sequence-level loss:
+    mean_i Σ_t L_it m_it, as TRL 1.16 (``(per_token_loss * mask).sum(-1).mean()``):
 
-    * ``(B, 1)`` loss (``importance_sampling_level="sequence"``, no per-token terms): mean_i (L_i · |o_i|) — exactly
-      TRL.
-    * ``(B, T)`` loss (token-level weights, or a KL / entropy-mask term made it per-token): mean over all B·T
-      elements of (L_it · m_it · |o_i|). This differs from TRL only in masking: TRL would also average in whatever
-      loss values padding positions hold; here they are zeros, the denominator is still B·T.
+    * ``(B, 1)`` loss (``importance_sampling_level="sequence"``, no per-token terms): mean_i (L_i · |o_i|) with
+      |o_i| = Σ_t m_it.
+    * ``(B, T)`` loss (token-level weights, or a KL / entropy-mask term made it per-token): each sequence's masked
+      token sum, averaged over sequences (older TRL releases multiplied every element by |o_i| and averaged over all
+      B·T elements instead).
 
     Args:
         loss: ``(B, 1)`` or ``(B, T)``.
         mask: ``(B, T)``.
     """
-    lengths = mask.sum(dim=-1, keepdim=True).to(loss.dtype)  # (B, 1)
-    if loss.shape[-1] == 1 and mask.shape[-1] != 1:
-        return (loss * lengths).mean()
-    return (masked_where(loss, mask) * lengths).mean()
+    return masked_where(loss.expand(mask.shape), mask).sum(dim=-1).mean()
 
 
 @AGGREGATIONS.register("sequence_mean")

@@ -562,9 +562,10 @@ def wpo_sequence_weight(
 
 
 def wpo_pair_weight(chosen_weight: torch.Tensor, rejected_weight: torch.Tensor) -> torch.Tensor:
-    """WPO per-pair weight w(x, y_c)·w(x, y_r), clamped at 1 as TRL does (weights can exceed 1 when the sampled
-    token is the mode). Shapes ``(B,)``; detached. Pass the result as ``dpo_loss(..., weights=...)``."""
-    return (chosen_weight * rejected_weight).clamp(max=1.0).detach()
+    """WPO per-pair weight w(x, y_c)·w(x, y_r), unclamped as in TRL 1.16 (it exceeds 1 when the sampled tokens are
+    more likely than the distribution's collision probability, e.g. the mode of a peaked one; older TRL releases
+    clamped it at 1). Shapes ``(B,)``; detached. Pass the result as ``dpo_loss(..., weights=...)``."""
+    return (chosen_weight * rejected_weight).detach()
 
 
 def ld_weighted_logps(

@@ -136,5 +136,7 @@ class LeaveOneOutEstimator:
         advantages = leave_one_out_advantages(rewards, num_generations)
         if self.normalize_advantages:
             advantages = normalize_advantages(advantages, mask=~torch.isnan(rewards))
-        std = group_mean_std(raw, num_generations)[1]
+        # frac_reward_zero_std: the spread of the rewards the baseline sees (after clipping and the KL penalty), as
+        # TRL; the logged reward stays the raw one.
+        std = group_mean_std(rewards, num_generations)[1]
         return AdvantageResult(advantages, raw, std, metrics)

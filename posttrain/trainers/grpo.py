@@ -473,8 +473,11 @@ class GRPOTrainer(OnlineTrainerBase):
             objective_kwargs = {**objective_kwargs, "importance_sampling_ratio": is_ratio}
         per_token_loss, objective_stats = self.objective(logps, old_logps, advantages, mask, **objective_kwargs)
         if args.off_policy_mask_threshold is not None:
-            # The sampler's log-probs when the correction is active (TRL: vLLM's), else π_old's.
-            sampling_logps = inputs.get("sampling_per_token_logps") if is_ratio is not None else None
+            # The generator's log-probs when they come from outside the trainer (vLLM, a rollout_func's
+            # "logprobs"), as TRL, else π_old's (posttrain's own sampler returns log-probs too, TRL's
+            # transformers path none).
+            external = is_ratio is not None or getattr(self, "rollout_func", None) is not None
+            sampling_logps = inputs.get("sampling_per_token_logps") if external else None
             sampling_logps = old_logps if sampling_logps is None else sampling_logps
             per_token_loss = per_token_loss * self.get_off_policy_mask(
                 advantages, logps, sampling_logps, mask, args.off_policy_mask_threshold

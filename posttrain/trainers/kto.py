@@ -4,9 +4,10 @@ Paper: https://huggingface.co/papers/2402.01306. Pipeline (features.md §B5/§C2
 
 1. Data: unpaired preference rows (``prompt``, ``completion``, ``label``), standard or conversational; paired
    preference data is unpaired automatically (implicit prompts extracted first). Rows are tokenized with
-   :func:`posttrain.data.tokenization.tokenize_unpaired`, rows whose prompt alone fills ``max_length`` are dropped,
-   and the train set is shuffled once (seed ``data_seed``, else ``seed``) — TRL does this too, because the default
-   ``train_sampling_strategy`` is ``"sequential"`` and unpairing puts all desirable rows before the undesirable ones.
+   :func:`posttrain.data.tokenization.tokenize_unpaired` and rows whose prompt alone fills ``max_length`` are
+   dropped. The rows keep their order: the default ``train_sampling_strategy`` is ``"sequential"``, so batches are
+   consecutive rows, as in TRL (unpairing puts each chunk of 1,000 pairs' desirable rows before its undesirable
+   ones, so shuffle paired data yourself if batches should mix both classes).
 2. KL baseline (``loss_type="kto"``): each row gets a mismatched completion, ``KL_completion_ids``, by rotating the
    completions by one inside each block of ``per_device_train_batch_size`` rows, so with sequential sampling every
    batch pairs its prompts with its own completions shifted by one. The reference point
@@ -211,9 +212,7 @@ class KTOTrainer(PreferenceTrainer):
             )
         check_precompute_supported(args, train_dataset, eval_dataset)
         check_single_split(train_dataset, "train_dataset")
-        train_dataset = self._prepare_dataset(
-            train_dataset, tok, args, "train", args.per_device_train_batch_size, shuffle=True
-        )
+        train_dataset = self._prepare_dataset(train_dataset, tok, args, "train", args.per_device_train_batch_size)
 
         def prepare_eval(dataset: Any, name: str) -> Any:
             return self._prepare_dataset(dataset, tok, args, name, args.per_device_eval_batch_size)
@@ -231,13 +230,11 @@ class KTOTrainer(PreferenceTrainer):
         self._attach_reference()
 
     # -- data ----------------------------------------------------------------------------------------------------
-    def _prepare_dataset(
-        self, dataset: Any, tok: Any, args: KTOConfig, name: str, block_size: int, shuffle: bool = False
-    ) -> Any:
-        """Validate, unpair, tokenize, drop over-long prompts, shuffle once (train) and add the KL completions.
+    def _prepare_dataset(self, dataset: Any, tok: Any, args: KTOConfig, name: str, block_size: int) -> Any:
+        """Validate, unpair, tokenize, drop over-long prompts and add the KL completions (row order kept).
 
-        Vision datasets are only unpaired and shuffled: the vision collator renders, processes, truncates them and
-        builds their KL rows per batch."""
+        Vision datasets are only unpaired: the vision collator renders, processes, truncates them and builds their
+        KL rows per batch."""
         if dataset is None:
             return None
         if not self._vision and is_vision_dataset(dataset):
@@ -271,9 +268,6 @@ class KTOTrainer(PreferenceTrainer):
             )
         if args.max_length is not None and not self._vision:
             dataset = filter_dataset(dataset, PromptFits(args.max_length), args, f"Dropping long prompts ({name})")
-        if shuffle:  # streams are shuffled through a buffer (unpairing puts a block of desirable rows first)
-            seed = args.data_seed if args.data_seed is not None else args.seed
-            dataset = dataset.shuffle(seed=seed, buffer_size=1000) if iterable else dataset.shuffle(seed=seed)
         if args.loss_type == "kto" and not self._vision and "KL_completion_ids" not in (dataset.column_names or []):
             dataset = map_dataset(
                 dataset, _RotateCompletions(), args, f"Building KL pairs ({name})", batched=True, batch_size=block_size
@@ -389,22 +383,35 @@ class KTOTrainer(PreferenceTrainer):
         self._count_train_tokens(inputs, mode)
         record("kl", kl.item())
         record("entropy", gather_masked_mean(acc, scores.entropy, scores.mask))
+        # A class absent from the batch on every process logs nothing for it (TRL: the key is not appended), so the
+        # logged value is the mean over the micro-batches that had it, never NaN/None.
         desirable = labels.unsqueeze(1) & scores.mask
         undesirable = (~labels).unsqueeze(1) & scores.mask
         if scores.mean_logits is not None:
-            record("logits/chosen", gather_masked_mean(acc, scores.mean_logits, desirable))
-            record("logits/rejected", gather_masked_mean(acc, scores.mean_logits, undesirable))
-        chosen_reward = gather_masked_mean(acc, rewards, labels)
-        rejected_reward = gather_masked_mean(acc, rewards, ~labels)
-        record("rewards/chosen", chosen_reward)
-        record("rewards/rejected", rejected_reward)
-        record("rewards/margins", chosen_reward - rejected_reward)
-        record("logps/chosen", gather_masked_mean(acc, logps, labels))
-        record("logps/rejected", gather_masked_mean(acc, logps, ~labels))
+            _record_masked_mean(record, "logits/chosen", acc, scores.mean_logits, desirable)
+            _record_masked_mean(record, "logits/rejected", acc, scores.mean_logits, undesirable)
+        chosen = _record_masked_mean(record, "rewards/chosen", acc, rewards, labels)
+        rejected = _record_masked_mean(record, "rewards/rejected", acc, rewards, ~labels)
+        if chosen is not None and rejected is not None:
+            record("rewards/margins", chosen - rejected)
+        _record_masked_mean(record, "logps/chosen", acc, logps, labels)
+        _record_masked_mean(record, "logps/rejected", acc, logps, ~labels)
 
     def _eval_predictions(self, outputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-row implied rewards ``(B,)`` and the desirable (1) / undesirable (0) labels."""
         return outputs["rewards"], outputs["labels"].long()
+
+
+def _record_masked_mean(
+    record: Callable[[str, float], None], key: str, accelerator: Any, tensor: torch.Tensor, mask: torch.Tensor
+) -> float | None:
+    """Record Σ tensor·mask / Σ mask over every process as ``key`` when the mask selects anything on some process
+    (else record nothing, so the key is not logged); return the value, or None when nothing was recorded."""
+    mean = gather_masked_mean(accelerator, tensor, mask)
+    if mean != mean:  # NaN: empty mask on every process
+        return None
+    record(key, mean)
+    return mean
 
 
 # Raw columns the vision collator reads.

@@ -83,9 +83,11 @@ def test_assistant_message_matches_chat_template_form():
         "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {"q": "x"}}}],
     }
     assert calls == [ToolCall("f", {"q": "x"}, '{"name": "f", "arguments": {"q": "x"}}')]
-    message, _ = assistant_message('<tool_call>{"name": "f", "arguments": {</tool_call>')
-    # A malformed call keeps its raw text as string arguments, so re-rendering shows what the model wrote.
-    assert message["tool_calls"][0]["function"]["arguments"] == '{"name": "f", "arguments": {'
+    # A malformed call keeps its raw text as string arguments (for callers of the parser), so re-rendering shows
+    # what the model wrote; the assistant message of such a turn is plain text (see the test below).
+    assert ToolCall("f", None, '{"name": "f", "arguments": {', "bad").to_message_dict()["function"]["arguments"] == (
+        '{"name": "f", "arguments": {'
+    )
     assert assistant_message("plain")[0] == {"role": "assistant", "content": "plain"}
 
 
@@ -129,3 +131,43 @@ def test_unknown_format_raises_and_registry_extends():
         TOOL_CALL_PARSERS._items.pop("call_lines")
     with pytest.raises(ValueError, match="Unknown tool call parser 'nope'"):
         parse_tool_calls("x", "nope")
+
+
+def test_coerce_arguments_follows_the_schema_types():
+    from posttrain.agents.tool_calls import coerce_arguments
+
+    schema = {
+        "type": "function",
+        "function": {
+            "name": "f",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "i": {"type": "integer"},
+                    "x": {"type": "number"},
+                    "flag": {"type": "boolean"},
+                    "s": {"type": "string"},
+                    "maybe": {"type": "integer", "nullable": True},
+                    "items": {"type": "array"},
+                    "either": {"anyOf": [{"type": "integer"}, {"type": "string"}]},
+                },
+            },
+        },
+    }
+    raw = {"i": "7", "x": "2.5", "flag": "true", "s": "7", "maybe": "null", "items": "[1, 2]", "either": "x",
+           "other": "9"}  # fmt: skip
+    assert coerce_arguments(raw, schema) == {
+        "i": 7, "x": 2.5, "flag": True, "s": "7", "maybe": None, "items": [1, 2], "either": "x", "other": "9",
+    }  # fmt: skip
+    assert coerce_arguments({"i": "3.0", "x": "4"}, schema) == {"i": 3, "x": 4}
+    assert coerce_arguments({"i": "3.5", "x": "nan", "flag": "maybe"}, schema) == {"i": "3.5", "x": "nan", "flag": "maybe"}
+    assert coerce_arguments({"i": 5}, schema) == {"i": 5}  # non-strings are left alone
+
+
+def test_assistant_message_treats_malformed_markup_as_plain_text():
+    from posttrain.agents.tool_calls import assistant_message
+
+    text = 'Hi <tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call><tool_call>{bad}</tool_call>'
+    assert assistant_message(text) == ({"role": "assistant", "content": text}, [])
+    message, calls = assistant_message('<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>')
+    assert [c.name for c in calls] == ["f"] and message["tool_calls"][0]["function"]["arguments"] == {"a": 1}

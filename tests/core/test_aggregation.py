@@ -59,9 +59,9 @@ def test_token_mean_global_is_split_invariant():
 
 def test_length_weighted():
     """(B, 1) loss [[1], [2]] with lengths [2, 1]: mean(1·2, 2·1) = 2.
-    (B, T) loss: masked L·len = [[2, 4, 0], [4, 0, 0]], sum 10 over 6 elements = 5/3."""
+    (B, T) loss (TRL 1.16: mean over sequences of the masked token sums): mean(1 + 2, 4) = 3.5."""
     assert length_weighted(torch.tensor([[1.0], [2.0]]), M).item() == pytest.approx(2.0)
-    assert length_weighted(L, M).item() == pytest.approx(10 / 6)
+    assert length_weighted(L, M).item() == pytest.approx(3.5)
 
 
 def test_sequence_mean():

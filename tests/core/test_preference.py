@@ -321,9 +321,9 @@ def test_wpo_sequence_and_pair_weight():
     w = wpo_sequence_weight(logps, norm, mask)
     assert not w.requires_grad
     assert w.tolist() == pytest.approx([math.sqrt(0.48), 1.0], abs=1e-6)
-    # Pair weight is the product, clamped at 1: 0.692820·1.2 = 0.831384; 1.2·1.5 = 1.8 → 1.
+    # Pair weight is the product, not clamped (TRL 1.16): 0.692820·1.2 = 0.831384; 1.2·1.5 = 1.8.
     pw = wpo_pair_weight(torch.tensor([math.sqrt(0.48), 1.2]), torch.tensor([1.2, 1.5]))
-    assert pw.tolist() == pytest.approx([math.sqrt(0.48) * 1.2, 1.0], abs=1e-6)
+    assert pw.tolist() == pytest.approx([math.sqrt(0.48) * 1.2, 1.8], abs=1e-6)
 
 
 def test_ld_weighted_logps():

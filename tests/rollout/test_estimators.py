@@ -65,3 +65,21 @@ def test_leave_one_out_clip_and_normalize():
     expected = (raw - raw.mean()) / (raw.std() + 1e-4)
     assert out.advantages.tolist() == pytest.approx(expected.tolist(), rel=1e-5)
     assert not est.needs_ref_logps and est.needs_old_logps
+
+
+def test_leave_one_out_zero_std_is_measured_after_the_kl_penalty_and_clipping():
+    """frac_reward_zero_std (TRL 1.16): a group with equal task rewards but different KL is not zero-std; a group
+    whose rewards differ only above the clip range is."""
+    batch = {
+        "completion_mask": torch.ones(4, 1, dtype=torch.long),
+        "old_per_token_logps": torch.tensor([[0.2], [0.0], [0.0], [0.0]]),
+        "ref_per_token_logps": torch.zeros(4, 1),
+    }
+    rewards = torch.tensor([[1.0], [1.0], [3.0], [5.0]])
+    out = LeaveOneOutEstimator(beta=0.5, reward_clip_range=(-2.0, 2.0))(
+        rewards, torch.ones(1), 2, batch=batch, gather=_identity
+    )
+    # group 0: [1 − 0.1, 1] → std ≈ 0.0707; group 1: clipped [2, 2] → std 0
+    assert out.std.tolist() == pytest.approx([0.1 / 2**0.5] * 2 + [0.0] * 2, abs=1e-6)  # one per row
+    assert out.rewards.tolist() == [1.0, 1.0, 3.0, 5.0]
+

@@ -714,3 +714,24 @@ def test_reward_model_tokenizer_whose_pad_token_is_not_in_its_vocabulary(tiny_mo
     trainer.train()
     assert reward_model.config.pad_token_id == reward_tokenizer.eos_token_id
     assert math.isfinite(_logs(trainer)["reward"])
+
+
+@pytest.mark.slow
+def test_off_policy_mask_measures_drift_from_the_rollout_funcs_logprobs(tiny_model_path, tmp_path):
+    """TRL's off-policy sequence mask compares the policy with the generator's own log-probs whenever the generator
+    returned them (a rollout_func's "logprobs", vLLM), not only under importance-sampling correction. The fixed
+    completions claim log-prob −1 per token while the tiny model gives them ≈ −5.7, so every negative-advantage
+    sequence is far off-policy and dropped; without generator log-probs π_old = π_θ and nothing is dropped."""
+
+    def no_logprobs(prompts, trainer):
+        return {**_fixed_rollout(prompts, trainer), "logprobs": None}
+
+    def first_loss(rollout, **overrides):
+        args = _config(tmp_path / str(len(overrides)) / rollout.__name__, **overrides)
+        trainer = GRPOTrainer(tiny_model_path, varied_reward, args, train_dataset=_dataset(), rollout_func=rollout)
+        trainer.train()
+        return trainer.state.log_history[0]["loss"]
+
+    plain = first_loss(no_logprobs)
+    assert first_loss(no_logprobs, off_policy_mask_threshold=1.0) == pytest.approx(plain, abs=1e-7)
+    assert first_loss(_fixed_rollout, off_policy_mask_threshold=1.0) != pytest.approx(plain, abs=1e-4)

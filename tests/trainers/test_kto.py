@@ -194,3 +194,33 @@ def test_default_output_dir_and_eval(tmp_path, tiny_model_path, monkeypatch):
     trainer.args.report_to = []
     trainer.evaluate()
     assert "eval_kl" in trainer.state.log_history[-1] and "eval_rewards/chosen" in trainer.state.log_history[-1]
+
+
+def test_rows_keep_their_order_for_sequential_batches(tmp_path, tiny_model_path):
+    """TRL trains KTO on consecutive rows (sequential sampler, no shuffle): unpaired paired data keeps all
+    desirable rows of a chunk first, and an unpaired dataset keeps the user's order (the batches, their KL
+    rotation and so the whole trajectory depend on it)."""
+    trainer = KTOTrainer(tiny_model_path, args=_config(tmp_path), train_dataset=_paired(4))
+    assert trainer.train_dataset["label"] == [True] * 4 + [False] * 4
+    data = _unpaired(8)
+    trainer = KTOTrainer(tiny_model_path, args=_config(tmp_path), train_dataset=data)
+    assert trainer.train_dataset["label"] == data["label"]
+    first = [trainer.processing_class.decode(ids) for ids in trainer.train_dataset["completion_ids"][:4]]
+    assert [c.removesuffix("<|im_end|>") for c in first] == data["completion"][:4]
+
+
+def test_a_class_absent_from_the_batch_is_not_logged(tmp_path, tiny_model_path):
+    """Batches with desirable rows only log no rejected metrics and no margin (TRL leaves the keys out), rather
+    than NaN/None."""
+    rows = [{"prompt": "The sky is", "completion": c, "label": True} for c in [" blue.", " grey.", " clear.", " big."]]
+    rows += [{"prompt": "Coal is", "completion": c, "label": False} for c in [" white.", " soft.", " wet.", " pink."]]
+    trainer = KTOTrainer(tiny_model_path, args=_config(tmp_path), train_dataset=Dataset.from_list(rows))
+    trainer.train()
+    first, second = trainer.state.log_history[0], trainer.state.log_history[1]
+    for key in ("logits/rejected", "rewards/rejected", "logps/rejected", "rewards/margins"):
+        assert key not in first, key
+    for key in ("logits/chosen", "rewards/chosen", "logps/chosen"):
+        assert first[key] == first[key]  # logged and finite
+    for key in ("logits/chosen", "rewards/chosen", "logps/chosen", "rewards/margins"):
+        assert key not in second, key
+    assert second["logps/rejected"] == second["logps/rejected"]

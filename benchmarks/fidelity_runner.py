@@ -1,0 +1,59 @@
+"""Run fidelity scenarios with one library and write their per-step logs as JSON (one process per library).
+
+    python -m benchmarks.fidelity_runner --impl posttrain --names-file names.txt --causal DIR --seqcls DIR --out x.json
+    benchmarks/.venv-trl/bin/python -m benchmarks.fidelity_runner --impl trl ...
+
+The TRL side never imports posttrain (checked at the end); the posttrain side never imports trl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+
+from benchmarks import common, fidelity
+
+
+def trainer_classes(impl: str) -> dict[str, tuple[type, type]]:
+    lib = __import__(impl)
+    return {
+        "sft": (lib.SFTConfig, lib.SFTTrainer),
+        "dpo": (lib.DPOConfig, lib.DPOTrainer),
+        "kto": (lib.KTOConfig, lib.KTOTrainer),
+        "reward": (lib.RewardConfig, lib.RewardTrainer),
+        "grpo": (lib.GRPOConfig, lib.GRPOTrainer),
+        "rloo": (lib.RLOOConfig, lib.RLOOTrainer),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--impl", choices=["posttrain", "trl"], required=True)
+    parser.add_argument("--names-file", required=True, help="One scenario name per line.")
+    parser.add_argument("--causal", required=True, help="Saved tiny causal LM directory.")
+    parser.add_argument("--seqcls", required=True, help="Saved tiny sequence classifier directory.")
+    parser.add_argument("--qwen3", required=True, help="The tiny causal LM with a Qwen3 chat template.")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=None, help="Override every scenario's optimizer steps.")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    common.env_setup(1)
+    with open(args.names_file) as f:
+        names = [line.strip() for line in f if line.strip()]
+    scenarios = [fidelity.SCENARIOS[n] for n in names]
+    if args.steps is not None:
+        scenarios = [dataclasses.replace(s, steps=args.steps) for s in scenarios]
+    paths = {"causal-lm": args.causal, "sequence-classification": args.seqcls, "causal-lm-qwen3": args.qwen3}
+    results = fidelity.run_many(scenarios, paths, trainer_classes(args.impl))
+    other = "posttrain" if args.impl == "trl" else "trl"
+    if other in sys.modules:
+        raise RuntimeError(f"The {args.impl} fidelity runner imported {other}; the comparison would not be clean.")
+    results["_versions"] = common.versions(args.impl)
+    with open(args.out, "w") as f:
+        f.write(fidelity.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
