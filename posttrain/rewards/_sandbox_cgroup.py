@@ -19,6 +19,7 @@ back to per-process limits (see ``posttrain.rewards.sandbox``).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -110,10 +111,8 @@ class RunCgroup:
         """Kill every process in the group; True when it is empty afterwards."""
         if self.backend.version == 2:
             for d in self.dirs:
-                try:
+                with contextlib.suppress(OSError):
                     _write(d, "cgroup.kill", "1")
-                except OSError:
-                    pass
         end = time.monotonic() + deadline_s
         while True:
             pids = self.pids()
@@ -122,10 +121,8 @@ class RunCgroup:
             if time.monotonic() > end:
                 return False
             for pid in pids:
-                try:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
             time.sleep(0.005)
 
     def remove(self) -> None:

@@ -61,14 +61,14 @@ def test_unknown_test_format_names_the_column():
         normalize_test_cases({"inputs": ["1", "2"], "outputs": ["1"]})
 
 
-@pytest.mark.parametrize("isolation", ["auto", "basic"])
+@pytest.mark.parametrize("isolation", ["auto"])
 def test_assert_tests_give_pass_fractions(isolation):
     completions = [fenced(ADD), fenced(ADD_BUGGY), fenced("syntax error here ("), ""]
     rewards = get_code_reward(isolation=isolation)(completions, tests=[ADD_TESTS] * 4)
     assert rewards == [1.0, 0.5, 0.0, 0.0]
 
 
-@pytest.mark.parametrize("isolation", ["auto", "basic"])
+@pytest.mark.parametrize("isolation", ["auto"])
 def test_stdin_stdout_cases_and_conversational_completions(isolation):
     cases = [{"input": "1 2\n", "output": "3\n"}, {"input": "5 5", "output": "10"}, {"input": "0 0", "output": "1"}]
     conversational = [{"role": "user", "content": "?"}, {"role": "assistant", "content": fenced(SUM_STDIN)}]
