@@ -302,7 +302,7 @@ def _posttrain_harness():
     out = os.fdopen(os.dup(1), "w", encoding="utf-8")
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)  # the solution's prints go nowhere; answers go to the private copy of stdout
-    dumps, tname, isfinite = json.dumps, type, float.__repr__
+    dumps, tname, run, evaluate = json.dumps, type, exec, eval  # bound now: patching builtins later changes nothing
 
     def enc(v, depth=0):
         t = tname(v)
@@ -335,7 +335,7 @@ def _posttrain_harness():
     try:
         with open("solution.py", encoding="utf-8") as f:
             source = f.read()
-        exec(compile(source, "solution.py", "exec"), namespace)
+        run(compile(source, "solution.py", "exec"), namespace)
     except BaseException as e:
         send({"solution": "error", "err": tname(e).__name__})
         return
@@ -345,10 +345,10 @@ def _posttrain_harness():
             if code is None:
                 raise SyntaxError("test")
             if "e" in op:
-                value = eval(code, namespace)
+                value = evaluate(code, namespace)
                 send({"k": op["k"], "v": enc(value)})
             else:
-                exec(code, namespace)
+                run(code, namespace)
         except BaseException as e:
             if "e" in op:
                 try:

@@ -148,7 +148,8 @@ def attack_forgery_patched_compile() -> None:
         "_compile = builtins.compile\n"
         "builtins.compile = lambda src, fn, mode, *a, **k: _compile('None' if mode == 'eval' else 'pass', fn, mode)\n"
         "builtins.exec = lambda *a, **k: None\n"
-        "builtins.eval = lambda *a, **k: 3\n"
+        "class Anything:\n    __eq__ = lambda self, other: True\n"
+        "builtins.eval = lambda *a, **k: Anything()\n"
         "json.dumps = lambda *a, **k: '{\"solution\": \"ok\"}'\n"
         "def add(a, b):\n"
         "    return -1\n"
@@ -574,10 +575,32 @@ def attack_syscall_surface() -> None:
     assert out["nnp"] == ["1"]
     assert out["oom"] == "1000"
     assert out["caps"] == ["0000000000000000"]
-    inner, outer, _ = out["uid_map"]
-    assert outer != "0", "the program's uid maps onto root on the host"
+    assert out["uid_map"][0] == "1000"
+
+
+def attack_never_root_on_the_host() -> None:
+    """Seen from the host, every sandboxed process runs under an unprivileged uid (a per-run one for root callers)."""
+    import threading
+
+    box = {}
+    thread = threading.Thread(target=lambda: box.update(r=run_python("import time\ntime.sleep(1.5)", timeout=5)))
+    thread.start()
+    uids: set[int] = set()
+    deadline = time.monotonic() + 1.2
+    while time.monotonic() < deadline:
+        for pid in _leftovers():
+            try:
+                with open(f"/proc/{pid}/status") as f:
+                    uids.update(int(line.split()[1]) for line in f if line.startswith("Uid:"))
+            except OSError:
+                continue
+        time.sleep(0.05)
+    thread.join()
+    assert box["r"].ok, box["r"]
+    assert uids, "no sandboxed process seen"
+    assert 0 not in uids, f"sandboxed processes ran as root on the host: {uids}"
     if os.geteuid() != 0:
-        assert outer == str(os.geteuid())
+        assert uids == {os.geteuid()}
 
 
 ATTACKS = {name[len("attack_") :]: fn for name, fn in sorted(globals().items()) if name.startswith("attack_")}
