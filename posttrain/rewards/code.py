@@ -41,6 +41,7 @@ _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+.-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DO
 _PYTHON_TAGS = {"python", "py", "python3", "py3"}
 _ANSWER_BYTES = 4 << 20  # output cap of an assert run: the answers to all its calls
 
+
 def extract_code(text: str) -> str:
     """The program in a completion: the last fenced ```python block, else the last fenced block, else the text.
 

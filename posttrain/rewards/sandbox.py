@@ -599,7 +599,11 @@ def _run_bwrap(
         rc = proc.returncode
         if rc == _SETUP_FAILED and stderr.startswith("sandbox launcher:") or stderr.startswith("bwrap:"):
             return SandboxResult("sandbox_error", stdout, "sandbox setup failed: " + stderr, None, duration)
-        if rc is not None and rc > 128 and rc - 128 in (signal.SIGKILL, signal.SIGXCPU, signal.SIGSEGV, signal.SIGTERM):
+        if (
+            rc is not None
+            and rc > 128
+            and rc - 128 in (signal.SIGKILL, signal.SIGXCPU, signal.SIGSEGV, signal.SIGTERM)
+        ):
             rc = -(rc - 128)  # bwrap reports a program killed by signal N as exit status 128 + N
         oom = cgroup is not None and cgroup.oom_killed()
         status, rc = _classify(rc, stderr, timed_out, overflowed, oom)

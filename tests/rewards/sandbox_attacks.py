@@ -8,7 +8,6 @@ and, through ``python sandbox_attacks.py``, as an unprivileged user; run as a sc
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import glob
 import json
@@ -150,7 +149,7 @@ def attack_forgery_patched_compile() -> None:
         "builtins.exec = lambda *a, **k: None\n"
         "class Anything:\n    __eq__ = lambda self, other: True\n"
         "builtins.eval = lambda *a, **k: Anything()\n"
-        "json.dumps = lambda *a, **k: '{\"solution\": \"ok\"}'\n"
+        'json.dumps = lambda *a, **k: \'{"solution": "ok"}\'\n'
         "def add(a, b):\n"
         "    return -1\n"
     )
@@ -205,8 +204,8 @@ def attack_forgery_early_exit() -> None:
     for code in (
         "import os\nos._exit(0)\n",
         "import sys\nsys.exit(0)\n",
-        "print('{\"solution\": \"ok\"}')\nprint('{\"k\": 0, \"v\": 3}')\n",
-        "def add(a, b):\n    import os\n    os.write(1, b'{\"k\": 0, \"v\": 3}\\n')\n    os._exit(0)\n",
+        'print(\'{"solution": "ok"}\')\nprint(\'{"k": 0, "v": 3}\')\n',
+        'def add(a, b):\n    import os\n    os.write(1, b\'{"k": 0, "v": 3}\\n\')\n    os._exit(0)\n',
     ):
         _zero(code)
 
@@ -296,13 +295,7 @@ def attack_setsid_daemon() -> None:
 
 def attack_status_pipe_hold() -> None:
     """A background process that keeps stdout/stderr (and every other inherited fd) open must not hang the caller."""
-    code = (
-        "import os, time\n"
-        "if os.fork() == 0:\n"
-        "    os.setsid()\n"
-        "    time.sleep(60)\n"
-        "print('bye')\n"
-    )
+    code = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\nprint('bye')\n"
     start = time.monotonic()
     result = run_python(code, timeout=20)
     assert result.status == "ok", result
@@ -316,13 +309,7 @@ def attack_status_pipe_hold() -> None:
 
 def attack_deep_directory_tree() -> None:
     """A very deep directory tree in the working directory must not crash or slow the caller's cleanup."""
-    code = (
-        "import os\n"
-        "for i in range(20000):\n"
-        "    os.mkdir('d')\n"
-        "    os.chdir('d')\n"
-        "print('deep')\n"
-    )
+    code = "import os\nfor i in range(20000):\n    os.mkdir('d')\n    os.chdir('d')\nprint('deep')\n"
     before = set(glob.glob(os.path.join(tempfile.gettempdir(), "posttrain-sandbox-*")))
     result = run_python(code, timeout=5)
     assert result.status in ("ok", "error", "timeout", "memory"), result
@@ -458,12 +445,12 @@ def attack_loopback_listener() -> None:
             conn, _ = tcp.accept()
             conn.close()
             raise AssertionError("the sandbox reached a loopback TCP listener")
-        except socket.timeout:
+        except TimeoutError:
             pass
         try:
             udp.recvfrom(100)
             raise AssertionError("the sandbox reached a loopback UDP listener")
-        except socket.timeout:
+        except TimeoutError:
             pass
     finally:
         tcp.close()
