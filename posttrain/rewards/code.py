@@ -187,7 +187,7 @@ def run_test_cases(
         code: The Python program (already extracted from the completion).
         tests: Assert statements, stdin/stdout cases, or a ``verification_info`` dict (see the module docstring).
         timeout: Wall-clock seconds per sandboxed run (all asserts share one run; each stdin/stdout case has its own).
-        memory_mb: Address-space limit per process.
+        memory_mb: Memory limit per sandboxed run (all its processes; per process without a cgroup).
         max_output_bytes: Output cap per run (raised automatically to fit a long expected output).
         isolation: Sandbox isolation level (see :func:`posttrain.rewards.sandbox.run_python`).
         executor: Runs stdin/stdout cases in parallel when given; otherwise they run one after another.
@@ -314,10 +314,10 @@ def get_code_reward(
 
     Args:
         timeout: Wall-clock seconds per sandboxed run.
-        memory_mb: Address-space limit per process.
+        memory_mb: Memory limit per sandboxed run (all its processes; per process without a cgroup).
         max_output_bytes: Output cap per run.
         max_workers: Concurrent sandboxed runs; defaults to ``min(4, os.cpu_count())``.
-        isolation: ``"auto"``, ``"namespaces"`` or ``"basic"`` (see :mod:`posttrain.rewards.sandbox`).
+        isolation: ``"auto"``, ``"strict"`` or the weak opt-in ``"basic"`` (see :mod:`posttrain.rewards.sandbox`).
 
     Returns:
         A picklable callable ``(completions, test_cases=None, tests=None, verification_info=None, **kwargs)``

@@ -61,6 +61,17 @@ def test_attack_is_contained_for_the_caller(name):
     attacks.ATTACKS[name]()
 
 
+@needs_sandbox
+@pytest.mark.parametrize(
+    "name", ["memory_many_processes", "memory_memfd", "fork_bomb", "disk_fill", "setsid_daemon", "syscall_surface"]
+)
+def test_attack_is_contained_without_a_cgroup(monkeypatch, name):
+    """The fallback where no cgroup can be created (per-process limits, memfd denied) still contains the bombs."""
+    monkeypatch.setattr(sandbox_module, "_capabilities", {**CAPS, "cgroup": None, "cgroup_reason": "test"})
+    monkeypatch.setattr(sandbox_module, "_capabilities_pid", os.getpid())
+    attacks.ATTACKS[name]()
+
+
 def _delegate_cgroup(uid: int, gid: int) -> tuple[list[str], dict[str, str], list[str]]:
     """Directories (and env) giving ``uid`` its own cgroup, as systemd's Delegate=yes would; ([], {}, []) if impossible.
 
