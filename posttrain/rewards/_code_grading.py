@@ -300,8 +300,10 @@ def _posttrain_harness():
         except SyntaxError:
             compiled.append((op, None))
     out = os.fdopen(os.dup(1), "w", encoding="utf-8")
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 1)  # the solution's prints go nowhere; answers go to the private copy of stdout
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # the solution's prints go nowhere; answers to the copy
+    except OSError:
+        pass  # (isolation="basic" refuses the open: prints then share the channel, which only carries values)
     dumps, tname, run, evaluate = json.dumps, type, exec, eval  # bound now: patching builtins later changes nothing
 
     def enc(v, depth=0):

@@ -103,7 +103,7 @@ def bpf_program(deny_memfd: bool) -> bytes:
 def _build(deny_memfd: bool) -> bytes:
     try:
         import pyseccomp as seccomp
-    except (ImportError, OSError) as e:  # OSError: libseccomp.so.2 missing
+    except Exception as e:  # noqa: BLE001 -- ImportError, or OSError/AttributeError when libseccomp.so.2 is missing
         raise SeccompUnavailable(
             f"the seccomp binding could not be loaded ({type(e).__name__}: {e}). Install it with "
             "`pip install pyseccomp` (or `pip install posttrain[sandbox]`) and the library with "

@@ -48,6 +48,7 @@ import json
 import logging
 import os
 import selectors
+import shlex
 import shutil
 import signal
 import stat
@@ -574,7 +575,7 @@ def _run_bwrap(
             "argv": argv,
         }
         proc = subprocess.Popen(
-            [python, "-I", "-S", "-B", "-c", _LAUNCHER, json.dumps(cfg)],
+            _launcher_argv(python, cfg),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -618,6 +619,24 @@ def _run_bwrap(
             _uids().release(uid)
         if host_dir is not None:
             _remove_tree(host_dir)
+
+
+def _launcher_argv(python: str, cfg: dict) -> list[str]:
+    """The launcher command: a POSIX shell plus ``setpriv`` when possible (no second interpreter start-up), else
+    the Python launcher (needed for the private mount namespace that makes an unreadable Python reachable)."""
+    setpriv = shutil.which("setpriv")
+    sh = "/bin/sh" if os.path.exists("/bin/sh") else None
+    if cfg["binds"] or sh is None or (cfg["uid"] is not None and setpriv is None):
+        return [python, "-I", "-S", "-B", "-c", _LAUNCHER, json.dumps(cfg)]
+    fail = "|| { echo 'sandbox launcher: cannot join cgroup or set oom_score_adj' >&2; exit 125; }"
+    lines = [f"echo $$ > {shlex.quote(path)} {fail}" for path in cfg["cgroup_procs"]]
+    lines.append(f"echo 1000 > /proc/self/oom_score_adj {fail}")
+    lines.append('exec "$@"')
+    argv = [cfg["bwrap"], *cfg["argv"][1:]]
+    if cfg["uid"] is not None:
+        uid = str(cfg["uid"])
+        argv = [setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--", *argv]
+    return [sh, "-c", "\n".join(lines), "sandbox-launcher", *argv]
 
 
 def _remove_tree(path: str) -> None:
