@@ -82,7 +82,8 @@ class SandboxUnavailable(RuntimeError):
 
 # Trusted launcher, started by the trainer: joins the run's cgroup, raises its oom_score_adj, (as root) makes the
 # Python installation reachable for the unprivileged uid in a private mount namespace and drops to that uid, then
-# becomes bubblewrap. Everything it does is inherited by bubblewrap and the program.
+# becomes bubblewrap. Everything it does is inherited by bubblewrap and the program. Normally a few lines of
+# /bin/sh with util-linux's setpriv/unshare/mount (_launcher_argv); this Python version is the fallback.
 _LAUNCHER = r"""
 import json, os, sys
 cfg = json.loads(sys.argv[1])
@@ -622,21 +623,30 @@ def _run_bwrap(
 
 
 def _launcher_argv(python: str, cfg: dict) -> list[str]:
-    """The launcher command: a POSIX shell plus ``setpriv`` when possible (no second interpreter start-up), else
-    the Python launcher (needed for the private mount namespace that makes an unreadable Python reachable)."""
-    setpriv = shutil.which("setpriv")
-    sh = "/bin/sh" if os.path.exists("/bin/sh") else None
-    if cfg["binds"] or sh is None or (cfg["uid"] is not None and setpriv is None):
+    """The launcher command: a POSIX shell with util-linux's ``setpriv`` (and ``unshare``/``mount`` when the Python
+    installation must be bound into reach), i.e. no extra interpreter start-up; else the Python launcher."""
+    tools = {name: shutil.which(name) for name in ("setpriv", "unshare", "mount")}
+    needed = (["setpriv"] if cfg["uid"] is not None else []) + (["unshare", "mount"] if cfg["binds"] else [])
+    if not os.path.exists("/bin/sh") or any(tools[name] is None for name in needed):
         return [python, "-I", "-S", "-B", "-c", _LAUNCHER, json.dumps(cfg)]
-    fail = "|| { echo 'sandbox launcher: cannot join cgroup or set oom_score_adj' >&2; exit 125; }"
+    fail = "|| { echo 'sandbox launcher: setup failed' >&2; exit 125; }"
     lines = [f"echo $$ > {shlex.quote(path)} {fail}" for path in cfg["cgroup_procs"]]
     lines.append(f"echo 1000 > /proc/self/oom_score_adj {fail}")
-    lines.append('exec "$@"')
     argv = [cfg["bwrap"], *cfg["argv"][1:]]
     if cfg["uid"] is not None:
         uid = str(cfg["uid"])
-        argv = [setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--", *argv]
-    return [sh, "-c", "\n".join(lines), "sandbox-launcher", *argv]
+        argv = [tools["setpriv"], f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--", *argv]
+    if cfg["binds"]:  # root with an unreadable interpreter: bind it into reach in a private mount namespace
+        inner = [
+            f"mkdir -m 755 {shlex.quote(dst)} && {shlex.quote(tools['mount'])} -n --bind {shlex.quote(src)} "
+            f"{shlex.quote(dst)} {fail}"
+            for src, dst in cfg["binds"]
+        ]
+        inner.append('exec "$@"')
+        unshare = [tools["unshare"], "--mount", "--propagation", "private", "--", "/bin/sh", "-c", "\n".join(inner)]
+        argv = [*unshare, "sandbox-launcher", *argv]
+    lines.append('exec "$@"')
+    return ["/bin/sh", "-c", "\n".join(lines), "sandbox-launcher", *argv]
 
 
 def _remove_tree(path: str) -> None:

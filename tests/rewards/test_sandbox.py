@@ -72,6 +72,19 @@ def test_attack_is_contained_without_a_cgroup(monkeypatch, name):
     attacks.ATTACKS[name]()
 
 
+@needs_sandbox
+@pytest.mark.parametrize("name", ["never_root_on_the_host", "syscall_surface", "setsid_daemon"])
+def test_attack_is_contained_with_the_python_launcher(monkeypatch, name):
+    """Without util-linux's setpriv/unshare/mount the launcher is a Python program: same guarantees."""
+    which = sandbox_module.shutil.which
+    monkeypatch.setattr(
+        sandbox_module.shutil, "which", lambda n: None if n in ("setpriv", "unshare", "mount") else which(n)
+    )
+    argv = sandbox_module._launcher_argv(sys.executable, {"binds": [], "uid": 12345, "cgroup_procs": [], "argv": []})
+    assert argv[:2] == [sys.executable, "-I"]
+    attacks.ATTACKS[name]()
+
+
 def _delegate_cgroup(uid: int, gid: int) -> tuple[list[str], dict[str, str], list[str]]:
     """Directories (and env) giving ``uid`` its own cgroup, as systemd's Delegate=yes would; ([], {}, []) if impossible.
 
