@@ -9,6 +9,7 @@ Measures, on this machine:
 Prints one JSON line. Compare numbers from the same machine only (shared machines are noisy).
 
     .venv/bin/python benchmarks/bench_sandbox.py [--executions 32] [--max-workers 4] [--calls 15] [--isolation auto]
+        [--interpreter /usr/bin/python3.11]
 """
 
 from __future__ import annotations
@@ -43,7 +44,16 @@ def main() -> None:
     parser.add_argument("--max-workers", type=int, default=4)
     parser.add_argument("--calls", type=int, default=15, help="serial calls for the per-call medians")
     parser.add_argument("--isolation", default="auto")
+    parser.add_argument(
+        "--interpreter", default=None, help="run this Python in the sandbox (e.g. /usr/bin/python3.11, the CI layout)"
+    )
     args = parser.parse_args()
+    if args.interpreter:
+        from posttrain.rewards import sandbox
+
+        sandbox._python = lambda: args.interpreter
+        if hasattr(sandbox, "_python_dirs"):  # its installation is under /usr, already in the sandbox
+            sandbox._python_dirs = lambda: []
 
     first = run_python("pass", isolation=args.isolation)  # warm up: capability probe, seccomp program
     if not first.ok:
@@ -55,7 +65,7 @@ def main() -> None:
             raise SystemExit(f"sandbox run failed: {result.status}: {result.stderr[-500:]}")
 
     def bare() -> None:
-        subprocess.run([sys.executable, "-I", "-S", "-c", "pass"], check=True)
+        subprocess.run([args.interpreter or sys.executable, "-I", "-S", "-c", "pass"], check=True)
 
     per_call = _median_ms(sandboxed, args.calls)
     bare_ms = _median_ms(bare, args.calls)

@@ -6,6 +6,7 @@ attack suite in one subprocess). Timeouts and memory limits are small so the fil
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import logging
@@ -222,12 +223,16 @@ def unprivileged_results():
         stderr=subprocess.PIPE,
         text=True,
     )
+    lock = open(os.path.join(tempfile.gettempdir(), "posttrain-sandbox-tests.lock"), "w")  # as sandbox_lock does
+    fcntl.flock(lock, fcntl.LOCK_EX)  # (a module fixture runs before the function-scoped sandbox_lock)
     try:
         for path in procs:
             with open(path, "w") as f:
                 f.write(str(proc.pid))
         out, err = proc.communicate("go\n", timeout=240)
     finally:
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        lock.close()
         if proc.poll() is None:
             proc.kill()
             proc.wait()
