@@ -490,9 +490,13 @@ def run_files(
         max_file_mb=max_file_mb,
         disk_mb=disk_mb,
     )
-    if mode == "basic":
-        return _run_basic(files, main, **limits)
-    return _run_bwrap(files, main, use_cgroup=sandbox_capabilities()["cgroup"] is not None, **limits)
+    try:
+        if mode == "basic":
+            return _run_basic(files, main, **limits)
+        return _run_bwrap(files, main, use_cgroup=sandbox_capabilities()["cgroup"] is not None, **limits)
+    except OSError as e:  # e.g. no cgroup could be created, fork failed: this run fails, training goes on
+        logger.warning("sandbox run could not be set up: %s: %s", type(e).__name__, e)
+        return SandboxResult("sandbox_error", "", f"sandbox setup failed: {type(e).__name__}: {e}\n", None, 0.0)
 
 
 def _memfd(name: str, content: bytes) -> int:

@@ -309,3 +309,21 @@ def test_bad_arguments_are_rejected():
         run_python("pass", isolation="docker")
     with pytest.raises(ValueError, match="plain names"):
         sandbox_module.run_files({"../x.py": ""}, "../x.py")
+
+
+@needs_sandbox
+def test_setup_failures_are_a_status_not_an_exception(monkeypatch, caplog):
+    from posttrain.rewards import _sandbox_cgroup
+
+    def broken(*args, **kwargs):
+        raise OSError(28, "No space left on device (too many cgroups)")
+
+    monkeypatch.setattr(_sandbox_cgroup, "RunCgroup", broken)
+    monkeypatch.setattr(sandbox_module, "_capabilities", {**CAPS, "cgroup": "v2"})
+    monkeypatch.setattr(sandbox_module, "_capabilities_pid", os.getpid())
+    monkeypatch.setattr(_sandbox_cgroup, "backend", lambda: (object(), ""))
+    with caplog.at_level(logging.WARNING, logger="posttrain.rewards.sandbox"):
+        result = run_python("print(1)", timeout=4)
+    assert result.status == "sandbox_error" and "too many cgroups" in result.stderr
+    assert "could not be set up" in caplog.text
+    assert attacks.run_test_cases(attacks.ADD_OK, attacks.ADD_TESTS, timeout=4) == 0.0
