@@ -13,8 +13,11 @@ values never enter the sandbox, nothing printed or returned there can claim "pas
 
 Statements that are not tests run in the sandbox as setup (imports, helper definitions, assignments the shipped
 calls refer to). HumanEval-style ``def check(candidate): assert candidate(...) == ...`` followed by ``check(f)`` is
-inlined (the ``def`` never enters the sandbox). An assertion that cannot be graded this way (e.g. an ``assert``
-inside a loop, or a shipped part that refers to a comprehension variable) counts as a failed test and is logged.
+inlined (the ``def`` never enters the sandbox); ``for`` loops and comprehensions over values the test defines are
+unrolled (``all(f(i) == i for i in range(3))`` ships ``f(0)``, ``f(1)``, ``f(2)``). An assertion that cannot be
+graded this way (an ``assert`` inside ``while``/``if``/``with``, a filter or loop over the solution's values that
+needs the solution inside, a test-side expression that would have to run in the sandbox) counts as a failed test
+and is logged.
 """
 
 from __future__ import annotations
@@ -177,7 +180,8 @@ def plan_tests(statements: list[str]) -> Plan:
     def add_assert(node: ast.Assert) -> None:
         mark = len(plan.ops)
         try:
-            lowered = _Lowering(known, plan, test_bound, safe_calls).visit(ast.Expression(body=node.test)).body
+            test = _Unroll(known, plan.env).visit(ast.parse(ast.unparse(node.test), mode="eval")).body
+            lowered = _Lowering(known, plan, test_bound, safe_calls).visit(ast.Expression(body=test)).body
             plan.tests.append(lowered)
         except Ungradable as e:
             del plan.ops[mark:]
@@ -214,6 +218,22 @@ def plan_tests(statements: list[str]) -> Plan:
             for name in targets:
                 plan.env.pop(name, None)
             plan.ops.append({"x": ast.unparse(node)})
+        elif isinstance(node, ast.For) and not node.orelse and not (_names(node.iter) - known):
+            try:  # for x in <a value the test itself defines>: unrolled, one test per assert and iteration
+                items = _items(_Evaluator(plan.env).eval(node.iter))
+            except Exception as e:  # noqa: BLE001
+                plan.tests.append(None)
+                _log_once(f"loop over {ast.unparse(node.iter)} cannot be unrolled ({e}); counted as failed")
+                return
+            for item in items:
+                mapping: dict[str, ast.expr] = {}
+                try:
+                    _bind_literals(node.target, item, mapping)
+                except Ungradable:
+                    plan.tests.append(None)
+                    return
+                for inner in node.body:
+                    add_statement(_substitute(inner, mapping))
         elif any(isinstance(n, ast.Assert) for n in ast.walk(node)):
             plan.tests.append(None)
             _log_once(f"asserts inside {type(node).__name__} cannot be graded outside the sandbox; counted as failed")
@@ -238,6 +258,100 @@ def plan_tests(statements: list[str]) -> Plan:
         if targets & used:
             plan.ops.insert(position, {"x": ast.unparse(node)})
     return plan
+
+
+_MAX_UNROLL = 1000
+
+
+def _items(iterable: Any) -> list:
+    items = []
+    for item in iterable:
+        items.append(item)
+        if len(items) > _MAX_UNROLL:
+            raise Ungradable(f"more than {_MAX_UNROLL} iterations")
+    return items
+
+
+def _literal(value: Any) -> ast.expr:
+    """An AST literal for a plain value (round-trip checked), or Ungradable."""
+    try:
+        node = ast.parse(repr(value), mode="eval").body
+        if ast.literal_eval(node) == value and type(ast.literal_eval(node)) is type(value):
+            return node
+    except (SyntaxError, ValueError, RecursionError):
+        pass
+    raise Ungradable(f"cannot write {type(value).__name__} as a literal")
+
+
+def _bind_literals(target: ast.AST, value: Any, mapping: dict[str, ast.expr]) -> None:
+    if isinstance(target, ast.Name):
+        mapping[target.id] = _literal(value)
+    elif isinstance(target, (ast.Tuple, ast.List)):
+        values = list(value)
+        if len(values) != len(target.elts):
+            raise Ungradable("unpacking mismatch")
+        for t, v in zip(target.elts, values):
+            _bind_literals(t, v, mapping)
+    else:
+        raise Ungradable("complex loop target")
+
+
+class _Unroll(ast.NodeTransformer):
+    """``all(f(i) == i * i for i in range(3))`` -> ``all((f(0) == 0 * 0, f(1) == 1 * 1, f(2) == 2 * 2))``: a
+    comprehension over values the test defines, whose element needs the solution, becomes a literal display, so
+    each solution call can be shipped on its own and each comparison stays in the parent."""
+
+    def __init__(self, known: set[str], env: dict[str, Any]):
+        self.known = known
+        self.env = env
+
+    def _unroll(self, node, make):
+        node = self.generic_visit(node)
+        scope = {n.id for g in node.generators for n in ast.walk(g.target) if isinstance(n, ast.Name)}
+        element = [node.elt] if hasattr(node, "elt") else [node.key, node.value]
+        needs_solution = any(
+            isinstance(n, ast.Name) and n.id not in self.known and n.id not in scope
+            for e in element
+            for n in ast.walk(e)
+        )
+        if not needs_solution or len(node.generators) != 1 or _names(node.generators[0].iter) - self.known:
+            return node
+        gen = node.generators[0]
+        if any(_names(cond) - self.known - scope for cond in gen.ifs):
+            raise Ungradable("a comprehension filter needs the solution")
+        elts = []
+        for item in _items(_Evaluator(self.env).eval(gen.iter)):
+            mapping: dict[str, ast.expr] = {}
+            _bind_literals(gen.target, item, mapping)
+            local: dict[str, Any] = {}
+            _bind(gen.target, item, local)
+            if all(_Evaluator(self.env).eval(cond, local) for cond in gen.ifs):
+                elts.append([_substitute_expr(e, mapping) for e in element])
+        return ast.copy_location(make(elts), node)
+
+    def visit_ListComp(self, node):
+        return self._unroll(node, lambda elts: ast.List(elts=[e[0] for e in elts], ctx=ast.Load()))
+
+    def visit_GeneratorExp(self, node):
+        return self._unroll(node, lambda elts: ast.Tuple(elts=[e[0] for e in elts], ctx=ast.Load()))
+
+    def visit_SetComp(self, node):
+        return self._unroll(node, lambda elts: ast.Set(elts=[e[0] for e in elts]) if elts else _empty_set())
+
+    def visit_DictComp(self, node):
+        return self._unroll(node, lambda elts: ast.Dict(keys=[e[0] for e in elts], values=[e[1] for e in elts]))
+
+
+def _empty_set() -> ast.expr:
+    return ast.Call(func=ast.Name(id="set", ctx=ast.Load()), args=[], keywords=[])
+
+
+def _substitute_expr(node: ast.expr, mapping: dict[str, ast.expr]) -> ast.expr:
+    class Sub(ast.NodeTransformer):
+        def visit_Name(self, n):
+            return ast.copy_location(mapping[n.id], n) if n.id in mapping and isinstance(n.ctx, ast.Load) else n
+
+    return ast.fix_missing_locations(Sub().visit(ast.parse(ast.unparse(node), mode="eval")).body)
 
 
 def _bound_names(node: ast.stmt) -> set[str]:

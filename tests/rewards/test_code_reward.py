@@ -169,6 +169,17 @@ def test_parent_side_grading_of_common_assert_forms():
     assert run_test_cases(code, tests) == pytest.approx(9 / 10)
 
 
+def test_loops_and_comprehensions_over_test_values_are_unrolled():
+    tests = [
+        "for a, b in [(1, 2), (3, 4)]:\n    assert add(a, b) == a + b",
+        "assert all(add(i, i) == 2 * i for i in range(3))",
+        "assert [add(x, 1) for x in (1, 2) if x > 1] == [3]",
+    ]
+    assert run_test_cases(ADD, tests) == 1.0
+    assert run_test_cases(ADD_BUGGY, tests) == 1.0  # every value here is below 5: the buggy branch is never hit
+    assert run_test_cases(ADD_BUGGY, ["for a in (1, 7):\n    assert add(a, 1) == a + 1"]) == 0.5
+
+
 def test_humaneval_check_function_is_inlined():
     tests = "def check(candidate):\n    assert candidate(1, 2) == 3\n    assert candidate(7, 1) == 8\n\ncheck(add)\n"
     assert run_test_cases(ADD, tests) == 1.0
@@ -179,7 +190,7 @@ def test_ungradable_asserts_fail_and_setup_only_rows_score_none(caplog):
     import logging
 
     with caplog.at_level(logging.WARNING, logger="posttrain.rewards._code_grading"):
-        score = run_test_cases(ADD, ["for i in range(3):\n    assert add(i, 1) == i + 1", "assert add(1, 2) == 3"])
+        score = run_test_cases(ADD, ["while True:\n    assert add(1, 1) == 2\n    break", "assert add(1, 2) == 3"])
     assert score == 0.5 and "counted as failed" in caplog.text
     assert run_test_cases(ADD, ["import math", "x = add(1, 2)"]) is None
 
