@@ -590,6 +590,26 @@ def attack_never_root_on_the_host() -> None:
         assert uids == {os.geteuid()}
 
 
+def attack_caller_killed_mid_run() -> None:
+    """If the trainer dies (SIGKILL) while a sandbox runs, the whole sandbox dies with it (--die-with-parent)."""
+    script = (
+        "import threading, time\n"
+        "from posttrain.rewards import run_python\n"
+        "threading.Thread(target=run_python, args=('import time\\ntime.sleep(30)',), kwargs={'timeout': 30}).start()\n"
+        "time.sleep(30)\n"
+    )
+    trainer = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "POSTTRAIN_ATTACK_CALLER": "1"})
+    try:
+        deadline = time.monotonic() + 10
+        while not _leftovers() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _leftovers(), "the sandbox did not start"
+    finally:
+        trainer.kill()
+        trainer.wait()
+    _no_leftovers()
+
+
 ATTACKS = {name[len("attack_") :]: fn for name, fn in sorted(globals().items()) if name.startswith("attack_")}
 
 
