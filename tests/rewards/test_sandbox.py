@@ -327,3 +327,37 @@ def test_setup_failures_are_a_status_not_an_exception(monkeypatch, caplog):
     assert result.status == "sandbox_error" and "too many cgroups" in result.stderr
     assert "could not be set up" in caplog.text
     assert attacks.run_test_cases(attacks.ADD_OK, attacks.ADD_TESTS, timeout=4) == 0.0
+
+
+def test_cgroup_v2_backend_writes_the_limits(tmp_path):
+    """The v2 code path on a stand-in hierarchy (this suite's machine may only have v1 controllers)."""
+    from posttrain.rewards import _sandbox_cgroup as cg
+
+    root = tmp_path / "cgroup"
+    base = root / "machine.slice"
+    (base / "job.scope").mkdir(parents=True)  # this process's own group; sandboxes go next to it
+    (base / "cgroup.subtree_control").write_text("cpu memory pids\n")
+    (base / "memory.swap.max").write_text("max\n")
+    parent = base / f"posttrain-sandbox-{os.getpid()}"
+    parent.mkdir()
+    (parent / "cgroup.subtree_control").write_text("memory pids\n")  # what the kernel shows after enabling them
+    backend, reason = cg._try_v2(str(root), "/machine.slice/job.scope")
+    assert backend is not None, reason
+    assert backend.version == 2 and backend.parents == {"unified": str(parent)} and backend.swap
+    group = cg.RunCgroup(backend, 128 << 20, 16)
+    (run,) = group.dirs
+    assert open(os.path.join(run, "memory.max")).read() == str(128 << 20)
+    assert open(os.path.join(run, "memory.swap.max")).read() == "0"
+    assert open(os.path.join(run, "memory.oom.group")).read() == "1"
+    assert open(os.path.join(run, "pids.max")).read() == "16"
+    assert group.procs_files == [os.path.join(run, "cgroup.procs")]
+    assert not group.oom_killed()
+    with open(os.path.join(run, "memory.events"), "w") as f:
+        f.write("low 0\nhigh 0\nmax 3\noom 1\noom_kill 1\n")
+    assert group.oom_killed()
+    assert group.kill(deadline_s=0.1)  # nothing listed in cgroup.procs: empty
+    assert open(os.path.join(run, "cgroup.kill")).read() == "1"
+    # without memory/pids in the parent's subtree_control there is no backend, and the reason says so
+    (base / "cgroup.subtree_control").write_text("cpu\n")
+    backend, reason = cg._try_v2(str(root), "/machine.slice/job.scope")
+    assert backend is None and "memory/pids not enabled" in reason
