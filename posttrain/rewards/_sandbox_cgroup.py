@@ -23,6 +23,7 @@ import contextlib
 import itertools
 import logging
 import os
+import re
 import signal
 import threading
 import time
@@ -188,7 +189,44 @@ def _own_paths() -> dict[str, str]:
     return paths
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _sweep_stale(base: str) -> None:
+    """Remove the groups of trainers that died without cleaning up (e.g. SIGKILL mid-run); log, never raise."""
+    try:
+        entries = os.listdir(base)
+    except OSError:
+        return
+    for entry in entries:
+        match = re.fullmatch(r"posttrain-sandbox-(\d+)", entry)
+        if not match or int(match.group(1)) == os.getpid() or _alive(int(match.group(1))):
+            continue
+        parent = os.path.join(base, entry)
+        try:
+            runs = [os.path.join(parent, d) for d in os.listdir(parent) if d.startswith("run-")]
+        except OSError:
+            continue
+        stale = Backend(2 if os.path.exists(os.path.join(parent, "cgroup.kill")) else 1, {})
+        for run in runs:
+            group = RunCgroup.__new__(RunCgroup)
+            group.backend, group.dirs = stale, [run]
+            group.remove()
+        try:
+            os.rmdir(parent)
+        except OSError as e:
+            logger.warning("could not remove stale sandbox cgroup %s: %s", parent, e)
+
+
 def _make_parent(base: str, controllers_v2: bool) -> str:
+    _sweep_stale(base)
     parent = os.path.join(base, f"posttrain-sandbox-{os.getpid()}")
     os.makedirs(parent, exist_ok=True)
     if controllers_v2:

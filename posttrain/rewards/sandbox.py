@@ -549,7 +549,7 @@ def _run_bwrap(
             source = path
             if uid is not None and not _world_reachable(path):
                 if host_dir is None:
-                    host_dir = tempfile.mkdtemp(prefix="posttrain-sandbox-")
+                    host_dir = tempfile.mkdtemp(prefix=f"posttrain-sandbox-{os.getpid()}-")
                     os.chmod(host_dir, 0o711)
                 source = os.path.join(host_dir, f"py{i}")
                 binds.append([path, source])
@@ -832,7 +832,25 @@ def sandbox_capabilities() -> dict:
         return dict(_capabilities)
 
 
+def _sweep_stale_dirs() -> None:
+    """Remove temporary directories of trainers that died mid-run (their pid is in the name)."""
+    import glob
+    import re
+
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), "posttrain-sandbox-*-*")):
+        match = re.fullmatch(r"posttrain-sandbox-(\d+)-.*", os.path.basename(path))
+        if not match or int(match.group(1)) == os.getpid():
+            continue
+        try:
+            os.kill(int(match.group(1)), 0)
+        except ProcessLookupError:
+            _remove_tree(path)
+        except OSError:
+            continue
+
+
 def _probe() -> dict:
+    _sweep_stale_dirs()
     reason = ""
     if not sys.platform.startswith("linux"):
         reason = f"the sandbox needs Linux (bubblewrap, namespaces, seccomp); this is {sys.platform}"

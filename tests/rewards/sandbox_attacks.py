@@ -608,6 +608,16 @@ def attack_caller_killed_mid_run() -> None:
         trainer.kill()
         trainer.wait()
     _no_leftovers()
+    # the next trainer to start sweeps what the dead one left: its cgroups and temporary directories
+    sweep = "from posttrain.rewards import run_python\nassert run_python('pass').ok\n"
+    subprocess.run([sys.executable, "-c", sweep], check=True, env={**os.environ, "POSTTRAIN_ATTACK_CALLER": "1"})
+    from posttrain.rewards import _sandbox_cgroup
+
+    backend, _ = _sandbox_cgroup.backend()
+    bases = [os.path.dirname(p) for p in backend.parents.values()] if backend else []
+    stale = [os.path.join(b, f"posttrain-sandbox-{trainer.pid}") for b in bases]
+    stale += glob.glob(os.path.join(tempfile.gettempdir(), f"posttrain-sandbox-{trainer.pid}-*"))
+    assert not [p for p in stale if os.path.exists(p)], f"left behind by the killed trainer: {stale}"
 
 
 ATTACKS = {name[len("attack_") :]: fn for name, fn in sorted(globals().items()) if name.startswith("attack_")}

@@ -237,13 +237,17 @@ def unprivileged_results():
             proc.kill()
             proc.wait()
         shutil.rmtree(hold, ignore_errors=True)
-        for path in cg_dirs:
-            for _ in range(100):
-                try:
-                    os.rmdir(path)
-                    break
-                except OSError:
-                    time.sleep(0.02)
+        for top in cg_dirs:  # bottom-up: the user's own sandbox groups live inside the delegated one
+            nested = [os.path.join(d, n) for d, names, _ in os.walk(top, topdown=False) for n in names] + [top]
+            for path in nested:
+                for _ in range(100):
+                    try:
+                        os.rmdir(path)
+                        break
+                    except FileNotFoundError:
+                        break
+                    except OSError:
+                        time.sleep(0.02)
     lines = [line for line in out.splitlines() if line.startswith("{")]
     assert proc.returncode == 0 and lines, f"attack suite as {TEST_USER} failed: {err[-3000:]}"
     results = json.loads(lines[-1])
