@@ -13,9 +13,9 @@ root and non-root callers:
       size-limited tmpfs ``/tmp`` and working directory ``/sandbox`` (``disk_mb`` each); ``--die-with-parent`` (the
       sandbox dies with the trainer), ``--new-session``, further user namespaces disabled; every process of the run
       dies with the PID namespace when the program exits (``setsid`` daemons included);
-    - never root: as root the launcher switches to a per-run unprivileged user id before bubblewrap starts (the
-      program runs as uid 1000 inside a user namespace mapped onto that id, without capabilities); non-root callers
-      run it under their own id, equally mapped;
+    - never root: as root the launcher (``/bin/sh`` with util-linux ``setpriv``; a Python fallback) switches to a
+      per-run unprivileged user id before bubblewrap starts (the program runs as uid 1000 inside a user namespace
+      mapped onto that id, without capabilities); non-root callers run it under their own id, equally mapped;
     - a per-run cgroup (:mod:`posttrain.rewards._sandbox_cgroup`; v2, or v1 on hybrid hosts): ``memory_mb`` for the
       whole run (all processes together, including tmpfs, memfd and pipe buffers; swap off) and ``max_processes``
       tasks; the whole group is killed at the end or at the timeout. Where no cgroup can be created (a non-root user
