@@ -238,7 +238,7 @@ def python_tool(
     """A tool that runs model-written Python in posttrain's sandbox and returns what it printed.
 
     Each call runs ``code`` in a fresh interpreter via ``posttrain.rewards.sandbox.run_python`` (separate process,
-    wall-clock ``timeout``, ``memory_mb`` address-space limit, no network with ``"namespaces"`` isolation, temporary
+    wall-clock ``timeout``, ``memory_mb`` memory limit, bubblewrap namespaces without network, seccomp, temporary
     working directory). The call is ``async`` (the sandbox runs in a worker thread), so the calls of many rollouts
     overlap. The result is the program's stdout; on failure the status and the end of stderr are appended.
 
@@ -247,7 +247,7 @@ def python_tool(
         timeout: Seconds per call.
         memory_mb: Memory limit per call.
         max_output_chars: Longest result returned to the model (the end is cut, with a marker).
-        isolation: ``run_python``'s isolation (``"auto"``, ``"namespaces"``, ``"basic"``).
+        isolation: ``run_python``'s isolation (``"auto"``, ``"strict"``, or the weak opt-in ``"basic"``).
 
     Returns:
         An ``async`` function ``(code: str) -> str`` with a docstring and type hints, usable in ``tools=[...]``.

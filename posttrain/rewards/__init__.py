@@ -30,7 +30,7 @@ from posttrain.rewards.registry import (
     resolve_reward_func,
     resolve_reward_funcs,
 )
-from posttrain.rewards.sandbox import SandboxResult, run_files, run_python, sandbox_capabilities
+from posttrain.rewards.sandbox import SandboxResult, SandboxUnavailable, run_files, run_python, sandbox_capabilities
 from posttrain.rewards.shaping import (
     RepetitionPenalty,
     SoftOverlongPunishment,
@@ -59,6 +59,7 @@ __all__ = [
     "RewardFunctionError",
     "RewardScorer",
     "SandboxResult",
+    "SandboxUnavailable",
     "SoftOverlongPunishment",
     "accuracy_reward",
     "code_reward",

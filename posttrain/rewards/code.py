@@ -8,9 +8,13 @@ sandboxed run is its own process, so threads only wait.
 
 Test-case formats (per row):
     - assert statements: ``["assert f(1) == 2", ...]`` or one string holding several statements (MBPP/HumanEval
-      style). The program runs once, then each statement; its score is the fraction that pass. The harness prints
-      a per-run random marker after each passing test, so ``os._exit(0)``, ``sys.exit()`` or printed fake results
-      do not count as passes; code that introspects the harness's own frames could still forge them.
+      style). Graded in this (trusted) process, see :mod:`posttrain.rewards._code_grading`: each ``assert`` is
+      parsed with ``ast``; only its calls of the solution (``f(1)``) go into the sandbox, which runs the program
+      once, evaluates them and returns their values as plain JSON data; the comparison with the expected value
+      happens here. Expected values never enter the sandbox, and nothing the program prints, returns or patches
+      can claim a pass. Other statements (imports, helpers) run in the sandbox as setup and are not tests;
+      HumanEval's ``def check(candidate): ...`` + ``check(f)`` is inlined. The score is the fraction of asserts
+      that pass.
     - stdin/stdout cases: ``[{"input": "1 2\\n", "output": "3\\n"}, ...]`` or ``{"inputs": [...], "outputs": [...]}``
       (APPS style). One run per case; a case passes when the program exits 0 and its stdout equals the expected
       output up to trailing whitespace on each line and trailing blank lines.
@@ -24,46 +28,18 @@ import ast
 import json
 import os
 import re
-import secrets
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any
 
+from posttrain.rewards import _code_grading
 from posttrain.rewards.sandbox import Isolation, SandboxResult, run_files
 from posttrain.rewards.text import completion_text
 
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+.-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
 _PYTHON_TAGS = {"python", "py", "python3", "py3"}
-
-_ASSERT_HARNESS = r"""
-import json, sys, traceback
-
-def _posttrain_harness():
-    # The marker is read from stdin before the solution runs, so the solution cannot read it from there.
-    marker = sys.stdin.readline().strip()
-    out = sys.stdout
-    with open("solution.py", encoding="utf-8") as f:
-        source = f.read()
-    with open("tests.json", encoding="utf-8") as f:
-        tests = json.load(f)
-    namespace = {"__name__": "solution", "__builtins__": __builtins__}
-    try:
-        exec(compile(source, "solution.py", "exec"), namespace)
-    except BaseException:
-        traceback.print_exc()
-        return
-    for index, test in enumerate(tests):
-        try:
-            exec(compile(test, "test_%d" % index, "exec"), namespace)
-        except BaseException:
-            traceback.print_exc(limit=3)
-            continue
-        out.write("\n%s %d\n" % (marker, index))
-        out.flush()
-
-_posttrain_harness()
-"""
+_ANSWER_BYTES = 4 << 20  # output cap of an assert run: the answers to all its calls
 
 
 def extract_code(text: str) -> str:
@@ -173,12 +149,21 @@ class _Runner:
             isolation=self.isolation,
         )
 
-    def asserts(self, code: str, tests: list[str]) -> float:
-        marker = "posttrain-pass-" + secrets.token_hex(16)
-        files = {"main.py": _ASSERT_HARNESS, "solution.py": code, "tests.json": json.dumps(tests)}
-        result = self.run(files, stdin=marker + "\n")
-        passed = {int(i) for i in re.findall(re.escape(marker) + r" (\d+)\n", result.stdout)}
-        return len(passed & set(range(len(tests)))) / len(tests)
+    def asserts(self, code: str, tests: list[str]) -> float | None:
+        plan = _code_grading.plan_tests(tests)
+        if not plan.tests:
+            return None
+        request = json.dumps({"ops": plan.ops})
+        # Only the solution and the solution-dependent calls enter the sandbox; the answers come back as plain
+        # data and the assertions are evaluated here.
+        result = self.run(
+            {"main.py": _code_grading.HARNESS, "solution.py": code},
+            stdin=request,
+            min_output_bytes=_ANSWER_BYTES,
+        )
+        solution_ran, answers = _code_grading.decode_answers(result.stdout)
+        passed = _code_grading.grade(plan, solution_ran, answers)
+        return sum(passed) / len(passed)
 
     def io_case(self, code: str, stdin: str, expected: str) -> float:
         # The cap must leave room for the expected answer itself.
@@ -202,7 +187,7 @@ def run_test_cases(
         code: The Python program (already extracted from the completion).
         tests: Assert statements, stdin/stdout cases, or a ``verification_info`` dict (see the module docstring).
         timeout: Wall-clock seconds per sandboxed run (all asserts share one run; each stdin/stdout case has its own).
-        memory_mb: Address-space limit per process.
+        memory_mb: Memory limit per sandboxed run (all its processes; per process without a cgroup).
         max_output_bytes: Output cap per run (raised automatically to fit a long expected output).
         isolation: Sandbox isolation level (see :func:`posttrain.rewards.sandbox.run_python`).
         executor: Runs stdin/stdout cases in parallel when given; otherwise they run one after another.
@@ -306,8 +291,10 @@ class CodeReward:
                 jobs.extend((row, kind, pool.submit(runner.io_case, code, i, o)) for i, o in cases)
         totals: dict[int, list[float]] = {row: [] for row in rows_with_tests}
         for row, _, future in jobs:
-            totals[row].append(future.result())
-        return [sum(totals[r]) / len(totals[r]) if r in totals else None for r in range(len(completions))]
+            score = future.result()
+            if score is not None:  # None: the row's statements hold no test (only setup)
+                totals[row].append(score)
+        return [sum(totals[r]) / len(totals[r]) if totals.get(r) else None for r in range(len(completions))]
 
     def __repr__(self) -> str:
         return (
@@ -327,10 +314,10 @@ def get_code_reward(
 
     Args:
         timeout: Wall-clock seconds per sandboxed run.
-        memory_mb: Address-space limit per process.
+        memory_mb: Memory limit per sandboxed run (all its processes; per process without a cgroup).
         max_output_bytes: Output cap per run.
         max_workers: Concurrent sandboxed runs; defaults to ``min(4, os.cpu_count())``.
-        isolation: ``"auto"``, ``"namespaces"`` or ``"basic"`` (see :mod:`posttrain.rewards.sandbox`).
+        isolation: ``"auto"``, ``"strict"`` or the weak opt-in ``"basic"`` (see :mod:`posttrain.rewards.sandbox`).
 
     Returns:
         A picklable callable ``(completions, test_cases=None, tests=None, verification_info=None, **kwargs)``

@@ -1,47 +1,57 @@
 """Run untrusted, model-generated Python in a separate, locked-down process.
 
-``run_python(code)`` starts a fresh interpreter (``python -I -S -B``: isolated mode, no ``site``, no user paths, no
-``PYTHON*`` variables) and returns a :class:`SandboxResult`. Two isolation levels exist; ``sandbox_capabilities()``
-says which one this machine gets and which protections are active.
+``run_python(code)`` runs a program in a fresh interpreter (``python -I -S -B``) and returns a
+:class:`SandboxResult`; ``sandbox_capabilities()`` says what this machine enforces. Failures of the program are
+reported in ``SandboxResult.status``, never raised; the call returns by its deadline whatever the program does.
 
-``"namespaces"`` (Linux, run as root or with ``CAP_SYS_ADMIN``; checked once by a probe run):
-    - new PID, mount, network, IPC and UTS namespaces (``unshare(2)``): the program sees only its own processes, so
-      ``os.kill(os.getppid(), 9)``, ``os.killpg(<trainer pgid>, 9)`` or ``kill(-1)`` cannot reach the trainer; the
-      network namespace has only a loopback interface that is down, so no connection (local or remote) is possible;
-    - a private root filesystem: a size-limited tmpfs holding read-only bind mounts of ``/usr`` and the Python
-      installation, a ``/dev`` with only ``null``/``zero``/``random``/``urandom``, a fresh ``/proc`` (``hidepid=2``),
-      a writable ``/tmp`` and the working directory ``/sandbox``; the program is ``chroot``-ed into it, so ``/etc``
-      (except the loader cache ``/etc/ld.so.cache``), ``/root``, ``/home``, the trainer's working directory and every
-      other host path do not exist for it. It can still *read* ``/usr`` and the Python installation;
-    - an unprivileged, per-run user id (no capabilities, ``no_new_privs``, ``nosuid`` mounts), which also makes
-      ``RLIMIT_NPROC`` effective (root ignores it): fork bombs stop at ``max_processes`` tasks;
-    - the namespace's init process is killed with the trainer-side launcher (``PR_SET_PDEATHSIG``), and when it
-      dies the kernel kills every process left in the namespace, including ones that called ``setsid``.
-``"basic"`` (fallback when namespaces are unavailable, e.g. unprivileged containers):
-    - a best-effort ``sys.addaudithook`` preamble that refuses process creation (``fork``/``exec``/``subprocess``/
-      ``posix_spawn``), signals (``kill``/``killpg``), sockets, ``ctypes``, and file access outside the working
-      directory (the standard library stays readable); as root, when the Python installation is readable by other
-      users, the program also switches to an unprivileged per-run user id (and only then is ``RLIMIT_NPROC`` set:
-      for a shared uid it would count the trainer's own threads). Audit hooks are not a security boundary:
-      interpreter-level tricks can defeat them. Use it for honest mistakes, not for adversarial code.
-Both levels: a fresh temporary working directory removed afterwards, an environment reduced to a short whitelist
-(``PATH``, ``HOME``, ``TMPDIR``, ``LANG``; nothing inherited from the trainer), resource limits (``RLIMIT_CPU``,
-``RLIMIT_AS`` memory, ``RLIMIT_FSIZE``, ``RLIMIT_NOFILE``, no core dumps), a wall-clock timeout,
-stdout/stderr captured up to ``max_output_bytes`` each (the process is killed when it exceeds the cap), its own
-session and process group killed with ``os.killpg`` on timeout.
+``isolation="auto"`` (default; also ``"strict"``, and ``"namespaces"`` as an alias of ``"auto"``) -- the same for
+root and non-root callers:
+    - bubblewrap (``bwrap``, Debian package ``bubblewrap``): new user, PID, network, IPC, UTS, mount (and cgroup)
+      namespaces; no network at all (a network namespace with only a loopback that is down); a minimal read-only
+      root holding ``/usr``, the Python installation and ``/etc/ld.so.cache``; ``/dev`` with ``null``, ``zero``,
+      ``full``, ``random``, ``urandom`` only; a fresh ``/proc`` showing only the sandbox's own processes;
+      size-limited tmpfs ``/tmp`` and working directory ``/sandbox`` (``disk_mb`` each); ``--die-with-parent`` (the
+      sandbox dies with the trainer), ``--new-session``, further user namespaces disabled; every process of the run
+      dies with the PID namespace when the program exits (``setsid`` daemons included);
+    - never root: as root the launcher (``/bin/sh`` with util-linux ``setpriv``; a Python fallback) switches to a
+      per-run unprivileged user id before bubblewrap starts (the program runs as uid 1000 inside a user namespace
+      mapped onto that id, without capabilities); non-root callers run it under their own id, equally mapped;
+    - a per-run cgroup (:mod:`posttrain.rewards._sandbox_cgroup`; v2, or v1 on hybrid hosts): ``memory_mb`` for the
+      whole run (all processes together, including tmpfs, memfd and pipe buffers; swap off) and ``max_processes``
+      tasks; the whole group is killed at the end or at the timeout. Where no cgroup can be created (a non-root user
+      without a delegated cgroup, a read-only ``/sys/fs/cgroup``), ``"auto"`` falls back to the strongest equivalent
+      and logs a warning once: ``RLIMIT_AS`` per process times ``RLIMIT_NPROC`` processes (counted per sandbox,
+      because each sandbox has its own user namespace), ``memfd_create`` denied by seccomp, tmpfs size limits;
+      ``"strict"`` refuses to run instead;
+    - a seccomp filter (:mod:`posttrain.rewards._sandbox_seccomp`, compiled with libseccomp via ``pyseccomp``, loaded
+      by ``bwrap --seccomp``): ``io_uring``, ``perf_event_open``, ``userfaultfd``, ``bpf``, ``ptrace``, mounts,
+      namespaces, keyrings, kernel modules and similar calls fail with ``EPERM``;
+    - ``oom_score_adj=1000`` for every sandboxed process, so a host-wide OOM kills a sandbox before the trainer;
+    - resource limits inside (``RLIMIT_AS``, ``RLIMIT_CPU``, ``RLIMIT_FSIZE``, ``RLIMIT_NOFILE``, ``RLIMIT_NPROC``,
+      no core dumps; hard limits, so the program cannot raise them), an environment reduced to ``PATH``, ``HOME``,
+      ``TMPDIR``, ``LANG``; stdout/stderr captured up to ``max_output_bytes`` each (killed beyond).
+    If bubblewrap or the seccomp binding is missing, or user namespaces are disabled, ``"auto"`` raises
+    :class:`SandboxUnavailable` saying what to install or enable.
+``isolation="basic"`` (explicit opt-in only; logs a loud warning): the old fallback without bubblewrap -- a
+    ``sys.addaudithook`` preamble refusing process creation, signals, sockets, ``ctypes`` and file access outside
+    the working directory. Audit hooks are not a security boundary; use it for honest mistakes only. As root it
+    switches to a per-run uid and refuses to run when it cannot (model code never runs as root).
 
-Not enforced: CPU share and total memory across processes (no cgroups: each process gets ``memory_mb`` address
-space, at most ``max_processes`` of them), and in ``"basic"`` mode the number of files written to the work dir.
+Not enforced: CPU share (no cpu controller; ``RLIMIT_CPU`` per process and the wall-clock timeout bound it),
+read access to ``/usr`` and the Python installation, and timing side channels.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import selectors
+import shlex
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -51,144 +61,75 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-Isolation = Literal["auto", "namespaces", "basic"]
+from posttrain.rewards import _sandbox_cgroup, _sandbox_seccomp
 
-# Per-run user ids live far above the ids a distribution hands out; each concurrent run in this process gets its
-# own, so one run's fork bomb cannot use up another run's RLIMIT_NPROC budget.
+logger = logging.getLogger(__name__)
+
+Isolation = Literal["auto", "strict", "namespaces", "basic"]
+_ISOLATIONS = ("auto", "strict", "namespaces", "basic")
+
+# Per-run user ids (root callers) live far above the ids a distribution hands out; each concurrent run of this
+# process gets its own, so nothing the program leaves behind can be confused with another run's.
 _UID_BASE = 1_000_000
 _UIDS_PER_PROCESS = 100
+_INNER_UID = 1000  # the program's uid inside its user namespace
+_SETUP_FAILED = 125  # the launcher's exit status when it could not start bubblewrap
 
-_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
-_MS_REMOUNT, _MS_BIND, _MS_REC, _MS_PRIVATE = 32, 4096, 16384, 1 << 18
-_CLONE_NEWNS, _CLONE_NEWUTS, _CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
-_CLONE_NEWPID, _CLONE_NEWNET = 0x20000000, 0x40000000
 
-# Runs as root on the host (trusted code), then as PID 1 of the new namespaces, which builds the private root and
-# starts the program under an unprivileged uid. Status lines (JSON) go to the status pipe, never to stdout.
-_NS_LAUNCHER = r"""
-import ctypes, json, os, resource, select, sys
+class SandboxUnavailable(RuntimeError):
+    """The requested isolation cannot be set up on this machine (the message says what to install or enable)."""
+
+
+# Trusted launcher, started by the trainer: joins the run's cgroup, raises its oom_score_adj, (as root) makes the
+# Python installation reachable for the unprivileged uid in a private mount namespace and drops to that uid, then
+# becomes bubblewrap. Everything it does is inherited by bubblewrap and the program. Normally a few lines of
+# /bin/sh with util-linux's setpriv/unshare/mount (_launcher_argv); this Python version is the fallback.
+_LAUNCHER = r"""
+import json, os, sys
 cfg = json.loads(sys.argv[1])
-status_fd = cfg["status_fd"]
-libc = ctypes.CDLL(None, use_errno=True)
-libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
-libc.unshare.argtypes = [ctypes.c_int]
-libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
-M = cfg["consts"]
-
-def report(**kw):
-    try:
-        os.write(status_fd, (json.dumps(kw) + "\n").encode())
-    except OSError:
-        pass
-
-def check(ret, what):
-    if ret != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, what + ": " + os.strerror(err))
-
-def enc(s):
-    return None if s is None else s.encode()
-
-def mount(src, dst, fstype, flags, data=None):
-    check(libc.mount(enc(src), enc(dst), enc(fstype), flags, enc(data)), "mount %s on %s" % (src, dst))
-
-def bind(src, dst, readonly):
-    if os.path.isdir(src):
-        os.makedirs(dst, exist_ok=True)
-    else:
-        os.makedirs(os.path.dirname(dst), exist_ok=True)
-        open(dst, "a").close()
-    mount(src, dst, None, M["BIND"] | M["REC"])
-    if readonly:
-        mount(None, dst, None, M["BIND"] | M["REMOUNT"] | M["RDONLY"] | M["NOSUID"] | M["NODEV"])
-
-def build_root():
-    root, uid = cfg["root"], cfg["uid"]
-    mount(None, "/", None, M["REC"] | M["PRIVATE"])  # nothing below propagates back to the host
-    mount("tmpfs", root, "tmpfs", M["NOSUID"] | M["NODEV"], "size=%dm,mode=755" % cfg["disk_mb"])
-    for path, target in cfg["links"]:
-        os.makedirs(os.path.dirname(root + path), exist_ok=True)
-        os.symlink(target, root + path)
-    for path in cfg["ro_binds"]:
-        bind(path, root + path, readonly=True)
-    for dev in ("null", "zero", "random", "urandom"):
-        bind("/dev/" + dev, root + "/dev/" + dev, readonly=False)
-    os.makedirs(root + "/proc")
-    try:
-        mount("proc", root + "/proc", "proc", M["NOSUID"] | M["NODEV"] | M["NOEXEC"], "hidepid=2")
-    except OSError:
-        mount("proc", root + "/proc", "proc", M["NOSUID"] | M["NODEV"] | M["NOEXEC"])
-    os.makedirs(root + "/tmp")
-    os.chmod(root + "/tmp", 0o1777)
-    work = root + "/sandbox"
-    os.makedirs(work)
-    for name in os.listdir(cfg["files_dir"]):
-        with open(os.path.join(cfg["files_dir"], name), "rb") as src, open(os.path.join(work, name), "wb") as dst:
-            dst.write(src.read())
-        os.chown(os.path.join(work, name), uid, uid)
-    os.chown(work, uid, uid)
-    os.chmod(work, 0o700)
-
-def start_program():
-    try:
-        os.chroot(cfg["root"])
-        os.chdir("/sandbox")
-        for res, soft, hard in cfg["rlimits"]:
-            resource.setrlimit(res, (soft, hard))
-        check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(no_new_privs)")
-        os.setgroups([])
-        os.setgid(cfg["uid"])
-        os.setuid(cfg["uid"])
-    except BaseException as e:
-        report(setup_error="%s: %s" % (type(e).__name__, e))
-        os._exit(126)
-    os.closerange(3, 65536)
-    try:
-        os.execve(cfg["python"], cfg["argv"], cfg["env"])
-    except BaseException as e:
-        os.write(2, ("sandbox: could not start %s: %s\n" % (cfg["python"], e)).encode())
-        os._exit(127)
-
-def namespace_init(alive_r):
-    # PID 1 of the new namespaces: dies with the launcher (pdeathsig), and the kernel then kills everything left.
-    libc.prctl(PR_SET_PDEATHSIG, 9, 0, 0, 0)
-    if select.select([alive_r], [], [], 0)[0]:
-        os._exit(1)  # the launcher died before pdeathsig was armed
-    try:
-        build_root()
-    except BaseException as e:
-        report(setup_error="%s: %s" % (type(e).__name__, e))
-        os._exit(1)
-    child = os.fork()
-    if child == 0:
-        start_program()
-    while True:  # reap every orphan until the program itself exits
-        pid, status = os.wait()
-        if pid == child:
-            if os.WIFSIGNALED(status):
-                report(signal=os.WTERMSIG(status))
-            else:
-                report(returncode=os.WEXITSTATUS(status))
-            os._exit(0)
-
-libc.prctl(PR_SET_PDEATHSIG, 9, 0, 0, 0)
 try:
-    check(libc.unshare(cfg["unshare_flags"]), "unshare")
-except OSError as e:
-    report(setup_error="OSError: %s" % e)
-    sys.exit(1)
-alive_r, alive_w = os.pipe()
-pid = os.fork()
-if pid == 0:
-    os.close(alive_w)
-    namespace_init(alive_r)
-os.close(alive_r)
-os.waitpid(pid, 0)
+    for path in cfg["cgroup_procs"]:
+        with open(path, "w") as f:
+            f.write(str(os.getpid()))
+    with open("/proc/self/oom_score_adj", "w") as f:
+        f.write("1000")
+    if cfg["binds"]:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+        def check(ret, what):
+            if ret != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, "%s: %s" % (what, os.strerror(err)))
+        check(libc.unshare(0x00020000), "unshare(CLONE_NEWNS)")
+        check(libc.mount(None, b"/", None, 16384 | (1 << 18), None), "make / private")
+        for src, dst in cfg["binds"]:
+            os.mkdir(dst, 0o755)
+            check(libc.mount(src.encode(), dst.encode(), None, 4096 | 16384, None), "bind " + src)
+    if cfg["uid"] is not None:
+        os.setgroups([])
+        os.setresgid(cfg["uid"], cfg["uid"], cfg["uid"])
+        os.setresuid(cfg["uid"], cfg["uid"], cfg["uid"])
+    os.execv(cfg["bwrap"], cfg["argv"])
+except BaseException as e:
+    os.write(2, ("sandbox launcher: %s: %s\n" % (type(e).__name__, e)).encode())
+    os._exit(125)
 """
 
-# "basic" isolation: the same interpreter sets its limits, drops root, installs the audit hook and then runs the
-# program as __main__. Everything before ``exec`` is trusted; the hook cannot be removed once installed.
+# First code inside the sandbox (trusted): sets the hard resource limits, then runs the program as __main__.
+_PRELUDE = r"""
+import json, resource, sys
+_cfg = json.loads(sys.argv[1])
+for _res, _soft, _hard in _cfg["rlimits"]:
+    resource.setrlimit(_res, (_soft, _hard))
+sys.argv = [_cfg["main"]]
+with open(_cfg["main"], "rb") as _f:
+    _code = compile(_f.read(), _cfg["main"], "exec")
+_globals = {"__name__": "__main__", "__file__": _cfg["main"], "__builtins__": __builtins__}
+del _cfg, _res, _soft, _hard, _f
+exec(_code, _globals)
+"""
+
 _BASIC_RUNNER = r"""
 import json, os, resource, sys
 cfg = json.loads(sys.argv[1])
@@ -264,9 +205,10 @@ class SandboxResult:
 
     Attributes:
         status: ``"ok"`` (exit 0), ``"error"`` (non-zero exit, e.g. an uncaught exception), ``"timeout"`` (wall clock
-            or CPU limit), ``"memory"`` (``MemoryError`` under the address-space limit), ``"output_limit"`` (stdout or
-            stderr exceeded ``max_output_bytes``; the process was killed), ``"killed"`` (ended by a signal), or
-            ``"sandbox_error"`` (the sandbox itself could not be set up; ``stderr`` says why).
+            or CPU limit), ``"memory"`` (``MemoryError`` under the address-space limit, or the run's cgroup went over
+            its memory limit), ``"output_limit"`` (stdout or stderr exceeded ``max_output_bytes``; the run was
+            killed), ``"killed"`` (ended by a signal), or ``"sandbox_error"`` (the sandbox itself could not be set
+            up; ``stderr`` says why).
         stdout: Captured standard output (UTF-8, undecodable bytes replaced), at most ``max_output_bytes``.
         stderr: Captured standard error, same cap.
         returncode: Exit status, ``-signal`` when killed by a signal, ``None`` when it never finished.
@@ -311,7 +253,15 @@ class _UidPool:
 _uid_pool: _UidPool | None = None
 _uid_pool_pid: int | None = None
 _capabilities: dict | None = None
+_capabilities_pid: int | None = None
 _capabilities_lock = threading.Lock()
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning(message)
 
 
 def _uids() -> _UidPool:
@@ -321,25 +271,58 @@ def _uids() -> _UidPool:
     return _uid_pool
 
 
+def _is_root() -> bool:
+    return hasattr(os, "geteuid") and os.geteuid() == 0
+
+
 def _python() -> str:
     """The base interpreter (not a venv shim, which needs files outside the private root)."""
     return os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
 
 
-def _root_layout() -> tuple[list[str], list[list[str]]]:
-    """Read-only bind mounts and symlinks that make up the private root: /usr, merged-usr links, Python."""
-    binds, links = ["/usr"], []
+def _bwrap() -> str | None:
+    return shutil.which("bwrap") or next((p for p in ("/usr/bin/bwrap", "/bin/bwrap") if os.path.exists(p)), None)
+
+
+def _world_reachable(path: str) -> bool:
+    """Whether an unprivileged user can traverse every directory down to ``path`` and read it."""
+    path = os.path.realpath(path)
+    try:
+        if not os.stat(path).st_mode & stat.S_IROTH:
+            return False
+        while True:
+            if not os.stat(path).st_mode & stat.S_IXOTH and os.path.isdir(path):
+                return False
+            parent = os.path.dirname(path)
+            if parent == path:
+                return True
+            path = parent
+    except OSError:
+        return False
+
+
+def _python_dirs() -> list[str]:
+    """Directories of the Python installation the sandbox needs, outside /usr (deduplicated)."""
+    dirs: list[str] = []
+    for path in (os.path.realpath(sys.base_prefix), os.path.dirname(_python())):
+        if path == "/usr" or path.startswith("/usr/"):
+            continue
+        if not any(path == d or path.startswith(d.rstrip("/") + "/") for d in dirs):
+            dirs.append(path)
+    return dirs
+
+
+def _root_args() -> list[str]:
+    """bwrap arguments for the read-only system part of the root: /usr, merged-usr links, the loader cache."""
+    args = ["--ro-bind", "/usr", "/usr"]
     for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
         if os.path.islink(top):
-            links.append([top, os.readlink(top)])
+            args += ["--symlink", os.readlink(top), top]
         elif os.path.isdir(top):
-            binds.append(top)
+            args += ["--ro-bind", top, top]
     if os.path.isfile("/etc/ld.so.cache"):
-        binds.append("/etc/ld.so.cache")
-    for path in (os.path.realpath(sys.base_prefix), os.path.dirname(_python())):
-        if not any(path == b or path.startswith(b.rstrip("/") + "/") for b in binds):
-            binds.append(path)
-    return binds, links
+        args += ["--ro-bind", "/etc/ld.so.cache", "/etc/ld.so.cache"]
+    return args
 
 
 def _rlimit_nproc() -> int:
@@ -350,21 +333,7 @@ def _rlimit_nproc() -> int:
 
 def _can_drop_root() -> bool:
     """Basic mode switches to a per-run uid only as root, and only if that uid can still read the interpreter."""
-    if not hasattr(os, "geteuid") or os.geteuid() != 0:
-        return False
-    import stat
-
-    path = os.path.realpath(sys.base_prefix)
-    while True:  # every directory down to the stdlib must be world-traversable
-        try:
-            if not os.stat(path).st_mode & stat.S_IXOTH:
-                return False
-        except OSError:
-            return False
-        parent = os.path.dirname(path)
-        if parent == path:
-            return True
-        path = parent
+    return _is_root() and _world_reachable(os.path.join(sys.base_prefix, "lib"))
 
 
 def _rlimits(memory_mb: int, cpu_seconds: int, max_processes: int, max_file_bytes: int) -> list[list[int]]:
@@ -381,14 +350,18 @@ def _rlimits(memory_mb: int, cpu_seconds: int, max_processes: int, max_file_byte
     ]
 
 
-def _communicate(proc: subprocess.Popen, stdin: bytes, deadline: float, cap: int) -> tuple[bytes, bytes, bool, bool]:
+def _communicate(
+    proc: subprocess.Popen, stdin: bytes, deadline: float, cap: int, kill
+) -> tuple[bytes, bytes, bool, bool]:
     """Feed stdin and read stdout/stderr until EOF, the deadline, or a stream exceeding ``cap`` bytes.
 
-    Returns ``(stdout, stderr, timed_out, overflowed)``. Kills the process group on timeout/overflow.
+    Returns ``(stdout, stderr, timed_out, overflowed)``. Calls ``kill()`` on timeout/overflow. Every wait has a
+    deadline: a process that keeps a pipe open after the program exited cannot make this hang.
     """
     sel = selectors.DefaultSelector()
     bufs = {proc.stdout: bytearray(), proc.stderr: bytearray()}
     for stream in bufs:
+        os.set_blocking(stream.fileno(), False)
         sel.register(stream, selectors.EVENT_READ)
     view, offset = memoryview(stdin), 0
     if stdin:
@@ -397,25 +370,36 @@ def _communicate(proc: subprocess.Popen, stdin: bytes, deadline: float, cap: int
     else:
         proc.stdin.close()
     timed_out = overflowed = False
+    exited_at = None
     try:
         while sel.get_map() and not overflowed:
-            remaining = deadline - time.monotonic()
+            now = time.monotonic()
+            if exited_at is None and proc.poll() is not None:
+                exited_at = now
+            remaining = deadline - now
+            if exited_at is not None:  # the program is gone: drain what is buffered, briefly
+                remaining = min(remaining, exited_at + 0.5 - now)
             if remaining <= 0:
-                timed_out = True
+                timed_out = exited_at is None
                 break
-            for key, _ in sel.select(remaining):
+            for key, _ in sel.select(min(remaining, 0.05)):
                 if key.fileobj is proc.stdin:
                     try:
                         offset += os.write(key.fd, view[offset : offset + 65536])
-                    except (BrokenPipeError, BlockingIOError) as e:
-                        if isinstance(e, BlockingIOError):
-                            continue
+                    except BlockingIOError:
+                        continue
+                    except OSError:
                         offset = len(view)
                     if offset >= len(view):
                         sel.unregister(proc.stdin)
                         proc.stdin.close()
                     continue
-                data = os.read(key.fd, 65536)
+                try:
+                    data = os.read(key.fd, 65536)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    data = b""
                 if not data:
                     sel.unregister(key.fileobj)
                     continue
@@ -431,49 +415,42 @@ def _communicate(proc: subprocess.Popen, stdin: bytes, deadline: float, cap: int
             except subprocess.TimeoutExpired:
                 timed_out = True
     finally:
-        if proc.poll() is None:
-            _kill_group(proc)
+        if timed_out or overflowed or proc.poll() is None:
+            kill()
         sel.close()
         for stream in (proc.stdin, proc.stdout, proc.stderr):
             if stream is not None and not stream.closed:
-                stream.close()
-        proc.wait()
+                with contextlib.suppress(OSError):
+                    stream.close()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            logger.warning("sandbox launcher %d did not exit after SIGKILL", proc.pid)
     return bytes(bufs[proc.stdout]), bytes(bufs[proc.stderr]), timed_out, overflowed
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    # The launcher leads its own session (start_new_session), so its pgid is its pid. Killing it also kills the
-    # namespace init (pdeathsig), and with it every process inside, even ones that left the process group.
+    # The launcher (then bwrap) leads its own session (start_new_session), so its pgid is its pid; bwrap's PID-1
+    # child dies with it (--die-with-parent), and with it every process of the PID namespace.
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
-    with contextlib.suppress(ProcessLookupError):
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         proc.kill()
 
 
-def _classify(
-    status_lines: list[dict], returncode: int | None, stderr: str, timed_out: bool, overflowed: bool
-) -> tuple[str, int | None]:
+def _classify(returncode: int | None, stderr: str, timed_out: bool, overflowed: bool, oom: bool) -> tuple[str, int]:
     if timed_out:
         return "timeout", returncode
     if overflowed:
         return "output_limit", returncode
-    for line in status_lines:
-        if "setup_error" in line:
-            return "sandbox_error", returncode
-    for line in status_lines:
-        if "signal" in line:
-            returncode = -int(line["signal"])
-        elif "returncode" in line:
-            returncode = int(line["returncode"])
     if returncode is None:
         return "sandbox_error", None
     if returncode == 0:
         return "ok", 0
-    if returncode in (-signal.SIGXCPU, -signal.SIGKILL) and "MemoryError" not in stderr:
-        # SIGXCPU at the soft CPU limit, SIGKILL at the hard one (or the kernel's OOM killer).
-        return ("timeout" if returncode == -signal.SIGXCPU else "killed"), returncode
-    if "MemoryError" in stderr[-2000:]:
+    if oom or "MemoryError" in stderr[-2000:]:
         return "memory", returncode
+    if returncode == -signal.SIGXCPU:
+        return "timeout", returncode  # SIGXCPU at the soft CPU limit
     if returncode < 0:
         return "killed", returncode
     return "error", returncode
@@ -502,46 +479,217 @@ def run_files(
             raise ValueError(f"Sandbox file names must be plain names like 'main.py', got {name!r}.")
     if main not in files:
         raise ValueError(f"main={main!r} is not one of the files passed: {sorted(files)}.")
-    return _run(
-        files,
-        main,
-        mode=_resolve_isolation(isolation),
-        stdin=stdin,
+    mode = _resolve_isolation(isolation)
+    limits = dict(
+        stdin=stdin.encode() if isinstance(stdin, str) else (stdin or b""),
         timeout=timeout,
         memory_mb=memory_mb,
-        cpu_seconds=cpu_seconds,
+        cpu_seconds=int(cpu_seconds if cpu_seconds is not None else max(1, int(timeout + 0.999))),
         max_output_bytes=max_output_bytes,
         max_processes=max_processes,
         max_file_mb=max_file_mb,
         disk_mb=disk_mb,
     )
+    try:
+        if mode == "basic":
+            return _run_basic(files, main, **limits)
+        return _run_bwrap(files, main, use_cgroup=sandbox_capabilities()["cgroup"] is not None, **limits)
+    except OSError as e:  # e.g. no cgroup could be created, fork failed: this run fails, training goes on
+        logger.warning("sandbox run could not be set up: %s: %s", type(e).__name__, e)
+        return SandboxResult("sandbox_error", "", f"sandbox setup failed: {type(e).__name__}: {e}\n", None, 0.0)
 
 
-def _run(
+def _memfd(name: str, content: bytes) -> int:
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    view, written = memoryview(content), 0
+    while written < len(view):
+        written += os.write(fd, view[written:])
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def _run_bwrap(
     files: Mapping[str, str | bytes],
     main: str,
     *,
-    mode: str,
-    stdin: str | bytes | None,
+    use_cgroup: bool,
+    stdin: bytes,
     timeout: float,
     memory_mb: int,
-    cpu_seconds: int | None,
+    cpu_seconds: int,
     max_output_bytes: int,
     max_processes: int,
     max_file_mb: int,
     disk_mb: int,
 ) -> SandboxResult:
-    cpu = int(cpu_seconds if cpu_seconds is not None else max(1, int(timeout + 0.999)))
-    rlimits = _rlimits(memory_mb, cpu, max_processes, max_file_mb * 1024 * 1024)
-    drop_root = mode == "namespaces" or _can_drop_root()
+    start = time.monotonic()
+    fds: list[int] = []
+    cgroup = None
+    host_dir = None
+    uid = _uids().acquire() if _is_root() else None
+    try:
+        rlimits = _rlimits(memory_mb, cpu_seconds, max_processes, max_file_mb * 1024 * 1024)
+        if use_cgroup:
+            backend, _ = _sandbox_cgroup.backend()
+            if backend is not None:
+                cgroup = _sandbox_cgroup.RunCgroup(backend, memory_mb * 1024 * 1024, max_processes)
+        seccomp_fd = _sandbox_seccomp.program_fd(deny_memfd=cgroup is None)
+        fds.append(seccomp_fd)
+        python = _python()
+        disk = str(disk_mb * 1024 * 1024)
+        argv = [
+            "bwrap",
+            "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
+            "--unshare-cgroup-try", "--disable-userns", "--die-with-parent", "--new-session",
+            "--uid", str(_INNER_UID), "--gid", str(_INNER_UID), "--hostname", "sandbox",
+            *_root_args(),
+        ]  # fmt: skip
+        binds: list[list[str]] = []
+        for i, path in enumerate(_python_dirs()):
+            source = path
+            if uid is not None and not _world_reachable(path):
+                if host_dir is None:
+                    host_dir = tempfile.mkdtemp(prefix=f"posttrain-sandbox-{os.getpid()}-")
+                    os.chmod(host_dir, 0o711)
+                source = os.path.join(host_dir, f"py{i}")
+                binds.append([path, source])
+            argv += ["--ro-bind", source, path]
+        argv += ["--proc", "/proc", "--size", str(1 << 20), "--tmpfs", "/dev"]
+        for dev in ("null", "zero", "full", "random", "urandom"):
+            argv += ["--dev-bind", "/dev/" + dev, "/dev/" + dev]
+        argv += ["--symlink", "/proc/self/fd", "/dev/fd"]
+        for i, name in enumerate(("stdin", "stdout", "stderr")):
+            argv += ["--symlink", f"/proc/self/fd/{i}", "/dev/" + name]
+        argv += ["--remount-ro", "/dev"]
+        argv += ["--size", disk, "--perms", "1777", "--tmpfs", "/tmp", "--size", disk, "--perms", "0700"]
+        argv += ["--tmpfs", "/sandbox"]
+        for name, content in files.items():
+            fd = _memfd("posttrain-file", content.encode() if isinstance(content, str) else bytes(content))
+            fds.append(fd)
+            argv += ["--file", str(fd), "/sandbox/" + name]
+        argv += ["--remount-ro", "/", "--chdir", "/sandbox", "--clearenv"]
+        for key, value in _child_env("/sandbox", "/tmp").items():
+            argv += ["--setenv", key, value]
+        argv += ["--seccomp", str(seccomp_fd), "--", python, "-I", "-S", "-B", "-X", "utf8", "-c", _PRELUDE]
+        argv.append(json.dumps({"rlimits": rlimits, "main": main}))
+        cfg = {
+            "cgroup_procs": cgroup.procs_files if cgroup is not None else [],
+            "binds": binds,
+            "uid": uid,
+            "bwrap": _bwrap(),
+            "argv": argv,
+        }
+        proc = subprocess.Popen(
+            _launcher_argv(python, cfg),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd="/",
+            env=_child_env(),
+            pass_fds=tuple(fds),
+            start_new_session=True,
+            close_fds=True,
+        )
+        for fd in fds:
+            os.close(fd)
+        fds = []
+
+        def kill() -> None:
+            _kill_group(proc)
+            if cgroup is not None:
+                cgroup.kill(deadline_s=1.0)
+
+        out, err, timed_out, overflowed = _communicate(proc, stdin, start + timeout, max_output_bytes, kill)
+        duration = time.monotonic() - start
+        stdout, stderr = out.decode("utf-8", "replace"), err.decode("utf-8", "replace")
+        rc = proc.returncode
+        if rc == _SETUP_FAILED and stderr.startswith("sandbox launcher:") or stderr.startswith("bwrap:"):
+            return SandboxResult("sandbox_error", stdout, "sandbox setup failed: " + stderr, None, duration)
+        if (
+            rc is not None
+            and rc > 128
+            and rc - 128 in (signal.SIGKILL, signal.SIGXCPU, signal.SIGSEGV, signal.SIGTERM)
+        ):
+            rc = -(rc - 128)  # bwrap reports a program killed by signal N as exit status 128 + N
+        oom = cgroup is not None and cgroup.oom_killed()
+        status, rc = _classify(rc, stderr, timed_out, overflowed, oom)
+        return SandboxResult(status, stdout, stderr, rc, duration, truncated=overflowed)
+    finally:
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        if cgroup is not None:
+            cgroup.remove()
+        if uid is not None:
+            _uids().release(uid)
+        if host_dir is not None:
+            _remove_tree(host_dir)
+
+
+def _launcher_argv(python: str, cfg: dict) -> list[str]:
+    """The launcher command: a POSIX shell with util-linux's ``setpriv`` (and ``unshare``/``mount`` when the Python
+    installation must be bound into reach), i.e. no extra interpreter start-up; else the Python launcher."""
+    tools = {name: shutil.which(name) for name in ("setpriv", "unshare", "mount")}
+    needed = (["setpriv"] if cfg["uid"] is not None else []) + (["unshare", "mount"] if cfg["binds"] else [])
+    if not os.path.exists("/bin/sh") or any(tools[name] is None for name in needed):
+        return [python, "-I", "-S", "-B", "-c", _LAUNCHER, json.dumps(cfg)]
+    fail = "|| { echo 'sandbox launcher: setup failed' >&2; exit 125; }"
+    lines = [f"echo $$ > {shlex.quote(path)} {fail}" for path in cfg["cgroup_procs"]]
+    lines.append(f"echo 1000 > /proc/self/oom_score_adj {fail}")
+    argv = [cfg["bwrap"], *cfg["argv"][1:]]
+    if cfg["uid"] is not None:
+        uid = str(cfg["uid"])
+        argv = [tools["setpriv"], f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--", *argv]
+    if cfg["binds"]:  # root with an unreadable interpreter: bind it into reach in a private mount namespace
+        inner = [
+            f"mkdir -m 755 {shlex.quote(dst)} && {shlex.quote(tools['mount'])} -n --bind {shlex.quote(src)} "
+            f"{shlex.quote(dst)} {fail}"
+            for src, dst in cfg["binds"]
+        ]
+        inner.append('exec "$@"')
+        unshare = [tools["unshare"], "--mount", "--propagation", "private", "--", "/bin/sh", "-c", "\n".join(inner)]
+        argv = [*unshare, "sandbox-launcher", *argv]
+    lines.append('exec "$@"')
+    return ["/bin/sh", "-c", "\n".join(lines), "sandbox-launcher", *argv]
+
+
+def _remove_tree(path: str) -> None:
+    def log(_func, failed, exc_info):
+        logger.warning("sandbox cleanup: could not remove %s: %s", failed, exc_info[1])
+
+    try:
+        shutil.rmtree(path, onerror=log)
+    except Exception as e:  # noqa: BLE001 -- cleanup must never raise into training (e.g. RecursionError)
+        logger.warning("sandbox cleanup of %s failed: %s: %s", path, type(e).__name__, e)
+
+
+def _run_basic(
+    files: Mapping[str, str | bytes],
+    main: str,
+    *,
+    stdin: bytes,
+    timeout: float,
+    memory_mb: int,
+    cpu_seconds: int,
+    max_output_bytes: int,
+    max_processes: int,
+    max_file_mb: int,
+    disk_mb: int,
+) -> SandboxResult:
+    del disk_mb  # no private filesystem in basic mode
+    drop_root = _can_drop_root()
+    if _is_root() and not drop_root:
+        raise SandboxUnavailable(
+            "isolation='basic' as root needs an interpreter readable by other users to drop privileges "
+            f"({sys.base_prefix} is not); model code never runs as root. Install bubblewrap for isolation='auto'."
+        )
+    rlimits = _rlimits(memory_mb, cpu_seconds, max_processes, max_file_mb * 1024 * 1024)
     if not drop_root:
-        # RLIMIT_NPROC counts every process of this uid (the trainer's threads included), and root ignores it;
-        # in basic mode without a separate uid the audit hook is what stops process creation.
+        # RLIMIT_NPROC counts every process of this uid (the trainer's threads included); in basic mode without a
+        # separate uid the audit hook is what stops process creation.
         rlimits = [r for r in rlimits if r[0] != _rlimit_nproc()]
-    stdin_bytes = stdin.encode() if isinstance(stdin, str) else (stdin or b"")
     host_dir = tempfile.mkdtemp(prefix="posttrain-sandbox-")
-    uid = _uids().acquire()
-    status_r, status_w = os.pipe()
+    uid = _uids().acquire() if drop_root else None
     start = time.monotonic()
     try:
         files_dir = os.path.join(host_dir, "files")
@@ -550,99 +698,38 @@ def _run(
             with open(os.path.join(files_dir, name), "wb") as f:
                 f.write(content.encode() if isinstance(content, str) else content)
         python = _python()
-        if mode == "namespaces":
-            root = os.path.join(host_dir, "root")
-            os.makedirs(root)
-            binds, links = _root_layout()
-            cfg = {
-                "status_fd": status_w,
-                "root": root,
-                "files_dir": files_dir,
-                "uid": uid,
-                "disk_mb": disk_mb,
-                "ro_binds": binds,
-                "links": links,
-                "rlimits": rlimits,
-                "python": python,
-                "argv": [python, "-I", "-S", "-B", "-X", "utf8", main],
-                "env": _child_env("/sandbox", "/tmp"),
-                "unshare_flags": _CLONE_NEWNS | _CLONE_NEWPID | _CLONE_NEWNET | _CLONE_NEWIPC | _CLONE_NEWUTS,
-                "consts": {
-                    "RDONLY": _MS_RDONLY,
-                    "NOSUID": _MS_NOSUID,
-                    "NODEV": _MS_NODEV,
-                    "NOEXEC": _MS_NOEXEC,
-                    "REMOUNT": _MS_REMOUNT,
-                    "BIND": _MS_BIND,
-                    "REC": _MS_REC,
-                    "PRIVATE": _MS_PRIVATE,
-                },
-            }
-            argv, cwd, env = [python, "-I", "-S", "-B", "-c", _NS_LAUNCHER, json.dumps(cfg)], host_dir, _child_env()
-        else:
-            # The program writes into files_dir directly; give it to the per-run uid when we are root.
-            os.chmod(host_dir, 0o755)
-            if drop_root:
-                os.chown(files_dir, uid, uid)
-                for name in files:
-                    os.chown(os.path.join(files_dir, name), uid, uid)
-            cfg = {
-                "rlimits": rlimits,
-                "uid": uid if drop_root else None,
-                "workdir": files_dir,
-                "main": main,
-                "read_roots": [sys.base_prefix, os.path.dirname(python)],
-            }
-            env = _child_env(files_dir, files_dir)
-            argv, cwd = [python, "-I", "-S", "-B", "-X", "utf8", "-c", _BASIC_RUNNER, json.dumps(cfg)], files_dir
+        os.chmod(host_dir, 0o755)
+        if uid is not None:
+            os.chown(files_dir, uid, uid)
+            for name in files:
+                os.chown(os.path.join(files_dir, name), uid, uid)
+        cfg = {
+            "rlimits": rlimits,
+            "uid": uid,
+            "workdir": files_dir,
+            "main": main,
+            "read_roots": [sys.base_prefix, os.path.dirname(python)],
+        }
         proc = subprocess.Popen(
-            argv,
+            [python, "-I", "-S", "-B", "-X", "utf8", "-c", _BASIC_RUNNER, json.dumps(cfg)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            cwd=cwd,
-            env=env,
-            pass_fds=(status_w,),
+            cwd=files_dir,
+            env=_child_env(files_dir, files_dir),
             start_new_session=True,
             close_fds=True,
         )
-        os.close(status_w)
-        status_w = -1
-        out, err, timed_out, overflowed = _communicate(proc, stdin_bytes, start + timeout, max_output_bytes)
-        duration = time.monotonic() - start
-        status_lines = _read_status(status_r)
+        out, err, timed_out, overflowed = _communicate(
+            proc, stdin, start + timeout, max_output_bytes, lambda: _kill_group(proc)
+        )
         stdout, stderr = out.decode("utf-8", "replace"), err.decode("utf-8", "replace")
-        for line in status_lines:
-            if "setup_error" in line:
-                stderr = f"sandbox setup failed: {line['setup_error']}\n" + stderr
-        rc = proc.returncode if mode == "basic" else None
-        status, rc = _classify(status_lines, rc, stderr, timed_out, overflowed)
-        return SandboxResult(status, stdout, stderr, rc, duration, truncated=overflowed)
+        status, rc = _classify(proc.returncode, stderr, timed_out, overflowed, False)
+        return SandboxResult(status, stdout, stderr, rc, time.monotonic() - start, truncated=overflowed)
     finally:
-        if status_w >= 0:
-            os.close(status_w)
-        os.close(status_r)
-        _uids().release(uid)
-        shutil.rmtree(host_dir, ignore_errors=True)
-
-
-def _read_status(fd: int) -> list[dict]:
-    chunks = []
-    while True:
-        try:
-            chunk = os.read(fd, 65536)
-        except OSError:
-            break
-        if not chunk:
-            break
-        chunks.append(chunk)
-    lines = []
-    for raw in b"".join(chunks).decode("utf-8", "replace").splitlines():
-        try:
-            lines.append(json.loads(raw))
-        except json.JSONDecodeError:
-            continue
-    return lines
+        if uid is not None:
+            _uids().release(uid)
+        _remove_tree(host_dir)
 
 
 def _child_env(home: str = "/", tmp: str = "/tmp") -> dict[str, str]:
@@ -668,18 +755,21 @@ def run_python(
     Args:
         code: Program source, run as ``__main__`` from ``main.py`` in a fresh working directory.
         stdin: Data fed to the program's standard input (closed immediately when ``None``).
-        timeout: Wall-clock limit in seconds; the whole process group (and namespace) is killed when it passes.
-        memory_mb: Address-space limit per process (``RLIMIT_AS``); allocations beyond it raise ``MemoryError``.
+        timeout: Wall-clock limit in seconds; the whole run (cgroup, PID namespace) is killed when it passes.
+        memory_mb: Memory limit: for the whole run (per-run cgroup) and per process (``RLIMIT_AS``).
         cpu_seconds: CPU-time limit per process (``RLIMIT_CPU``); defaults to ``ceil(timeout)``.
         max_output_bytes: Cap on captured stdout and on stderr, each; exceeding it kills the program.
-        max_processes: ``RLIMIT_NPROC`` for the per-run user (processes and threads), which stops fork bombs.
+        max_processes: Processes and threads of the run (cgroup ``pids.max`` and ``RLIMIT_NPROC``).
         max_file_mb: Largest file the program may write (``RLIMIT_FSIZE``).
-        disk_mb: Size of the private root's tmpfs (``"namespaces"`` isolation), i.e. all files it may write.
-        isolation: ``"auto"`` (namespaces when available, else basic), ``"namespaces"`` (error if unavailable) or
-            ``"basic"``. See the module docstring for what each enforces.
+        disk_mb: Size of each of the tmpfs ``/tmp`` and ``/sandbox`` (all files the program may write).
+        isolation: ``"auto"``, ``"strict"`` (a per-run cgroup is required) or ``"basic"`` (explicit opt-in to the
+            weak audit-hook mode). See the module docstring for what each enforces.
 
     Returns:
         A :class:`SandboxResult`; failures of the program are reported in ``status``, never raised.
+
+    Raises:
+        SandboxUnavailable: the requested isolation cannot be set up here (the message says what to install).
     """
     return run_files(
         {"main.py": code},
@@ -697,77 +787,120 @@ def run_python(
 
 
 def _resolve_isolation(isolation: str) -> str:
-    if isolation not in ("auto", "namespaces", "basic"):
-        raise ValueError(f"isolation={isolation!r}; valid values: 'auto', 'namespaces', 'basic'.")
+    if isolation not in _ISOLATIONS:
+        raise ValueError(f"isolation={isolation!r}; valid values: {', '.join(map(repr, _ISOLATIONS))}.")
     if isolation == "basic":
+        _warn_once(
+            "basic",
+            "posttrain sandbox: isolation='basic' was requested. It is NOT a security boundary (audit hooks can be "
+            "defeated from inside; no namespaces, cgroup or seccomp): adversarial model code can read host files, "
+            "reach the network and forge results. Use isolation='auto' with bubblewrap installed.",
+        )
         return "basic"
     caps = sandbox_capabilities()
-    if caps["isolation"] == "namespaces":
-        return "namespaces"
-    if isolation == "namespaces":
-        raise RuntimeError(
-            "isolation='namespaces' was requested but Linux namespaces are unavailable here "
-            f"({caps['reason']}). Run as root (or with CAP_SYS_ADMIN), or use isolation='basic'."
+    if caps["isolation"] != "bwrap":
+        raise SandboxUnavailable(f"posttrain sandbox unavailable: {caps['reason']}")
+    if caps["cgroup"] is None:
+        if isolation == "strict":
+            raise SandboxUnavailable(
+                "isolation='strict' needs a per-run cgroup, but none can be created here "
+                f"({caps['cgroup_reason']}). Run as root with a writable /sys/fs/cgroup, or delegate a cgroup "
+                "(systemd Delegate=yes) and point POSTTRAIN_SANDBOX_CGROUP at it."
+            )
+        _warn_once(
+            "cgroup",
+            "posttrain sandbox: no per-run cgroup can be created "
+            f"({caps['cgroup_reason']}); memory is bounded per process (RLIMIT_AS x RLIMIT_NPROC, memfd denied) "
+            "instead of per run. Use isolation='strict' to refuse this.",
         )
-    return "basic"
+    return "bwrap"
 
 
 def sandbox_capabilities() -> dict:
-    """Which protections ``run_python(isolation="auto")`` applies on this machine (probed once, then cached).
+    """What ``run_python(isolation="auto")`` enforces on this machine (probed once per process, then cached).
 
     Returns:
-        A dict with ``isolation`` (``"namespaces"`` or ``"basic"``), ``reason`` (why namespaces are unavailable, or
-        ``""``), and one boolean per protection: ``pid_namespace``, ``network_namespace``, ``mount_namespace``,
-        ``private_root``, ``unprivileged_user``, ``rlimit_nproc``, ``audit_hook``, plus those always on:
-        ``rlimits`` (names), ``process_group_kill``, ``minimal_env``, ``temp_workdir``, ``wall_clock_timeout``,
-        ``output_cap``.
+        A dict with ``isolation`` (``"bwrap"``, or ``"unavailable"`` with the reason and the fix in ``reason``),
+        ``cgroup`` (``None``, ``"v1"`` or ``"v2"``) and ``cgroup_reason``, ``seccomp``, ``user_namespace``,
+        ``pid_namespace``, ``network_namespace``, ``mount_namespace``, ``private_root``, ``unprivileged_user``,
+        ``oom_score_adj``, ``rlimits`` (names), ``memory_scope`` (``"run"`` with a cgroup, else ``"process"``).
     """
-    global _capabilities
+    global _capabilities, _capabilities_pid
     with _capabilities_lock:
-        if _capabilities is None:
-            _capabilities = _probe()
+        if _capabilities is None or _capabilities_pid != os.getpid():
+            _capabilities, _capabilities_pid = _probe(), os.getpid()
         return dict(_capabilities)
 
 
+def _sweep_stale_dirs() -> None:
+    """Remove temporary directories of trainers that died mid-run (their pid is in the name)."""
+    import glob
+    import re
+
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), "posttrain-sandbox-*-*")):
+        match = re.fullmatch(r"posttrain-sandbox-(\d+)-.*", os.path.basename(path))
+        if not match or int(match.group(1)) == os.getpid():
+            continue
+        try:
+            os.kill(int(match.group(1)), 0)
+        except ProcessLookupError:
+            _remove_tree(path)
+        except OSError:
+            continue
+
+
 def _probe() -> dict:
+    _sweep_stale_dirs()
     reason = ""
     if not sys.platform.startswith("linux"):
-        reason = f"namespaces need Linux, this is {sys.platform}"
-    elif os.geteuid() != 0:
-        reason = "not running as root (unshare of mount/PID/network namespaces needs CAP_SYS_ADMIN)"
+        reason = f"the sandbox needs Linux (bubblewrap, namespaces, seccomp); this is {sys.platform}"
+    elif _bwrap() is None:
+        reason = "bubblewrap is not installed: `apt-get install bubblewrap` (or your distribution's package)"
     else:
-        result = _run(
+        try:
+            _sandbox_seccomp.bpf_program(deny_memfd=True)
+        except _sandbox_seccomp.SeccompUnavailable as e:
+            reason = str(e)
+    backend, cgroup_reason = _sandbox_cgroup.backend() if not reason else (None, "")
+    if not reason:
+        result = _run_bwrap(
             {"main.py": "import os; print(os.getpid(), os.getuid())"},
             "main.py",
-            mode="namespaces",
-            stdin=None,
-            timeout=10.0,
-            memory_mb=512,
-            cpu_seconds=None,
+            use_cgroup=backend is not None,
+            stdin=b"",
+            timeout=15.0,
+            memory_mb=256,
+            cpu_seconds=10,
             max_output_bytes=4096,
-            max_processes=4,
+            max_processes=8,
             max_file_mb=1,
-            disk_mb=8,
+            disk_mb=4,
         )
-        pid, _, uid = result.stdout.strip().partition(" ")
-        if not (result.ok and pid == "2" and uid not in ("", "0")):
-            reason = f"probe run failed ({result.status}): {result.stderr.strip()[-300:]}"
-    ns = not reason
-    dropped = ns or _can_drop_root()
+        if not (result.ok and result.stdout.split() == ["2", str(_INNER_UID)]):
+            reason = (
+                f"a bubblewrap probe run failed ({result.status}): {result.stderr.strip()[-400:]}. Unprivileged user "
+                "namespaces may be disabled: enable them (sysctl kernel.unprivileged_userns_clone=1, "
+                "user.max_user_namespaces>0, or an AppArmor profile allowing bwrap)"
+            )
+    ok = not reason
     return {
-        "isolation": "namespaces" if ns else "basic",
+        "isolation": "bwrap" if ok else "unavailable",
         "reason": reason,
-        "pid_namespace": ns,
-        "network_namespace": ns,
-        "mount_namespace": ns,
-        "private_root": ns,
-        "unprivileged_user": dropped,
-        "rlimit_nproc": dropped,
-        "audit_hook": not ns,
+        "cgroup": f"v{backend.version}" if ok and backend is not None else None,
+        "cgroup_reason": cgroup_reason,
+        "memory_scope": "run" if ok and backend is not None else "process",
+        "seccomp": ok,
+        "user_namespace": ok,
+        "pid_namespace": ok,
+        "network_namespace": ok,
+        "mount_namespace": ok,
+        "private_root": ok,
+        "unprivileged_user": ok,
+        "oom_score_adj": ok,
         "rlimits": ["RLIMIT_AS", "RLIMIT_CPU", "RLIMIT_FSIZE", "RLIMIT_NOFILE", "RLIMIT_NPROC", "RLIMIT_CORE"],
-        "process_group_kill": True,
-        "minimal_env": True,
-        "temp_workdir": True,
-        "wall_clock_timeout": True,
-        "output_cap": True,
     }
+
+
+import atexit  # noqa: E402
+
+atexit.register(_sandbox_cgroup.cleanup)

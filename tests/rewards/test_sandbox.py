@@ -1,13 +1,18 @@
-"""Containment tests for the code sandbox: every attack must fail inside, and this test process must survive it.
-
-Timeouts are kept at 1-2 s so the file runs in well under 40 s on two cores.
+"""Containment tests for the sandbox and code_reward's grading: every attack of ``sandbox_attacks.py`` must be
+contained, with reward 0 for wrong code, both for the caller running the tests (root in CI) and for an unprivileged
+user (created here with ``useradd``, given a delegated cgroup like systemd's ``Delegate=yes``, and running the whole
+attack suite in one subprocess). Timeouts and memory limits are small so the file stays well under a minute.
 """
 
 from __future__ import annotations
 
-import glob
+import fcntl
+import importlib.util
+import json
+import logging
 import os
-import socket
+import pwd
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -15,232 +20,348 @@ import time
 
 import pytest
 
-from posttrain.rewards.sandbox import _UID_BASE, run_python, sandbox_capabilities
+from posttrain.rewards import sandbox as sandbox_module
+from posttrain.rewards.sandbox import SandboxUnavailable, run_python, sandbox_capabilities
 
 pytestmark = pytest.mark.usefixtures("sandbox_lock")  # host-wide checks: one sandbox test at a time
 
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_spec = importlib.util.spec_from_file_location("sandbox_attacks", os.path.join(_HERE, "sandbox_attacks.py"))
+attacks = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(attacks)
+
 CAPS = sandbox_capabilities()
-HAS_NS = CAPS["isolation"] == "namespaces"
-# "auto" exercises the strongest isolation this machine offers; "basic" is the fallback and must hold up too.
-MODES = ["auto", "basic"]
-needs_ns = pytest.mark.skipif(not HAS_NS, reason=f"namespaces unavailable: {CAPS['reason']}")
+IS_ROOT = os.geteuid() == 0
+needs_sandbox = pytest.mark.skipif(CAPS["isolation"] != "bwrap", reason=f"sandbox unavailable: {CAPS['reason']}")
+TEST_USER = "posttrain-sbx"
 
 
-@pytest.fixture
-def sentinel():
-    """A process in this test's own process group: it must still be alive after each attack."""
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    yield proc
-    assert proc.poll() is None, "the sandboxed program killed a process of the test's process group"
-    proc.kill()
-    proc.wait()
+def test_capabilities_report_strong_isolation():
+    # CI installs bubblewrap and pyseccomp: the strong mode must be available there, not silently degraded.
+    assert CAPS["isolation"] == "bwrap", CAPS["reason"]
+    for key in ("seccomp", "user_namespace", "pid_namespace", "network_namespace", "private_root", "oom_score_adj"):
+        assert CAPS[key] is True
+    assert (CAPS["cgroup"] is None) == bool(CAPS["cgroup_reason"])  # no cgroup always says why
+    assert CAPS["memory_scope"] == ("run" if CAPS["cgroup"] else "process")
 
 
-def _sandbox_processes() -> list[str]:
-    """Host processes still running under a sandbox uid (must be none after a run)."""
-    leftovers = []
-    for status in glob.glob("/proc/[0-9]*/status"):
-        try:
-            with open(status) as f:
-                uid_line = next(line for line in f if line.startswith("Uid:"))
-        except (OSError, StopIteration):
-            continue
-        if int(uid_line.split()[1]) >= _UID_BASE:
-            leftovers.append(status)
-    return leftovers
+@needs_sandbox
+def test_runs_code_with_stdin_and_reports_errors():
+    result = run_python("import sys\nprint(sys.stdin.read().upper())", stdin="hello", timeout=4)
+    assert result.ok and result.stdout == "HELLO\n" and result.returncode == 0
+    result = run_python("raise ValueError('boom')", timeout=4)
+    assert result.status == "error" and result.returncode == 1 and "ValueError: boom" in result.stderr
+    result = run_python("while True:\n    pass", timeout=1)
+    assert result.status == "timeout" and result.duration < 3
 
 
-def _sandbox_tempdirs() -> set[str]:
-    return set(glob.glob(os.path.join(tempfile.gettempdir(), "posttrain-sandbox-*")))
+@needs_sandbox
+@pytest.mark.parametrize("name", sorted(attacks.ATTACKS))
+def test_attack_is_contained_for_the_caller(name):
+    """As the user running the tests (root in CI: the launcher drops to a per-run uid)."""
+    attacks.ATTACKS[name]()
 
 
-def test_capabilities_report_is_consistent():
-    assert CAPS["isolation"] in ("namespaces", "basic")
-    assert CAPS["audit_hook"] == (not HAS_NS)
-    for key in ("pid_namespace", "network_namespace", "mount_namespace", "private_root"):
-        assert CAPS[key] == HAS_NS
-    assert CAPS["process_group_kill"] and CAPS["minimal_env"] and CAPS["temp_workdir"]
-    assert "RLIMIT_AS" in CAPS["rlimits"] and "RLIMIT_CPU" in CAPS["rlimits"]
-    assert (CAPS["reason"] == "") == HAS_NS  # a fallback always says why
+@needs_sandbox
+@pytest.mark.parametrize(
+    "name", ["memory_many_processes", "memory_memfd", "fork_bomb", "disk_fill", "setsid_daemon", "syscall_surface"]
+)
+def test_attack_is_contained_without_a_cgroup(monkeypatch, name):
+    """The fallback where no cgroup can be created (per-process limits, memfd denied) still contains the bombs."""
+    monkeypatch.setattr(sandbox_module, "_capabilities", {**CAPS, "cgroup": None, "cgroup_reason": "test"})
+    monkeypatch.setattr(sandbox_module, "_capabilities_pid", os.getpid())
+    attacks.ATTACKS[name]()
 
 
-@pytest.mark.parametrize("isolation", MODES)
-def test_runs_code_with_stdin_and_cleans_up(isolation):
-    before = _sandbox_tempdirs()
-    result = run_python(
-        "import os, sys\nprint(sys.stdin.read().upper())\nopen('scratch.txt', 'w').write('x')\nprint(os.listdir('.'))",
-        stdin="hello",
-        timeout=3,
-        isolation=isolation,
+@needs_sandbox
+@pytest.mark.parametrize("name", ["never_root_on_the_host", "syscall_surface", "setsid_daemon"])
+def test_attack_is_contained_with_the_python_launcher(monkeypatch, name):
+    """Without util-linux's setpriv/unshare/mount the launcher is a Python program: same guarantees."""
+    which = sandbox_module.shutil.which
+    monkeypatch.setattr(
+        sandbox_module.shutil, "which", lambda n: None if n in ("setpriv", "unshare", "mount") else which(n)
     )
-    assert result.status == "ok", result.stderr
-    assert result.returncode == 0
-    assert result.stdout.startswith("HELLO\n")
-    assert "scratch.txt" in result.stdout
-    assert _sandbox_tempdirs() <= before  # the working directory is removed afterwards
+    argv = sandbox_module._launcher_argv(sys.executable, {"binds": [], "uid": 12345, "cgroup_procs": [], "argv": []})
+    assert argv[:2] == [sys.executable, "-I"]
+    attacks.ATTACKS[name]()
 
 
-@pytest.mark.parametrize("isolation", MODES)
-def test_uncaught_exception_is_an_error_status(isolation):
-    result = run_python("raise ValueError('boom')", timeout=3, isolation=isolation)
-    assert result.status == "error"
-    assert result.returncode == 1
-    assert "ValueError: boom" in result.stderr
+def _delegate_cgroup(uid: int, gid: int) -> tuple[list[str], dict[str, str], list[str]]:
+    """Directories (and env) giving ``uid`` its own cgroup, as systemd's Delegate=yes would; ([], {}, []) if impossible.
 
+    Returns (cgroup.procs files to put the user's process in, env for it, directories to remove afterwards).
+    """
+    from posttrain.rewards import _sandbox_cgroup as cg
 
-def test_infinite_loop_times_out(sentinel):
-    start = time.monotonic()
-    result = run_python("while True:\n    pass", timeout=1.0)
-    assert result.status == "timeout"
-    assert time.monotonic() - start < 3.0
-    assert not _sandbox_processes()
-
-
-@pytest.mark.parametrize("isolation", MODES)
-def test_fork_bomb_is_contained(isolation, sentinel):
-    code = "import os\nwhile True:\n    try:\n        os.fork()\n    except Exception:\n        pass\n"
-    result = run_python(code, timeout=1.5, isolation=isolation)
-    assert result.status in ("timeout", "error")
-    time.sleep(0.1)
-    assert not _sandbox_processes(), "fork-bomb processes survived the sandbox"
-    assert subprocess.run(["true"]).returncode == 0  # the machine can still start processes
-
-
-@pytest.mark.parametrize("isolation", MODES)
-def test_memory_bomb_hits_the_limit(isolation):
-    result = run_python("x = bytearray(10**10)", timeout=3, memory_mb=256, isolation=isolation)
-    assert result.status == "memory"
-    grow = "chunks = []\nwhile True:\n    chunks.append(bytearray(10**7))"
-    result = run_python(grow, timeout=3, memory_mb=256, isolation=isolation)
-    assert result.status == "memory"
-    assert result.duration < 3
-
-
-@pytest.mark.parametrize("isolation", MODES)
-def test_cannot_read_host_files(isolation, tmp_path):
-    secret = tmp_path / "secret.txt"
-    secret.write_text("top-secret-contents")
-    code = (
-        "for path in ['/etc/passwd', {secret!r}, {cwd_file!r}]:\n"
-        "    try:\n"
-        "        print(open(path).read()[:200])\n"
-        "    except Exception as e:\n"
-        "        print('blocked', type(e).__name__)\n"
-    ).format(secret=str(secret), cwd_file=os.path.abspath("pyproject.toml"))
-    result = run_python(code, timeout=3, isolation=isolation)
-    assert result.status == "ok", result.stderr
-    assert result.stdout.count("blocked") == 3
-    assert "root:" not in result.stdout and "top-secret-contents" not in result.stdout
-
-
-@pytest.mark.parametrize("isolation", MODES)
-def test_host_environment_is_not_visible(isolation, monkeypatch):
-    monkeypatch.setenv("POSTTRAIN_TEST_SECRET_TOKEN", "hunter2-do-not-leak")
-    code = (
-        "import glob, os\n"
-        "print(dict(os.environ))\n"
-        "for path in ['/proc/self/environ', *glob.glob('/proc/[0-9]*/environ')]:\n"
-        "    try:\n"
-        "        print(open(path, 'rb').read())\n"
-        "    except Exception as e:\n"
-        "        print('blocked', path, type(e).__name__)\n"
-    )
-    result = run_python(code, timeout=3, isolation=isolation)
-    assert result.status == "ok", result.stderr
-    assert "hunter2" not in result.stdout + result.stderr
-    assert "POSTTRAIN_TEST_SECRET_TOKEN" not in result.stdout
-    assert "'PATH'" in result.stdout  # the whitelist is there
-
-
-@pytest.mark.parametrize("isolation", MODES)
-def test_network_is_unreachable(isolation):
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen()
-    port = server.getsockname()[1]
-    code = (
-        "try:\n"
-        "    import socket\n"
-        f"    s = socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
-        "    print('connected')\n"
-        "except Exception as e:\n"
-        "    print('blocked', type(e).__name__)\n"
-    )
+    mounts, own = cg._mounts(), cg._own_paths()
+    name = f"posttrain-delegated-{os.getpid()}"
+    v2 = next((m for m, fs, _ in mounts if fs == "cgroup2"), None)
     try:
-        result = run_python(code, timeout=3, isolation=isolation)
-        server.setblocking(False)
-        with pytest.raises(BlockingIOError):
-            server.accept()  # nothing ever reached the listener
+        backend, _ = cg.backend()
+        if backend is not None and backend.version == 2 and v2 is not None:
+            base = os.path.dirname(backend.parents["unified"])  # where this process may create groups
+            top = os.path.join(base, name)
+            leaf = os.path.join(top, "leaf")
+            os.mkdir(top)
+            with open(os.path.join(top, "cgroup.subtree_control"), "w") as f:
+                f.write("+memory +pids")
+            os.mkdir(leaf)
+            for path in (top, leaf):
+                os.chown(path, uid, gid)
+                for file in ("cgroup.procs", "cgroup.subtree_control", "cgroup.threads"):
+                    if os.path.exists(os.path.join(path, file)):
+                        os.chown(os.path.join(path, file), uid, gid)
+            return [os.path.join(leaf, "cgroup.procs")], {"POSTTRAIN_SANDBOX_CGROUP": top}, [leaf, top]
+        if backend is not None and backend.version == 1:
+            procs, dirs = [], []
+            for controller in ("memory", "pids"):
+                mount = next(m for m, fs, opts in mounts if fs == "cgroup" and controller in opts)
+                path = os.path.join(mount, own[controller].lstrip("/"), name)
+                os.mkdir(path)
+                dirs.append(path)
+                for entry in [path] + [os.path.join(path, f) for f in os.listdir(path)]:
+                    os.chown(entry, uid, gid)
+                procs.append(os.path.join(path, "cgroup.procs"))
+            return procs, {}, dirs
+    except OSError as e:
+        logging.getLogger(__name__).warning("could not delegate a cgroup to the test user: %s", e)
+    return [], {}, []
+
+
+# Runs as root: makes the paths the test needs (interpreter, venv, repository) reachable for the unprivileged user
+# in a private mount namespace (a tmpfs over each unreadable ancestor such as /root, with just those paths bound
+# back), waits until the caller has put it into its cgroup, drops to the user and runs the attack suite.
+_AS_USER = r"""
+import ctypes, json, os, sys
+cfg = json.loads(sys.argv[1])
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+def check(ret, what):
+    if ret != 0:
+        raise OSError(ctypes.get_errno(), what)
+if cfg["hide"]:
+    check(libc.unshare(0x00020000), "unshare")
+    check(libc.mount(None, b"/", None, 16384 | (1 << 18), None), "private /")
+    holds = []
+    for i, path in enumerate(cfg["keep"]):
+        hold = os.path.join(cfg["hold"], str(i))
+        os.mkdir(hold)
+        check(libc.mount(path.encode(), hold.encode(), None, 4096 | 16384, None), "hold " + path)
+        holds.append((hold, path))
+    for top in cfg["hide"]:
+        check(libc.mount(b"tmpfs", top.encode(), b"tmpfs", 0, b"mode=755"), "tmpfs " + top)
+    for hold, path in holds:
+        os.makedirs(path, exist_ok=True)
+        check(libc.mount(hold.encode(), path.encode(), None, 4096 | 16384, None), "bind " + path)
+sys.stdin.readline()  # the caller has moved this process into its delegated cgroup
+os.setgroups([])
+os.setresgid(cfg["gid"], cfg["gid"], cfg["gid"])
+os.setresuid(cfg["uid"], cfg["uid"], cfg["uid"])
+os.chdir(cfg["cwd"])
+os.execve(cfg["argv"][0], cfg["argv"], cfg["env"])
+"""
+
+
+def _unreachable_ancestors(paths: list[str]) -> list[str]:
+    tops = set()
+    for path in paths:
+        parts = os.path.realpath(path).split("/")
+        for i in range(2, len(parts) + 1):
+            prefix = "/".join(parts[:i])
+            if os.path.isdir(prefix) and not os.stat(prefix).st_mode & 0o001:
+                tops.add(prefix)
+                break
+    return sorted(tops)
+
+
+@pytest.fixture(scope="module")
+def unprivileged_results():
+    if not IS_ROOT:
+        pytest.skip("not root: the caller run above already is the unprivileged run, and no user can be created")
+    if CAPS["isolation"] != "bwrap":
+        pytest.skip(f"sandbox unavailable: {CAPS['reason']}")
+    try:
+        pwd.getpwnam(TEST_USER)
+    except KeyError:
+        made = subprocess.run(
+            ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", TEST_USER],
+            capture_output=True,
+            text=True,
+        )
+        if made.returncode != 0:
+            pytest.skip(f"cannot create an unprivileged user with useradd: {made.stderr.strip()}")
+    user = pwd.getpwnam(TEST_USER)
+    procs, cg_env, cg_dirs = _delegate_cgroup(user.pw_uid, user.pw_gid)
+    repo = os.path.dirname(os.path.dirname(_HERE))
+    python = sys.executable  # the venv's interpreter: it finds pyseccomp and posttrain's dependencies
+    keep = sorted({os.path.realpath(p) for p in (repo, sys.prefix, sys.base_prefix, os.path.dirname(python))})
+    hide = _unreachable_ancestors(keep)
+    keep = [p for p in keep if any(p.startswith(t + "/") for t in hide)]
+    hold = tempfile.mkdtemp(prefix="posttrain-sbx-hold-")
+    env = {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "PYTHONPATH": repo,
+        "HOME": "/",
+        "LANG": "C.UTF-8",
+        "OMP_NUM_THREADS": "1",
+        **cg_env,
+    }
+    cfg = {
+        "uid": user.pw_uid,
+        "gid": user.pw_gid,
+        "hide": hide,
+        "keep": keep,
+        "hold": hold,
+        "cwd": tempfile.gettempdir(),
+        "argv": [python, "-X", "utf8", os.path.join(_HERE, "sandbox_attacks.py")],
+        "env": env,
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-I", "-S", "-c", _AS_USER, json.dumps(cfg)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lock = open(os.path.join(tempfile.gettempdir(), "posttrain-sandbox-tests.lock"), "w")  # as sandbox_lock does
+    fcntl.flock(lock, fcntl.LOCK_EX)  # (a module fixture runs before the function-scoped sandbox_lock)
+    try:
+        for path in procs:
+            with open(path, "w") as f:
+                f.write(str(proc.pid))
+        out, err = proc.communicate("go\n", timeout=240)
     finally:
-        server.close()
-    assert result.stdout.startswith("blocked"), result.stdout + result.stderr
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        lock.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(hold, ignore_errors=True)
+        for top in cg_dirs:  # bottom-up: the user's own sandbox groups live inside the delegated one
+            nested = [os.path.join(d, n) for d, names, _ in os.walk(top, topdown=False) for n in names] + [top]
+            for path in nested:
+                for _ in range(100):
+                    try:
+                        os.rmdir(path)
+                        break
+                    except FileNotFoundError:
+                        break
+                    except OSError:
+                        time.sleep(0.02)
+    lines = [line for line in out.splitlines() if line.startswith("{")]
+    assert proc.returncode == 0 and lines, f"attack suite as {TEST_USER} failed: {err[-3000:]}"
+    results = json.loads(lines[-1])
+    assert results["_uid"] == user.pw_uid
+    results["_delegated_cgroup"] = bool(procs)
+    return results
 
 
-@pytest.mark.parametrize("isolation", MODES)
-def test_cannot_kill_the_parent(isolation, sentinel):
-    code = (
-        "import os\n"
-        f"for attempt in [lambda: os.kill(os.getppid(), 9), lambda: os.kill({os.getpid()}, 9), lambda: os.kill(-1, 9)]:\n"
-        "    try:\n"
-        "        attempt()\n"
-        "    except Exception as e:\n"
-        "        print('blocked', type(e).__name__)\n"
+@pytest.mark.parametrize("name", sorted(attacks.ATTACKS))
+def test_attack_is_contained_for_an_unprivileged_user(unprivileged_results, name):
+    assert unprivileged_results[name] == "ok", unprivileged_results[name]
+
+
+def test_unprivileged_user_gets_a_delegated_cgroup(unprivileged_results):
+    # The same isolation as for root, including the per-run cgroup, when the user has a delegated one.
+    if unprivileged_results["_delegated_cgroup"]:
+        assert unprivileged_results["_cgroup"] == CAPS["cgroup"]
+
+
+def test_strict_mode_refuses_without_a_cgroup_and_auto_warns(monkeypatch, caplog):
+    monkeypatch.setattr(
+        sandbox_module,
+        "_capabilities",
+        {**CAPS, "isolation": "bwrap", "cgroup": None, "cgroup_reason": "test: no cgroup"},
     )
-    result = run_python(code, timeout=3, isolation=isolation)
-    assert result.status in ("ok", "killed")  # kill(-1) may at most kill the program itself
-    assert "blocked" in result.stdout
+    monkeypatch.setattr(sandbox_module, "_capabilities_pid", os.getpid())
+    with pytest.raises(SandboxUnavailable, match="per-run cgroup.*test: no cgroup"):
+        run_python("pass", isolation="strict")
+    monkeypatch.setattr(sandbox_module, "_warned", set())
+    if CAPS["isolation"] == "bwrap":
+        with caplog.at_level(logging.WARNING, logger="posttrain.rewards.sandbox"):
+            result = run_python("import os\nos.memfd_create('x')", timeout=4)
+        assert "no per-run cgroup" in caplog.text
+        assert result.status == "error" and "PermissionError" in result.stderr  # memfd denied without a cgroup
 
 
-@pytest.mark.parametrize("isolation", MODES)
-def test_cannot_kill_the_parents_process_group(isolation, sentinel):
-    code = f"import os\nos.killpg({os.getpgid(0)}, 9)\n"
-    result = run_python(code, timeout=3, isolation=isolation)
-    assert result.status == "error"
-    assert "ProcessLookupError" in result.stderr or "PermissionError" in result.stderr
+def test_missing_bubblewrap_is_an_error_that_says_what_to_install(monkeypatch):
+    monkeypatch.setattr(sandbox_module, "_bwrap", lambda: None)
+    monkeypatch.setattr(sandbox_module, "_capabilities", None)
+    try:
+        with pytest.raises(SandboxUnavailable, match="apt-get install bubblewrap"):
+            run_python("pass")
+    finally:
+        monkeypatch.undo()
+        sandbox_module._capabilities = None
+        sandbox_capabilities()
 
 
-@pytest.mark.parametrize("isolation", MODES)
-def test_huge_output_is_capped(isolation):
-    start = time.monotonic()
-    result = run_python(
-        "import sys\nsys.stdout.write('x' * 100_000_000)", timeout=3, max_output_bytes=10_000, isolation=isolation
-    )
-    assert result.status == "output_limit"
-    assert result.truncated
-    assert len(result.stdout) == 10_000
-    assert time.monotonic() - start < 3
-
-
-@pytest.mark.parametrize("isolation", MODES)
-def test_huge_file_is_refused(isolation):
-    code = "with open('big.bin', 'wb') as f:\n    for _ in range(200):\n        f.write(b'x' * (1 << 20))\n"
-    result = run_python(code, timeout=3, max_file_mb=4, isolation=isolation)
-    assert result.status == "error"
-    assert "File too large" in result.stderr or "No space left" in result.stderr
-
-
-@needs_ns
-def test_namespace_hides_host_processes_and_root():
-    code = "import os\nfor d in ('/proc', '/', '/etc'):\n    print(sorted(os.listdir(d)) if os.path.isdir(d) else [])"
-    result = run_python(code, timeout=3)
-    assert result.status == "ok", result.stderr
-    proc, top, etc = (eval(line) for line in result.stdout.splitlines())
-    assert len([p for p in proc if p.isdigit()]) <= 2  # the program itself; its namespace init is hidden (hidepid)
-    python_top = {os.path.realpath(p).split("/")[1] for p in (sys.base_prefix, sys._base_executable)}
-    allowed = {"bin", "dev", "etc", "lib", "lib32", "lib64", "libx32", "proc", "sandbox", "sbin", "tmp", "usr"}
-    assert set(top) <= allowed | python_top, set(top) - allowed - python_top
-    assert set(etc) <= {"ld.so.cache"}  # the dynamic loader cache is the only host file under /etc
-
-
-@needs_ns
-def test_escaped_background_process_dies_with_the_run():
-    code = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\nprint('parent done')\n"
-    result = run_python(code, timeout=3)
-    assert result.status == "ok"
-    time.sleep(0.1)
-    assert not _sandbox_processes()
+def test_basic_mode_needs_opt_in_and_warns(caplog, monkeypatch):
+    monkeypatch.setattr(sandbox_module, "_warned", set())
+    with caplog.at_level(logging.WARNING, logger="posttrain.rewards.sandbox"):
+        try:
+            result = run_python("print(1)", isolation="basic", timeout=4)
+        except SandboxUnavailable as e:  # root with an interpreter other users cannot read: refuses, never root
+            assert "never runs as root" in str(e)
+        else:
+            assert result.ok and result.stdout == "1\n"
+    assert "NOT a security boundary" in caplog.text
 
 
 def test_bad_arguments_are_rejected():
     with pytest.raises(ValueError, match="isolation"):
         run_python("pass", isolation="docker")
+    with pytest.raises(ValueError, match="plain names"):
+        sandbox_module.run_files({"../x.py": ""}, "../x.py")
+
+
+@needs_sandbox
+def test_setup_failures_are_a_status_not_an_exception(monkeypatch, caplog):
+    from posttrain.rewards import _sandbox_cgroup
+
+    def broken(*args, **kwargs):
+        raise OSError(28, "No space left on device (too many cgroups)")
+
+    monkeypatch.setattr(_sandbox_cgroup, "RunCgroup", broken)
+    monkeypatch.setattr(sandbox_module, "_capabilities", {**CAPS, "cgroup": "v2"})
+    monkeypatch.setattr(sandbox_module, "_capabilities_pid", os.getpid())
+    monkeypatch.setattr(_sandbox_cgroup, "backend", lambda: (object(), ""))
+    with caplog.at_level(logging.WARNING, logger="posttrain.rewards.sandbox"):
+        result = run_python("print(1)", timeout=4)
+    assert result.status == "sandbox_error" and "too many cgroups" in result.stderr
+    assert "could not be set up" in caplog.text
+    assert attacks.run_test_cases(attacks.ADD_OK, attacks.ADD_TESTS, timeout=4) == 0.0
+
+
+def test_cgroup_v2_backend_writes_the_limits(tmp_path):
+    """The v2 code path on a stand-in hierarchy (this suite's machine may only have v1 controllers)."""
+    from posttrain.rewards import _sandbox_cgroup as cg
+
+    root = tmp_path / "cgroup"
+    base = root / "machine.slice"
+    (base / "job.scope").mkdir(parents=True)  # this process's own group; sandboxes go next to it
+    (base / "cgroup.subtree_control").write_text("cpu memory pids\n")
+    (base / "memory.swap.max").write_text("max\n")
+    parent = base / f"posttrain-sandbox-{os.getpid()}"
+    parent.mkdir()
+    (parent / "cgroup.subtree_control").write_text("memory pids\n")  # what the kernel shows after enabling them
+    backend, reason = cg._try_v2(str(root), "/machine.slice/job.scope")
+    assert backend is not None, reason
+    assert backend.version == 2 and backend.parents == {"unified": str(parent)} and backend.swap
+    group = cg.RunCgroup(backend, 128 << 20, 16)
+    (run,) = group.dirs
+    assert open(os.path.join(run, "memory.max")).read() == str(128 << 20)
+    assert open(os.path.join(run, "memory.swap.max")).read() == "0"
+    assert open(os.path.join(run, "memory.oom.group")).read() == "1"
+    assert open(os.path.join(run, "pids.max")).read() == "16"
+    assert group.procs_files == [os.path.join(run, "cgroup.procs")]
+    assert not group.oom_killed()
+    with open(os.path.join(run, "memory.events"), "w") as f:
+        f.write("low 0\nhigh 0\nmax 3\noom 1\noom_kill 1\n")
+    assert group.oom_killed()
+    assert group.kill(deadline_s=0.1)  # nothing listed in cgroup.procs: empty
+    assert open(os.path.join(run, "cgroup.kill")).read() == "1"
+    # without memory/pids in the parent's subtree_control there is no backend, and the reason says so
+    (base / "cgroup.subtree_control").write_text("cpu\n")
+    backend, reason = cg._try_v2(str(root), "/machine.slice/job.scope")
+    assert backend is None and "memory/pids not enabled" in reason
