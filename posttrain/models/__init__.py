@@ -1,1 +1,19 @@
-"""Model helpers: offline tiny models, loading from ids/paths/objects, PEFT and reference policies."""
+"""Model helpers: offline tiny models, loading from ids/paths/objects, PEFT and reference policies.
+
+``from posttrain.models import create_reference_model`` works as ``from trl.models import ...`` does (lazily, so
+importing a submodule such as ``posttrain.models.tiny`` costs nothing extra).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["create_reference_model"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "create_reference_model":
+        from posttrain.models.peft_utils import create_reference_model
+
+        return create_reference_model
+    raise AttributeError(f"module 'posttrain.models' has no attribute {name!r}")
