@@ -153,9 +153,10 @@ def config_fields(cls) -> dict:
     return fields
 
 
-def cli_options(verb: str) -> dict:
-    module = importlib.import_module(f"trl.scripts.{verb}")
-    parser = module.make_parser(prog=f"trl {verb}")
+def cli_options(verb: str, package: str = "trl") -> dict:
+    """``--option`` -> default of ``<package>.scripts.<verb>.make_parser()`` (also used for posttrain's scripts)."""
+    module = importlib.import_module(f"{package}.scripts.{verb}")
+    parser = module.make_parser(prog=f"{package} {verb}")
     options = {}
     for action in parser._actions:
         if isinstance(action, argparse._HelpAction):

@@ -56,6 +56,32 @@ def _accelerator_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
+PAD_TO_MULTIPLE_OF_HELP = (
+    "Pad each batch's length up to a multiple of this. 'auto' (TRL's default): 128 on AWS Neuron (Trainium), which "
+    "compiles once per input shape, no padding elsewhere."
+)
+
+
+def resolve_pad_to_multiple_of(value: int | str | None) -> int | None:
+    """TRL's ``pad_to_multiple_of``: ``"auto"`` → 128 on AWS Neuron (one compilation per shape), else None; the
+    strings ``"none"``/``"null"`` → None; a number given as a string (the command line) → that int."""
+    if not isinstance(value, str):
+        return value
+    if value == "auto":
+        import importlib.util
+
+        return 128 if importlib.util.find_spec("torch_neuronx") is not None else None
+    if value.lower() in ("none", "null", ""):
+        return None
+    try:
+        number = int(value)
+    except ValueError:
+        raise ValueError(f"pad_to_multiple_of must be a positive int, 'auto' or None, got {value!r}.") from None
+    if number < 1:
+        raise ValueError(f"pad_to_multiple_of must be a positive int, 'auto' or None, got {value!r}.")
+    return number
+
+
 @dataclass
 class BaseConfig(TrainingArguments):
     """TrainingArguments with TRL's shared overrides. Subclasses set their own ``learning_rate`` default."""
@@ -109,6 +135,8 @@ class BaseConfig(TrainingArguments):
                 setattr(self, new, getattr(self, old))
         if self.nan_policy not in NAN_POLICIES:
             raise ValueError(f"nan_policy={self.nan_policy!r} is not valid; use one of {list(NAN_POLICIES)}.")
+        if isinstance(getattr(self, "pad_to_multiple_of", None), str):
+            self.pad_to_multiple_of = resolve_pad_to_multiple_of(self.pad_to_multiple_of)
         if not self.use_cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not _accelerator_available():
             # torchrun on a CPU-only machine: without use_cpu, HF/accelerate set up no DDP (MULTI_CPU needs it) and
             # every process would silently train its own copy of the model on the full batch.

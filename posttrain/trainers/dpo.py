@@ -92,6 +92,8 @@ class DPOConfig(BaseConfig):
 
     # model / data
     disable_dropout: bool = shared_field("disable_dropout")
+    trust_remote_code: bool = shared_field("trust_remote_code")
+    router_aux_loss_coef: float | None = shared_field("router_aux_loss_coef")
     dataset_num_proc: int | None = shared_field("dataset_num_proc")
     max_length: int | None = field(
         default=1024,
@@ -111,7 +113,7 @@ class DPOConfig(BaseConfig):
         default=False,
         metadata={"help": "Not supported for DPO yet (as in TRL): a warning is issued and padding is used."},
     )
-    pad_to_multiple_of: int | None = shared_field("pad_to_multiple_of")
+    pad_to_multiple_of: int | str | None = shared_field("pad_to_multiple_of")
     pad_token: str | None = shared_field("pad_token")
     activation_offloading: bool = shared_field("activation_offloading")
 
@@ -213,6 +215,8 @@ class DPOTrainer(PreferenceTrainer):
         compute_metrics: Receives ``EvalPrediction`` whose predictions are the per-pair ``(rewards/chosen,
             rewards/rejected)`` and labels are zeros (index of the chosen column).
         callbacks, optimizers, optimizer_cls_and_kwargs, preprocess_logits_for_metrics: As ``transformers.Trainer``.
+        quantization_config: A ``transformers`` quantization config (e.g. ``BitsAndBytesConfig``) used when
+            ``model`` is a string (merged into ``args.model_init_kwargs``).
         peft_config: A ``peft.PeftConfig`` to wrap ``model`` with.
     """
 
@@ -231,9 +235,10 @@ class DPOTrainer(PreferenceTrainer):
         compute_metrics: Callable | None = None,
         callbacks: list | None = None,
         optimizers: tuple = (None, None),
+        quantization_config: Any = None,
+        peft_config: Any = None,
         optimizer_cls_and_kwargs: tuple | None = None,
         preprocess_logits_for_metrics: Callable | None = None,
-        peft_config: Any = None,
     ):
         args = self.resolve_args(args, model, DPOConfig, "DPO")
         self._vision = is_vision_dataset(train_dataset)
@@ -242,7 +247,7 @@ class DPOTrainer(PreferenceTrainer):
             if processing_class is None:
                 processing_class = load_processor(model)
         processing_class, policy, self.reference = load_policy_and_reference(
-            model, ref_model, args, processing_class, peft_config
+            model, ref_model, args, processing_class, peft_config, quantization_config
         )
         configure_iterable_dataset(args, train_dataset)
 

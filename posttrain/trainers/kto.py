@@ -88,6 +88,8 @@ class KTOConfig(BaseConfig):
         },
     )
     disable_dropout: bool = shared_field("disable_dropout")
+    trust_remote_code: bool = shared_field("trust_remote_code")
+    router_aux_loss_coef: float | None = shared_field("router_aux_loss_coef")
     dataset_num_proc: int | None = shared_field("dataset_num_proc")
     max_length: int | None = field(
         default=1024,
@@ -96,7 +98,7 @@ class KTOConfig(BaseConfig):
             "reaches it are dropped. None: no limit."
         },
     )
-    pad_to_multiple_of: int | None = shared_field("pad_to_multiple_of")
+    pad_to_multiple_of: int | str | None = shared_field("pad_to_multiple_of")
     precompute_ref_log_probs: bool = shared_field("precompute_ref_log_probs")
     precompute_ref_batch_size: int | None = shared_field("precompute_ref_batch_size")
     loss_type: str = field(
@@ -166,16 +168,17 @@ class KTOTrainer(PreferenceTrainer):
         model: str | torch.nn.Module,
         ref_model: str | torch.nn.Module | None = None,
         args: KTOConfig | TrainingArguments | None = None,
+        data_collator: Callable | None = None,
         train_dataset: Any = None,
         eval_dataset: Any = None,
         processing_class: Any = None,
-        data_collator: Callable | None = None,
+        compute_metrics: Callable | None = None,
         callbacks: list | None = None,
         optimizers: tuple = (None, None),
+        quantization_config: Any = None,
+        peft_config: Any = None,
         optimizer_cls_and_kwargs: tuple | None = None,
         preprocess_logits_for_metrics: Callable | None = None,
-        peft_config: Any = None,
-        compute_metrics: Callable | None = None,
     ):
         args = self.resolve_args(args, model, KTOConfig, "KTO")
         if args.loss_type == "kto" and args.per_device_train_batch_size <= 1:
@@ -186,7 +189,7 @@ class KTOTrainer(PreferenceTrainer):
             if processing_class is None:
                 processing_class = load_processor(model)
         processing_class, policy, self.reference = load_policy_and_reference(
-            model, ref_model, args, processing_class, peft_config
+            model, ref_model, args, processing_class, peft_config, quantization_config
         )
         configure_iterable_dataset(args, train_dataset)
         tok = getattr(processing_class, "tokenizer", processing_class)

@@ -38,7 +38,7 @@ import torch
 from transformers import TrainingArguments
 
 from posttrain.data.formats import is_vision_dataset
-from posttrain.models.loading import load_processor
+from posttrain.models.loading import load_processor, resolve_router_aux_loss_coef
 from posttrain.registry import Registry
 from posttrain.trainers._forward import (
     forward_token_stats,
@@ -46,7 +46,7 @@ from posttrain.trainers._forward import (
     token_stats_from_logits,
     unwrap_model,
 )
-from posttrain.trainers.base import BaseConfig, BaseTrainer
+from posttrain.trainers.base import PAD_TO_MULTIPLE_OF_HELP, BaseConfig, BaseTrainer
 
 IGNORE_INDEX = -100
 _PACKING_STRATEGIES = ("bfd", "bfd_split", "wrapped")
@@ -96,11 +96,11 @@ class SFTConfig(BaseConfig):
     trust_remote_code: bool = field(
         default=False, metadata={"help": "Allow custom modelling code from the hub when `model` is a string."}
     )
-    router_aux_loss_coef: float = field(
-        default=0.001,
+    router_aux_loss_coef: float | None = field(
+        default=None,
         metadata={
             "help": "Weight of the MoE router load-balancing loss added to the loss (MoE models only; 0 disables "
-            "it). Logged as `aux_loss`."
+            "it). Logged as `aux_loss`. None: the model's own `router_aux_loss_coef`."
         },
     )
     chat_template_path: str | None = field(
@@ -165,9 +165,7 @@ class SFTConfig(BaseConfig):
             "separate rows, each with its own block-diagonal mask (same result, cheaper attention)."
         },
     )
-    pad_to_multiple_of: int | None = field(
-        default=None, metadata={"help": "Pad each batch's length up to a multiple of this."}
-    )
+    pad_to_multiple_of: int | str | None = field(default="auto", metadata={"help": PAD_TO_MULTIPLE_OF_HELP})
     eval_packing: bool | None = field(
         default=None, metadata={"help": "Pack the evaluation dataset; None: same as `packing`."}
     )
@@ -336,9 +334,9 @@ class SFTTrainer(BaseTrainer):
         optimizers: tuple = (None, None),
         optimizer_cls_and_kwargs: tuple | None = None,
         preprocess_logits_for_metrics: Callable | None = None,
+        quantization_config: Any = None,
         peft_config: Any = None,
         formatting_func: Callable[[dict], str] | None = None,
-        quantization_config: Any = None,
     ):
         from posttrain.models.loading import model_name, resolve_model, resolve_processing_class
         from posttrain.reliability.validation import check_single_split
@@ -481,6 +479,7 @@ class SFTTrainer(BaseTrainer):
     def _enable_router_aux_loss(model: Any, args: SFTConfig) -> bool:
         """MoE models: ask the model for its load-balancing loss (added as ``router_aux_loss_coef · aux_loss``)."""
         config = getattr(unwrap_model(model), "config", None)
+        resolve_router_aux_loss_coef(args, model)  # None → the model's own coefficient (TRL)
         if config is None or not hasattr(config, "output_router_logits") or args.router_aux_loss_coef == 0:
             return False
         config.output_router_logits = True
