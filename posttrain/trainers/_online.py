@@ -41,7 +41,7 @@ from posttrain.models.loading import (
     resolve_processing_class,
     resolve_router_aux_loss_coef,
 )
-from posttrain.reliability.validation import check_text_only
+from posttrain.reliability.validation import check_datasets, check_text_only
 from posttrain.rollout.buffer import RolloutBatch, RolloutBuffer
 from posttrain.rollout.completions_log import print_completions_table, write_completions_parquet
 from posttrain.rollout.metrics import clip_ratio_metrics
@@ -314,6 +314,7 @@ class OnlineTrainerBase(BaseTrainer):
         environment_factory: Any = None,
     ):
         args = self.resolve_args(args, model, self.config_class, self._trainer_name)
+        check_datasets(train_dataset, eval_dataset)
         if train_dataset is None:
             train_dataset = self._environment_placeholder_dataset(args, environment_factory)
         model_id = model if isinstance(model, str) else None

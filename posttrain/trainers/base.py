@@ -23,6 +23,7 @@ and writes saved models atomically. It also carries the reliability layer every 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import math
@@ -161,6 +162,21 @@ def nanmean_or_none(values: list[float]) -> float | None:
     """Average of the finite values (NaN ignored); None when nothing finite remains."""
     finite = [float(v) for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
     return sum(finite) / len(finite) if finite else None
+
+
+@contextlib.contextmanager
+def _naming_corrupt_files(checkpoint: str | None, stage: str):
+    """Re-raise a failure to read ``stage`` from ``checkpoint`` as a ``CorruptCheckpointError`` that names the damaged
+    file and the previous checkpoint. Failures with intact files (e.g. a model that does not match the checkpoint)
+    pass through unchanged."""
+    try:
+        yield
+    except Exception as err:  # torch, safetensors, pickle and zip errors have no common base
+        if checkpoint is None or isinstance(err, checkpointing.CorruptCheckpointError):
+            raise
+        if not checkpointing.damaged_files(checkpoint, stage):
+            raise
+        raise checkpointing.corrupt_checkpoint_error(checkpoint, stage, err) from err
 
 
 class BaseTrainer(Trainer):
@@ -336,7 +352,26 @@ class BaseTrainer(Trainer):
     def _load_resume_state(self, checkpoint: str) -> None:
         path = self._resume_state_path(checkpoint)
         if os.path.isfile(path):  # checkpoints written by other tools have none: HF's state is still restored
-            self.load_resume_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+            with _naming_corrupt_files(checkpoint, "posttrain resume state"):
+                state = torch.load(path, map_location="cpu", weights_only=True)
+            self.load_resume_state_dict(state)
+
+    # HF's resume loaders: a damaged file fails with an error that names the checkpoint, the file and the fix.
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        with _naming_corrupt_files(resume_from_checkpoint, "model"):
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        with _naming_corrupt_files(checkpoint, "optimizer and scheduler"):
+            return super()._load_optimizer_and_scheduler(checkpoint)
+
+    def _load_rng_state(self, checkpoint):
+        with _naming_corrupt_files(checkpoint, "RNG state"):
+            return super()._load_rng_state(checkpoint)
+
+    def _load_scaler(self, checkpoint):
+        with _naming_corrupt_files(checkpoint, "gradient scaler"):
+            return super()._load_scaler(checkpoint)
 
     # -- numerics guard ------------------------------------------------------------------------------------------
     def training_step(self, model, inputs, num_items_in_batch=None):

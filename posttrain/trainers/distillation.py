@@ -40,6 +40,7 @@ from posttrain.models.loading import (
     create_model_from_path,
     load_processing_class,
 )
+from posttrain.reliability.validation import check_datasets
 from posttrain.rollout.buffer import RolloutBatch
 from posttrain.trainers._completion_scoring import choose_shared_prompt_layout, completion_inputs
 from posttrain.trainers._distill_parts import (
@@ -296,6 +297,7 @@ class DistillationTrainer(OnlineTrainerBase):
         if isinstance(teacher_model, torch.nn.Module) and teacher_model is model:
             raise ValueError("teacher_model is the student model itself; pass a separate (frozen) teacher.")
         args = self.resolve_args(args, model, self.config_class, self._trainer_name)
+        check_datasets(train_dataset, eval_dataset)
         if train_dataset is None:
             raise ValueError("DistillationTrainer needs a train_dataset with a 'prompt' column.")
         model, processing_class = self._setup_policy(model, args, processing_class, peft_config, quantization_config)

@@ -48,7 +48,12 @@ from posttrain.core.preference import (
 )
 from posttrain.data.formats import is_vision_dataset
 from posttrain.models.loading import load_processor
-from posttrain.reliability.validation import check_single_split
+from posttrain.reliability.validation import (
+    ALLOW_NEGATIVE_BETA_HELP,
+    check_beta,
+    check_datasets,
+    check_preference_pairs,
+)
 from posttrain.trainers._preference import (
     CompletionScores,
     PreferenceTrainer,
@@ -137,6 +142,7 @@ class DPOConfig(BaseConfig):
         default=None, metadata={"help": "One weight per loss type (default 1.0 each)."}
     )
     beta: float = field(default=0.1, metadata={"help": "β: strength of the deviation from the reference (τ for IPO)."})
+    allow_negative_beta: bool = field(default=False, metadata={"help": ALLOW_NEGATIVE_BETA_HELP})
     label_smoothing: float = field(
         default=0.0,
         metadata={"help": "Label-flip probability for robust (in [0, 0.5)), ε for exo_pair (> 0), smoothing for aot."},
@@ -188,6 +194,7 @@ class DPOConfig(BaseConfig):
         if self.ld_alpha is not None and not 0.0 <= self.ld_alpha <= 1.0:
             raise ValueError(f"ld_alpha must lie in [0, 1] (or be None), got {self.ld_alpha}.")
         check_reference_options(self)
+        check_beta(self, "the DPO loss would then favour the rejected completions over the chosen ones")
         super().__post_init__()
 
 
@@ -241,6 +248,7 @@ class DPOTrainer(PreferenceTrainer):
         preprocess_logits_for_metrics: Callable | None = None,
     ):
         args = self.resolve_args(args, model, DPOConfig, "DPO")
+        check_datasets(train_dataset, eval_dataset)
         self._vision = is_vision_dataset(train_dataset)
         if self._vision:
             _validate_vision(args)
@@ -268,7 +276,6 @@ class DPOTrainer(PreferenceTrainer):
                 truncation_mode=args.truncation_mode,
             )
         check_precompute_supported(args, train_dataset, eval_dataset)
-        check_single_split(train_dataset, "train_dataset")
         train_dataset = self._prepare_dataset(train_dataset, processing_class, args, "train")
 
         def prepare_eval(dataset: Any, name: str) -> Any:
@@ -297,6 +304,7 @@ class DPOTrainer(PreferenceTrainer):
 
         if self._vision:
             validate_format(dataset, [PREFERENCE], trainer="DPOTrainer")
+            check_preference_pairs(dataset, "DPOTrainer", name)
             return dataset
         if is_vision_dataset(dataset):
             raise ValueError(
@@ -304,6 +312,7 @@ class DPOTrainer(PreferenceTrainer):
                 "by the train dataset. Give the train dataset its `image`/`images` column too, or drop it here."
             )
         fmt = validate_format(dataset, [PREFERENCE, TOKENIZED_PREFERENCE], trainer="DPOTrainer")
+        check_preference_pairs(dataset, "DPOTrainer", name)
         if fmt.type == PREFERENCE:
             dataset = tokenize_dataset(
                 dataset, tokenize_preference, processing_class, args, f"{name} dataset", add_eos=not fmt.conversational

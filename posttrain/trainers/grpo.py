@@ -33,6 +33,7 @@ from posttrain.core.kl import kl_k3
 from posttrain.core.masking import masked_batch_mean, masked_mean, masked_sum
 from posttrain.core.policy_objectives import importance_weights
 from posttrain.core.presets import needs_grad_accum_division, resolve_grpo_loss, validate_grpo_loss_config
+from posttrain.reliability.validation import ALLOW_NEGATIVE_BETA_HELP, check_beta
 from posttrain.rollout.buffer import RolloutBatch
 from posttrain.rollout.estimators import GroupRelativeEstimator
 from posttrain.rollout.pipeline import ImportanceSamplingSettings
@@ -137,6 +138,7 @@ class GRPOConfig(OnlineRLConfig):
     log_completions_hub_repo: str | None = field(
         default=None, metadata={"help": "Hub dataset repo for completions parquet files (requires log_completions)."}
     )
+    allow_negative_beta: bool = field(default=False, metadata={"help": ALLOW_NEGATIVE_BETA_HELP})
 
     _trainer_name = "GRPO"
 
@@ -151,6 +153,7 @@ class GRPOConfig(OnlineRLConfig):
             )
             self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
         super().__post_init__()
+        check_beta(self, "the KL term would then reward moving away from the reference policy")
         if self.scale_rewards not in ("group", "batch", "none"):
             raise ValueError(
                 f"Invalid scale_rewards {self.scale_rewards!r}. Valid values: 'group' (or True), 'batch', 'none' "

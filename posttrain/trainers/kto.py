@@ -38,7 +38,7 @@ from transformers import TrainingArguments
 from posttrain.core.preference import KTO_LOSSES, kto_kl_estimate, kto_loss, kto_weight_range_warning
 from posttrain.data.formats import is_vision_dataset
 from posttrain.models.loading import load_processor
-from posttrain.reliability.validation import check_single_split
+from posttrain.reliability.validation import check_datasets
 from posttrain.trainers._preference import (
     CompletionScores,
     PreferenceTrainer,
@@ -181,6 +181,7 @@ class KTOTrainer(PreferenceTrainer):
         preprocess_logits_for_metrics: Callable | None = None,
     ):
         args = self.resolve_args(args, model, KTOConfig, "KTO")
+        check_datasets(train_dataset, eval_dataset)
         if args.loss_type == "kto" and args.per_device_train_batch_size <= 1:
             raise ValueError(BATCH_SIZE_ERROR)
         self._vision = is_vision_dataset(train_dataset)
@@ -209,7 +210,6 @@ class KTOTrainer(PreferenceTrainer):
                 pad_token_id=tok.pad_token_id, pad_to_multiple_of=args.pad_to_multiple_of, max_length=args.max_length
             )
         check_precompute_supported(args, train_dataset, eval_dataset)
-        check_single_split(train_dataset, "train_dataset")
         train_dataset = self._prepare_dataset(
             train_dataset, tok, args, "train", args.per_device_train_batch_size, shuffle=True
         )

@@ -30,7 +30,7 @@ from transformers import TrainingArguments
 
 from posttrain.core.preference import bradley_terry_loss
 from posttrain.models.loading import disable_dropout_in_model, resolve_model, resolve_processing_class
-from posttrain.reliability.validation import check_single_split, check_text_only
+from posttrain.reliability.validation import check_datasets, check_preference_pairs, check_text_only
 from posttrain.trainers._forward import sequence_scores
 from posttrain.trainers._preference import (
     PreferenceTrainer,
@@ -137,6 +137,7 @@ class RewardTrainer(PreferenceTrainer):
         from posttrain.models.peft_utils import prepare_peft_model
 
         args = self.resolve_args(args, model, RewardConfig, "Reward")
+        check_datasets(train_dataset, eval_dataset)
         reward_model = resolve_model(
             model, args, task="sequence-classification", quantization_config=quantization_config
         )
@@ -184,7 +185,6 @@ class RewardTrainer(PreferenceTrainer):
             return self._prepare_dataset(dataset, tok, args, name)
 
         eval_dataset = prepare_splits(eval_dataset, prepare_eval, "eval")
-        check_single_split(train_dataset, "train_dataset")
         check_text_only(train_dataset, "RewardTrainer")
         train_dataset = self._prepare_dataset(train_dataset, tok, args, "train")
         super().__init__(
@@ -212,6 +212,7 @@ class RewardTrainer(PreferenceTrainer):
             )
             dataset = dataset.rename_columns({"chosen_input_ids": "chosen_ids", "rejected_input_ids": "rejected_ids"})
         fmt = validate_format(dataset, [PREFERENCE, TOKENIZED_PREFERENCE], trainer="RewardTrainer")
+        check_preference_pairs(dataset, "RewardTrainer", name)
         if fmt.type == PREFERENCE:
             dataset = tokenize_dataset(
                 dataset, tokenize_reward_pair, tok, args, f"{name} dataset", add_eos=not fmt.conversational

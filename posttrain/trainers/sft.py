@@ -339,12 +339,12 @@ class SFTTrainer(BaseTrainer):
         formatting_func: Callable[[dict], str] | None = None,
     ):
         from posttrain.models.loading import model_name, resolve_model, resolve_processing_class
-        from posttrain.reliability.validation import check_single_split
+        from posttrain.reliability.validation import check_datasets
 
         args = self.resolve_args(args, model, SFTConfig, "SFT")
         if train_dataset is None:
             raise ValueError("SFTTrainer needs a train_dataset.")
-        check_single_split(train_dataset, "train_dataset")
+        check_datasets(train_dataset, eval_dataset)
         quantized = quantization_config is not None or "quantization_config" in (args.model_init_kwargs or {})
         if quantized and importlib.util.find_spec("bitsandbytes") is None:
             raise ImportError(
@@ -552,10 +552,25 @@ class SFTTrainer(BaseTrainer):
 
     @staticmethod
     def _infer_completion_only_loss(args: SFTConfig, dataset: Any) -> bool:
+        columns = set(_columns(dataset))
+        has_completion = {"prompt", "completion"} <= columns or "completion_mask" in columns
+        if args.completion_only_loss and columns and not has_completion:
+            # TRL would train on every token here; an explicit True means the user expects a masked prompt.
+            data = "conversational `messages`" if "messages" in columns else f"columns {sorted(columns)}"
+            fix = (
+                "use assistant_only_loss=True to train on the assistant turns only, or "
+                if "messages" in columns or "conversations" in columns
+                else ""
+            )
+            raise ValueError(
+                f"completion_only_loss=True needs prompt-completion data (`prompt` and `completion` columns, or "
+                f"pre-tokenized rows with a `completion_mask`), but the train dataset has {data}: there is no "
+                f"prompt to mask, so every token would be trained on. Split the rows into prompt/completion, {fix}"
+                "or set completion_only_loss=None to train on the whole text."
+            )
         if args.completion_only_loss is not None:
             return bool(args.completion_only_loss)
-        columns = set(_columns(dataset))
-        return {"prompt", "completion"} <= columns or "completion_mask" in columns
+        return has_completion
 
     def _default_collator(self, model: Any, tokenizer: Any, args: SFTConfig):
         from posttrain.data.collators import DataCollatorForLanguageModeling
