@@ -84,11 +84,22 @@ def check_datasets(train_dataset: Any, eval_dataset: Any = None) -> None:
     """What every trainer checks first: ``train_dataset`` is one ``datasets`` split (not a list, DataFrame or dict of
     splits); ``eval_dataset`` is a dataset or a dict of them."""
     check_single_split(train_dataset, "train_dataset")
-    if isinstance(eval_dataset, dict):
-        for name, split in eval_dataset.items():
-            check_dataset_type(split, f"eval_dataset[{name!r}]")
-    else:
-        check_dataset_type(eval_dataset, "eval_dataset")
+    _check_not_empty(train_dataset, "train_dataset")
+    splits = eval_dataset.items() if isinstance(eval_dataset, dict) else [(None, eval_dataset)]
+    for name, split in splits:
+        arg = "eval_dataset" if name is None else f"eval_dataset[{name!r}]"
+        check_dataset_type(split, arg)
+        _check_not_empty(split, arg)
+
+
+def _check_not_empty(dataset: Any, arg_name: str) -> None:
+    if _sized_length(dataset) == 0:
+        columns = getattr(dataset, "column_names", None)
+        raise ValueError(
+            f"{arg_name} has 0 rows{f' (columns {columns})' if columns else ''}: there is nothing to "
+            f"{'train' if arg_name == 'train_dataset' else 'evaluate'} on. Check the split and any filter or "
+            f"select applied before{'' if arg_name == 'train_dataset' else f', or pass {arg_name}=None'}."
+        )
 
 
 def check_text_only(dataset: Any, trainer_name: str, arg_name: str = "train_dataset") -> None:
