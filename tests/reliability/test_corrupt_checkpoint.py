@@ -27,7 +27,9 @@ def _truncate(path, keep: float = 0.5) -> None:
 @pytest.mark.parametrize(
     "name", ["optimizer.pt", "model.safetensors", "rng_state.pth", "posttrain_state_0.pt", "trainer_state.json"]
 )
-def test_resume_from_damaged_file_names_it_and_the_previous_checkpoint(tmp_path, tiny_model_path, two_checkpoints, name):
+def test_resume_from_damaged_file_names_it_and_the_previous_checkpoint(
+    tmp_path, tiny_model_path, two_checkpoints, name
+):
     run = tmp_path / "run"
     shutil.copytree(two_checkpoints, run)
     _truncate(run / "checkpoint-2" / name)

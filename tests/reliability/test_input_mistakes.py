@@ -99,7 +99,9 @@ def test_completion_only_loss_without_prompt_is_refused(tiny_model_path, tmp_pat
     text = Dataset.from_list(ROWS["sft"])
     with pytest.raises(ValueError, match=r"completion_only_loss=True needs prompt-completion data.*\['text'\]"):
         _build("sft", tiny_model_path, tmp_path, text, completion_only_loss=True)
-    chats = Dataset.from_list([{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}])
+    chats = Dataset.from_list(
+        [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}]
+    )
     with pytest.raises(ValueError, match="assistant_only_loss=True"):
         _build("sft", tiny_model_path, tmp_path, chats, completion_only_loss=True)
     # prompt-completion data, and the default None on text data, are fine
