@@ -74,7 +74,7 @@ class ReportCallback(TrainerCallback):
         try:
             write_report(args.output_dir, trainer=self.trainer_name)
         except Exception as err:  # a report must never fail a finished training run
-            print(f"[posttrain] could not write the training report: {err}", file=sys.stderr)
+            logger.warning("could not write the training report: %s", err)
 
 
 class RichProgressCallback(TrainerCallback):

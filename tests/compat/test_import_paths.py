@@ -251,3 +251,34 @@ def test_weave_callback_logs_eval_completions_and_scores(tiny_model_path, monkey
     trainer.eval_dataset = None
     with pytest.raises(ValueError, match="evaluation dataset"):
         WeaveCallback(trainer)
+
+
+def test_posttrain_logs_only_under_its_own_logger_names():
+    """TRL logs under ``trl.<module>``; posttrain under ``posttrain.<module>``, so ``logging.getLogger("posttrain")``
+    filters every posttrain message the way ``logging.getLogger("trl")`` does TRL's."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "posttrain"
+    bad = []
+    for path in root.rglob("*.py"):
+        for match in re.finditer(r"getLogger\(([^)]*)\)(\.setLevel)?", path.read_text()):
+            name, configures_other = match.group(1).strip(), match.group(2)
+            if name in ("__name__", "") or name.strip("'\"").startswith("posttrain") or configures_other:
+                continue
+            bad.append(f"{path.relative_to(root.parent)}: getLogger({name})")
+    assert not bad, bad
+
+
+def test_report_failure_is_logged_not_printed(tmp_path, monkeypatch, caplog):
+    import posttrain.report
+    from posttrain.callbacks import ReportCallback
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(posttrain.report, "write_report", broken)
+    state = types.SimpleNamespace(is_world_process_zero=True)
+    with caplog.at_level(logging.WARNING, logger="posttrain.callbacks"):
+        ReportCallback().on_train_end(types.SimpleNamespace(output_dir=str(tmp_path)), state, None)
+    assert "could not write the training report: disk full" in caplog.text
