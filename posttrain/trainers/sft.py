@@ -374,12 +374,14 @@ class SFTTrainer(BaseTrainer):
 
         self.padding_free = self._resolve_padding_free(model, args)
         self._validate(args, data_collator, formatting_func)
-        self.completion_only_loss = self._infer_completion_only_loss(args, train_dataset)
-        if self.completion_only_loss and formatting_func is not None:
+        if formatting_func is not None and (
+            args.completion_only_loss or self._infer_completion_only_loss(args, train_dataset, check=False)
+        ):
             raise ValueError(
                 "completion_only_loss=True cannot be used with a formatting_func: the formatted text has no prompt/"
                 "completion boundary. Use a prompt-completion dataset instead, or set completion_only_loss=False."
             )
+        self.completion_only_loss = self._infer_completion_only_loss(args, train_dataset)
 
         if data_collator is None:
             data_collator = self._default_collator(model, processing_class if self._vision else tokenizer, args)
@@ -551,10 +553,10 @@ class SFTTrainer(BaseTrainer):
             )
 
     @staticmethod
-    def _infer_completion_only_loss(args: SFTConfig, dataset: Any) -> bool:
+    def _infer_completion_only_loss(args: SFTConfig, dataset: Any, check: bool = True) -> bool:
         columns = set(_columns(dataset))
         has_completion = {"prompt", "completion"} <= columns or "completion_mask" in columns
-        if args.completion_only_loss and columns and not has_completion:
+        if check and args.completion_only_loss and columns and not has_completion:
             # TRL would train on every token here; an explicit True means the user expects a masked prompt.
             data = "conversational `messages`" if "messages" in columns else f"columns {sorted(columns)}"
             fix = (
