@@ -38,7 +38,7 @@ from transformers import TrainingArguments
 from posttrain.core.preference import KTO_LOSSES, kto_kl_estimate, kto_loss, kto_weight_range_warning
 from posttrain.data.formats import is_vision_dataset
 from posttrain.models.loading import load_processor
-from posttrain.reliability.validation import check_datasets
+from posttrain.reliability.validation import check_datasets, check_preference_pairs
 from posttrain.trainers._preference import (
     CompletionScores,
     PreferenceTrainer,
@@ -257,6 +257,7 @@ class KTOTrainer(PreferenceTrainer):
         fmt = validate_format(dataset, accepted, trainer="KTOTrainer")
         iterable = is_iterable_dataset(dataset)
         if fmt.type == PREFERENCE:
+            check_preference_pairs(dataset, "KTOTrainer", name)
             if fmt.implicit_prompt:
                 dataset = map_dataset(dataset, maybe_extract_prompt, args, f"Extracting prompts ({name})")
             dataset = unpair_preference_dataset(

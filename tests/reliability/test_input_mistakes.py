@@ -110,7 +110,7 @@ def test_completion_only_loss_without_prompt_is_refused(tiny_model_path, tmp_pat
     assert _build("sft", tiny_model_path, tmp_path, text).completion_only_loss is False
 
 
-@pytest.mark.parametrize("kind", ["dpo", "reward"])
+@pytest.mark.parametrize("kind", ["dpo", "reward", "kto"])
 def test_degenerate_pairs_warn_with_counts_and_all_degenerate_is_refused(kind, tiny_model_path, tmp_path):
     with pytest.warns(UserWarning) as record:
         _build(kind, tiny_model_path, tmp_path, Dataset.from_list(PAIRS))
