@@ -7,6 +7,7 @@ transformers load only when a trainer, config or utility is first touched.
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 from typing import Any
 
 from posttrain._version import __version__
@@ -43,6 +44,8 @@ _LAZY: dict[str, str] = {
     "pack_dataset": "posttrain.data_utils",
     "truncate_dataset": "posttrain.data_utils",
     "clone_chat_template": "posttrain.chat_template_utils",
+    "get_training_chat_template": "posttrain.chat_template_utils",
+    "supports_tool_calling": "posttrain.chat_template_utils",
     "add_response_schema": "posttrain.chat_template_utils",
     "parse_response": "posttrain.chat_template_utils",
     # command line / scripts (trl.scripts names)
@@ -55,15 +58,20 @@ _LAZY: dict[str, str] = {
     "DatasetConfig": "posttrain.data.loading",
     "DatasetMixtureConfig": "posttrain.data.loading",
     "get_dataset": "posttrain.data.loading",
+    "init_zero_verbose": "posttrain.scripts.utils",
     # callbacks
     "RichProgressCallback": "posttrain.callbacks",
     "LogCompletionsCallback": "posttrain.callbacks",
     "SyncRefModelCallback": "posttrain.callbacks",
     "BEMACallback": "posttrain.callbacks",
+    "WeaveCallback": "posttrain.callbacks",
     # models
     "create_reference_model": "posttrain.models.peft_utils",
     "disable_dropout_in_model": "posttrain.models.loading",
 }
+# trl.BEMACallback lives in trl.experimental.bema_for_ref_model; so does posttrain's, once that package is there.
+if (Path(__file__).parent / "experimental" / "bema_for_ref_model").exists():
+    _LAZY["BEMACallback"] = "posttrain.experimental.bema_for_ref_model"
 
 __all__ = ["__version__", *_LAZY]
 

@@ -5,12 +5,15 @@
 - ``RichProgressCallback`` shows a progress bar with live metrics on a terminal, plain lines otherwise.
 - ``LogCompletionsCallback`` samples completions for eval prompts every ``freq`` steps into a table.
 - ``BEMACallback`` keeps a bias-corrected EMA of the weights (BEMA) and saves it to ``output_dir/bema``.
+- ``WeaveCallback`` logs eval completions (and scores) to W&B Weave.
 ``SyncRefModelCallback`` (TR-DPO reference mixing) lives with the reference-policy code and is re-exported here.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
+import logging
 import math
 import os
 import sys
@@ -20,6 +23,8 @@ from typing import Any
 from transformers import TrainerCallback
 
 from posttrain.report.writer import CONFIG_FILE, METRICS_FILE
+
+logger = logging.getLogger(__name__)
 
 
 def _clean(value: Any) -> Any:
@@ -70,7 +75,7 @@ class ReportCallback(TrainerCallback):
         try:
             write_report(args.output_dir, trainer=self.trainer_name)
         except Exception as err:  # a report must never fail a finished training run
-            print(f"[posttrain] could not write the training report: {err}", file=sys.stderr)
+            logger.warning("could not write the training report: %s", err)
 
 
 class RichProgressCallback(TrainerCallback):
@@ -137,6 +142,33 @@ class RichProgressCallback(TrainerCallback):
             self._progress = None
 
 
+def _generate_completions(trainer, prompts: list, generation_config=None) -> list[str]:
+    """Greedy (or ``generation_config``) completions of ``prompts`` (chat templates applied) by the trainer's model."""
+    import torch
+    from transformers import GenerationConfig
+
+    from posttrain.data_utils import maybe_apply_chat_template
+
+    tok = trainer.processing_class
+    tok = getattr(tok, "tokenizer", tok)
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    texts = [maybe_apply_chat_template({"prompt": p}, tok)["prompt"] for p in prompts]
+    config = generation_config or GenerationConfig(max_new_tokens=64, do_sample=False)
+    side = tok.padding_side
+    tok.padding_side = "left"
+    try:
+        batch = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+    finally:
+        tok.padding_side = side
+    was_training = model.training
+    model.eval()
+    with torch.inference_mode():
+        out = model.generate(**batch, generation_config=config, pad_token_id=tok.pad_token_id)
+    if was_training:
+        model.train()
+    return tok.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+
+
 class LogCompletionsCallback(TrainerCallback):
     """Every ``freq`` steps, generate completions for ``num_prompts`` eval prompts and log them as a table.
 
@@ -164,29 +196,7 @@ class LogCompletionsCallback(TrainerCallback):
         self._last_step = -1
 
     def _generate(self) -> list[str]:
-        import torch
-        from transformers import GenerationConfig
-
-        from posttrain.data_utils import maybe_apply_chat_template
-
-        tok = self.trainer.processing_class
-        tok = getattr(tok, "tokenizer", tok)
-        model = self.trainer.accelerator.unwrap_model(self.trainer.model)
-        texts = [maybe_apply_chat_template({"prompt": p}, tok)["prompt"] for p in self.prompts]
-        config = self.generation_config or GenerationConfig(max_new_tokens=64, do_sample=False)
-        side = tok.padding_side
-        tok.padding_side = "left"
-        try:
-            batch = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
-        finally:
-            tok.padding_side = side
-        was_training = model.training
-        model.eval()
-        with torch.inference_mode():
-            out = model.generate(**batch, generation_config=config, pad_token_id=tok.pad_token_id)
-        if was_training:
-            model.train()
-        return tok.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+        return _generate_completions(self.trainer, self.prompts, self.generation_config)
 
     def on_step_end(self, args, state, control, **kwargs):
         freq = self.freq or args.eval_steps or args.logging_steps
@@ -353,9 +363,142 @@ class BEMACallback(TrainerCallback):
             self.running_model.save_pretrained(os.path.join(args.output_dir, "bema"))
 
 
+class WeaveCallback(TrainerCallback):
+    """At each evaluation, generate completions for the eval prompts and log them to W&B Weave (TRL's callback).
+
+    Tracing mode (``scorers=None``) logs each prompt and completion; evaluation mode also scores each completion
+    with every ``scorer(prompt, completion) -> float`` and logs the per-scorer means as the summary. Predictions
+    go through Weave's ``EvaluationLogger``; when ``weave`` is not installed the callback logs a warning once and
+    does nothing (``pip install weave``).
+
+    Args:
+        trainer: The trainer; its ``eval_dataset`` must have a ``prompt`` column.
+        project_name: Weave project; default: the current Weave client's, else the active wandb run's
+            ``entity/project``; an error when there is none.
+        scorers: ``{name: scorer}``; None: tracing mode.
+        generation_config: A ``transformers.GenerationConfig``; default: greedy, 64 new tokens.
+        num_prompts: Use the first ``num_prompts`` eval rows (default: all).
+        dataset_name: Dataset name recorded in Weave.
+        model_name: Model name recorded in Weave (default: the model's ``_name_or_path``).
+    """
+
+    def __init__(
+        self,
+        trainer,
+        project_name: str | None = None,
+        scorers: dict | None = None,
+        generation_config=None,
+        num_prompts: int | None = None,
+        dataset_name: str = "eval_dataset",
+        model_name: str | None = None,
+    ):
+        self.trainer = trainer
+        self.project_name = project_name
+        self.scorers = dict(scorers or {})
+        self.generation_config = generation_config
+        self.dataset_name = dataset_name
+        self.model_name = model_name
+        dataset = trainer.eval_dataset
+        if dataset is None:
+            raise ValueError("WeaveCallback needs an evaluation dataset: pass eval_dataset= to the trainer.")
+        if "prompt" not in getattr(dataset, "column_names", []):
+            raise ValueError(
+                f"WeaveCallback needs a 'prompt' column in eval_dataset; it has {list(dataset.column_names)}."
+            )
+        if num_prompts is not None:
+            dataset = dataset.select(range(min(num_prompts, len(dataset))))
+        self.prompts = list(dataset["prompt"])
+        self._weave = None
+        self._warned = False
+        self._last_step = -1
+
+    @property
+    def is_evaluation_mode(self) -> bool:
+        """True when scorers are given (predictions are scored), False in tracing mode."""
+        return bool(self.scorers)
+
+    def _init_weave(self):
+        if self._weave is not None:
+            return self._weave
+        try:
+            import weave
+        except ImportError:
+            if not self._warned:
+                logger.warning("WeaveCallback: weave is not installed (`pip install weave`); nothing is logged.")
+                self._warned = True
+            return None
+        client = None
+        get_client = getattr(weave, "get_client", None)
+        if callable(get_client):
+            client = get_client()
+        if client is None:
+            if self.project_name is None:
+                try:
+                    import wandb
+
+                    if wandb.run is not None:
+                        self.project_name = f"{wandb.run.entity}/{wandb.run.project}"
+                except ImportError:
+                    pass
+            if self.project_name is None:
+                raise ValueError(
+                    "WeaveCallback found no Weave client and no project: call weave.init('project'), pass "
+                    "project_name=, or start a wandb run."
+                )
+            weave.init(self.project_name)
+        if self.model_name is None:
+            config = getattr(self.trainer.model, "config", None)
+            self.model_name = getattr(config, "_name_or_path", None) or "unknown_model"
+        self._weave = weave
+        return weave
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            self._init_weave()
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        if state.global_step == self._last_step:
+            return
+        self._last_step = state.global_step
+        weave = self._init_weave() if state.is_world_process_zero else None
+        completions = _generate_completions(self.trainer, self.prompts, self.generation_config)
+        if weave is None:
+            return
+        eval_logger = weave.EvaluationLogger(
+            model=self.model_name,
+            dataset=self.dataset_name,
+            eval_attributes={
+                "training_step": state.global_step,
+                "model_name": self.model_name,
+                "generation_config": self.generation_config.to_dict() if self.generation_config else None,
+            },
+        )
+        scores: dict[str, list[float]] = {name: [] for name in self.scorers}
+        for prompt, completion in zip(self.prompts, completions):
+            prediction = eval_logger.log_prediction(inputs={"prompt": prompt}, output=completion)
+            for name, scorer in self.scorers.items():
+                try:
+                    score = scorer(prompt, completion)
+                except Exception as err:  # one failing scorer must not stop the evaluation
+                    logger.warning("WeaveCallback: scorer %r failed on a completion: %s", name, err)
+                    continue
+                prediction.log_score(scorer=name, score=score)
+                scores[name].append(float(score))
+            prediction.finish()
+        summary = {"training_step": state.global_step, "num_predictions": len(completions)}
+        summary.update({f"{name}_mean": sum(v) / len(v) for name, v in scores.items() if v})
+        eval_logger.log_summary(summary)
+
+
 def __getattr__(name: str):
     if name == "SyncRefModelCallback":
         from posttrain.models.reference import SyncRefModelCallback
 
         return SyncRefModelCallback
+    if name == "BEMACallback":  # posttrain.experimental (TRL's trl.experimental.bema_for_ref_model)
+        try:
+            module = importlib.import_module("posttrain.experimental.bema_for_ref_model")
+        except ModuleNotFoundError as err:
+            raise AttributeError("BEMACallback needs posttrain.experimental.bema_for_ref_model") from err
+        return module.BEMACallback
     raise AttributeError(name)

@@ -7,6 +7,7 @@ from posttrain.data.multimodal import prepare_multimodal_messages, prepare_multi
 from posttrain.data.packing import pack_dataset
 from posttrain.data.utils import (
     apply_chat_template,
+    common_prefix_length,
     extract_prompt,
     get_dataset_column_names,
     is_conversational,
@@ -22,6 +23,7 @@ from posttrain.data.utils import (
 
 __all__ = [
     "apply_chat_template",
+    "common_prefix_length",
     "extract_prompt",
     "get_dataset_column_names",
     "is_conversational",

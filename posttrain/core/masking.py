@@ -119,16 +119,25 @@ def masked_batch_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return masked_mean(x.float(), mask)
 
 
-def nanstd(tensor: torch.Tensor) -> torch.Tensor:
-    """Bessel-corrected standard deviation over all non-NaN entries (TRL's ``nanstd``).
+def nanstd(tensor: torch.Tensor, dim: int | tuple[int, ...] | None = None, keepdim: bool = False) -> torch.Tensor:
+    """Bessel-corrected standard deviation over the non-NaN entries (TRL's ``nanstd``), of all entries or along
+    ``dim``.
 
     σ = sqrt( n/(n−1) · nanmean((x − nanmean(x))²) ), n = number of non-NaN entries.
 
     Returns:
-        Scalar tensor; NaN when n ≤ 1 (the unbiased estimate is undefined), as in TRL.
+        A scalar (``dim=None``) or the reduced tensor; NaN where n ≤ 1 (the unbiased estimate is undefined), as in
+        TRL.
     """
-    variance = torch.nanmean((tensor - torch.nanmean(tensor)) ** 2)
-    count = (~torch.isnan(tensor)).sum()
+    if dim is None:
+        variance = torch.nanmean((tensor - torch.nanmean(tensor)) ** 2)
+        count = (~torch.isnan(tensor)).sum()
+        if keepdim:
+            variance, count = variance.reshape([1] * tensor.dim()), count.reshape([1] * tensor.dim())
+    else:
+        mean = torch.nanmean(tensor, dim=dim, keepdim=True)
+        variance = torch.nanmean((tensor - mean) ** 2, dim=dim, keepdim=keepdim)
+        count = (~torch.isnan(tensor)).sum(dim=dim, keepdim=keepdim)
     variance = variance * count / (count - 1)  # n=1 gives 0·inf = NaN, n=0 gives NaN: both intended
     return torch.sqrt(variance)
 
@@ -177,3 +186,23 @@ def completion_mask_from_eos(completion_ids: torch.Tensor, eos_token_id: int | l
     )
     positions = torch.arange(length, device=completion_ids.device).expand(batch, -1)
     return (positions <= first_eos.unsqueeze(1)).long()
+
+
+def flush_left(mask: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """Shift each row's nonzero-mask entries to the left, then drop the columns that are zero in every row (TRL's).
+
+    ``mask`` ``(N, M)`` 0/1; every tensor in ``tensors`` is ``(N, M)`` and moves with it (its values outside the
+    mask become 0); each row keeps the order of its entries. Mask ``[[0, 0, 1, 1], [0, 1, 0, 0]]`` with the tensor
+    ``[[9, 9, a, b], [9, c, 9, 9]]`` gives the mask ``[[1, 1], [1, 0]]`` and the tensor ``[[a, b], [c, 0]]``.
+
+    Returns:
+        The new mask alone when no ``tensors`` are given, else ``(mask, *tensors)``.
+    """
+    keep = mask.bool()
+    # a stable sort of "not kept" (0 = kept first) moves kept entries to the front in their original order
+    order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)
+    width = int(keep.sum(dim=1).max().item()) if keep.numel() else 0
+    new_keep = torch.gather(keep, 1, order)[:, :width]
+    out_mask = new_keep.to(mask.dtype)
+    outs = [torch.where(new_keep, torch.gather(t, 1, order)[:, :width], torch.zeros((), dtype=t.dtype)) for t in tensors]
+    return out_mask if not outs else (out_mask, *outs)

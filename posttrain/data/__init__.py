@@ -39,6 +39,7 @@ _EXPORTS = {
     ],
     "utils": [
         "apply_chat_template",
+        "common_prefix_length",
         "extract_prompt",
         "get_dataset_column_names",
         "is_conversational",

@@ -57,9 +57,14 @@ def get_chat_template(tokenizer: Any, chat_template: str | None = None) -> str:
     return template
 
 
-def has_generation_markers(template: str) -> bool:
-    """True iff the template contains ``{% generation %}`` markers (needed for assistant-only loss masks)."""
-    return bool(_GENERATION_RE.search(template or ""))
+def has_generation_markers(chat_template: str | dict[str, str] | None) -> bool:
+    """True iff the template contains ``{% generation %}`` markers (needed for assistant-only loss masks).
+
+    A template shipped as named variants (a dict) is checked on its ``default`` variant, as in TRL.
+    """
+    if isinstance(chat_template, dict):
+        chat_template = chat_template.get("default")
+    return bool(_GENERATION_RE.search(chat_template or ""))
 
 
 def resolve_tools(tools: Any, *, row: int | None = None, column: str = "tools") -> list | None:
@@ -512,7 +517,7 @@ def detect_chat_template_family(processing_class: Any, chat_template: str | None
     return None
 
 
-def get_training_chat_template(processing_class: Any, *, tokenizer: Any = None) -> str | None:
+def get_training_chat_template(processing_class: Any = None, tokenizer: Any = None) -> str | None:
     """A chat template fit for training, or ``None`` when the current one already is.
 
     The current template is fit when it has ``{% generation %}`` markers and, if it supports tool calling, is
@@ -529,7 +534,9 @@ def get_training_chat_template(processing_class: Any, *, tokenizer: Any = None) 
     """
     if tokenizer is not None:
         warnings.warn("`tokenizer=` is deprecated; pass `processing_class`.", FutureWarning, stacklevel=2)
-        processing_class = tokenizer
+        processing_class = tokenizer if processing_class is None else processing_class
+    if processing_class is None:
+        raise TypeError("get_training_chat_template() needs a tokenizer or processor: pass `processing_class`.")
     template = get_chat_template(processing_class)
     markers = has_generation_markers(template)
     tools = supports_tool_calling(processing_class)

@@ -209,7 +209,7 @@ def _normalize(message: Mapping[str, Any], tokenizer: Any) -> dict[str, Any]:
     return out
 
 
-def parse_response(tokenizer: Any, ids: Any, prefix: Any = None) -> dict[str, Any]:
+def parse_response(tokenizer: Any, ids: Any, prefix: Any = None, tools: list | None = None) -> dict[str, Any]:
     """Parse generated token ids into an assistant message.
 
     Trailing EOS, padding and end-of-turn tokens are dropped, the rest is decoded (special tokens kept, so the
@@ -223,6 +223,9 @@ def parse_response(tokenizer: Any, ids: Any, prefix: Any = None) -> dict[str, An
         ids: Generated token ids (completion only), a list or a 1-D tensor.
         prefix: The prompt before generation (text or ids), so that what the chat template pre-writes (e.g. an
             empty ``<think></think>`` block) is taken into account. ``None`` parses the completion alone.
+        tools: The tools the model was given (schemas or functions, as ``apply_chat_template`` takes them):
+            tool-call arguments are typed by the called tool's JSON schema (``"7"`` → ``7`` for an integer
+            parameter, ``"7"`` stays a string for a string one). ``None``: arguments as the parser reads them.
 
     Raises:
         ValueError: The tokenizer has no ``response_template``; call ``add_response_schema(tokenizer)`` first.
@@ -243,6 +246,7 @@ def parse_response(tokenizer: Any, ids: Any, prefix: Any = None) -> dict[str, An
             prefix_text = prefix
         else:
             prefix_text = tok.decode(_flat_ids(prefix), skip_special_tokens=False)
-        return _normalize(tok.parse_response(text, prefix=prefix_text), tok)
+        kwargs = {"tools": tools} if tools else {}
+        return _normalize(tok.parse_response(text, prefix=prefix_text, **kwargs), tok)
     except Exception:  # any parse failure falls back to the raw text, as TRL does
         return {"role": "assistant", "content": tok.decode(ids, skip_special_tokens=True)}

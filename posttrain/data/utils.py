@@ -16,7 +16,7 @@ the prefix shared by *all* renders (so ``prompt + chosen`` and ``prompt + reject
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 from posttrain.data.chat_templates import prompt_generation_flags, render_chat, resolve_template_kwargs
@@ -79,17 +79,26 @@ def maybe_convert_to_chatml(example: dict[str, Any]) -> dict[str, Any]:
     return example
 
 
-def _common_prefix(a: str, b: str) -> str:
+def common_prefix_length(ids: Sequence[Any], other_ids: Sequence[Any]) -> int:
+    """Number of leading items ``ids`` and ``other_ids`` share (TRL's ``trl.data_utils.common_prefix_length``).
+
+    Some chat templates render a prompt alone (with the generation prompt) differently from the same prompt followed
+    by a completion; the completion then starts after this common prefix, not after the tokenized prompt.
+    """
     n = 0
-    for x, y in zip(a, b):
+    for x, y in zip(ids, other_ids):
         if x != y:
             break
         n += 1
-    return a[:n]
+    return n
+
+
+def _common_prefix(a: str, b: str) -> str:
+    return a[: common_prefix_length(a, b)]
 
 
 def apply_chat_template(
-    example: Mapping[str, Any], tokenizer: Any, tools: list | str | None = None, **template_kwargs: Any
+    example: Mapping[str, Any], processing_class: Any, tools: list | str | None = None, **template_kwargs: Any
 ) -> dict[str, Any]:
     """Render a conversational row to text, keeping its dataset type.
 
@@ -103,7 +112,7 @@ def apply_chat_template(
     Args:
         example: A row with one of the key sets {messages}, {prompt}, {prompt, completion}, {prompt, chosen,
             rejected}, {chosen, rejected}, {prompt, completion, label} (other keys are ignored).
-        tokenizer: Tokenizer with a chat template.
+        processing_class: Tokenizer (or processor) with a chat template.
         tools: Tool schemas (list or JSON string; ``[]`` = none). Default: the row's ``tools`` column, if any.
         **template_kwargs: Extra chat-template variables; the row's ``chat_template_kwargs`` column overrides them.
 
@@ -128,7 +137,7 @@ def apply_chat_template(
     kwargs = resolve_template_kwargs(template_kwargs, example.get("chat_template_kwargs"))
 
     def render(messages, **flags):
-        return render_chat(tokenizer, messages, tools=tools, tokenize=False, **flags, **kwargs)
+        return render_chat(processing_class, messages, tools=tools, tokenize=False, **flags, **kwargs)
 
     output: dict[str, Any] = {}
     if "messages" in example:
@@ -159,11 +168,11 @@ def apply_chat_template(
 
 
 def maybe_apply_chat_template(
-    example: Mapping[str, Any], tokenizer: Any, tools: list | str | None = None, **template_kwargs: Any
+    example: Mapping[str, Any], processing_class: Any, tools: list | str | None = None, **template_kwargs: Any
 ) -> Mapping[str, Any]:
     """``apply_chat_template`` for conversational rows; standard rows are returned unchanged."""
     if is_conversational(example):
-        return apply_chat_template(example, tokenizer, tools, **template_kwargs)
+        return apply_chat_template(example, processing_class, tools, **template_kwargs)
     return example
 
 

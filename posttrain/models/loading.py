@@ -212,7 +212,12 @@ def resolve_model(
 
 
 def resolve_processing_class(
-    model: Any, processing_class: Any = None, *, padding_side: str | None = None, truncation_side: str | None = None
+    model: Any,
+    processing_class: Any = None,
+    *,
+    padding_side: str | None = None,
+    truncation_side: str | None = None,
+    trust_remote_code: bool = False,
 ):
     """The tokenizer given, or the one saved with ``model`` (pad token falls back to EOS)."""
     if processing_class is None:
@@ -222,7 +227,8 @@ def resolve_processing_class(
                 "processing_class is None and the model has no `name_or_path` to load a tokenizer from; pass "
                 "processing_class=AutoTokenizer.from_pretrained(...)."
             )
-        return load_processing_class(source, padding_side=padding_side, truncation_side=truncation_side)
+        kwargs = {"trust_remote_code": True} if trust_remote_code else {}
+        return load_processing_class(source, padding_side=padding_side, truncation_side=truncation_side, **kwargs)
     tok = getattr(processing_class, "tokenizer", processing_class)
     if padding_side is not None:
         tok.padding_side = padding_side
@@ -230,3 +236,29 @@ def resolve_processing_class(
         tok.truncation_side = truncation_side
     ensure_pad_token(tok)
     return processing_class
+
+
+def resolve_router_aux_loss_coef(args: Any, model: Any) -> float:
+    """Resolve ``args.router_aux_loss_coef`` for ``model`` in place (TRL's rule) and return it.
+
+    ``None`` (the default) takes the architecture's own coefficient, ``model.config.router_aux_loss_coef`` (0.0 for
+    a dense model, whose config declares none); an explicit value is kept, with a warning when the model is not a
+    Mixture-of-Experts model (it then has no load-balancing loss to weight).
+    """
+    import warnings
+
+    inner = getattr(model, "module", model)  # DDP / DeepSpeed wrappers
+    inner = getattr(inner, "base_model", inner) if hasattr(inner, "peft_config") else inner
+    config = getattr(inner, "config", None)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    coef = getattr(args, "router_aux_loss_coef", None)
+    if coef is None:
+        coef = float(getattr(text_config, "router_aux_loss_coef", 0.0) or 0.0)
+        args.router_aux_loss_coef = coef
+    elif coef != 0.0 and not hasattr(text_config, "output_router_logits"):
+        warnings.warn(
+            f"router_aux_loss_coef={coef} has no effect: {type(inner).__name__} is not a Mixture-of-Experts model "
+            "(its config has no output_router_logits). Leave it at None to use the model's own value.",
+            stacklevel=3,
+        )
+    return coef

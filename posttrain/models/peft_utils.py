@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -77,9 +78,66 @@ def add_reference_adapter(model, name: str = "ref") -> str:
     return name
 
 
-def create_reference_model(model: torch.nn.Module) -> torch.nn.Module:
-    """A frozen, eval-mode deep copy of ``model`` (used when no PEFT adapter can serve as the reference)."""
+# Where the decoder layers of common architectures live (``{layer}`` is the layer index), tried in this order.
+LAYER_PATTERNS = (
+    "transformer.h.{layer}",
+    "model.decoder.layers.{layer}",
+    "gpt_neox.layers.{layer}",
+    "model.layers.{layer}",
+)
+
+
+def create_reference_model(
+    model: torch.nn.Module, num_shared_layers: int | None = None, pattern: str | None = None
+) -> torch.nn.Module:
+    """A frozen, eval-mode copy of ``model`` (used when no PEFT adapter can serve as the reference); TRL's function.
+
+    With ``num_shared_layers=k`` the parameters before decoder layer ``k`` (embeddings and layers ``0..k-1``) are
+    not copied: the reference points at the policy's own tensors, and they are frozen in ``model`` too, so the
+    reference stays static while taking no extra memory for them.
+
+    Args:
+        model: The policy.
+        num_shared_layers: How many initial layers to share; ``None``: copy everything.
+        pattern: Name of layer ``k`` with ``{layer}`` for the index (e.g. ``"transformer.h.{layer}"``); default: the
+            first of ``LAYER_PATTERNS`` found among the parameter names.
+
+    Raises:
+        ValueError: Under DeepSpeed ZeRO-3 (load the reference with ``from_pretrained`` instead), or when no
+            parameter name matches the layer pattern.
+    """
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    if is_deepspeed_zero3_enabled():
+        raise ValueError(
+            "create_reference_model() cannot copy a ZeRO-3 sharded model; load the reference with "
+            "AutoModelForCausalLM.from_pretrained() instead."
+        )
+    names = [n for n, _ in model.named_parameters()]
+    if num_shared_layers is not None:
+        candidates = [pattern] if pattern is not None else list(LAYER_PATTERNS)
+        layer_prefix = None
+        for candidate in candidates:
+            prefix = candidate.format(layer=num_shared_layers)
+            regex = re.compile(rf"(^|\.){re.escape(prefix)}(\.|$)")
+            if any(regex.search(n) for n in names):
+                layer_prefix = regex
+                break
+        if layer_prefix is None:
+            tried = ", ".join(repr(c) for c in candidates)
+            raise ValueError(
+                f"create_reference_model: no parameter name matches layer {num_shared_layers} with the pattern(s) "
+                f"{tried}; pass pattern= with '{{layer}}' where the index goes (e.g. 'model.layers.{{layer}}')."
+            )
+        first_unshared = next(i for i, n in enumerate(names) if layer_prefix.search(n))
+        shared = names[:first_unshared]
+    else:
+        shared = []
     ref = copy.deepcopy(model)
+    for pname in shared:
+        source = model.get_parameter(pname)
+        source.requires_grad_(False)
+        ref.get_parameter(pname).data = source.data
     for p in ref.parameters():
         p.requires_grad_(False)
     return ref.eval()

@@ -168,6 +168,8 @@ def resolve_resume_checkpoint(resume_from_checkpoint: str | bool | None, output_
                 f"resume_from_checkpoint=True but output_dir {output_dir!r} holds no complete checkpoint-N folder. "
                 "Pass the path of a checkpoint folder, or resume_from_checkpoint=None to start from scratch."
             )
+        if file_problem(os.path.join(found, TRAINER_STATE_FILE)):
+            raise corrupt_checkpoint_error(found, "trainer state")
         return found
     path = os.fspath(resume_from_checkpoint)
     if not os.path.isdir(path):
@@ -186,4 +188,101 @@ def resolve_resume_checkpoint(resume_from_checkpoint: str | bool | None, output_
             "checkpoint (a final model folder cannot be resumed). Pick a checkpoint-N folder, or load it as the "
             "model to start a new run from its weights."
         )
+    if file_problem(os.path.join(path, TRAINER_STATE_FILE)):
+        raise corrupt_checkpoint_error(path, "trainer state")
     return path
+
+
+# -- corrupt checkpoints on resume ------------------------------------------------------------------------------
+
+# What each resume stage reads from a checkpoint folder (glob patterns).
+RESUME_FILES: dict[str, tuple[str, ...]] = {
+    "model": ("*.safetensors", "pytorch_model*.bin", "adapter_model.bin", "*.safetensors.index.json"),
+    "optimizer and scheduler": ("optimizer.pt", "optimizer.bin", "scheduler.pt"),
+    "RNG state": ("rng_state*.pth",),
+    "gradient scaler": ("scaler.pt",),
+    "posttrain resume state": ("posttrain_state_*.pt",),
+    "trainer state": (TRAINER_STATE_FILE,),
+}
+
+
+class CorruptCheckpointError(RuntimeError):
+    """A checkpoint chosen for resume cannot be read: the message names the folder, the file and what to do."""
+
+
+def file_problem(path: str) -> str | None:
+    """Why ``path`` is unreadable as a checkpoint file (truncated, not valid JSON / safetensors / torch zip), or
+    None when it looks intact. Checks structure and CRCs only; nothing is deserialised."""
+    import json
+    import struct
+    import zipfile
+
+    try:
+        size = os.path.getsize(path)
+        if size == 0:
+            return "it is empty (0 bytes)"
+        if path.endswith(".json"):
+            with open(path, encoding="utf-8") as f:
+                json.load(f)
+            return None
+        if path.endswith(".safetensors"):
+            with open(path, "rb") as f:
+                (header_len,) = struct.unpack("<Q", f.read(8))
+                if 8 + header_len > size:
+                    return "its safetensors header is cut off (the file is truncated)"
+                header = json.loads(f.read(header_len))
+            end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+            if size < 8 + header_len + end:
+                return f"it is truncated ({size} bytes, its header describes {8 + header_len + end})"
+            return None
+        if path.endswith((".pt", ".pth", ".bin")):
+            if not zipfile.is_zipfile(path):
+                return "it is not a valid torch.save archive (truncated or overwritten)"
+            with zipfile.ZipFile(path) as archive:
+                bad = archive.testzip()
+            return f"its entry {bad!r} fails its checksum" if bad else None
+    except (OSError, ValueError, KeyError, TypeError, struct.error, zipfile.BadZipFile) as err:
+        return f"it cannot be read ({type(err).__name__}: {err})"
+    return None
+
+
+def previous_checkpoint(checkpoint: str) -> str | None:
+    """The newest complete checkpoint in the same folder with a smaller step than ``checkpoint``."""
+    step = checkpoint_step(checkpoint)
+    if step is None:
+        return None
+    older = [p for p in sorted_checkpoints(os.path.dirname(os.path.abspath(checkpoint))) if checkpoint_step(p) < step]
+    return older[-1] if older else None
+
+
+def stage_files(checkpoint: str, stage: str) -> list[str]:
+    """The files of ``checkpoint`` that the resume ``stage`` reads (see ``RESUME_FILES``)."""
+    import glob
+
+    return sorted({p for pattern in RESUME_FILES.get(stage, ()) for p in glob.glob(os.path.join(checkpoint, pattern))})
+
+
+def damaged_files(checkpoint: str, stage: str) -> list[tuple[str, str]]:
+    """``(file name, problem)`` for each file of ``stage`` in ``checkpoint`` that :func:`file_problem` rejects."""
+    return [(os.path.basename(p), problem) for p in stage_files(checkpoint, stage) if (problem := file_problem(p))]
+
+
+def corrupt_checkpoint_error(checkpoint: str, stage: str, err: BaseException | None = None) -> CorruptCheckpointError:
+    """The error for a checkpoint whose ``stage`` files failed to load: which files are damaged and why (found by
+    :func:`file_problem`), and the checkpoint to resume from instead."""
+    files = stage_files(checkpoint, stage)
+    damaged = damaged_files(checkpoint, stage)
+    if damaged:
+        what = "; ".join(f"{name}: {problem}" for name, problem in damaged)
+    else:
+        names = ", ".join(os.path.basename(p) for p in files) or "its files"
+        what = f"loading the {stage} ({names}) failed with {type(err).__name__}: {err}"
+    previous = previous_checkpoint(checkpoint)
+    advice = (
+        f"Resume from the previous checkpoint instead: resume_from_checkpoint={previous!r} (and delete or move "
+        f"{os.path.basename(os.path.normpath(checkpoint))!r} so that resume_from_checkpoint=True does not pick it)."
+        if previous
+        else "There is no earlier complete checkpoint in that folder: start from scratch (resume_from_checkpoint=None)"
+        " or restore the damaged file from a copy."
+    )
+    return CorruptCheckpointError(f"Checkpoint {checkpoint!r} is damaged: {what}. {advice}")

@@ -4,6 +4,8 @@ Each check raises a ``ValueError`` (``TypeError`` for a wrong type) that names t
 to change, instead of letting the problem surface later as a deep traceback from inside torch or the data loader:
 
 - ``check_output_dir_writable`` — output_dir can be created and written (not under a file, not read-only);
+- ``check_dataset_type`` / ``check_single_split`` — a ``datasets.Dataset`` (one split), not a list, DataFrame or
+  dict of splits;
 - ``check_train_dataset`` — a train dataset is present and, when sized, not empty;
 - ``check_batch_arithmetic`` — batch sizes and accumulation are positive, and ``dataloader_drop_last`` does not
   drop every row;
@@ -42,13 +44,61 @@ def _sized_length(dataset: Any) -> int | None:
         return None
 
 
+def check_dataset_type(dataset: Any, arg_name: str = "train_dataset") -> None:
+    """A Python list or a pandas (or polars) DataFrame where a ``datasets.Dataset`` is expected gets a TypeError that
+    says what was passed and how to convert it (``None``, datasets and dicts of them pass)."""
+    if dataset is None:
+        return
+    if isinstance(dataset, (list, tuple)):
+        first = type(dataset[0]).__name__ if len(dataset) else None
+        what = f"a Python {type(dataset).__name__} of {len(dataset)} rows" + (f" ({first}s)" if first else "")
+        raise TypeError(
+            f"{arg_name} is {what}, not a datasets.Dataset. Convert it first: "
+            f"{arg_name}=datasets.Dataset.from_list(rows) (rows are dicts of column -> value)."
+        )
+    module = type(dataset).__module__ or ""
+    if type(dataset).__name__ == "DataFrame" and module.split(".")[0] in ("pandas", "polars"):
+        library = module.split(".")[0]
+        fix = "datasets.Dataset.from_pandas(df, preserve_index=False)" if library == "pandas" else (
+            "datasets.Dataset.from_polars(df)"
+        )
+        raise TypeError(
+            f"{arg_name} is a {library} DataFrame ({len(dataset)} rows, columns {list(dataset.columns)}), not a "
+            f"datasets.Dataset. Convert it first: {arg_name}={fix}."
+        )
+
+
 def check_single_split(dataset: Any, arg_name: str = "train_dataset") -> None:
-    """A ``DatasetDict`` (or any dict of splits) where one split is expected gets a TypeError naming the fix."""
+    """A ``DatasetDict`` (or any dict of splits) where one split is expected gets a TypeError naming the fix; so do
+    a list or a DataFrame (:func:`check_dataset_type`)."""
+    check_dataset_type(dataset, arg_name)
     if isinstance(dataset, dict):
         splits = ", ".join(map(repr, dataset))
         example = next(iter(dataset), "train")
         raise TypeError(
             f"{arg_name} is a dict of splits ({splits}); pass one split, e.g. {arg_name}=dataset[{example!r}]."
+        )
+
+
+def check_datasets(train_dataset: Any, eval_dataset: Any = None) -> None:
+    """What every trainer checks first: ``train_dataset`` is one ``datasets`` split (not a list, DataFrame or dict of
+    splits); ``eval_dataset`` is a dataset or a dict of them."""
+    check_single_split(train_dataset, "train_dataset")
+    _check_not_empty(train_dataset, "train_dataset")
+    splits = eval_dataset.items() if isinstance(eval_dataset, dict) else [(None, eval_dataset)]
+    for name, split in splits:
+        arg = "eval_dataset" if name is None else f"eval_dataset[{name!r}]"
+        check_dataset_type(split, arg)
+        _check_not_empty(split, arg)
+
+
+def _check_not_empty(dataset: Any, arg_name: str) -> None:
+    if _sized_length(dataset) == 0:
+        columns = getattr(dataset, "column_names", None)
+        raise ValueError(
+            f"{arg_name} has 0 rows{f' (columns {columns})' if columns else ''}: there is nothing to "
+            f"{'train' if arg_name == 'train_dataset' else 'evaluate'} on. Check the split and any filter or "
+            f"select applied before{'' if arg_name == 'train_dataset' else f', or pass {arg_name}=None'}."
         )
 
 
@@ -110,3 +160,87 @@ def check_tokenizer(processing_class: Any) -> None:
             "be padded. Set one, e.g. tokenizer.pad_token = '<|pad|>' (add it with tokenizer.add_special_tokens "
             "if it is new), before building the trainer."
         )
+
+
+def _is_empty(value: Any) -> bool:
+    """An empty completion: ``""`` / whitespace, no token ids, or messages whose contents are all empty."""
+    if value is None:
+        return True
+    if isinstance(value, str):
+        return not value.strip()
+    if isinstance(value, (list, tuple)):
+        if not value:
+            return True
+        if all(isinstance(m, dict) for m in value):
+            return all(_is_empty(m.get("content")) and not m.get("tool_calls") for m in value)
+    return False
+
+
+def check_preference_pairs(dataset: Any, trainer_name: str, split: str = "train") -> None:
+    """Warn about preference rows that teach nothing — ``chosen == rejected``, or an empty chosen / rejected side —
+    with their counts and first row indices; raise ValueError when every row is such a row.
+
+    Works on raw (``chosen``/``rejected``) and pre-tokenized (``chosen_ids``/``rejected_ids``) rows of a sized
+    dataset; streaming datasets are not scanned.
+    """
+    import warnings
+
+    if _sized_length(dataset) is None or not hasattr(dataset, "column_names"):
+        return
+    columns = dataset.column_names
+    keys = next((k for k in (("chosen", "rejected"), ("chosen_ids", "rejected_ids")) if set(k) <= set(columns)), None)
+    if keys is None:
+        return
+    chosen, rejected = dataset[keys[0]], dataset[keys[1]]
+    n = len(chosen)
+    if n == 0:
+        return
+    same = [i for i in range(n) if chosen[i] == rejected[i]]
+    empty_chosen = [i for i in range(n) if _is_empty(chosen[i])]
+    empty_rejected = [i for i in range(n) if _is_empty(rejected[i])]
+    bad = set(same) | set(empty_chosen) | set(empty_rejected)
+    if not bad:
+        return
+
+    def part(label: str, rows: list[int]) -> str | None:
+        if not rows:
+            return None
+        shown = ", ".join(map(str, rows[:5])) + (", ..." if len(rows) > 5 else "")
+        return f"{len(rows)} of {n} rows have {label} (rows {shown})"
+
+    parts = [
+        part(f"{keys[0]} == {keys[1]}", same),
+        part(f"an empty {keys[0]}", empty_chosen),
+        part(f"an empty {keys[1]}", empty_rejected),
+    ]
+    summary = "; ".join(p for p in parts if p)
+    if len(bad) == n:
+        raise ValueError(
+            f"Every row of the {split} dataset for {trainer_name} is an unusable preference pair: {summary}. A pair "
+            f"needs two different, non-empty completions; check how `{keys[0]}` and `{keys[1]}` were built (e.g. the "
+            "same column mapped twice)."
+        )
+    warnings.warn(
+        f"{trainer_name}: {summary} in the {split} dataset. Such pairs carry no preference signal (identical sides "
+        "have zero margin; an empty side compares against nothing); drop them with dataset.filter(...) if they are "
+        "mistakes.",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
+ALLOW_NEGATIVE_BETA_HELP = (
+    "posttrain: accept a negative beta (it reverses the objective: DPO then prefers the rejected side, GRPO/RLOO "
+    "reward moving away from the reference). Without it a negative beta is refused as a likely sign slip."
+)
+
+
+def check_beta(config: Any, meaning: str) -> None:
+    """Refuse ``beta < 0`` unless ``config.allow_negative_beta`` (TRL accepts it silently; it is almost always a
+    typo that trains the opposite of what was meant)."""
+    beta = getattr(config, "beta", None)
+    if beta is None or beta >= 0 or getattr(config, "allow_negative_beta", False):
+        return
+    raise ValueError(
+        f"beta={beta} is negative: {meaning}. Use beta >= 0, or set allow_negative_beta=True if you mean it."
+    )

@@ -24,6 +24,7 @@ and writes saved models atomically. It also carries the reliability layer every 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import math
@@ -55,6 +56,32 @@ def _accelerator_available() -> bool:
     if accelerator is not None and hasattr(accelerator, "is_available"):
         return bool(accelerator.is_available())
     return bool(torch.cuda.is_available())
+
+
+PAD_TO_MULTIPLE_OF_HELP = (
+    "Pad each batch's length up to a multiple of this. 'auto' (TRL's default): 128 on AWS Neuron (Trainium), which "
+    "compiles once per input shape, no padding elsewhere."
+)
+
+
+def resolve_pad_to_multiple_of(value: int | str | None) -> int | None:
+    """TRL's ``pad_to_multiple_of``: ``"auto"`` → 128 on AWS Neuron (one compilation per shape), else None; the
+    strings ``"none"``/``"null"`` → None; a number given as a string (the command line) → that int."""
+    if not isinstance(value, str):
+        return value
+    if value == "auto":
+        import importlib.util
+
+        return 128 if importlib.util.find_spec("torch_neuronx") is not None else None
+    if value.lower() in ("none", "null", ""):
+        return None
+    try:
+        number = int(value)
+    except ValueError:
+        raise ValueError(f"pad_to_multiple_of must be a positive int, 'auto' or None, got {value!r}.") from None
+    if number < 1:
+        raise ValueError(f"pad_to_multiple_of must be a positive int, 'auto' or None, got {value!r}.")
+    return number
 
 
 @dataclass
@@ -112,6 +139,8 @@ class BaseConfig(TrainingArguments):
                 setattr(self, new, getattr(self, old))
         if self.nan_policy is not None and self.nan_policy not in NAN_POLICIES:
             raise ValueError(f"nan_policy={self.nan_policy!r} is not valid; use one of {list(NAN_POLICIES)}.")
+        if isinstance(getattr(self, "pad_to_multiple_of", None), str):
+            self.pad_to_multiple_of = resolve_pad_to_multiple_of(self.pad_to_multiple_of)
         if not self.use_cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not _accelerator_available():
             # torchrun on a CPU-only machine: without use_cpu, HF/accelerate set up no DDP (MULTI_CPU needs it) and
             # every process would silently train its own copy of the model on the full batch.
@@ -136,6 +165,21 @@ def nanmean_or_none(values: list[float]) -> float | None:
     """Average of the finite values (NaN ignored); None when nothing finite remains."""
     finite = [float(v) for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
     return sum(finite) / len(finite) if finite else None
+
+
+@contextlib.contextmanager
+def _naming_corrupt_files(checkpoint: str | None, stage: str):
+    """Re-raise a failure to read ``stage`` from ``checkpoint`` as a ``CorruptCheckpointError`` that names the damaged
+    file and the previous checkpoint. Failures with intact files (e.g. a model that does not match the checkpoint)
+    pass through unchanged."""
+    try:
+        yield
+    except Exception as err:  # torch, safetensors, pickle and zip errors have no common base
+        if checkpoint is None or isinstance(err, checkpointing.CorruptCheckpointError):
+            raise
+        if not checkpointing.damaged_files(checkpoint, stage):
+            raise
+        raise checkpointing.corrupt_checkpoint_error(checkpoint, stage, err) from err
 
 
 class BaseTrainer(Trainer):
@@ -323,7 +367,26 @@ class BaseTrainer(Trainer):
     def _load_resume_state(self, checkpoint: str) -> None:
         path = self._resume_state_path(checkpoint)
         if os.path.isfile(path):  # checkpoints written by other tools have none: HF's state is still restored
-            self.load_resume_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+            with _naming_corrupt_files(checkpoint, "posttrain resume state"):
+                state = torch.load(path, map_location="cpu", weights_only=True)
+            self.load_resume_state_dict(state)
+
+    # HF's resume loaders: a damaged file fails with an error that names the checkpoint, the file and the fix.
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        with _naming_corrupt_files(resume_from_checkpoint, "model"):
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        with _naming_corrupt_files(checkpoint, "optimizer and scheduler"):
+            return super()._load_optimizer_and_scheduler(checkpoint)
+
+    def _load_rng_state(self, checkpoint):
+        with _naming_corrupt_files(checkpoint, "RNG state"):
+            return super()._load_rng_state(checkpoint)
+
+    def _load_scaler(self, checkpoint):
+        with _naming_corrupt_files(checkpoint, "gradient scaler"):
+            return super()._load_scaler(checkpoint)
 
     # -- numerics guard ------------------------------------------------------------------------------------------
     def training_step(self, model, inputs, num_items_in_batch=None):

@@ -42,6 +42,7 @@ from posttrain.models.loading import (
     load_processing_class,
 )
 from posttrain.models.reference import ReferencePolicy
+from posttrain.reliability.validation import check_datasets
 from posttrain.rollout.buffer import RolloutBatch
 from posttrain.rollout.distillation import (
     DistillationRollout,
@@ -86,7 +87,7 @@ class DistillationConfig(OnlineRLConfig):
             "max_length - max_completion_length."
         },
     )
-    disable_dropout: bool = field(default=True, metadata={"help": "Disable dropout in the student."})
+    disable_dropout: bool = field(default=False, metadata={"help": "Disable dropout in the student."})
     # -- distillation ------------------------------------------------------------------------------------------------
     temperature: float = field(
         default=1.0,
@@ -135,12 +136,19 @@ class DistillationConfig(OnlineRLConfig):
             "gradient_accumulation_steps / num_generations (the only valid value)."
         },
     )
-    top_p: float = field(default=0.95, metadata={"help": "Nucleus sampling mass for on-policy generation."})
+    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass for on-policy generation; 1.0 = off."})
     top_k: int = field(default=0, metadata={"help": "Top-k filtering for on-policy generation; 0 = off."})
-    vllm_server_host: str = field(default="127.0.0.1", metadata={"help": "Host of the student vLLM server."})
-    vllm_server_port: int = field(default=8001, metadata={"help": "Port of the student vLLM server."})
+    vllm_server_host: str = field(default="0.0.0.0", metadata={"help": "Host of the student vLLM server."})
+    vllm_server_port: int = field(default=8000, metadata={"help": "Port of the student vLLM server."})
     vllm_sync_frequency: int = field(
         default=1, metadata={"help": "Optimizer steps between weight syncs to the generation backend."}
+    )
+    max_tool_calling_iterations: int | None = field(
+        default=None,
+        metadata={
+            "help": "TRL's cap on tool-calling rounds per completion. DistillationTrainer does not run tools in this "
+            "release (tools= is refused), so any value other than None is an error."
+        },
     )
     # -- logging -----------------------------------------------------------------------------------------------------
     log_completions: bool = field(
@@ -168,6 +176,11 @@ class DistillationConfig(OnlineRLConfig):
                 raise ValueError(
                     f"{name}={getattr(self, name)!r} is a GRPO/RLOO option with no effect on distillation; remove it."
                 )
+        if self.max_tool_calling_iterations is not None:
+            raise ValueError(
+                f"max_tool_calling_iterations={self.max_tool_calling_iterations} has no effect: DistillationTrainer "
+                "does not run tool calls in this release. Remove it."
+            )
         super().__post_init__()  # TrainingArguments, the shared online checks, then _resolve_batch_plan below
 
     def _resolve_batch_plan(self) -> None:
@@ -238,7 +251,9 @@ class DistillationTrainer(OnlineTrainerBase):
         processing_class: The student's tokenizer (left padding and truncation are set); None → loaded from it.
         compute_metrics / preprocess_logits_for_metrics: Not supported (no logits are returned); must be None.
         callbacks / optimizers: As ``transformers.Trainer``.
+        quantization_config: A ``transformers`` quantization config used when the student is a string.
         peft_config: Wraps the student (LoRA). A LoRA on ``lm_head`` works but uses the full-logits path.
+        tools: TRL's agent distillation; not supported in this release (a non-empty list raises).
     """
 
     config_class = DistillationConfig
@@ -252,16 +267,23 @@ class DistillationTrainer(OnlineTrainerBase):
         model: str | torch.nn.Module,
         teacher_model: str | torch.nn.Module | None = None,
         args: DistillationConfig | None = None,
-        data_collator: Any = None,
         train_dataset: Any = None,
         eval_dataset: Any = None,
         processing_class: Any = None,
-        compute_metrics: Any = None,
         callbacks: list | None = None,
         optimizers: tuple = (None, None),
-        preprocess_logits_for_metrics: Any = None,
+        quantization_config: Any = None,
         peft_config: Any = None,
+        tools: list | None = None,
+        data_collator: Any = None,
+        compute_metrics: Any = None,
+        preprocess_logits_for_metrics: Any = None,
     ):
+        if tools:
+            raise ValueError(
+                "DistillationTrainer does not run tool calls in this release (tools= is TRL's agent distillation). "
+                "Distil on tool-free prompts, or train the tool-using policy with GRPOTrainer(tools=...)."
+            )
         for name, value in (
             ("data_collator", data_collator),
             ("compute_metrics", compute_metrics),
@@ -275,9 +297,10 @@ class DistillationTrainer(OnlineTrainerBase):
         if isinstance(teacher_model, torch.nn.Module) and teacher_model is model:
             raise ValueError("teacher_model is the student model itself; pass a separate (frozen) teacher.")
         args = self.resolve_args(args, model, self.config_class, self._trainer_name)
+        check_datasets(train_dataset, eval_dataset)
         if train_dataset is None:
             raise ValueError("DistillationTrainer needs a train_dataset with a 'prompt' column.")
-        model, processing_class = self._setup_policy(model, args, processing_class, peft_config)
+        model, processing_class = self._setup_policy(model, args, processing_class, peft_config, quantization_config)
         teacher, teacher_tokenizer = self._load_teacher(teacher_model, args)
         self.vocab_rows = check_shared_vocabulary(
             processing_class, teacher_tokenizer, model_vocab_size(model), model_vocab_size(teacher)

@@ -61,7 +61,12 @@ from posttrain.data.formats import is_vision_dataset
 from posttrain.distributed import gather_masked_mean, gather_mean
 from posttrain.models.loading import load_processor
 from posttrain.models.reference import precompute_reference_columns
-from posttrain.reliability.validation import check_single_split
+from posttrain.reliability.validation import (
+    ALLOW_NEGATIVE_BETA_HELP,
+    check_beta,
+    check_datasets,
+    check_preference_pairs,
+)
 from posttrain.trainers.base import BaseConfig
 from posttrain.trainers.preference import (
     PreferenceScores,
@@ -94,6 +99,8 @@ class DPOConfig(BaseConfig):
 
     # model / data
     disable_dropout: bool = shared_field("disable_dropout")
+    trust_remote_code: bool = shared_field("trust_remote_code")
+    router_aux_loss_coef: float | None = shared_field("router_aux_loss_coef")
     dataset_num_proc: int | None = shared_field("dataset_num_proc")
     max_length: int | None = field(
         default=1024,
@@ -113,7 +120,7 @@ class DPOConfig(BaseConfig):
         default=False,
         metadata={"help": "Not supported for DPO yet (as in TRL): a warning is issued and padding is used."},
     )
-    pad_to_multiple_of: int | None = shared_field("pad_to_multiple_of")
+    pad_to_multiple_of: int | str | None = shared_field("pad_to_multiple_of")
     pad_token: str | None = shared_field("pad_token")
     activation_offloading: bool = shared_field("activation_offloading")
 
@@ -136,6 +143,7 @@ class DPOConfig(BaseConfig):
         default=None, metadata={"help": "One weight per loss type (default 1.0 each)."}
     )
     beta: float = field(default=0.1, metadata={"help": "β: strength of the deviation from the reference (τ for IPO)."})
+    allow_negative_beta: bool = field(default=False, metadata={"help": ALLOW_NEGATIVE_BETA_HELP})
     label_smoothing: float = field(
         default=0.0,
         metadata={"help": "Label-flip probability for robust (in [0, 0.5)), ε for exo_pair (> 0), smoothing for aot."},
@@ -186,6 +194,7 @@ class DPOConfig(BaseConfig):
         if self.ld_alpha is not None and not 0.0 <= self.ld_alpha <= 1.0:
             raise ValueError(f"ld_alpha must lie in [0, 1] (or be None), got {self.ld_alpha}.")
         check_reference_options(self)
+        check_beta(self, "the DPO loss would then favour the rejected completions over the chosen ones")
         super().__post_init__()
 
 
@@ -213,6 +222,8 @@ class DPOTrainer(PreferenceTrainer):
         compute_metrics: Receives ``EvalPrediction`` whose predictions are the per-pair ``(rewards/chosen,
             rewards/rejected)`` and labels are zeros (index of the chosen column).
         callbacks, optimizers, optimizer_cls_and_kwargs, preprocess_logits_for_metrics: As ``transformers.Trainer``.
+        quantization_config: A ``transformers`` quantization config (e.g. ``BitsAndBytesConfig``) used when
+            ``model`` is a string (merged into ``args.model_init_kwargs``).
         peft_config: A ``peft.PeftConfig`` to wrap ``model`` with.
     """
 
@@ -231,18 +242,20 @@ class DPOTrainer(PreferenceTrainer):
         compute_metrics: Callable | None = None,
         callbacks: list | None = None,
         optimizers: tuple = (None, None),
+        quantization_config: Any = None,
+        peft_config: Any = None,
         optimizer_cls_and_kwargs: tuple | None = None,
         preprocess_logits_for_metrics: Callable | None = None,
-        peft_config: Any = None,
     ):
         args = self.resolve_args(args, model, DPOConfig, "DPO")
+        check_datasets(train_dataset, eval_dataset)
         self._vision = is_vision_dataset(train_dataset)
         if self._vision:
             _validate_vision(args)
             if processing_class is None:
                 processing_class = load_processor(model)
         processing_class, policy, self.reference = load_policy_and_reference(
-            model, ref_model, args, processing_class, peft_config
+            model, ref_model, args, processing_class, peft_config, quantization_config
         )
         configure_streaming(args, train_dataset)
 
@@ -263,7 +276,6 @@ class DPOTrainer(PreferenceTrainer):
                 truncation_mode=args.truncation_mode,
             )
         check_precompute_supported(args, train_dataset, eval_dataset)
-        check_single_split(train_dataset, "train_dataset")
         train_dataset = self._prepare_dataset(train_dataset, processing_class, args, "train")
 
         def prepare_eval(dataset: Any, name: str) -> Any:
@@ -292,6 +304,7 @@ class DPOTrainer(PreferenceTrainer):
 
         if self._vision:
             validate_format(dataset, [PREFERENCE], trainer="DPOTrainer")
+            check_preference_pairs(dataset, "DPOTrainer", name)
             return dataset
         if is_vision_dataset(dataset):
             raise ValueError(
@@ -299,6 +312,7 @@ class DPOTrainer(PreferenceTrainer):
                 "by the train dataset. Give the train dataset its `image`/`images` column too, or drop it here."
             )
         fmt = validate_format(dataset, [PREFERENCE, TOKENIZED_PREFERENCE], trainer="DPOTrainer")
+        check_preference_pairs(dataset, "DPOTrainer", name)
         if fmt.type == PREFERENCE:
             dataset = tokenize_dataset(
                 dataset, tokenize_preference, processing_class, args, f"{name} dataset", add_eos=not fmt.conversational

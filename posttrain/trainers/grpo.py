@@ -42,6 +42,7 @@ from posttrain.core.presets import (
 )
 from posttrain.distributed import gather_variable_length
 from posttrain.models.unwrap import unwrap_base_model
+from posttrain.reliability.validation import ALLOW_NEGATIVE_BETA_HELP, check_beta
 from posttrain.rollout.buffer import RolloutBatch
 from posttrain.rollout.estimators import GroupRelativeEstimator
 from posttrain.rollout.pipeline import ImportanceSamplingSettings
@@ -157,6 +158,7 @@ class GRPOConfig(ObjectiveArguments, OnlineRLConfig):
     log_completions_hub_repo: str | None = field(
         default=None, metadata={"help": "Hub dataset repo for completions parquet files (requires log_completions)."}
     )
+    allow_negative_beta: bool = field(default=False, metadata={"help": ALLOW_NEGATIVE_BETA_HELP})
 
     _trainer_name = "GRPO"
 
@@ -178,6 +180,7 @@ class GRPOConfig(ObjectiveArguments, OnlineRLConfig):
         ):
             if getattr(self, name) not in valid:
                 raise ValueError(f"Invalid {name} {getattr(self, name)!r}. Valid values: {', '.join(valid)}.")
+        check_beta(self, "the KL term would then reward moving away from the reference policy")
         if self.scale_rewards not in ("group", "batch", "none"):
             raise ValueError(
                 f"Invalid scale_rewards {self.scale_rewards!r}. Valid values: 'group' (or True), 'batch', 'none' "

@@ -52,7 +52,7 @@ from posttrain.data.formats import is_vision_dataset
 from posttrain.distributed import gather_masked_mean
 from posttrain.models.loading import load_processor
 from posttrain.models.reference import precompute_reference_columns
-from posttrain.reliability.validation import check_single_split
+from posttrain.reliability.validation import check_datasets, check_preference_pairs
 from posttrain.trainers.base import BaseConfig
 from posttrain.trainers.preference import (
     PreferenceScores,
@@ -92,6 +92,8 @@ class KTOConfig(BaseConfig):
         },
     )
     disable_dropout: bool = shared_field("disable_dropout")
+    trust_remote_code: bool = shared_field("trust_remote_code")
+    router_aux_loss_coef: float | None = shared_field("router_aux_loss_coef")
     dataset_num_proc: int | None = shared_field("dataset_num_proc")
     max_length: int | None = field(
         default=1024,
@@ -100,7 +102,7 @@ class KTOConfig(BaseConfig):
             "reaches it are dropped. None: no limit."
         },
     )
-    pad_to_multiple_of: int | None = shared_field("pad_to_multiple_of")
+    pad_to_multiple_of: int | str | None = shared_field("pad_to_multiple_of")
     precompute_ref_log_probs: bool = shared_field("precompute_ref_log_probs")
     precompute_ref_batch_size: int | None = shared_field("precompute_ref_batch_size")
     loss_type: str = field(
@@ -171,18 +173,20 @@ class KTOTrainer(PreferenceTrainer):
         model: str | torch.nn.Module,
         ref_model: str | torch.nn.Module | None = None,
         args: KTOConfig | TrainingArguments | None = None,
+        data_collator: Callable | None = None,
         train_dataset: Any = None,
         eval_dataset: Any = None,
         processing_class: Any = None,
-        data_collator: Callable | None = None,
+        compute_metrics: Callable | None = None,
         callbacks: list | None = None,
         optimizers: tuple = (None, None),
+        quantization_config: Any = None,
+        peft_config: Any = None,
         optimizer_cls_and_kwargs: tuple | None = None,
         preprocess_logits_for_metrics: Callable | None = None,
-        peft_config: Any = None,
-        compute_metrics: Callable | None = None,
     ):
         args = self.resolve_args(args, model, KTOConfig, "KTO")
+        check_datasets(train_dataset, eval_dataset)
         if args.loss_type == "kto" and args.per_device_train_batch_size <= 1:
             raise ValueError(BATCH_SIZE_ERROR)
         self._vision = is_vision_dataset(train_dataset)
@@ -191,7 +195,7 @@ class KTOTrainer(PreferenceTrainer):
             if processing_class is None:
                 processing_class = load_processor(model)
         processing_class, policy, self.reference = load_policy_and_reference(
-            model, ref_model, args, processing_class, peft_config
+            model, ref_model, args, processing_class, peft_config, quantization_config
         )
         configure_streaming(args, train_dataset)
         tok = getattr(processing_class, "tokenizer", processing_class)
@@ -211,7 +215,7 @@ class KTOTrainer(PreferenceTrainer):
                 pad_token_id=tok.pad_token_id, pad_to_multiple_of=args.pad_to_multiple_of, max_length=args.max_length
             )
         check_precompute_supported(args, train_dataset, eval_dataset)
-        check_single_split(train_dataset, "train_dataset")
+        check_datasets(train_dataset, eval_dataset)
         train_dataset = self._prepare_dataset(train_dataset, tok, args, "train", args.per_device_train_batch_size)
 
         def prepare_eval(dataset: Any, name: str) -> Any:
@@ -255,6 +259,7 @@ class KTOTrainer(PreferenceTrainer):
         fmt = validate_format(dataset, accepted, trainer="KTOTrainer")
         iterable = is_iterable_dataset(dataset)
         if fmt.type == PREFERENCE:
+            check_preference_pairs(dataset, "KTOTrainer", name)
             if fmt.implicit_prompt:
                 dataset = map_dataset(dataset, maybe_extract_prompt, args, f"Extracting prompts ({name})")
             dataset = unpair_preference_dataset(

@@ -44,10 +44,11 @@ from posttrain.models.loading import (
     disable_dropout_in_model,
     resolve_model,
     resolve_processing_class,
+    resolve_router_aux_loss_coef,
 )
 from posttrain.models.reference import SyncRefModelCallback, create_reference_policy
 from posttrain.models.unwrap import unwrap_base_model
-from posttrain.reliability.validation import check_text_only
+from posttrain.reliability.validation import check_datasets, check_text_only
 from posttrain.rollout.buffer import RolloutBatch, RolloutBuffer
 from posttrain.rollout.completions_log import print_completions_table, write_completions_parquet
 from posttrain.rollout.metrics import clip_ratio_metrics
@@ -58,7 +59,7 @@ from posttrain.rollout.sampler import (
     repeat_iterable_dataset,
     resolve_generation_batch,
 )
-from posttrain.trainers.base import BaseConfig, BaseTrainer
+from posttrain.trainers.base import PAD_TO_MULTIPLE_OF_HELP, BaseConfig, BaseTrainer
 
 GENERATION_BACKENDS = ("posttrain", "transformers")
 logger = logging.getLogger(__name__)
@@ -77,9 +78,12 @@ class OnlineRLConfig(BaseConfig):
         default=False,
         metadata={"help": "Allow models/tokenizers with custom code (also for reward models and their tokenizers)."},
     )
-    router_aux_loss_coef: float = field(
-        default=0.001,
-        metadata={"help": "Weight of the MoE load-balancing loss (models with `output_router_logits`); no-op else."},
+    router_aux_loss_coef: float | None = field(
+        default=None,
+        metadata={
+            "help": "Weight of the MoE load-balancing loss (models with `output_router_logits`); no-op else. None: "
+            "the model's own `router_aux_loss_coef`."
+        },
     )
     disable_dropout: bool = field(default=False, metadata={"help": "Disable dropout in the policy and reference."})
     # -- data ----------------------------------------------------------------------------------------------------
@@ -103,8 +107,9 @@ class OnlineRLConfig(BaseConfig):
             "attention when it is estimated to save work; False always runs one [prompt | completion] row each."
         },
     )
-    pad_to_multiple_of: int | None = field(
-        default=None, metadata={"help": "Pad prompt and completion tensors to a multiple of this value."}
+    pad_to_multiple_of: int | str | None = field(
+        default="auto",
+        metadata={"help": PAD_TO_MULTIPLE_OF_HELP},
     )
     # -- generation ----------------------------------------------------------------------------------------------
     generation_batch_size: int | None = field(
@@ -323,6 +328,7 @@ class OnlineTrainerBase(BaseTrainer):
         environment_factory: Any = None,
     ):
         args = self.resolve_args(args, model, self.config_class, self._trainer_name)
+        check_datasets(train_dataset, eval_dataset)
         if train_dataset is None:
             train_dataset = self._environment_placeholder_dataset(args, environment_factory)
         model_id = model if isinstance(model, str) else None
@@ -455,6 +461,7 @@ class OnlineTrainerBase(BaseTrainer):
         if args.sync_ref_model:
             self.add_callback(SyncRefModelCallback(self.reference.model, self.accelerator))
         config = getattr(unwrap_base_model(self.model), "config", None)
+        resolve_router_aux_loss_coef(args, self.model)  # None → the model's own coefficient (TRL)
         self.aux_loss_enabled = bool(getattr(config, "output_router_logits", False)) and args.router_aux_loss_coef != 0
 
     def _setup_rollout(self, rollout_func: Any) -> None:

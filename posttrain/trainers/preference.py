@@ -30,10 +30,15 @@ from posttrain.models.forward import (
     length_bucket_groups,
     restore_row_order,
 )
-from posttrain.models.loading import disable_dropout_in_model, resolve_model, resolve_processing_class
+from posttrain.models.loading import (
+    disable_dropout_in_model,
+    resolve_model,
+    resolve_processing_class,
+    resolve_router_aux_loss_coef,
+)
 from posttrain.models.reference import ReferencePolicy, SyncRefModelCallback, create_reference_policy
 from posttrain.models.unwrap import unwrap_base_model
-from posttrain.trainers.base import BaseTrainer
+from posttrain.trainers.base import PAD_TO_MULTIPLE_OF_HELP, BaseTrainer
 
 __all__ = [
     "PreferenceScores",
@@ -56,8 +61,14 @@ __all__ = [
 # name -> (default, help) of the options that mean the same in DPOConfig, KTOConfig and RewardConfig.
 _SHARED_FIELDS: dict[str, tuple[Any, str]] = {
     "disable_dropout": (True, "Disable dropout in the policy and reference."),
+    "trust_remote_code": (False, "Allow models and tokenizers with custom code from the hub (`model` as a string)."),
+    "router_aux_loss_coef": (
+        None,
+        "Weight of the MoE router load-balancing loss (logged as `aux_loss`). None: the model's own "
+        "`router_aux_loss_coef` (0 for dense models).",
+    ),
     "dataset_num_proc": (None, "Processes used to tokenize the dataset."),
-    "pad_to_multiple_of": (None, "Pad each batch to a multiple of this length."),
+    "pad_to_multiple_of": ("auto", PAD_TO_MULTIPLE_OF_HELP),
     "pad_token": (None, "Deprecated: set the tokenizer's pad token before building the trainer."),
     "activation_offloading": (False, "Keep activations saved for backward in CPU memory (save_on_cpu)."),
     "precompute_ref_log_probs": (
@@ -322,17 +333,20 @@ def load_policy_and_reference(
     args: Any,
     processing_class: Any,
     peft_config: Any,
+    quantization_config: Any = None,
 ) -> tuple[Any, torch.nn.Module, ReferencePolicy]:
     """``(processing_class, policy, reference)`` for a trainer that compares a policy with a reference (DPO, KTO).
 
-    Loads the tokenizer (from the model's path when ``processing_class`` is None) and the policy (wrapped with
-    ``peft_config``), builds the reference per ``args`` (:func:`posttrain.models.reference.create_reference_policy`:
+    Loads the tokenizer (from the model's path when ``processing_class`` is None) and the policy (a string is
+    loaded with ``quantization_config``; wrapped with ``peft_config``), builds the reference per ``args`` (:func:`posttrain.models.reference.create_reference_policy`:
     explicit, adapters disabled, frozen copy, precomputed or synced), disables dropout in both when
     ``args.disable_dropout``, and switches on a MoE policy's router logits (:func:`enable_router_aux_loss`).
     """
     model_id = model if isinstance(model, str) else None
-    processing_class = resolve_processing_class(model, processing_class)
-    policy = resolve_model(model, args, peft_config=peft_config)
+    processing_class = resolve_processing_class(
+        model, processing_class, trust_remote_code=getattr(args, "trust_remote_code", False)
+    )
+    policy = resolve_model(model, args, peft_config=peft_config, quantization_config=quantization_config)
     if args.disable_dropout:
         disable_dropout_in_model(policy)
     reference = create_reference_policy(
@@ -346,19 +360,23 @@ def load_policy_and_reference(
     )
     if reference.model is not None and args.disable_dropout:
         disable_dropout_in_model(reference.model)
-    enable_router_aux_loss(policy)
+    enable_router_aux_loss(policy, resolve_router_aux_loss_coef(args, policy))
     return processing_class, policy, reference
 
 
-def enable_router_aux_loss(model: torch.nn.Module) -> bool:
-    """Turn on a MoE model's router logits when its ``router_aux_loss_coef`` is nonzero (TRL), so the forward
-    returns the load-balancing ``aux_loss`` that the trainer adds as ``coef · aux_loss``. Dense models: no-op."""
+def enable_router_aux_loss(model: torch.nn.Module, coef: float | None = None) -> bool:
+    """Turn on a MoE model's router logits when the aux-loss coefficient (``coef``, default: the model's
+    ``router_aux_loss_coef``) is nonzero (TRL), so the forward returns the load-balancing ``aux_loss`` that the
+    trainer adds as ``coef · aux_loss``. Dense models: no-op."""
     config = getattr(unwrap_base_model(model), "config", None)
     if config is None or not hasattr(config, "output_router_logits"):
         return False
-    if not getattr(config, "router_aux_loss_coef", 0.0):
+    if coef is None:
+        coef = getattr(config, "router_aux_loss_coef", 0.0)
+    if not coef:
         return False
     config.output_router_logits = True
+    config.router_aux_loss_coef = coef
     return True
 
 
@@ -465,7 +483,8 @@ class PreferenceTrainer(BaseTrainer):
     ) -> torch.Tensor:
         """``loss + router_aux_loss_coef · aux_loss`` for a MoE model that returns its load-balancing loss (logged as
         ``aux_loss``, averaged over processes); ``loss`` unchanged for dense models."""
-        coef = router_aux_loss_coef(model)
+        coef = self.args.router_aux_loss_coef
+        coef = router_aux_loss_coef(model) if coef is None else coef
         if aux_loss is None or not coef or not getattr(self, "aux_loss_enabled", True):
             return loss
         self.record_metric("aux_loss", gather_mean(self.accelerator, aux_loss), mode)

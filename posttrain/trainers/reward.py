@@ -34,7 +34,11 @@ from posttrain.data.dataset_ops import configure_streaming, filter_dataset, prep
 from posttrain.distributed import gather_mean
 from posttrain.models.forward import sequence_scores
 from posttrain.models.loading import disable_dropout_in_model, resolve_model, resolve_processing_class
-from posttrain.reliability.validation import check_single_split, check_text_only
+from posttrain.reliability.validation import (
+    check_datasets,
+    check_preference_pairs,
+    check_text_only,
+)
 from posttrain.trainers.base import BaseConfig
 from posttrain.trainers.preference import (
     PreferenceTrainer,
@@ -63,6 +67,7 @@ class RewardConfig(BaseConfig):
         },
     )
     disable_dropout: bool = field(default=True, metadata={"help": "Disable dropout in the model."})
+    trust_remote_code: bool = shared_field("trust_remote_code")
     dataset_num_proc: int | None = shared_field("dataset_num_proc")
     eos_token: str | None = field(
         default=None, metadata={"help": "Override the tokenizer's EOS token (appended to standard sequences)."}
@@ -73,7 +78,7 @@ class RewardConfig(BaseConfig):
             "help": "Pairs whose chosen or rejected sequence is longer are dropped (not truncated). None: keep all."
         },
     )
-    pad_to_multiple_of: int | None = shared_field("pad_to_multiple_of")
+    pad_to_multiple_of: int | str | None = shared_field("pad_to_multiple_of")
     center_rewards_coefficient: float | None = field(
         default=None,
         metadata={"help": "η of the auxiliary loss η·mean((r_c + r_r)²) pushing rewards to zero mean (e.g. 0.01)."},
@@ -107,6 +112,7 @@ class RewardTrainer(PreferenceTrainer):
         processing_class: Tokenizer; None loads it from the model's path.
         compute_metrics: Receives per-pair ``(r_c, r_r)`` predictions and zero labels (index of the chosen column).
         callbacks, optimizers, optimizer_cls_and_kwargs, preprocess_logits_for_metrics: As ``transformers.Trainer``.
+        quantization_config: A ``transformers`` quantization config used when ``model`` is a string.
         peft_config: A ``peft.PeftConfig`` (use ``task_type="SEQ_CLS"`` so the score head is trained too).
     """
 
@@ -127,19 +133,25 @@ class RewardTrainer(PreferenceTrainer):
         optimizers: tuple = (None, None),
         optimizer_cls_and_kwargs: tuple | None = None,
         preprocess_logits_for_metrics: Callable | None = None,
+        quantization_config: Any = None,
         peft_config: Any = None,
     ):
         from posttrain.models.peft_utils import prepare_peft_model
 
         args = self.resolve_args(args, model, RewardConfig, "Reward")
-        reward_model = resolve_model(model, args, task="sequence-classification")
+        check_datasets(train_dataset, eval_dataset)
+        reward_model = resolve_model(
+            model, args, task="sequence-classification", quantization_config=quantization_config
+        )
         num_labels = getattr(getattr(reward_model, "config", None), "num_labels", None)
         if num_labels != 1:
             raise ValueError(
                 f"RewardTrainer needs a sequence-classification model with one label (the reward), got num_labels="
                 f"{num_labels}. Load it with AutoModelForSequenceClassification.from_pretrained(..., num_labels=1)."
             )
-        processing_class = resolve_processing_class(model, processing_class)
+        processing_class = resolve_processing_class(
+            model, processing_class, trust_remote_code=args.trust_remote_code
+        )
         tok = getattr(processing_class, "tokenizer", processing_class)
         if args.eos_token is not None:
             if tok.convert_tokens_to_ids(args.eos_token) in (None, getattr(tok, "unk_token_id", None)):
@@ -175,7 +187,6 @@ class RewardTrainer(PreferenceTrainer):
             return self._prepare_dataset(dataset, tok, args, name)
 
         eval_dataset = prepare_splits(eval_dataset, prepare_eval, "eval")
-        check_single_split(train_dataset, "train_dataset")
         check_text_only(train_dataset, "RewardTrainer")
         train_dataset = self._prepare_dataset(train_dataset, tok, args, "train")
         super().__init__(
@@ -203,6 +214,7 @@ class RewardTrainer(PreferenceTrainer):
             )
             dataset = dataset.rename_columns({"chosen_input_ids": "chosen_ids", "rejected_input_ids": "rejected_ids"})
         fmt = validate_format(dataset, [PREFERENCE, TOKENIZED_PREFERENCE], trainer="RewardTrainer")
+        check_preference_pairs(dataset, "RewardTrainer", name)
         if fmt.type == PREFERENCE:
             dataset = tokenize_dataset(
                 dataset, tokenize_reward_pair, tok, args, f"{name} dataset", add_eos=not fmt.conversational

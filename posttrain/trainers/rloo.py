@@ -21,6 +21,7 @@ import torch
 from posttrain.core.aggregation import AGGREGATIONS
 from posttrain.core.policy_objectives import POLICY_OBJECTIVES
 from posttrain.core.presets import RLOO_LOSS_PRESET
+from posttrain.reliability.validation import ALLOW_NEGATIVE_BETA_HELP, check_beta
 from posttrain.rollout.buffer import RolloutBatch
 from posttrain.rollout.estimators import LeaveOneOutEstimator
 from posttrain.trainers.online import OnlineRLConfig, OnlineTrainerBase
@@ -52,11 +53,13 @@ class RLOOConfig(OnlineRLConfig):
             "help": "Most rounds of tool calls per completion (agent training); None = until the budget is spent."
         },
     )
+    allow_negative_beta: bool = field(default=False, metadata={"help": ALLOW_NEGATIVE_BETA_HELP})
 
     _trainer_name = "RLOO"
 
     def __post_init__(self):
         super().__post_init__()
+        check_beta(self, "the KL penalty would then reward moving away from the reference policy")
         value = self.reward_clip_range
         if isinstance(value, (tuple, list)) and value and all(isinstance(v, str) for v in value):
             # HfArgumentParser builds `tuple[float, float]` fields with tuple("-1,1"): undo the split characters.

@@ -45,10 +45,10 @@ from posttrain.models.forward import (
     prepare_attention_mask,
     token_stats_from_logits,
 )
-from posttrain.models.loading import load_processor
+from posttrain.models.loading import load_processor, resolve_router_aux_loss_coef
 from posttrain.models.unwrap import unwrap_base_model
 from posttrain.registry import Registry
-from posttrain.trainers.base import BaseConfig, BaseTrainer
+from posttrain.trainers.base import PAD_TO_MULTIPLE_OF_HELP, BaseConfig, BaseTrainer
 
 IGNORE_INDEX = -100
 _PACKING_STRATEGIES = ("bfd", "bfd_split", "wrapped")
@@ -98,11 +98,11 @@ class SFTConfig(BaseConfig):
     trust_remote_code: bool = field(
         default=False, metadata={"help": "Allow custom modelling code from the hub when `model` is a string."}
     )
-    router_aux_loss_coef: float = field(
-        default=0.001,
+    router_aux_loss_coef: float | None = field(
+        default=None,
         metadata={
             "help": "Weight of the MoE router load-balancing loss added to the loss (MoE models only; 0 disables "
-            "it). Logged as `aux_loss`."
+            "it). Logged as `aux_loss`. None: the model's own `router_aux_loss_coef`."
         },
     )
     chat_template_path: str | None = field(
@@ -167,9 +167,7 @@ class SFTConfig(BaseConfig):
             "separate rows, each with its own block-diagonal mask (same result, cheaper attention)."
         },
     )
-    pad_to_multiple_of: int | None = field(
-        default=None, metadata={"help": "Pad each batch's length up to a multiple of this."}
-    )
+    pad_to_multiple_of: int | str | None = field(default="auto", metadata={"help": PAD_TO_MULTIPLE_OF_HELP})
     eval_packing: bool | None = field(
         default=None, metadata={"help": "Pack the evaluation dataset; None: same as `packing`."}
     )
@@ -340,17 +338,17 @@ class SFTTrainer(BaseTrainer):
         optimizers: tuple = (None, None),
         optimizer_cls_and_kwargs: tuple | None = None,
         preprocess_logits_for_metrics: Callable | None = None,
+        quantization_config: Any = None,
         peft_config: Any = None,
         formatting_func: Callable[[dict], str] | None = None,
-        quantization_config: Any = None,
     ):
         from posttrain.models.loading import model_name, resolve_model, resolve_processing_class
-        from posttrain.reliability.validation import check_single_split
+        from posttrain.reliability.validation import check_datasets
 
         args = self.resolve_args(args, model, SFTConfig, "SFT")
         if train_dataset is None:
             raise ValueError("SFTTrainer needs a train_dataset.")
-        check_single_split(train_dataset, "train_dataset")
+        check_datasets(train_dataset, eval_dataset)
         configure_streaming(args, train_dataset)  # a stream: max_steps required, no workers, no batch dispatch
         quantized = quantization_config is not None or "quantization_config" in (args.model_init_kwargs or {})
         if quantized and importlib.util.find_spec("bitsandbytes") is None:
@@ -381,12 +379,14 @@ class SFTTrainer(BaseTrainer):
 
         self.padding_free = self._resolve_padding_free(model, args)
         self._validate(args, data_collator, formatting_func)
-        self.completion_only_loss = self._infer_completion_only_loss(args, train_dataset)
-        if self.completion_only_loss and formatting_func is not None:
+        if formatting_func is not None and (
+            args.completion_only_loss or self._infer_completion_only_loss(args, train_dataset, check=False)
+        ):
             raise ValueError(
                 "completion_only_loss=True cannot be used with a formatting_func: the formatted text has no prompt/"
                 "completion boundary. Use a prompt-completion dataset instead, or set completion_only_loss=False."
             )
+        self.completion_only_loss = self._infer_completion_only_loss(args, train_dataset)
 
         if data_collator is None:
             data_collator = self._default_collator(model, processing_class if self._vision else tokenizer, args)
@@ -486,6 +486,7 @@ class SFTTrainer(BaseTrainer):
     def _enable_router_aux_loss(model: Any, args: SFTConfig) -> bool:
         """MoE models: ask the model for its load-balancing loss (added as ``router_aux_loss_coef · aux_loss``)."""
         config = getattr(unwrap_base_model(model), "config", None)
+        resolve_router_aux_loss_coef(args, model)  # None → the model's own coefficient (TRL)
         if config is None or not hasattr(config, "output_router_logits") or args.router_aux_loss_coef == 0:
             return False
         config.output_router_logits = True
@@ -557,11 +558,26 @@ class SFTTrainer(BaseTrainer):
             )
 
     @staticmethod
-    def _infer_completion_only_loss(args: SFTConfig, dataset: Any) -> bool:
+    def _infer_completion_only_loss(args: SFTConfig, dataset: Any, check: bool = True) -> bool:
+        columns = set(_columns(dataset))
+        has_completion = {"prompt", "completion"} <= columns or "completion_mask" in columns
+        if check and args.completion_only_loss and columns and not has_completion:
+            # TRL would train on every token here; an explicit True means the user expects a masked prompt.
+            data = "conversational `messages`" if "messages" in columns else f"columns {sorted(columns)}"
+            fix = (
+                "use assistant_only_loss=True to train on the assistant turns only, or "
+                if "messages" in columns or "conversations" in columns
+                else ""
+            )
+            raise ValueError(
+                f"completion_only_loss=True needs prompt-completion data (`prompt` and `completion` columns, or "
+                f"pre-tokenized rows with a `completion_mask`), but the train dataset has {data}: there is no "
+                f"prompt to mask, so every token would be trained on. Split the rows into prompt/completion, {fix}"
+                "or set completion_only_loss=None to train on the whole text."
+            )
         if args.completion_only_loss is not None:
             return bool(args.completion_only_loss)
-        columns = set(_columns(dataset))
-        return {"prompt", "completion"} <= columns or "completion_mask" in columns
+        return has_completion
 
     def _default_collator(self, model: Any, tokenizer: Any, args: SFTConfig):
         if self._vision:

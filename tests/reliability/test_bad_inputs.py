@@ -366,9 +366,9 @@ CASES = {
     # generic (BaseTrainer / BaseConfig / model loading)
     "output_dir_under_file": (c_output_dir_under_file, ValueError, ["output_dir=", "not writable"]),
     "output_dir_readonly": (c_output_dir_readonly_fs, ValueError, ["output_dir=", "not writable"]),
-    "sft_empty_dataset": (c_sft_empty_dataset, ValueError, ["no row of the train dataset"]),
-    "dpo_empty_dataset": (c_dpo_empty_dataset, ValueError, ["empty"]),
-    "grpo_empty_dataset": (c_grpo_empty_dataset, ValueError, ["0 prompts", "add prompts"]),
+    "sft_empty_dataset": (c_sft_empty_dataset, ValueError, ["train_dataset has 0 rows"]),
+    "dpo_empty_dataset": (c_dpo_empty_dataset, ValueError, ["train_dataset has 0 rows"]),
+    "grpo_empty_dataset": (c_grpo_empty_dataset, ValueError, ["train_dataset has 0 rows"]),
     "sft_no_dataset": (c_sft_no_dataset, ValueError, ["train_dataset"]),
     "grpo_no_dataset": (c_grpo_no_dataset, ValueError, ["train_dataset", "prompt"]),
     "sft_dataset_dict": (c_sft_dataset_dict, TypeError, ["train_dataset", "dataset['train']"]),

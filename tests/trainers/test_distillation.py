@@ -445,10 +445,10 @@ def test_constructor_and_config_errors(tiny_model_path, teacher_path, tmp_path):
 def test_config_defaults_are_trls(tmp_path):
     args = DistillationConfig(output_dir=str(tmp_path), report_to="none")
     assert args.learning_rate == 1e-6 and args.temperature == 1.0 and args.beta == 1.0 and args.lmbda == 1.0
-    assert args.top_p == 0.95 and args.top_k == 0 and args.num_generations == 1 and args.disable_dropout
+    assert args.top_p == 1.0 and args.top_k == 0 and args.num_generations == 1 and not args.disable_dropout
     assert args.max_completion_length == 512 and args.max_length == 1024 and args.max_prompt_length == 512
     assert args.generation_batch_size == 8 and args.steps_per_generation == 1  # b × GA / G unique prompts
-    assert args.vllm_server_port == 8001 and args.vllm_sync_frequency == 1 and args.log_completions_steps == 100
+    assert args.vllm_server_host == "0.0.0.0" and args.vllm_server_port == 8000 and args.vllm_sync_frequency == 1 and args.log_completions_steps == 100
     assert args.seq_kd is False and args.gradient_checkpointing and args.logging_steps == 10
     parsed = DistillationConfig(
         output_dir=str(tmp_path), report_to="none", teacher_model_init_kwargs='{"dtype": "float32"}'
