@@ -32,6 +32,11 @@ ABS_TOL = 1e-6  # values near zero (e.g. a KL of 1e-9) compare absolutely
 IGNORED_KEYS = frozenset({"learning_rate", "epoch", "step", "numerics/skipped_steps", "step_time"})
 
 
+def _compared(keys: set[str]) -> set[str]:
+    """Logged keys that are compared: not the wall-clock ``timing/*`` stage times, nor :data:`IGNORED_KEYS`."""
+    return {k for k in keys if k not in IGNORED_KEYS and not k.startswith("timing/")}
+
+
 # -- datasets (pure Python, identical in both venvs) ---------------------------------------------------------------
 def _rng_text(rng: random.Random, lo: int, hi: int) -> str:
     words = ("alpha", "beta", "gamma", "delta", "red", "blue", "seven", "two", "cat", "sun", "tree", "moon")
@@ -549,8 +554,8 @@ def compare(
     if len(a_logs) != len(b_logs):
         result.status = "differs"
         result.detail = f"{len(a_logs)} logged steps vs {len(b_logs)}"
-    a_keys = set().union(*(r.keys() for r in a_logs)) - IGNORED_KEYS if a_logs else set()
-    b_keys = set().union(*(r.keys() for r in b_logs)) - IGNORED_KEYS if b_logs else set()
+    a_keys = _compared(set().union(*(r.keys() for r in a_logs))) if a_logs else set()
+    b_keys = _compared(set().union(*(r.keys() for r in b_logs))) if b_logs else set()
     if keys is not None:
         a_keys, b_keys = a_keys & set(keys), b_keys & set(keys)
     result.only_posttrain = sorted(a_keys - b_keys)

@@ -69,9 +69,6 @@ _LAZY: dict[str, str] = {
     "create_reference_model": "posttrain.models.peft_utils",
     "disable_dropout_in_model": "posttrain.models.loading",
 }
-# trl.BEMACallback lives in trl.experimental.bema_for_ref_model; so does posttrain's, once that package is there.
-if (Path(__file__).parent / "experimental" / "bema_for_ref_model").exists():
-    _LAZY["BEMACallback"] = "posttrain.experimental.bema_for_ref_model"
 
 __all__ = ["__version__", *_LAZY]
 

@@ -1,6 +1,5 @@
 """TRL's ``trl.trainer.callbacks``: ``SyncRefModelCallback``, ``RichProgressCallback``, ``LogCompletionsCallback``,
-``WeaveCallback`` (from :mod:`posttrain.callbacks`) and ``BEMACallback`` (from
-``posttrain.experimental.bema_for_ref_model``, when that package is installed)."""
+``WeaveCallback`` and ``BEMACallback`` (all from :mod:`posttrain.callbacks`)."""
 
 from __future__ import annotations
 

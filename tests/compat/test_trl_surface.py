@@ -31,11 +31,6 @@ DELIBERATE = {
 }
 # Differences another open issue removes; drop the entry when it lands (the test then checks the TRL default).
 PENDING = {
-    "config:GRPOConfig.use_bias_correction_kl": "issue 18 (fidelity) sets TRL 1.16's default True",
-    "cli:grpo:--use_bias_correction_kl": "issue 18",
-    "cli:grpo:--use-bias-correction-kl": "issue 18",
-    "cli:grpo:--no_use_bias_correction_kl": "issue 18",
-    "cli:grpo:--no-use-bias-correction-kl": "issue 18",
 }
 if not (POSTTRAIN / "experimental" / "bema_for_ref_model").exists():
     # trl.BEMACallback comes with posttrain.experimental.bema_for_ref_model (issue 22).
