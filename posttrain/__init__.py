@@ -7,7 +7,6 @@ transformers load only when a trainer, config or utility is first touched.
 from __future__ import annotations
 
 import importlib
-from pathlib import Path
 from typing import Any
 
 from posttrain._version import __version__
