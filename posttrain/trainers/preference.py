@@ -483,7 +483,7 @@ class PreferenceTrainer(BaseTrainer):
     ) -> torch.Tensor:
         """``loss + router_aux_loss_coef · aux_loss`` for a MoE model that returns its load-balancing loss (logged as
         ``aux_loss``, averaged over processes); ``loss`` unchanged for dense models."""
-        coef = self.args.router_aux_loss_coef
+        coef = getattr(self.args, "router_aux_loss_coef", None)  # None (or a config without it): the model's value
         coef = router_aux_loss_coef(model) if coef is None else coef
         if aux_loss is None or not coef or not getattr(self, "aux_loss_enabled", True):
             return loss
