@@ -6,10 +6,13 @@ ones (TRL has no CLI verbs for these, so neither has ``posttrain``)::
     python -m posttrain.experimental.run tpo --config examples/tpo.yaml
     python -m posttrain.experimental.run prm --config examples/prm.yaml
     python -m posttrain.experimental.run bema_dpo --config examples/bema_dpo.yaml
+    python -m posttrain.experimental.run gmpo --config examples/gmpo.yaml
 
 Each method parses ``(ScriptArguments, <X>Config, ModelConfig, DatasetMixtureConfig)`` with ``TrlParser`` (YAML
 keys and ``--flags``; flags win), trains in this process and saves to ``output_dir``. ``bema_dpo`` is
-``bema_for_ref_model.DPOTrainer`` with a ``BEMACallback`` whose options are :class:`BEMAArguments`. Errors are one
+``bema_for_ref_model.DPOTrainer`` with a ``BEMACallback`` whose options are :class:`BEMAArguments`. The online methods
+(``REWARD_METHODS``) parse ``posttrain grpo``'s script arguments instead, so their rewards come from
+``reward_funcs`` (registry names or dotted paths) and/or ``reward_model_name_or_path``. Errors are one
 paragraph (``--debug`` for the traceback).
 """
 
@@ -19,7 +22,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["BEMAArguments", "METHODS", "main"]
+__all__ = ["BEMAArguments", "METHODS", "REWARD_METHODS", "main"]
 
 
 @dataclass
@@ -64,7 +67,10 @@ METHODS: dict[str, tuple[str, str]] = {
     "tpo": ("posttrain.experimental.tpo:TPOConfig", "posttrain.experimental.tpo:TPOTrainer"),
     "prm": ("posttrain.experimental.prm:PRMConfig", "posttrain.experimental.prm:PRMTrainer"),
     "bema_dpo": ("posttrain.trainers.dpo:DPOConfig", "posttrain.experimental.bema_for_ref_model:DPOTrainer"),
+    "gmpo": ("posttrain.experimental.gmpo:GMPOConfig", "posttrain.experimental.gmpo:GMPOTrainer"),
 }
+# Online methods: GRPO's script arguments (reward_funcs, reward_model_name_or_path) and a reward_funcs argument.
+REWARD_METHODS = {"gmpo"}
 
 
 def _load(spec: str) -> Any:
@@ -75,15 +81,16 @@ def _load(spec: str) -> Any:
 
 
 def _train(method: str, argv: list[str]) -> int:
-    from posttrain.cli.configs import ModelConfig, ScriptArguments
+    from posttrain.cli.configs import GRPOScriptArguments, ModelConfig, ScriptArguments
     from posttrain.cli.parser import ConfigError
     from posttrain.data.loading import DatasetMixtureConfig
-    from posttrain.scripts._common import build_and_train, make_trl_parser
+    from posttrain.scripts._common import build_and_train, make_trl_parser, reward_funcs_from_args
 
     if method not in METHODS:
         raise ConfigError(f"Unknown experimental method {method!r}; choose one of: {', '.join(METHODS)}.")
     config_spec, trainer_spec = METHODS[method]
-    types: tuple = (ScriptArguments, _load(config_spec), ModelConfig, DatasetMixtureConfig)
+    script_class = GRPOScriptArguments if method in REWARD_METHODS else ScriptArguments
+    types: tuple = (script_class, _load(config_spec), ModelConfig, DatasetMixtureConfig)
     if method == "bema_dpo":
         types = (*types, BEMAArguments)
     parser = make_trl_parser(f"python -m posttrain.experimental.run {method}", types, __doc__)
@@ -93,6 +100,8 @@ def _train(method: str, argv: list[str]) -> int:
     configs = parser.namespace_to_dataclasses(namespace)
     script_args, training_args, model_args, dataset_args = configs[:4]
     extra = {"callbacks": [configs[4].callback()]} if method == "bema_dpo" else {}
+    if method in REWARD_METHODS:
+        extra["reward_funcs"] = reward_funcs_from_args(f"experimental.run {method}", script_args)
     build_and_train(method, _load(trainer_spec), script_args, training_args, model_args, dataset_args, **extra)
     return 0
 
