@@ -7,6 +7,7 @@ ones (TRL has no CLI verbs for these, so neither has ``posttrain``)::
     python -m posttrain.experimental.run prm --config examples/prm.yaml
     python -m posttrain.experimental.run bema_dpo --config examples/bema_dpo.yaml
     python -m posttrain.experimental.run gmpo --config examples/gmpo.yaml
+    python -m posttrain.experimental.run grpo_with_replay_buffer --config examples/grpo_with_replay_buffer.yaml
 
 Each method parses ``(ScriptArguments, <X>Config, ModelConfig, DatasetMixtureConfig)`` with ``TrlParser`` (YAML
 keys and ``--flags``; flags win), trains in this process and saves to ``output_dir``. ``bema_dpo`` is
@@ -68,9 +69,13 @@ METHODS: dict[str, tuple[str, str]] = {
     "prm": ("posttrain.experimental.prm:PRMConfig", "posttrain.experimental.prm:PRMTrainer"),
     "bema_dpo": ("posttrain.trainers.dpo:DPOConfig", "posttrain.experimental.bema_for_ref_model:DPOTrainer"),
     "gmpo": ("posttrain.experimental.gmpo:GMPOConfig", "posttrain.experimental.gmpo:GMPOTrainer"),
+    "grpo_with_replay_buffer": (
+        "posttrain.experimental.grpo_with_replay_buffer:GRPOWithReplayBufferConfig",
+        "posttrain.experimental.grpo_with_replay_buffer:GRPOWithReplayBufferTrainer",
+    ),
 }
 # Online methods: GRPO's script arguments (reward_funcs, reward_model_name_or_path) and a reward_funcs argument.
-REWARD_METHODS = {"gmpo"}
+REWARD_METHODS = {"gmpo", "grpo_with_replay_buffer"}
 
 
 def _load(spec: str) -> Any:
