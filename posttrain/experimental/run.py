@@ -8,6 +8,7 @@ ones (TRL has no CLI verbs for these, so neither has ``posttrain``)::
     python -m posttrain.experimental.run bema_dpo --config examples/bema_dpo.yaml
     python -m posttrain.experimental.run gmpo --config examples/gmpo.yaml
     python -m posttrain.experimental.run grpo_with_replay_buffer --config examples/grpo_with_replay_buffer.yaml
+    python -m posttrain.experimental.run online_dpo --config examples/online_dpo.yaml
 
 Each method parses ``(ScriptArguments, <X>Config, ModelConfig, DatasetMixtureConfig)`` with ``TrlParser`` (YAML
 keys and ``--flags``; flags win), trains in this process and saves to ``output_dir``. ``bema_dpo`` is
@@ -73,9 +74,13 @@ METHODS: dict[str, tuple[str, str]] = {
         "posttrain.experimental.grpo_with_replay_buffer:GRPOWithReplayBufferConfig",
         "posttrain.experimental.grpo_with_replay_buffer:GRPOWithReplayBufferTrainer",
     ),
+    "online_dpo": (
+        "posttrain.experimental.online_dpo:OnlineDPOConfig",
+        "posttrain.experimental.online_dpo:OnlineDPOTrainer",
+    ),
 }
 # Online methods: GRPO's script arguments (reward_funcs, reward_model_name_or_path) and a reward_funcs argument.
-REWARD_METHODS = {"gmpo", "grpo_with_replay_buffer"}
+REWARD_METHODS = {"gmpo", "grpo_with_replay_buffer", "online_dpo"}
 
 
 def _load(spec: str) -> Any:
@@ -106,7 +111,11 @@ def _train(method: str, argv: list[str]) -> int:
     script_args, training_args, model_args, dataset_args = configs[:4]
     extra = {"callbacks": [configs[4].callback()]} if method == "bema_dpo" else {}
     if method in REWARD_METHODS:
-        extra["reward_funcs"] = reward_funcs_from_args(f"experimental.run {method}", script_args)
+        config_reward_model = getattr(training_args, "reward_model_path", None)  # OnlineDPOConfig's own field
+        if config_reward_model and not (script_args.reward_funcs or script_args.reward_model_name_or_path):
+            extra["reward_funcs"] = None
+        else:
+            extra["reward_funcs"] = reward_funcs_from_args(f"experimental.run {method}", script_args)
     build_and_train(method, _load(trainer_spec), script_args, training_args, model_args, dataset_args, **extra)
     return 0
 

@@ -138,3 +138,44 @@ class LeaveOneOutEstimator:
             advantages = normalize_advantages(advantages, mask=~torch.isnan(rewards))
         std = group_mean_std(raw, num_generations)[1]
         return AdvantageResult(advantages, raw, std, metrics)
+
+
+@dataclass
+class PairwisePreferenceEstimator:
+    """Online DPO's ranking (Guo et al. 2024, "Direct Language Model Alignment from Online AI Feedback"): each
+    prompt's two completions (a group of G = 2) become a chosen/rejected pair by their scores.
+
+    s_i = Σ_k w_k r_ik − ``missing_eos_penalty`` when completion i did not end with EOS; in each pair the first
+    completion is chosen when s_1 ≥ s_2 (TRL's tie rule). The "advantage" is the pair sign: +1 chosen, −1 rejected.
+    ``last_scores`` keeps the (gathered) scores for the trainer's ``objective/rlhf_reward``. Metrics (TRL's):
+    ``objective/scores`` (mean s), ``objective/scores_margin`` (mean s_chosen − s_rejected),
+    ``val/contain_eos_token`` (fraction of completions with EOS).
+
+    Args:
+        missing_eos_penalty: Subtracted from the score of a completion without EOS (None = off).
+    """
+
+    missing_eos_penalty: float | None = None
+    needs_old_logps: bool = False
+    needs_ref_logps: bool = True
+    last_scores: torch.Tensor | None = None
+
+    def __call__(self, rewards_per_func, weights, num_generations, *, batch, gather) -> AdvantageResult:
+        if num_generations != 2:
+            raise ValueError(f"PairwisePreferenceEstimator ranks pairs: num_generations must be 2, got {num_generations}.")
+        scores = combine_rewards(rewards_per_func, weights)
+        finished = gather(batch["finished"].long()).bool().to(scores.device)
+        if self.missing_eos_penalty is not None:
+            scores = torch.where(finished, scores, scores - self.missing_eos_penalty)
+        pairs = torch.nan_to_num(scores, nan=float("-inf")).reshape(-1, 2)
+        first_chosen = pairs[:, 0] >= pairs[:, 1]  # (P,)
+        signs = torch.stack([first_chosen, ~first_chosen], dim=1).float() * 2 - 1  # (P, 2): +1 chosen, -1 rejected
+        grouped = scores.reshape(-1, 2)
+        margin = torch.where(first_chosen, grouped[:, 0] - grouped[:, 1], grouped[:, 1] - grouped[:, 0])
+        self.last_scores = scores
+        metrics = {
+            "objective/scores": float(scores.nanmean()),
+            "objective/scores_margin": float(margin.nanmean()),
+            "val/contain_eos_token": float(finished.float().mean()),
+        }
+        return AdvantageResult(signs.reshape(-1), scores, None, metrics)
