@@ -179,3 +179,24 @@ class PairwisePreferenceEstimator:
             "val/contain_eos_token": float(finished.float().mean()),
         }
         return AdvantageResult(signs.reshape(-1), scores, None, metrics)
+
+
+@dataclass
+class OptimalAdvantageEstimator:
+    """A*-PO's stage-2 advantage: A_i = r_i − V*(x_i) with V* estimated before training (``core.optimal_value``).
+
+    The trainer sets ``v_star`` (``(N_local,)``, this process's rows) before each rollout; it is gathered here like
+    the rewards. Metric: ``v_star`` (mean, TRL's name).
+    """
+
+    v_star: torch.Tensor | None = None
+    needs_old_logps: bool = False
+    needs_ref_logps: bool = True
+
+    def __call__(self, rewards_per_func, weights, num_generations, *, batch, gather) -> AdvantageResult:
+        if self.v_star is None:
+            raise RuntimeError("OptimalAdvantageEstimator.v_star must be set before the rollout (stage 1 of A*-PO).")
+        rewards = combine_rewards(rewards_per_func, weights)
+        v_star = gather(self.v_star.to(rewards.device)).to(rewards.dtype)
+        advantages = torch.nan_to_num(rewards - v_star, nan=0.0)
+        return AdvantageResult(advantages, rewards, None, {"v_star": float(v_star.mean())})
