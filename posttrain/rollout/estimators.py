@@ -200,3 +200,71 @@ class OptimalAdvantageEstimator:
         v_star = gather(self.v_star.to(rewards.device)).to(rewards.dtype)
         advantages = torch.nan_to_num(rewards - v_star, nan=0.0)
         return AdvantageResult(advantages, rewards, None, {"v_star": float(v_star.mean())})
+
+
+@dataclass
+class GAEEstimator:
+    """PPO's per-token advantages (TRL's ``PPOTrainer``): score → per-token rewards with a KL penalty → GAE.
+
+    s_i = Σ_k w_k r_ik (− ``missing_eos_penalty`` without EOS); KL_t = old_t − ref_t (k1) or (e^{ref−old} − 1) −
+    (ref − old) (k3), 0 without a reference; r_t = −kl_coef·KL_t, + s_i on the last token (``core.gae``), optionally
+    whitened; V_t from ``values_fn`` (the value head, no grad); A = whiten(GAE(r, V; γ, λ)), R = GAE + V.
+    The per-token tensors go into the local batch as ``token_advantages``, ``returns``, ``old_values`` ``(B, C)``;
+    the returned per-sequence advantages are the scores (for the completions table). Metrics (TRL's):
+    ``objective/kl``, ``objective/entropy``, ``objective/non_score_reward``, ``objective/rlhf_reward``,
+    ``objective/scores``, ``val/num_eos_tokens``.
+    """
+
+    values_fn: Callable[[dict[str, Any]], torch.Tensor]
+    kl_coef: float = 0.05
+    kl_estimator: str = "k1"
+    gamma: float = 1.0
+    lam: float = 0.95
+    whiten_rewards: bool = False
+    missing_eos_penalty: float | None = None
+    process_index: int = 0
+    needs_old_logps: bool = True
+    needs_ref_logps: bool = True
+
+    def __call__(self, rewards_per_func, weights, num_generations, *, batch, gather) -> AdvantageResult:
+        from posttrain.core.gae import gae, masked_whiten, ppo_token_rewards
+
+        scores_all = torch.nan_to_num(combine_rewards(rewards_per_func, weights), nan=0.0)
+        finished_all = gather(batch["finished"].long()).bool().to(scores_all.device)
+        if self.missing_eos_penalty is not None:
+            scores_all = torch.where(finished_all, scores_all, scores_all - self.missing_eos_penalty)
+        n = batch["completion_ids"].shape[0]
+        scores = scores_all[self.process_index * n : (self.process_index + 1) * n].cpu()
+        mask = batch["completion_mask"].float()
+        old = batch["old_per_token_logps"].float()
+        ref = batch.get("ref_per_token_logps")
+        if ref is None:
+            kl = torch.zeros_like(old)
+        elif self.kl_estimator == "k3":
+            log_ratio = ref.float() - old
+            kl = (torch.exp(log_ratio) - 1) - log_ratio
+        else:
+            kl = old - ref.float()
+        kl = kl * mask
+        rewards, non_score = ppo_token_rewards(scores, kl, mask, self.kl_coef)
+        if self.whiten_rewards:
+            rewards = masked_whiten(rewards, mask, shift_mean=False)
+        with torch.no_grad():
+            values = self.values_fn(batch).float().cpu() * mask
+        advantages, returns = gae(rewards, values, mask, gamma=self.gamma, lam=self.lam)
+        batch["token_advantages"] = masked_whiten(advantages, mask)
+        batch["returns"] = returns
+        batch["old_values"] = values
+
+        def mean(x: torch.Tensor) -> float:
+            return float(gather(x.float().mean().reshape(1)).mean())
+
+        metrics = {
+            "objective/kl": mean(kl.sum(1)),
+            "objective/entropy": mean((-old * mask).sum(1)),
+            "objective/non_score_reward": mean(non_score.sum(1)),
+            "objective/rlhf_reward": mean(scores + non_score.sum(1)),
+            "objective/scores": float(scores_all.mean()),
+            "val/num_eos_tokens": float(finished_all.sum()),
+        }
+        return AdvantageResult(scores_all, scores_all, None, metrics)
