@@ -10,6 +10,7 @@ ones (TRL has no CLI verbs for these, so neither has ``posttrain``)::
     python -m posttrain.experimental.run grpo_with_replay_buffer --config examples/grpo_with_replay_buffer.yaml
     python -m posttrain.experimental.run online_dpo --config examples/online_dpo.yaml
     python -m posttrain.experimental.run a2po --config examples/a2po.yaml
+    python -m posttrain.experimental.run ppo --config examples/ppo.yaml
 
 Each method parses ``(ScriptArguments, <X>Config, ModelConfig, DatasetMixtureConfig)`` with ``TrlParser`` (YAML
 keys and ``--flags``; flags win), trains in this process and saves to ``output_dir``. ``bema_dpo`` is
@@ -80,9 +81,10 @@ METHODS: dict[str, tuple[str, str]] = {
         "posttrain.experimental.online_dpo:OnlineDPOTrainer",
     ),
     "a2po": ("posttrain.experimental.a2po:A2POConfig", "posttrain.experimental.a2po:A2POTrainer"),
+    "ppo": ("posttrain.experimental.ppo:PPOConfig", "posttrain.experimental.ppo:PPOTrainer"),
 }
 # Online methods: GRPO's script arguments (reward_funcs, reward_model_name_or_path) and a reward_funcs argument.
-REWARD_METHODS = {"gmpo", "grpo_with_replay_buffer", "online_dpo", "a2po"}
+REWARD_METHODS = {"gmpo", "grpo_with_replay_buffer", "online_dpo", "a2po", "ppo"}
 
 
 def _load(spec: str) -> Any:

@@ -34,7 +34,7 @@ class ValueHead(nn.Module):
 def _hidden_size(model: nn.Module) -> int:
     config = model.config
     text = getattr(config, "get_text_config", lambda: config)()
-    return int(getattr(text, "hidden_size", None) or getattr(text, "word_embed_proj_dim"))
+    return int(getattr(text, "hidden_size", None) or text.word_embed_proj_dim)
 
 
 class AutoModelForCausalLMWithValueHead(nn.Module):
