@@ -147,15 +147,9 @@ class PPOTrainer(OnlineTrainerBase):
         return base.v_head(hidden).squeeze(-1).float()
 
     def _values_no_grad(self, batch: RolloutBatch) -> torch.Tensor:
-        device = self.accelerator.device
-        size = max(1, self.args.per_device_train_batch_size)
-        keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_lengths")
-        out = []
-        with torch.no_grad():
-            for start in range(0, batch["completion_ids"].shape[0], size):
-                chunk = {k: batch[k][start : start + size].to(device) for k in keys}
-                out.append(self._values(self.model, chunk).cpu())
-        return torch.cat(out, dim=0)
+        """Old values in no-grad passes of ``per_device_train_batch_size`` rows (the pipeline's chunking)."""
+        values = self.pipeline._logps_in_chunks(lambda chunk: self._values(self.model, chunk), batch, self.accelerator.device)
+        return values.cpu()
 
     # -- loss --------------------------------------------------------------------------------------------------
     def _compute_loss(self, model: torch.nn.Module, inputs: RolloutBatch) -> torch.Tensor:
