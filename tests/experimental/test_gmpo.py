@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 from datasets import Dataset
+from experimental_helpers import merged_logs
 from trainer_helpers import fast_config, params_changed, quiet_single_thread, trainable_params  # noqa: F401
 
 from posttrain.experimental.gmpo import GMPOConfig, GMPOTrainer
@@ -27,13 +28,6 @@ def _dataset(n: int = 8) -> Dataset:
     return Dataset.from_list([{"prompt": f"Question {i}:"} for i in range(n)])
 
 
-def _logs(trainer) -> dict:
-    merged = {}
-    for entry in trainer.state.log_history:
-        merged.update(entry)
-    return merged
-
-
 def test_config_defaults(tmp_path):
     args = GMPOConfig(output_dir=str(tmp_path), report_to="none")
     assert args.epsilon == 0.4 and args.epsilon_high is None and args.loss_type == "gmpo"
@@ -46,7 +40,7 @@ def test_trains_and_logs_trl_metrics(tmp_path, tiny_model_path, beta):
     before = trainable_params(trainer.model)
     trainer.train()
     assert params_changed(before, trainer.model)
-    logs = _logs(trainer)
+    logs = merged_logs(trainer)
     for key in ("loss", "reward", "reward_std", "frac_reward_zero_std", "entropy", "clip_ratio/low_mean",
                 "clip_ratio/high_mean", "clip_ratio/region_mean", "clip_ratio/low_min", "clip_ratio/high_max",
                 "completions/mean_length"):  # fmt: skip

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 from datasets import Dataset
+from experimental_helpers import merged_logs
 from trainer_helpers import fast_config, params_changed, quiet_single_thread, trainable_params  # noqa: F401
 
 from posttrain.core.masking import masked_sum
@@ -31,13 +32,6 @@ def _config(tmp_path, **kw) -> OnlineDPOConfig:
 
 def _dataset(n: int = 8) -> Dataset:
     return Dataset.from_list([{"prompt": f"Question {i}:"} for i in range(n)])
-
-
-def _logs(trainer) -> dict:
-    merged = {}
-    for entry in trainer.state.log_history:
-        merged.update(entry)
-    return merged
 
 
 def test_config_defaults_and_batch_rules(tmp_path):
@@ -95,7 +89,7 @@ def test_trains_with_reward_functions_and_logs_trl_metrics(tmp_path, tiny_model_
     before = trainable_params(trainer.model)
     trainer.train()
     assert params_changed(before, trainer.model)
-    logs = _logs(trainer)
+    logs = merged_logs(trainer)
     for key in ("loss", *TRL_METRICS):
         assert key in logs, key
     assert logs["beta"] == 0.1

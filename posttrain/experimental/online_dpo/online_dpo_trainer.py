@@ -25,6 +25,7 @@ import torch
 
 from posttrain.core.masking import masked_sum
 from posttrain.core.preference import DPO_LOSSES, DPOLossInputs
+from posttrain.experimental._online import reward_sources
 from posttrain.rollout.buffer import RolloutBatch
 from posttrain.rollout.estimators import PairwisePreferenceEstimator
 from posttrain.trainers.online import OnlineTrainerBase
@@ -115,12 +116,10 @@ class OnlineDPOTrainer(OnlineTrainerBase):
                 "`model`, either omit the `ref_model` argument or pass `None`."
             )
         self._ref_model_arg = ref_model
-        funcs = [] if reward_funcs is None else list(reward_funcs) if isinstance(reward_funcs, list) else [reward_funcs]
-        reward_model_path = getattr(args, "reward_model_path", None)
-        if reward_model_path:
-            funcs.append(reward_model_path)
-        if judge is not None:
-            funcs.append(JudgeReward(judge))
+        funcs = reward_sources(
+            reward_funcs,
+            last=(getattr(args, "reward_model_path", None) or None, JudgeReward(judge) if judge is not None else None),
+        )
         if not funcs:
             raise ValueError("`reward_funcs` must be provided (or `args.reward_model_path`, or a `judge`).")
         super().__init__(

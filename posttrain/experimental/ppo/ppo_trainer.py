@@ -31,6 +31,7 @@ import torch
 from posttrain.core.gae import clipped_value_loss
 from posttrain.core.masking import masked_mean
 from posttrain.core.policy_objectives import clip_objective
+from posttrain.experimental._online import reward_sources
 from posttrain.models.completion_scoring import completion_inputs
 from posttrain.models.unwrap import unwrap_base_model
 from posttrain.rollout.buffer import RolloutBatch
@@ -89,11 +90,7 @@ class PPOTrainer(OnlineTrainerBase):
         if isinstance(model, AutoModelForCausalLMWithValueHead):
             self._given_v_head, model = model.v_head, model.pretrained_model
         self._ref_model_arg = ref_model
-        funcs = [] if reward_funcs is None else list(reward_funcs) if isinstance(reward_funcs, list) else [reward_funcs]
-        if reward_model is not None:
-            funcs.insert(0, reward_model)
-        if getattr(args, "reward_model_path", None):
-            funcs.insert(0, args.reward_model_path)
+        funcs = reward_sources(reward_funcs, first=(getattr(args, "reward_model_path", None), reward_model))
         super().__init__(
             model,
             funcs,
