@@ -43,6 +43,7 @@ __all__ = [
     "cispo_objective",
     "clip_objective",
     "declare_objective",
+    "gmpo_objective",
     "importance_weights",
     "objective_properties",
     "sapo_objective",
@@ -375,3 +376,56 @@ def vespo_objective(
     )
     per_token_loss = -phi * adv * logp
     return per_token_loss, {"phi_seq": phi}
+
+
+@POLICY_OBJECTIVES.register("gmpo")
+@declare_objective(config_fields={"epsilon_low": "epsilon", "epsilon_high": "epsilon_high"})
+def gmpo_objective(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    epsilon_low: float = 0.4,
+    epsilon_high: float | None = None,
+    **_,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GMPO (Geometric-Mean Policy Optimization, arXiv 2507.20673): maximise the geometric mean of the token ratios.
+
+    ℓ_t = logp_t − old_t is clipped in *log* space, one-sidedly by the advantage's sign (PPO's min trick):
+    ℓ̃_t = min(ℓ_t, clamp(ℓ_t, −ε_low, ε_high)) if A > 0 else max(ℓ_t, clamp(ℓ_t, −ε_low, ε_high)); then
+    L_i = −exp(Σ_t m ℓ̃_t / max(Σ_t m, 1)) · A_i, one value per sequence (the 1/|o_i| exponent is the geometric
+    mean). The ratio clip range is (e^−ε_low, e^ε_high); the paper uses ε = 0.4. ``mask`` is the set of tokens in
+    the geometric mean (completion mask, times a top-entropy mask when one is used).
+
+    Args:
+        logp, old_logp, mask: ``(B, T)``.
+        advantages: ``(B,)`` or ``(B, 1)``.
+        epsilon_low: ε_low in log space (TRL ``epsilon``).
+        epsilon_high: ε_high in log space; None = ``epsilon_low``.
+
+    Returns:
+        ``(per_sequence_loss (B, 1), stats)``: ``stats`` holds ``(B, T)`` float indicators ``is_low_clipped``
+        (ℓ < −ε_low and A < 0), ``is_high_clipped`` (ℓ > ε_high and A > 0) and ``is_region_clipped``. Reduce the
+        loss with ``seq_mean_token_mean`` (a ``(B, 1)`` loss counts once per sequence there), so a ``(B, T)`` KL
+        term added to it is averaged per sequence, as in TRL.
+    """
+    epsilon_high = epsilon_low if epsilon_high is None else epsilon_high
+    adv = _advantages_2d(advantages, logp)
+    if adv.shape[1] != 1:
+        raise ValueError("gmpo needs one advantage per sequence, (B,) or (B, 1).")
+    log_ratio = logp - old_logp  # (B, T)
+    clamped = torch.clamp(log_ratio, min=-epsilon_low, max=epsilon_high)
+    clipped = torch.where(adv > 0, torch.minimum(log_ratio, clamped), torch.maximum(log_ratio, clamped))
+    length = mask.sum(dim=-1, keepdim=True).to(logp.dtype).clamp(min=1.0)
+    coef = torch.exp(masked_sum(clipped, mask, dim=-1).unsqueeze(-1) / length)  # (B, 1) geometric mean ratio
+    per_sequence_loss = -coef * adv
+    with torch.no_grad():
+        is_low = (log_ratio < -epsilon_low) & (adv < 0)
+        is_high = (log_ratio > epsilon_high) & (adv > 0)
+        stats = {
+            "is_low_clipped": is_low.float(),
+            "is_high_clipped": is_high.float(),
+            "is_region_clipped": (is_low | is_high).float(),
+        }
+    return per_sequence_loss, stats

@@ -35,6 +35,8 @@ GRPO_LOSS_PRESETS: dict[str, tuple[str, str]] = {
     "sapo": ("sapo", "seq_mean_token_mean"),
     "luspo": ("clip", "length_weighted"),
     "vespo": ("vespo", "token_mean_global"),
+    # GMPO (experimental.gmpo): a (B, 1) geometric-mean loss; the per-sequence mean keeps a KL term per-sequence.
+    "gmpo": ("gmpo", "seq_mean_token_mean"),
 }
 
 # RLOO: sequence-level PPO clip on the summed log-ratio, averaged over sequences (HF Trainer then divides by GA).

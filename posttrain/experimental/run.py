@@ -6,10 +6,17 @@ ones (TRL has no CLI verbs for these, so neither has ``posttrain``)::
     python -m posttrain.experimental.run tpo --config examples/tpo.yaml
     python -m posttrain.experimental.run prm --config examples/prm.yaml
     python -m posttrain.experimental.run bema_dpo --config examples/bema_dpo.yaml
+    python -m posttrain.experimental.run gmpo --config examples/gmpo.yaml
+    python -m posttrain.experimental.run grpo_with_replay_buffer --config examples/grpo_with_replay_buffer.yaml
+    python -m posttrain.experimental.run online_dpo --config examples/online_dpo.yaml
+    python -m posttrain.experimental.run a2po --config examples/a2po.yaml
+    python -m posttrain.experimental.run ppo --config examples/ppo.yaml
 
 Each method parses ``(ScriptArguments, <X>Config, ModelConfig, DatasetMixtureConfig)`` with ``TrlParser`` (YAML
 keys and ``--flags``; flags win), trains in this process and saves to ``output_dir``. ``bema_dpo`` is
-``bema_for_ref_model.DPOTrainer`` with a ``BEMACallback`` whose options are :class:`BEMAArguments`. Errors are one
+``bema_for_ref_model.DPOTrainer`` with a ``BEMACallback`` whose options are :class:`BEMAArguments`. The online methods
+(``REWARD_METHODS``) parse ``posttrain grpo``'s script arguments instead, so their rewards come from
+``reward_funcs`` (registry names or dotted paths) and/or ``reward_model_name_or_path``. Errors are one
 paragraph (``--debug`` for the traceback).
 """
 
@@ -19,7 +26,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["BEMAArguments", "METHODS", "main"]
+__all__ = ["BEMAArguments", "METHODS", "REWARD_METHODS", "main"]
 
 
 @dataclass
@@ -64,7 +71,20 @@ METHODS: dict[str, tuple[str, str]] = {
     "tpo": ("posttrain.experimental.tpo:TPOConfig", "posttrain.experimental.tpo:TPOTrainer"),
     "prm": ("posttrain.experimental.prm:PRMConfig", "posttrain.experimental.prm:PRMTrainer"),
     "bema_dpo": ("posttrain.trainers.dpo:DPOConfig", "posttrain.experimental.bema_for_ref_model:DPOTrainer"),
+    "gmpo": ("posttrain.experimental.gmpo:GMPOConfig", "posttrain.experimental.gmpo:GMPOTrainer"),
+    "grpo_with_replay_buffer": (
+        "posttrain.experimental.grpo_with_replay_buffer:GRPOWithReplayBufferConfig",
+        "posttrain.experimental.grpo_with_replay_buffer:GRPOWithReplayBufferTrainer",
+    ),
+    "online_dpo": (
+        "posttrain.experimental.online_dpo:OnlineDPOConfig",
+        "posttrain.experimental.online_dpo:OnlineDPOTrainer",
+    ),
+    "a2po": ("posttrain.experimental.a2po:A2POConfig", "posttrain.experimental.a2po:A2POTrainer"),
+    "ppo": ("posttrain.experimental.ppo:PPOConfig", "posttrain.experimental.ppo:PPOTrainer"),
 }
+# Online methods: GRPO's script arguments (reward_funcs, reward_model_name_or_path) and a reward_funcs argument.
+REWARD_METHODS = {"gmpo", "grpo_with_replay_buffer", "online_dpo", "a2po", "ppo"}
 
 
 def _load(spec: str) -> Any:
@@ -75,15 +95,16 @@ def _load(spec: str) -> Any:
 
 
 def _train(method: str, argv: list[str]) -> int:
-    from posttrain.cli.configs import ModelConfig, ScriptArguments
+    from posttrain.cli.configs import GRPOScriptArguments, ModelConfig, ScriptArguments
     from posttrain.cli.parser import ConfigError
     from posttrain.data.loading import DatasetMixtureConfig
-    from posttrain.scripts._common import build_and_train, make_trl_parser
+    from posttrain.scripts._common import build_and_train, make_trl_parser, reward_funcs_from_args
 
     if method not in METHODS:
         raise ConfigError(f"Unknown experimental method {method!r}; choose one of: {', '.join(METHODS)}.")
     config_spec, trainer_spec = METHODS[method]
-    types: tuple = (ScriptArguments, _load(config_spec), ModelConfig, DatasetMixtureConfig)
+    script_class = GRPOScriptArguments if method in REWARD_METHODS else ScriptArguments
+    types: tuple = (script_class, _load(config_spec), ModelConfig, DatasetMixtureConfig)
     if method == "bema_dpo":
         types = (*types, BEMAArguments)
     parser = make_trl_parser(f"python -m posttrain.experimental.run {method}", types, __doc__)
@@ -93,6 +114,12 @@ def _train(method: str, argv: list[str]) -> int:
     configs = parser.namespace_to_dataclasses(namespace)
     script_args, training_args, model_args, dataset_args = configs[:4]
     extra = {"callbacks": [configs[4].callback()]} if method == "bema_dpo" else {}
+    if method in REWARD_METHODS:
+        config_reward_model = getattr(training_args, "reward_model_path", None)  # OnlineDPOConfig's own field
+        if config_reward_model and not (script_args.reward_funcs or script_args.reward_model_name_or_path):
+            extra["reward_funcs"] = None
+        else:
+            extra["reward_funcs"] = reward_funcs_from_args(f"experimental.run {method}", script_args)
     build_and_train(method, _load(trainer_spec), script_args, training_args, model_args, dataset_args, **extra)
     return 0
 

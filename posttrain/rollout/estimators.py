@@ -140,3 +140,133 @@ class LeaveOneOutEstimator:
         # TRL; the logged reward stays the raw one.
         std = group_mean_std(rewards, num_generations)[1]
         return AdvantageResult(advantages, raw, std, metrics)
+
+
+@dataclass
+class PairwisePreferenceEstimator:
+    """Online DPO's ranking (Guo et al. 2024, "Direct Language Model Alignment from Online AI Feedback"): each
+    prompt's two completions (a group of G = 2) become a chosen/rejected pair by their scores.
+
+    s_i = Σ_k w_k r_ik − ``missing_eos_penalty`` when completion i did not end with EOS; in each pair the first
+    completion is chosen when s_1 ≥ s_2 (TRL's tie rule). The "advantage" is the pair sign: +1 chosen, −1 rejected.
+    ``last_scores`` keeps the (gathered) scores for the trainer's ``objective/rlhf_reward``. Metrics (TRL's):
+    ``objective/scores`` (mean s), ``objective/scores_margin`` (mean s_chosen − s_rejected),
+    ``val/contain_eos_token`` (fraction of completions with EOS).
+
+    Args:
+        missing_eos_penalty: Subtracted from the score of a completion without EOS (None = off).
+    """
+
+    missing_eos_penalty: float | None = None
+    needs_old_logps: bool = False
+    needs_ref_logps: bool = True
+    last_scores: torch.Tensor | None = None
+
+    def __call__(self, rewards_per_func, weights, num_generations, *, batch, gather) -> AdvantageResult:
+        if num_generations != 2:
+            raise ValueError(f"PairwisePreferenceEstimator ranks pairs: num_generations must be 2, got {num_generations}.")
+        scores = combine_rewards(rewards_per_func, weights)
+        finished = gather(batch["finished"].long()).bool().to(scores.device)
+        if self.missing_eos_penalty is not None:
+            scores = torch.where(finished, scores, scores - self.missing_eos_penalty)
+        pairs = torch.nan_to_num(scores, nan=float("-inf")).reshape(-1, 2)
+        first_chosen = pairs[:, 0] >= pairs[:, 1]  # (P,)
+        signs = torch.stack([first_chosen, ~first_chosen], dim=1).float() * 2 - 1  # (P, 2): +1 chosen, -1 rejected
+        grouped = scores.reshape(-1, 2)
+        margin = torch.where(first_chosen, grouped[:, 0] - grouped[:, 1], grouped[:, 1] - grouped[:, 0])
+        self.last_scores = scores
+        metrics = {
+            "objective/scores": float(scores.nanmean()),
+            "objective/scores_margin": float(margin.nanmean()),
+            "val/contain_eos_token": float(finished.float().mean()),
+        }
+        return AdvantageResult(signs.reshape(-1), scores, None, metrics)
+
+
+@dataclass
+class OptimalAdvantageEstimator:
+    """A*-PO's stage-2 advantage: A_i = r_i − V*(x_i) with V* estimated before training (``core.optimal_value``).
+
+    The trainer sets ``v_star`` (``(N_local,)``, this process's rows) before each rollout; it is gathered here like
+    the rewards. Metric: ``v_star`` (mean, TRL's name).
+    """
+
+    v_star: torch.Tensor | None = None
+    needs_old_logps: bool = False
+    needs_ref_logps: bool = True
+
+    def __call__(self, rewards_per_func, weights, num_generations, *, batch, gather) -> AdvantageResult:
+        if self.v_star is None:
+            raise RuntimeError("OptimalAdvantageEstimator.v_star must be set before the rollout (stage 1 of A*-PO).")
+        rewards = combine_rewards(rewards_per_func, weights)
+        v_star = gather(self.v_star.to(rewards.device)).to(rewards.dtype)
+        advantages = torch.nan_to_num(rewards - v_star, nan=0.0)
+        return AdvantageResult(advantages, rewards, None, {"v_star": float(v_star.mean())})
+
+
+@dataclass
+class GAEEstimator:
+    """PPO's per-token advantages (TRL's ``PPOTrainer``): score → per-token rewards with a KL penalty → GAE.
+
+    s_i = Σ_k w_k r_ik (− ``missing_eos_penalty`` without EOS); KL_t = old_t − ref_t (k1) or (e^{ref−old} − 1) −
+    (ref − old) (k3), 0 without a reference; r_t = −kl_coef·KL_t, + s_i on the last token (``core.gae``), optionally
+    whitened; V_t from ``values_fn`` (the value head, no grad); A = whiten(GAE(r, V; γ, λ)), R = GAE + V.
+    The per-token tensors go into the local batch as ``token_advantages``, ``returns``, ``old_values`` ``(B, C)``;
+    the returned per-sequence advantages are the scores (for the completions table). Metrics (TRL's):
+    ``objective/kl``, ``objective/entropy``, ``objective/non_score_reward``, ``objective/rlhf_reward``,
+    ``objective/scores``, ``val/num_eos_tokens``.
+    """
+
+    values_fn: Callable[[dict[str, Any]], torch.Tensor]
+    kl_coef: float = 0.05
+    kl_estimator: str = "k1"
+    gamma: float = 1.0
+    lam: float = 0.95
+    whiten_rewards: bool = False
+    missing_eos_penalty: float | None = None
+    process_index: int = 0
+    needs_old_logps: bool = True
+    needs_ref_logps: bool = True
+
+    def __call__(self, rewards_per_func, weights, num_generations, *, batch, gather) -> AdvantageResult:
+        from posttrain.core.gae import gae, masked_whiten, ppo_token_rewards
+
+        scores_all = torch.nan_to_num(combine_rewards(rewards_per_func, weights), nan=0.0)
+        finished_all = gather(batch["finished"].long()).bool().to(scores_all.device)
+        if self.missing_eos_penalty is not None:
+            scores_all = torch.where(finished_all, scores_all, scores_all - self.missing_eos_penalty)
+        n = batch["completion_ids"].shape[0]
+        scores = scores_all[self.process_index * n : (self.process_index + 1) * n].cpu()
+        mask = batch["completion_mask"].float()
+        old = batch["old_per_token_logps"].float()
+        ref = batch.get("ref_per_token_logps")
+        if ref is None:
+            kl = torch.zeros_like(old)
+        elif self.kl_estimator == "k3":
+            log_ratio = ref.float() - old
+            kl = (torch.exp(log_ratio) - 1) - log_ratio
+        else:
+            kl = old - ref.float()
+        kl = kl * mask
+        rewards, non_score = ppo_token_rewards(scores, kl, mask, self.kl_coef)
+        if self.whiten_rewards:
+            rewards = masked_whiten(rewards, mask, shift_mean=False)
+        with torch.no_grad():
+            values = self.values_fn(batch).float().cpu() * mask
+        advantages, returns = gae(rewards, values, mask, gamma=self.gamma, lam=self.lam)
+        batch["token_advantages"] = masked_whiten(advantages, mask)
+        batch["returns"] = returns
+        batch["old_values"] = values
+
+        def mean(x: torch.Tensor) -> float:
+            return float(gather(x.float().mean().reshape(1)).mean())
+
+        metrics = {
+            "objective/kl": mean(kl.sum(1)),
+            "objective/entropy": mean((-old * mask).sum(1)),
+            "objective/non_score_reward": mean(non_score.sum(1)),
+            "objective/rlhf_reward": mean(scores + non_score.sum(1)),
+            "objective/scores": float(scores_all.mean()),
+            "val/num_eos_tokens": float(finished_all.sum()),
+        }
+        return AdvantageResult(scores_all, scores_all, None, metrics)

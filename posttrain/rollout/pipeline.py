@@ -109,6 +109,7 @@ class RolloutSettings:
         compute_ref_logps: the trainer needs π_ref (β ≠ 0 in the loss).
         importance_sampling: apply the sampling-log-prob correction when the backend returned log-probs.
         keep_completions: keep a table of prompts/completions/rewards/advantages for ``log_completions``.
+        max_prompt_length: keep only the last this-many prompt tokens (left truncation); None = all.
     """
 
     num_generations: int
@@ -121,6 +122,7 @@ class RolloutSettings:
     compute_ref_logps: bool = False
     importance_sampling: ImportanceSamplingSettings | None = None
     keep_completions: bool = False
+    max_prompt_length: int | None = None  # left-truncate prompt tokens to this many (None = keep all)
 
 
 @dataclass
@@ -394,6 +396,8 @@ class RolloutPipeline:
                     settings.chat_template_kwargs,
                     agent_batch.tool_schemas if agent_batch else None,
                 )
+                if settings.max_prompt_length:
+                    prompt_ids = [ids[-settings.max_prompt_length :] for ids in prompt_ids]
             with stage("generate"):
                 completions = self.generate(prompts, prompt_ids, g, agent_batch.tools if agent_batch else None)
                 self.check_completions(completions, rows)

@@ -342,6 +342,7 @@ class OnlineTrainerBase(BaseTrainer):
         )
         self.reference = create_reference_policy(
             model,
+            getattr(self, "_ref_model_arg", None),  # an explicit reference (OnlineDPOTrainer's ref_model)
             required=args.beta != 0.0,
             sync_ref_model=args.sync_ref_model,
             adapter_created_by_trainer=peft_config is not None,

@@ -26,3 +26,11 @@ def naive_logps(model, batch):
     logps = torch.log_softmax(logits, -1).gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
     mask = batch["completion_mask"][:, 1:].float()
     return (logps * mask).sum(-1), mask.sum(-1), logps, mask
+
+
+def merged_logs(trainer) -> dict:
+    """Every logged key of ``trainer.state.log_history``, the latest value winning."""
+    merged = {}
+    for entry in trainer.state.log_history:
+        merged.update(entry)
+    return merged

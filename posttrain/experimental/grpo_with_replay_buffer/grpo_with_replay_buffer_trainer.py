@@ -1,0 +1,72 @@
+"""``GRPOWithReplayBufferTrainer``: GRPO plus one rollout step, ``rollout.replay_buffer.replace_zero_std_groups``.
+
+After the shared pipeline produced a training batch, groups with reward variance go into the replay buffer (score
+Σ|A|·std) and groups without it (all-equal rewards, zero advantages) are replaced by buffered groups, with their
+stored advantages and log-probs. π_old is therefore always computed (a replayed group is off-policy, as in TRL), and
+``num_items_in_batch`` is recounted from the final masks. Evaluation batches are left alone. The loss is GRPO's.
+The number of replaced groups is logged as ``replay_buffer/replaced_groups`` (posttrain), the buffer's size as
+``replay_buffer/size``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from posttrain.rollout.buffer import RolloutBatch
+from posttrain.rollout.estimators import GroupRelativeEstimator
+from posttrain.rollout.replay_buffer import ReplayBuffer, replace_zero_std_groups
+from posttrain.trainers.grpo import GRPOTrainer
+
+from .grpo_with_replay_buffer_config import GRPOWithReplayBufferConfig
+
+
+class _GroupStdEstimator(GroupRelativeEstimator):
+    """GRPO's estimator that also keeps the per-group reward std of the last (gathered) batch."""
+
+    last_group_std: torch.Tensor | None = None
+
+    def __call__(self, rewards_per_func, weights, num_generations, *, batch=None, gather=None):
+        result = super().__call__(rewards_per_func, weights, num_generations, batch=batch, gather=gather)
+        grouped = result.rewards.reshape(-1, num_generations)
+        self.last_group_std = torch.nan_to_num(grouped.std(dim=1), nan=0.0)  # (groups,), TRL's unbiased std
+        return result
+
+
+class GRPOWithReplayBufferTrainer(GRPOTrainer):
+    """GRPO whose zero-variance groups are replaced from a replay buffer; constructor as :class:`GRPOTrainer`."""
+
+    config_class = GRPOWithReplayBufferConfig
+    _tag_names = ["posttrain", "grpo", "replay-buffer"]
+
+    def _setup_loss(self) -> None:
+        super()._setup_loss()
+        size = self.args.replay_buffer_size
+        seed = self.args.seed + self.accelerator.process_index
+        self.replay_buffer = ReplayBuffer(size, seed=seed) if size > 0 else None
+
+    def _make_estimator(self) -> _GroupStdEstimator:
+        return _GroupStdEstimator(self.args.scale_rewards, self.args.multi_objective_aggregation)
+
+    def _needs_old_logps(self) -> bool:
+        return self.args.replay_buffer_size > 0 or super()._needs_old_logps()
+
+    def _generate_and_score(self, rows: list[dict[str, Any]], mode: str) -> RolloutBatch:
+        batch = super()._generate_and_score(rows, mode)
+        if mode != "train" or self.replay_buffer is None:
+            return batch
+        g = self.num_generations
+        n_local = batch["completion_ids"].shape[0]
+        if n_local % g:  # a group split across processes: nothing to swap whole
+            return batch
+        first = self.accelerator.process_index * (n_local // g)
+        group_std = self.pipeline.estimator.last_group_std[first : first + n_local // g].cpu()
+        batch, replaced = replace_zero_std_groups(
+            batch, group_std, self.replay_buffer, num_generations=g, pad_token_id=self.pipeline.pad_token_id
+        )
+        mask = batch["completion_mask"]
+        batch["num_items_in_batch"] = self.pipeline.gather(mask.sum().reshape(1)).sum().to(mask.device)
+        self.record_metric("replay_buffer/replaced_groups", float(replaced), mode=mode)
+        self.record_metric("replay_buffer/size", float(len(self.replay_buffer)), mode=mode)
+        return batch

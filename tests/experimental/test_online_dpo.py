@@ -1,0 +1,139 @@
+"""OnlineDPOTrainer on the tiny offline model: TRL's config defaults and batch rules, the DPO sigmoid / IPO loss on a
+fixed rollout against hand-computed values, end-to-end runs with reward functions, a reward model and a judge, β per
+epoch, TRL's metric names, and (slow) learning a cheap reward."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from datasets import Dataset
+from experimental_helpers import merged_logs
+from trainer_helpers import fast_config, params_changed, quiet_single_thread, trainable_params  # noqa: F401
+
+from posttrain.core.masking import masked_sum
+from posttrain.experimental.online_dpo import JudgeReward, OnlineDPOConfig, OnlineDPOTrainer
+
+TRL_METRICS = ("objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
+               "objective/scores", "objective/scores_margin", "rewards/chosen", "rewards/rejected",
+               "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected", "val/contain_eos_token",
+               "beta")  # fmt: skip
+
+
+def varied_reward(completion_ids, **kwargs):
+    return [float(sum(ids) % 7) for ids in completion_ids]
+
+
+def _config(tmp_path, **kw) -> OnlineDPOConfig:
+    values = dict(per_device_train_batch_size=2, max_new_tokens=6, max_steps=2, learning_rate=1e-2)
+    return fast_config(OnlineDPOConfig, tmp_path, **{**values, **kw})
+
+
+def _dataset(n: int = 8) -> Dataset:
+    return Dataset.from_list([{"prompt": f"Question {i}:"} for i in range(n)])
+
+
+def test_config_defaults_and_batch_rules(tmp_path):
+    args = OnlineDPOConfig(output_dir=str(tmp_path), report_to="none")
+    assert (args.learning_rate, args.max_new_tokens, args.max_length, args.temperature) == (5e-7, 64, 512, 0.9)
+    assert args.beta == 0.1 and args.loss_type == "sigmoid" and args.missing_eos_penalty is None
+    assert args.disable_dropout and args.reward_model_path is None and args.vllm_gpu_memory_utilization == 0.55
+    assert args.max_completion_length == 64 and args.num_generations == 2 and args.steps_per_generation == 1
+    args = OnlineDPOConfig(output_dir=str(tmp_path), report_to="none", per_device_train_batch_size=3, beta=[0.1, 0.2])
+    assert args.beta == [0.1, 0.2] and args.generation_batch_size == 6
+    for bad in ({"loss_type": "hinge"}, {"num_generations": 4}, {"steps_per_generation": 2},
+                {"missing_eos_penalty": -1.0}):  # fmt: skip
+        with pytest.raises(ValueError):
+            OnlineDPOConfig(output_dir=str(tmp_path), report_to="none", **bad)
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
+def test_loss_on_a_fixed_rollout_equals_the_formula(tmp_path, tiny_model_path, loss_type):
+    trainer = OnlineDPOTrainer(
+        tiny_model_path, reward_funcs=varied_reward, args=_config(tmp_path, loss_type=loss_type, beta=0.5),
+        train_dataset=_dataset(),
+    )  # fmt: skip
+    # Two pairs, rows shuffled: pair 0 = rows (2, 0) with row 2 chosen, pair 1 = rows (1, 3) with row 3 chosen.
+    batch = {
+        "prompt_ids": torch.tensor([[40, 41], [0, 43], [40, 41], [0, 43]]),
+        "prompt_mask": torch.tensor([[1, 1], [0, 1], [1, 1], [0, 1]]),
+        "completion_ids": torch.tensor([[50, 51, 52], [53, 54, 0], [55, 0, 0], [56, 57, 58]]),
+        "completion_mask": torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1]]),
+        "completion_lengths": torch.tensor([3, 2, 1, 3]),
+        "advantages": torch.tensor([-1.0, -1.0, 1.0, 1.0]),
+        "pair_index": torch.tensor([0, 1, 0, 1]),
+        "scores": torch.tensor([0.0, 1.0, 2.0, 3.0]),
+        "num_items_in_batch": torch.tensor(9),
+    }
+    logps = trainer._token_stats(trainer.model, batch).logps.detach()
+    seq = masked_sum(logps, batch["completion_mask"].float(), dim=-1).tolist()
+    ref_shift = [0.3, -0.2, 0.1, 0.4]  # Σ_t ref = Σ_t logp − shift
+    batch["ref_per_token_logps"] = logps - torch.tensor(ref_shift).unsqueeze(1) / batch["completion_lengths"].unsqueeze(1)
+    batch["ref_per_token_logps"] = batch["ref_per_token_logps"] * batch["completion_mask"]
+    loss = float(trainer.compute_loss(trainer.model, batch))
+    logits = [ref_shift[2] - ref_shift[0], ref_shift[3] - ref_shift[1]]  # (π_c − ρ_c) − (π_r − ρ_r) per pair
+    if loss_type == "sigmoid":
+        expected = sum(-math.log(1 / (1 + math.exp(-0.5 * z))) for z in logits) / 2
+    else:
+        expected = sum((z - 1 / (2 * 0.5)) ** 2 for z in logits) / 2
+    assert math.isclose(loss, expected, rel_tol=1e-4), (loss, expected, seq)
+
+
+def test_trains_with_reward_functions_and_logs_trl_metrics(tmp_path, tiny_model_path):
+    trainer = OnlineDPOTrainer(
+        tiny_model_path, reward_funcs=varied_reward, args=_config(tmp_path, missing_eos_penalty=1.0),
+        train_dataset=_dataset(),
+    )  # fmt: skip
+    assert trainer.reference.kind != "none"
+    before = trainable_params(trainer.model)
+    trainer.train()
+    assert params_changed(before, trainer.model)
+    logs = merged_logs(trainer)
+    for key in ("loss", *TRL_METRICS):
+        assert key in logs, key
+    assert logs["beta"] == 0.1
+
+
+def test_reward_model_and_judge_sources(tmp_path, tiny_model_path, tiny_reward_model_path):
+    calls = []
+
+    def prefer_longer(prompts, completion_pairs):
+        calls.append(len(prompts))
+        return [0 if len(a) >= len(b) else 1 for a, b in completion_pairs]
+
+    assert JudgeReward(prefer_longer)(["p", "p"], ["aa", "a"]) == [1.0, 0.0]
+    args = _config(tmp_path, reward_model_path=tiny_reward_model_path, max_steps=1)
+    trainer = OnlineDPOTrainer(tiny_model_path, args=args, train_dataset=_dataset(), judge=prefer_longer)
+    assert len(trainer.reward_funcs) == 2 and isinstance(trainer.reward_funcs[0], torch.nn.Module)
+    before = trainable_params(trainer.model)
+    trainer.train()
+    assert params_changed(before, trainer.model) and calls == [1, 2]  # the direct call above, then 2 prompts
+    with pytest.raises(ValueError, match="reward_funcs"):
+        OnlineDPOTrainer(tiny_model_path, args=_config(tmp_path), train_dataset=_dataset())
+
+
+def test_beta_is_chosen_per_epoch(tmp_path, tiny_model_path):
+    args = _config(tmp_path, beta=[0.1, 0.2], max_steps=-1, num_train_epochs=3)
+    trainer = OnlineDPOTrainer(tiny_model_path, reward_funcs=varied_reward, args=args, train_dataset=_dataset(4))
+    trainer.train()
+    betas = [h["beta"] for h in trainer.state.log_history if "beta" in h]
+    assert betas == [0.1, 0.1, 0.2, 0.2, 0.2, 0.2]  # 2 steps per epoch; the last β for the rest
+
+
+@pytest.mark.slow
+def test_learns_a_cheap_reward(tmp_path, tiny_model_path):
+    """reward = fraction of completion tokens equal to the byte "a": it rises from ~0 within a few dozen steps."""
+
+    def fraction_of_a(completion_ids, **kwargs):
+        return [sum(t == 97 for t in ids) / max(len(ids), 1) for ids in completion_ids]
+
+    args = _config(tmp_path, per_device_train_batch_size=16, max_new_tokens=4, max_steps=30, learning_rate=2e-2,
+                   temperature=1.0, seed=0)  # fmt: skip
+    trainer = OnlineDPOTrainer(
+        tiny_model_path, reward_funcs=fraction_of_a, args=args, train_dataset=Dataset.from_list([{"prompt": "a:"}] * 32)
+    )
+    trainer.train()
+    rewards = [h["objective/scores"] for h in trainer.state.log_history if "objective/scores" in h]
+    assert rewards[0] < 0.05
+    assert sum(rewards[-5:]) / 5 > 0.5
