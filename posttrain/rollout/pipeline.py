@@ -325,6 +325,25 @@ class RolloutPipeline:
                 outputs.append(fn(chunk).float())
         return torch.cat(outputs, dim=0)
 
+    def importance_correction(
+        self, batch: RolloutBatch, importance: ImportanceSamplingSettings, record: MetricSink
+    ) -> None:
+        """``batch["importance_sampling_ratio"]`` from π_old vs the sampler's log-probs, and its ``sampling/*`` metrics."""
+        ratio, stats = rollout_importance_weights(
+            batch["old_per_token_logps"],
+            batch["sampling_per_token_logps"],
+            batch["completion_mask"],
+            mode=importance.mode,
+            clip_min=importance.clip_min,
+            clip_max=importance.clip_max,
+        )
+        batch["importance_sampling_ratio"] = ratio
+        for name, value in stats.items():
+            gathered = self.gather(value.reshape(1).float())
+            reduce = name.rsplit("/", 1)[-1]
+            reduced = {"mean": gathered.mean(), "max": gathered.max(), "min": gathered.min()}[reduce]
+            record(f"sampling/{name}", float(reduced))
+
     # -- the recipe --------------------------------------------------------------------------------------------
     def run(
         self,
@@ -443,20 +462,7 @@ class RolloutPipeline:
                 record(name, value)
 
         if importance is not None:
-            ratio, stats = rollout_importance_weights(
-                batch["old_per_token_logps"],
-                batch["sampling_per_token_logps"],
-                batch["completion_mask"],
-                mode=importance.mode,
-                clip_min=importance.clip_min,
-                clip_max=importance.clip_max,
-            )
-            batch["importance_sampling_ratio"] = ratio
-            for name, value in stats.items():
-                gathered = self.gather(value.reshape(1).float())
-                reduce = name.rsplit("/", 1)[-1]
-                reduced = {"mean": gathered.mean(), "max": gathered.max(), "min": gathered.min()}[reduce]
-                record(f"sampling/{name}", float(reduced))
+            self.importance_correction(batch, importance, record)
 
         batch["num_items_in_batch"] = self.gather(batch["completion_mask"].sum().reshape(1)).sum()
 
