@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
-POLL_S = 0.02
+POLL_S = 0.05
 
 
 @dataclass
