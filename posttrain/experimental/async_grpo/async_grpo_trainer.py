@@ -32,6 +32,7 @@ streaming datasets, ``num_iterations > 1``.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import pickle
@@ -150,10 +151,8 @@ class AsyncGRPOTrainer(GRPOTrainer):
         self._stop.set()
         deadline = time.monotonic() + 10.0
         while worker.is_alive() and time.monotonic() < deadline:
-            try:  # drain, so a worker blocked in put() sees the stop flag
+            with contextlib.suppress(queue_module.Empty, OSError, ValueError):  # drain: a put() must not block
                 self._queue.get(timeout=0.05)
-            except (queue_module.Empty, OSError, ValueError):
-                pass
         if worker.is_alive():
             worker.terminate()
             worker.join(timeout=5)

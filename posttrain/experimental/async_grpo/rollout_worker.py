@@ -20,6 +20,7 @@ go back as ``("error", type, message, traceback)``; the worker exits when the tr
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import queue as queue_module
@@ -101,10 +102,8 @@ def run_worker(spec: RolloutWorkerSpec, out: Any, stop: Any, parent: int) -> Non
     except SystemExit:
         pass
     except BaseException as err:  # reported to the trainer, which raises it
-        try:
+        with contextlib.suppress(Exception):
             out.put(("error", type(err).__name__, str(err), traceback.format_exc()), timeout=5)
-        except Exception:
-            pass
 
 
 def _loop(spec: RolloutWorkerSpec, out: Any, stop: Any, parent: int) -> None:
@@ -142,7 +141,7 @@ def _loop(spec: RolloutWorkerSpec, out: Any, stop: Any, parent: int) -> None:
         batch = pipeline.run(
             source.rows(r),
             trainer_state=SimpleNamespace(global_step=backend.version),
-            record_metric=lambda name, value: metrics.append((name, float(value))),
+            record_metric=lambda name, value, sink=metrics: sink.append((name, float(value))),
         )
         metrics.append(("rollout/duration_s", time.perf_counter() - start))
         metrics.append(("rollout/cpu_s", time.process_time() - cpu))
