@@ -155,6 +155,7 @@ def test_staleness_k_never_trains_on_older_samples(tiny_model_path, server, tmp_
     assert trainer._next_round == rounds[-1]["round"] + 1 == len(rounds) + dropped_rounds
 
 
+@pytest.mark.slow
 def test_server_killed_mid_run_is_a_clear_error_and_no_leak(tiny_model_path, tmp_path):
     """The server stops after the first optimizer step: the trainer raises an error naming the server (from its
     weight push or from the worker), and the worker process is joined."""
@@ -185,12 +186,13 @@ def test_server_killed_mid_run_is_a_clear_error_and_no_leak(tiny_model_path, tmp
                                    train_dataset=_dataset(), callbacks=[StopServer()])  # fmt: skip
         with pytest.raises((ServerUnavailableError, RolloutWorkerError), match="not reachable"):
             trainer.train()
-        assert trainer.state.global_step == 1 and trainer._worker is None
+        assert trainer.state.global_step in (1, 2) and trainer._worker is None  # the push fails on its thread
     finally:
         server.should_exit = True
         thread.join(timeout=30)
 
 
+@pytest.mark.slow
 def test_worker_error_is_raised_in_the_trainer(tiny_model_path, server, tmp_path):
     from posttrain.experimental.async_grpo import AsyncGRPOTrainer, RolloutWorkerError
 

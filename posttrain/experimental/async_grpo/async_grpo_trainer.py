@@ -37,6 +37,7 @@ import multiprocessing
 import os
 import pickle
 import queue as queue_module
+import threading
 import time
 from typing import Any
 
@@ -92,6 +93,9 @@ class AsyncGRPOTrainer(GRPOTrainer):
         self._next_round = 0  # first round not yet consumed (the trained position; saved in rollout_state.json)
         self.dropped_stale_total = 0
         self.trained_rounds: list[dict[str, int]] = []  # {"step", "round", "version", "staleness"} per trained round
+        self._push_thread: threading.Thread | None = None
+        self._push_error: BaseException | None = None
+        self._push_client: Any = None
         self.add_callback(_WeightSyncCallback(self))
 
     # -- worker lifecycle --------------------------------------------------------------------------------------
@@ -130,8 +134,16 @@ class AsyncGRPOTrainer(GRPOTrainer):
         return spec
 
     def _start_worker(self) -> None:
-        """Push the current weights (version = global_step), then spawn the worker at ``self._next_round``."""
-        self._push_weights()
+        """Push the current weights (version = global_step) and wait, then spawn the worker at ``self._next_round``."""
+        from posttrain.serving.client import GenerationClient
+
+        if self.backend.protocol != "posttrain":
+            raise ValueError(
+                f"AsyncGRPO needs a `posttrain serve` / `posttrain vllm-serve` server; {self.backend.base_url} speaks "
+                f"the {self.backend.protocol!r} protocol."
+            )
+        self._push_client = GenerationClient(self.backend.base_url, request_timeout=float(self.args.request_timeout))
+        self._push_weights(wait=True)  # the server must hold this step's weights before the worker reads its version
         spec = self._worker_spec()
         context = multiprocessing.get_context("spawn")
         rounds = max(1, self.args.queue_maxsize // self.args.generation_batch_size)
@@ -165,17 +177,55 @@ class AsyncGRPOTrainer(GRPOTrainer):
 
     def train(self, *args, **kwargs):
         try:
-            return super().train(*args, **kwargs)
+            result = super().train(*args, **kwargs)
+            self._join_push()  # the last push has landed (or its error is raised)
+            return result
         finally:
             self._stop_worker()
+            if self._push_thread is not None:
+                self._push_thread.join(timeout=60)
+            self._push_thread, self._push_error = None, None
 
     # -- weights -----------------------------------------------------------------------------------------------
-    def _push_weights(self) -> None:
+    def _push_weights(self, wait: bool = False) -> None:
+        """Snapshot the weights now (safetensors bytes) and upload them on a thread with ``version = global_step``.
+
+        The server applies a weight load between generation requests, so a synchronous push would block training
+        until the round being generated finishes; the upload thread lets the next step start at once. Pushes stay
+        in order (each waits for the previous one) and an upload error is raised at the next push or queue read.
+        """
+        from posttrain.serving.weights import policy_weights, serialize_chunks
+
+        self._join_push()
         start = time.perf_counter()
         step = self.state.global_step
-        self.backend.sync_weights(self.accelerator.unwrap_model(self.model), version=step)
-        self._last_synced_step = step
+        with policy_weights(self.accelerator.unwrap_model(self.model)) as items:
+            chunks = list(serialize_chunks(items, self.backend.chunk_bytes))
         self.record_metric("perf/weight_sync_s", time.perf_counter() - start, mode="train")
+        self._push_thread = threading.Thread(
+            target=self._upload, args=(chunks, step), name="posttrain-weight-push", daemon=True
+        )
+        self._push_thread.start()
+        self._last_synced_step = step
+        if wait:
+            self._join_push()
+
+    def _upload(self, chunks: list[bytes], version: int) -> None:
+        try:
+            self.backend.version = self._push_client.load_weights(chunks, version=version)
+        except BaseException as err:  # raised in the training thread by _join_push
+            self._push_error = err
+
+    def _join_push(self, check_only: bool = False) -> None:
+        """Wait for the upload in flight (or, ``check_only``, just look whether it failed) and raise its error."""
+        thread = self._push_thread
+        if thread is not None and not check_only:
+            thread.join()
+        if thread is not None and not thread.is_alive():
+            self._push_thread = None
+        error, self._push_error = self._push_error, None
+        if error is not None:
+            raise error
 
     # -- data path ---------------------------------------------------------------------------------------------
     def _prepare_inputs(self, inputs: list[dict[str, Any]]) -> RolloutBatch:
@@ -195,6 +245,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
             try:
                 message = self._queue.get(timeout=_QUEUE_POLL_S)
             except queue_module.Empty:
+                self._join_push(check_only=True)
                 if not self._worker.is_alive():
                     code = self._worker.exitcode
                     self._stop_worker()
@@ -216,6 +267,11 @@ class AsyncGRPOTrainer(GRPOTrainer):
         while True:
             item = pickle.loads(self._get_item()[1])
             staleness = step - item["version"]
+            if staleness < 0:
+                raise RolloutWorkerError(
+                    f"A round was generated with weight version {item['version']}, ahead of the trainer's step "
+                    f"{step}: is another trainer pushing weights to {self.backend.base_url}?"
+                )
             self._next_round = item["round"] + 1
             if staleness <= self.args.max_staleness:
                 break

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
-POLL_S = 0.05
+POLL_MIN_S, POLL_MAX_S = 0.005, 0.2
 
 
 @dataclass
@@ -126,13 +126,15 @@ def _loop(spec: RolloutWorkerSpec, out: Any, stop: Any, parent: int) -> None:
     backpressure = 0.0
     r = spec.start_round
     while spec.max_rounds is None or r < spec.max_rounds:
+        wait = POLL_MIN_S
         while not stop.is_set():  # admission: do not run further ahead of the weights than `ahead` rounds
             if os.getppid() != parent:
                 return
             version = int(backend.client.health().get("version") or 0)
             if r - version <= spec.ahead:
                 break
-            time.sleep(POLL_S)
+            time.sleep(wait)
+            wait = min(2 * wait, POLL_MAX_S)  # back off: each poll costs the server a request
         if stop.is_set():
             return
         backend._requests = r  # request seed of round r: the same tokens whenever generated from the same weights
