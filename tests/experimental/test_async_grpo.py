@@ -210,3 +210,47 @@ def test_unpicklable_reward_is_a_type_error(tiny_model_path, server, tmp_path):
                                _async_args(tmp_path, server), train_dataset=_dataset())  # fmt: skip
     with pytest.raises(TypeError, match="picklable"):
         trainer.train()
+
+
+class _QueueOnly:
+    """Just what ``AsyncGRPOTrainer._next_trainable_round`` reads: a step, the staleness bound, a message source."""
+
+    def __init__(self, items, step, max_staleness):
+        from types import SimpleNamespace
+
+        from posttrain.experimental.async_grpo import AsyncGRPOTrainer
+
+        self._next_trainable_round = AsyncGRPOTrainer._next_trainable_round.__get__(self)
+        self.items, self.metrics, self.trained_rounds = list(items), {}, []
+        self.state, self.args = SimpleNamespace(global_step=step), SimpleNamespace(max_staleness=max_staleness)
+        self.backend = SimpleNamespace(base_url="http://127.0.0.1:1")
+        self.dropped_stale_total, self._next_round, self._pending_completions = 0, 0, None
+
+    def _get_item(self):
+        import pickle
+
+        return ("round", pickle.dumps(self.items.pop(0)))
+
+    def _record(self, mode):
+        return self.metrics.__setitem__
+
+    def _score_with_current_policy(self, batch, record):
+        return batch
+
+
+def _round(index, version, rows=4):
+    return {"round": index, "version": version, "batch": {"completion_ids": torch.zeros(rows, 2, dtype=torch.long)},
+            "metrics": [("reward", 1.0)], "table": None, "put_time": 0.0}  # fmt: skip
+
+
+def test_rounds_older_than_max_staleness_are_dropped_and_counted():
+    from posttrain.experimental.async_grpo import RolloutWorkerError
+
+    fake = _QueueOnly([_round(0, 0), _round(1, 1), _round(2, 2), _round(3, 3)], step=3, max_staleness=1)
+    fake._next_trainable_round()
+    assert fake.trained_rounds == [{"step": 3, "round": 2, "version": 2, "staleness": 1}]
+    assert fake.dropped_stale_total == 8 and fake.metrics["sample/dropped_stale_total"] == 8.0
+    assert fake.metrics["sample/staleness_max"] == 1.0 and fake.metrics["reward"] == 1.0 and fake._next_round == 3
+    ahead = _QueueOnly([_round(0, 5)], step=3, max_staleness=1)
+    with pytest.raises(RolloutWorkerError, match="ahead of the trainer"):
+        ahead._next_trainable_round()
