@@ -1,9 +1,13 @@
-"""The experimental trainers' tests reuse the stable trainers' helpers (tests/trainers/trainer_helpers.py)."""
+"""The experimental trainers' tests reuse the stable trainers' helpers (tests/trainers/trainer_helpers.py) and run
+with the experimental notice silenced (its own tests check it)."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 _TRAINERS = str(Path(__file__).resolve().parents[1] / "trainers")
 if _TRAINERS not in sys.path:

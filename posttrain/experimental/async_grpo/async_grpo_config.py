@@ -1,0 +1,104 @@
+"""``AsyncGRPOConfig``: TRL's ``trl.experimental.async_grpo.AsyncGRPOConfig`` fields and defaults over GRPOConfig.
+
+The asynchronous pipeline's fields are TRL's (``max_staleness`` 4, ``weight_sync_steps`` 1, ``max_inflight_tasks``
+−1 = auto, ``queue_maxsize`` 1024, ``request_timeout`` 600, ``vllm_server_base_url`` ``"http://localhost:8000"``,
+``max_completion_length`` 2048, ``logging_steps`` 1, ``lr_scheduler_type`` ``"constant"``, ``num_completions_to_print``
+3, ``ignore_data_skip`` True); every GRPO loss field (``loss_type``, ``beta``, ``epsilon``, the
+``vllm_importance_sampling_*`` correction, ...) carries over from ``GRPOConfig``. Generation always goes through a
+server (``use_vllm=True, vllm_mode="server"``: ``posttrain serve`` or ``posttrain vllm-serve``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from posttrain.trainers.grpo import GRPOConfig
+
+
+@dataclass
+class AsyncGRPOConfig(GRPOConfig):
+    """Configuration of :class:`AsyncGRPOTrainer` (TRL's experimental ``AsyncGRPOConfig``; see the module docstring)."""
+
+    logging_steps: float = field(default=1, metadata={"help": "Log every X optimizer steps."})
+    lr_scheduler_type: str = field(default="constant", metadata={"help": "The scheduler type to use."})
+    max_completion_length: int | None = field(
+        default=2048, metadata={"help": "Maximum number of tokens to generate per completion."}
+    )
+    ignore_data_skip: bool = field(
+        default=True,
+        metadata={
+            "help": "Always True in effect: on resume the rollout worker restarts at the first round not yet trained "
+            "on (rollout_state.json) instead of HF Trainer replaying the dataloader."
+        },
+    )
+    num_completions_to_print: int | None = field(
+        default=3, metadata={"help": "Number of completions to print when `log_completions=True`."}
+    )
+    use_vllm: bool = field(
+        default=True, metadata={"help": "Always True: generation runs on a server (`posttrain serve` / vLLM)."}
+    )
+    vllm_mode: str = field(default="server", metadata={"help": "Always 'server'."})
+    vllm_server_base_url: str | None = field(
+        default="http://localhost:8000", metadata={"help": "Base URL of the generation server."}
+    )
+    request_timeout: int = field(
+        default=600, metadata={"help": "Timeout in seconds for individual HTTP requests to the server."}
+    )
+    max_inflight_tasks: int = field(
+        default=-1,
+        metadata={
+            "help": "Most samples generated ahead of the server's weight version. -1 (auto) = max_staleness × "
+            "per_device_train_batch_size × gradient_accumulation_steps × num_processes (at least one round): "
+            "generating more only produces samples that are dropped as stale."
+        },
+    )
+    max_staleness: int = field(
+        default=4,
+        metadata={
+            "help": "Maximum number of weight updates a rollout sample can lag behind the current model version "
+            "before being discarded (counted in sample/dropped_stale_total)."
+        },
+    )
+    queue_maxsize: int = field(
+        default=1024, metadata={"help": "Maximum number of rollout samples buffered in the rollout queue."}
+    )
+    weight_sync_steps: int = field(
+        default=1, metadata={"help": "Number of training steps between weight synchronizations to the server."}
+    )
+    seed_requests: bool = field(
+        default=True,
+        metadata={
+            "help": "posttrain: seed each generation request from (seed, round), so rounds are reproducible "
+            "(TRL sends no seed)."
+        },
+    )
+
+    _trainer_name = "AsyncGRPO"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not self.use_vllm or self.vllm_mode != "server":
+            raise ValueError(
+                "AsyncGRPO generates on a server only: keep use_vllm=True and vllm_mode='server' and start "
+                "`posttrain serve --model MODEL` (or `vllm serve`)."
+            )
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}.")
+        if self.weight_sync_steps < 1:
+            raise ValueError(f"weight_sync_steps must be >= 1, got {self.weight_sync_steps}.")
+        if self.max_staleness < self.weight_sync_steps - 1:
+            raise ValueError(
+                f"max_staleness={self.max_staleness} < weight_sync_steps - 1 = {self.weight_sync_steps - 1}: the "
+                "server's weights lag the trainer by up to weight_sync_steps - 1 versions, so every sample would be "
+                "dropped. Raise max_staleness or lower weight_sync_steps."
+            )
+        if self.num_iterations != 1:
+            raise ValueError("AsyncGRPO trains each sample once: num_iterations must be 1.")
+        if self.steps_per_generation != self.gradient_accumulation_steps:
+            raise ValueError(
+                "AsyncGRPO generates one optimizer step's worth of samples per round: leave steps_per_generation / "
+                "generation_batch_size unset (steps_per_generation = gradient_accumulation_steps)."
+            )
+        if self.world_size != 1:
+            raise ValueError("AsyncGRPO in posttrain runs on a single training process (world_size 1).")
+        self.ignore_data_skip = True
