@@ -205,9 +205,20 @@ def write_demo_report(output_dir: str, summary: dict, after_sft, after_grpo, *, 
         for stage in ("sft", "grpo")
         if os.path.exists(os.path.join(output_dir, stage, "report", "index.html"))
     )
-    timing_text = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in timings.items())
+    timing_text = " · ".join(
+        f"{label} {timings[f'{key}_wall_s']:.0f} s wall"
+        + (f" / {timings[f'{key}_cpu_s']:.0f} s CPU" if f"{key}_cpu_s" in timings else "")
+        for key, label in (
+            ("sft", "SFT"),
+            ("grpo", "GRPO"),
+            ("eval_sft", "eval after SFT"),
+            ("eval_grpo", "eval after GRPO"),
+            ("total", "total"),
+        )
+        if f"{key}_wall_s" in timings
+    )
     parts.append(
-        f"<h2>Details</h2><p class='note'>{stage_links}<br>Timings (seconds): {html.escape(timing_text)}.<br>"
+        f"<h2>Details</h2><p class='note'>{stage_links}<br>Timings: {html.escape(timing_text)}.<br>"
         "Recipes: <code>examples/demo/sft.yaml</code>, <code>examples/demo/grpo.yaml</code>; data in "
         "<code>data/</code>; numbers in <code>summary.json</code>.</p>"
     )
