@@ -120,7 +120,11 @@ def _verdict(after_sft, after_grpo, gains: dict) -> tuple[str, str]:
 
 
 def run_demo(
-    output_dir: str = "demo_output", quick: bool = False, seed: int = 0, eval_size: int | None = None
+    output_dir: str = "demo_output",
+    quick: bool = False,
+    seed: int = 0,
+    eval_size: int | None = None,
+    reuse_sft: bool = False,
 ) -> dict:
     """Run the whole demo and return the summary (also written to ``output_dir/summary.json``)."""
 
@@ -167,23 +171,27 @@ def run_demo(
         timings[f"eval_{name}_wall_s"] = round(time.time() - t0, 1)
         return result
 
-    print("[demo] stage 1/2: supervised fine-tuning on the sloppy teacher's traces", flush=True)
-    timed_stage(
-        "sft",
-        "sft",
-        [
-            "--config",
-            str(RECIPES / "sft.yaml"),
-            "--model_name_or_path",
-            str(out / "base"),
-            "--dataset_name",
-            paths["sft"],
-            "--output_dir",
-            str(out / "sft"),
-            *common,
-            *STAGE_OVERRIDES[mode]["sft"],
-        ],
-    )
+    if reuse_sft and (out / "sft" / "model.safetensors").exists():
+        print(f"[demo] stage 1/2: reusing the SFT model in {out / 'sft'} (--reuse_sft)", flush=True)
+        timings["sft_reused"] = True
+    else:
+        print("[demo] stage 1/2: supervised fine-tuning on the sloppy teacher's traces", flush=True)
+        timed_stage(
+            "sft",
+            "sft",
+            [
+                "--config",
+                str(RECIPES / "sft.yaml"),
+                "--model_name_or_path",
+                str(out / "base"),
+                "--dataset_name",
+                paths["sft"],
+                "--output_dir",
+                str(out / "sft"),
+                *common,
+                *STAGE_OVERRIDES[mode]["sft"],
+            ],
+        )
     after_sft = timed_eval("sft", out / "sft")
     print(f"[demo] after SFT: {json.dumps({k: round(v, 3) for k, v in after_sft.row().items()})}", flush=True)
 
@@ -246,7 +254,7 @@ def run_demo(
         json.dump(summary, f, indent=2)
     print(
         f"[demo] finished in {timings['total_wall_s']:.0f} s wall / {timings['total_cpu_s']:.0f} s CPU "
-        f"(SFT {timings['sft_wall_s']:.0f} s, GRPO {timings['grpo_wall_s']:.0f} s, evaluation "
+        f"(SFT {timings.get('sft_wall_s', 0):.0f} s, GRPO {timings['grpo_wall_s']:.0f} s, evaluation "
         f"{timings['eval_sft_wall_s'] + timings['eval_grpo_wall_s']:.0f} s). Report: {summary['report']}; "
         f"summary: {out / 'summary.json'}",
         flush=True,
@@ -275,8 +283,14 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help=f"Held-out problems to evaluate on (default {EVAL_SIZE['full']}; {EVAL_SIZE['quick']} with --quick).",
     )
+    parser.add_argument(
+        "--reuse_sft",
+        action="store_true",
+        help="Reuse output_dir/sft from an earlier run with the same seed and mode (re-run only GRPO and the "
+        "evaluations, e.g. after editing the GRPO recipe).",
+    )
     args = parser.parse_args(sys.argv[2:] if argv is None else argv)
-    run_demo(args.output_dir, quick=args.quick, seed=args.seed, eval_size=args.eval_size)
+    run_demo(args.output_dir, quick=args.quick, seed=args.seed, eval_size=args.eval_size, reuse_sft=args.reuse_sft)
     return 0
 
 

@@ -25,6 +25,7 @@ PROMPT_TEMPLATES = [
 ]
 LOW, HIGH = 10, 100  # both operands are two-digit numbers
 FORGET_CARRY = 0.7  # how often the sloppy teacher forgets the carry
+RL_CARRY_FRACTION = 0.75  # share of GRPO's training prompts that need a carry (uniform two-digit pairs: 45%)
 
 
 @dataclass(frozen=True)
@@ -76,14 +77,21 @@ def split_problems(eval_size: int, seed: int) -> tuple[list[Problem], list[Probl
 
 
 def make_datasets(
-    *, n_sft: int = 8000, n_rl: int = 4000, eval_size: int = 400, forget_carry: float = FORGET_CARRY, seed: int = 0
+    *,
+    n_sft: int = 8000,
+    n_rl: int = 4000,
+    eval_size: int = 400,
+    forget_carry: float = FORGET_CARRY,
+    rl_carry_fraction: float = RL_CARRY_FRACTION,
+    seed: int = 0,
 ):
     """Build the three splits the demo uses.
 
     Returns:
         ``(sft, rl, eval)`` ``datasets.Dataset`` objects: conversational prompt-completion rows for SFT (sloppy
         teacher traces); conversational prompt-only rows with a ``solution`` column (``"$132$"``) for GRPO and for
-        evaluation. Evaluation rows also carry ``carries`` (whether the problem needs a carry).
+        evaluation. Evaluation rows also carry ``carries`` (whether the problem needs a carry). The GRPO prompts are
+        training problems, ``rl_carry_fraction`` of them ones that carry; evaluation problems are uniform.
     """
     from datasets import Dataset
 
@@ -113,7 +121,13 @@ def make_datasets(
             rows.append(row)
         return rows
 
-    rl_problems = [train[(n_sft + i) % len(train)] for i in range(n_rl)]
+    # GRPO's prompts: mostly problems that carry. A problem the SFT model always gets right gives GRPO nothing to
+    # learn from (all of its samples score the same), so spending most of the rollouts on the others is the cheap
+    # way to a clear result; the rest keep the no-carry problems in view.
+    rl_rng = random.Random(seed + 2)
+    carrying = [p for p in train if p.carries]
+    plain = [p for p in train if not p.carries]
+    rl_problems = [rl_rng.choice(carrying if rl_rng.random() < rl_carry_fraction else plain) for _ in range(n_rl)]
     return (
         Dataset.from_list(sft_rows),
         Dataset.from_list(prompt_rows(rl_problems, carries=False)),
