@@ -112,7 +112,8 @@ def _metrics_table(after_sft, after_grpo, summary: dict) -> str:
         gain = gains.get(name)
         change = ""
         if gain:
-            cls = "pos" if gain["mean"] > 2 * gain["standard_error"] else "neg" if gain["mean"] < 0 else ""
+            se = gain["standard_error"]
+            cls = "pos" if gain["mean"] > 2 * se else "neg" if gain["mean"] < -2 * se else ""
             change = f"<span class='{cls}'>{gain['mean']:+.3f}</span> <span class='note'>± {gain['standard_error']:.3f}</span>"
         key = " class='key'" if name.startswith("greedy: right answer") else ""
         rows.append(
