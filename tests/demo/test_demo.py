@@ -36,8 +36,8 @@ def test_held_out_pairs_never_appear_in_training_in_either_order():
 
 
 def test_sft_data_is_all_boxed_and_forgets_the_carry_at_the_set_rate():
-    sft, rl, ev = make_datasets(n_sft=4000, n_rl=50, eval_size=40, forget_carry=0.7, seed=0)
-    assert len(sft) == 4000 and len(rl) == 50 and len(ev) == 40
+    sft, rl, ev = make_datasets(n_sft=4000, n_rl=2000, eval_size=40, forget_carry=0.7, seed=0)
+    assert len(sft) == 4000 and len(rl) == 2000 and len(ev) == 40
     held = {row["prompt"][0]["content"] for row in ev}
     assert not held & {row["prompt"][0]["content"] for row in sft}
     right = wrong = 0
@@ -51,6 +51,9 @@ def test_sft_data_is_all_boxed_and_forgets_the_carry_at_the_set_rate():
         else:
             assert _boxed(text) == a + b
     assert 0.65 < wrong / (right + wrong) < 0.75
+    rl_pairs = [tuple(map(int, re.findall(r"\d+", row["prompt"][0]["content"]))) for row in rl]
+    assert 0.7 < sum(Problem(a, b).carries for a, b in rl_pairs) / len(rl_pairs) < 0.8  # GRPO's prompts: mostly carries
+    assert not held & {row["prompt"][0]["content"] for row in rl}
     assert ev[0]["solution"].startswith("$") and isinstance(ev[0]["carries"], bool)
 
 
