@@ -1,13 +1,17 @@
 """``posttrain demo``: posttrain's main job end to end, offline, on a CPU.
 
-1. Build the byte-level tokenizer and a tiny Qwen2-style model (random weights) and generate the arithmetic task
-   (``posttrain.demo.tasks``), with held-out operand pairs for evaluation.
+1. Build the byte-level tokenizer and a tiny Qwen2-style model (random weights) and generate the task
+   (``posttrain.demo.tasks``): two-digit addition with a worked trace, SFT traces from a teacher that forgets the
+   carry 70% of the time, and held-out operand pairs for evaluation.
 2. Stage 1 — SFT with the ``recipes/sft.yaml`` recipe, through the same code path as ``posttrain sft``.
-3. Stage 2 — GRPO with ``recipes/grpo.yaml`` (``accuracy_reward`` + ``think_format_reward``), as ``posttrain grpo``.
-4. Evaluate after each stage on the held-out problems and print a before/after table; write ``summary.json`` and an
-   HTML report per stage (``sft/report/index.html``, ``grpo/report/index.html``).
+3. Stage 2 — GRPO with ``recipes/grpo.yaml`` (``accuracy_reward``, a math verifier), as ``posttrain grpo``.
+4. Evaluate after each stage on the held-out problems — greedy and sampled, verified and "right answer in any
+   format", pass@k, with standard errors — print a before/after table, and write ``summary.json`` and one report
+   page for the whole demo (``report.html``: both stages' curves, the table, the same held-out prompts answered
+   after SFT and after GRPO).
 
-The demo says plainly whether GRPO improved on SFT. ``--quick`` shrinks every stage to a smoke run (about a minute).
+The demo says plainly whether GRPO improved on SFT and whether the gain is skill or format. ``--quick`` shrinks
+every stage to a smoke run (well under a minute of training).
 """
 
 from __future__ import annotations
@@ -21,12 +25,12 @@ from pathlib import Path
 
 RECIPES = Path(__file__).resolve().parent / "recipes"
 
-# model size and stage lengths: (full demo, --quick)
+# model size, stage lengths and evaluation size: (full demo, --quick)
 MODEL_SIZE = {"full": {"hidden_size": 128, "num_layers": 4}, "quick": {"hidden_size": 64, "num_layers": 2}}
 STAGE_OVERRIDES = {
     "full": {"sft": [], "grpo": []},
     "quick": {
-        "sft": ["--max_steps", "40", "--logging_steps", "10"],
+        "sft": ["--max_steps", "40", "--logging_steps", "10", "--per_device_train_batch_size", "16"],
         "grpo": [
             "--max_steps",
             "4",
@@ -39,7 +43,11 @@ STAGE_OVERRIDES = {
         ],
     },
 }
+SFT_ROWS = {"full": 16000, "quick": 640}  # ≥ max_steps × batch size: one pass, no repeated batches
+EVAL_SIZE = {"full": 400, "quick": 24}
 EVAL_SAMPLES = {"full": 8, "quick": 2}
+# the headline rows of the printed table (EvalResult.metrics() names)
+HEADLINE = "greedy: right answer, any format"
 
 
 def _write_jsonl(path: Path, dataset) -> str:
@@ -60,73 +68,136 @@ def _stage(verb: str, argv: list[str]) -> None:
         raise SystemExit(f"posttrain demo: the {verb} stage failed (exit code {code}); see the message above.")
 
 
-def _print_table(rows: dict[str, dict[str, float]], verdict: str) -> None:
+def _print_table(metrics: dict[str, dict[str, tuple[float, float]]], gains: dict, verdict: str, n_eval: int) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="posttrain demo: held-out arithmetic problems (operands never seen in training)")
+    table = Table(title=f"posttrain demo: {n_eval} held-out problems (operand pairs never seen in training), ± s.e.")
     table.add_column("metric")
-    for stage in rows:
+    for stage in metrics:
         table.add_column(stage, justify="right")
-    metrics = list(next(iter(rows.values())))
-    for metric in metrics:
-        table.add_row(metric, *[f"{rows[stage][metric]:.3f}" for stage in rows])
-    console = Console()
+    table.add_column("change (paired)", justify="right")
+    first = next(iter(metrics.values()))
+    for name in first:
+        cells = [f"{metrics[stage][name][0]:.3f} ± {metrics[stage][name][1]:.3f}" for stage in metrics]
+        if "tokens" in name:
+            cells = [f"{metrics[stage][name][0]:.1f}" for stage in metrics]
+        gain = gains.get(name)
+        table.add_row(name, *cells, f"{gain[0]:+.3f} ± {gain[1]:.3f}" if gain else "")
+    console = Console(width=max(Console().width, 104))
     console.print(table)
     console.print(verdict)
 
 
-def run_demo(output_dir: str = "demo_output", quick: bool = False, seed: int = 0) -> dict:
+def _verdict(after_sft, after_grpo, gains: dict) -> tuple[str, str]:
+    """(rich-markup verdict, plain-text verdict)."""
+    from posttrain.demo.tasks import FORGET_CARRY
+
+    g, g_se = gains[HEADLINE]
+    s, s_se = gains["sampled (T=1): verified correct"]
+    m_sft, m_grpo = after_sft.metrics(), after_grpo.metrics()
+    carry = (m_sft["greedy, problems with a carry"][0], m_grpo["greedy, problems with a carry"][0])
+    boxed = (m_sft["answers in \\boxed{} (sampled)"][0], m_grpo["answers in \\boxed{} (sampled)"][0])
+    if g > 2 * g_se and g > 0:
+        head = (
+            f"GRPO made the model better at the arithmetic itself: greedy right answers (any format) "
+            f"{m_sft[HEADLINE][0]:.3f} → {m_grpo[HEADLINE][0]:.3f} ({g:+.3f} ± {g_se:.3f}); "
+            f"sampled verified accuracy {s:+.3f} ± {s_se:.3f}."
+        )
+        colour = "green"
+    elif g > 0:
+        head = f"GRPO changed greedy right answers by {g:+.3f}, within noise (s.e. {g_se:.3f}): no clear improvement."
+        colour = "yellow"
+    else:
+        head = f"GRPO did not improve greedy right answers in this run ({g:+.3f} ± {g_se:.3f})."
+        colour = "red"
+    where = (
+        f"Where it comes from: greedy right answers on problems that need a carry (the SFT teacher forgot the carry "
+        f"{FORGET_CARRY:.0%} of the time) {carry[0]:.2f} → {carry[1]:.2f}; answers written in \\boxed{{}} {boxed[0]:.2f} → "
+        f"{boxed[1]:.2f}."
+    )
+    return f"[bold {colour}]{head}[/]\n{where}", f"{head}\n{where}"
+
+
+def run_demo(
+    output_dir: str = "demo_output",
+    quick: bool = False,
+    seed: int = 0,
+    eval_size: int | None = None,
+    reuse_sft: bool = False,
+) -> dict:
     """Run the whole demo and return the summary (also written to ``output_dir/summary.json``)."""
 
-    from posttrain.demo.evaluate import evaluate
+    from posttrain.demo.evaluate import evaluate as evaluate_model
+    from posttrain.demo.evaluate import paired_gain
     from posttrain.demo.tasks import make_datasets
     from posttrain.models.loading import create_model_from_path
     from posttrain.models.tiny import build_tiny_model, build_tiny_tokenizer
+    from posttrain.report.demo import write_demo_report
 
     mode = "quick" if quick else "full"
     out = Path(output_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    started = time.time()
+    started, cpu_started = time.time(), time.process_time()
+    timings: dict[str, float] = {}
 
     print(f"[demo] building the tokenizer, a tiny model and the task data in {out}", flush=True)
     tokenizer = build_tiny_tokenizer()
     model = build_tiny_model("qwen2", tokenizer=tokenizer, seed=seed, **MODEL_SIZE[mode])
     model.save_pretrained(out / "base")
     tokenizer.save_pretrained(out / "base")
-    sft_data, rl_data, eval_data = make_datasets(seed=seed, n_sft=4000 if not quick else 640)
+    n_eval = eval_size or EVAL_SIZE[mode]
+    sft_data, rl_data, eval_data = make_datasets(seed=seed, n_sft=SFT_ROWS[mode], eval_size=n_eval)
     paths = {
         "sft": _write_jsonl(out / "data" / "sft.jsonl", sft_data),
         "rl": _write_jsonl(out / "data" / "rl.jsonl", rl_data),
         "eval": _write_jsonl(out / "data" / "eval.jsonl", eval_data),
     }
     common = ["--seed", str(seed)]
-
-    print("[demo] stage 1/2: supervised fine-tuning", flush=True)
-    _stage(
-        "sft",
-        [
-            "--config",
-            str(RECIPES / "sft.yaml"),
-            "--model_name_or_path",
-            str(out / "base"),
-            "--dataset_name",
-            paths["sft"],
-            "--output_dir",
-            str(out / "sft"),
-            *common,
-            *STAGE_OVERRIDES[mode]["sft"],
-        ],
-    )
     n_samples = EVAL_SAMPLES[mode]
-    sft_model = create_model_from_path(str(out / "sft"))
-    after_sft = evaluate(sft_model, tokenizer, eval_data, num_samples=n_samples, seed=seed)
+
+    def timed_stage(name: str, verb: str, argv: list[str]) -> None:
+        t0, c0 = time.time(), time.process_time()
+        _stage(verb, argv)
+        timings[f"{name}_wall_s"] = round(time.time() - t0, 1)
+        timings[f"{name}_cpu_s"] = round(time.process_time() - c0, 1)
+
+    def timed_eval(name: str, path: Path):
+        t0 = time.time()
+        stage_model = create_model_from_path(str(path))
+        result = evaluate_model(stage_model, tokenizer, eval_data, num_samples=n_samples, seed=seed)
+        timings[f"eval_{name}_wall_s"] = round(time.time() - t0, 1)
+        return result
+
+    if reuse_sft and (out / "sft" / "model.safetensors").exists():
+        print(f"[demo] stage 1/2: reusing the SFT model in {out / 'sft'} (--reuse_sft)", flush=True)
+        timings["sft_reused"] = True
+    else:
+        print("[demo] stage 1/2: supervised fine-tuning on the sloppy teacher's traces", flush=True)
+        timed_stage(
+            "sft",
+            "sft",
+            [
+                "--config",
+                str(RECIPES / "sft.yaml"),
+                "--model_name_or_path",
+                str(out / "base"),
+                "--dataset_name",
+                paths["sft"],
+                "--output_dir",
+                str(out / "sft"),
+                *common,
+                *STAGE_OVERRIDES[mode]["sft"],
+            ],
+        )
+    after_sft = timed_eval("sft", out / "sft")
     print(f"[demo] after SFT: {json.dumps({k: round(v, 3) for k, v in after_sft.row().items()})}", flush=True)
 
-    print("[demo] stage 2/2: GRPO with verifiable rewards", flush=True)
-    _stage(
+    print("[demo] stage 2/2: GRPO with a verifiable reward", flush=True)
+    timed_stage(
+        "grpo",
         "grpo",
         [
             "--config",
@@ -141,65 +212,85 @@ def run_demo(output_dir: str = "demo_output", quick: bool = False, seed: int = 0
             *STAGE_OVERRIDES[mode]["grpo"],
         ],
     )
-    grpo_model = create_model_from_path(str(out / "grpo"))
-    after_grpo = evaluate(grpo_model, tokenizer, eval_data, num_samples=n_samples, seed=seed)
-    del sft_model, grpo_model
+    after_grpo = timed_eval("grpo", out / "grpo")
 
-    gain = after_grpo.accuracy_sampled - after_sft.accuracy_sampled
-    n_eval = len(eval_data) * n_samples
-    # a binomial standard error on the difference of two accuracies measured on n_eval samples each
-    p = (after_grpo.accuracy_sampled + after_sft.accuracy_sampled) / 2
-    stderr = (2 * p * (1 - p) / max(n_eval, 1)) ** 0.5
-    if gain > 2 * stderr and gain > 0:
-        verdict = (
-            f"[bold green]GRPO improved held-out accuracy by {gain:+.3f} "
-            f"(≈{gain / max(stderr, 1e-9):.1f} standard errors over {n_eval} samples).[/]"
-        )
-    elif gain > 0:
-        verdict = (
-            f"[bold yellow]GRPO changed held-out accuracy by {gain:+.3f}, within noise "
-            f"(standard error ≈ {stderr:.3f}); this run did not show a clear improvement.[/]"
-        )
-    else:
-        verdict = f"[bold red]GRPO did not improve held-out accuracy in this run ({gain:+.3f}).[/]"
-    # Say where the change comes from: the answer format a verifier can read, or the arithmetic itself.
-    verdict += (
-        f"\nWhere it comes from: verifiable (\\boxed) answers {after_sft.boxed_rate:.2f} → {after_grpo.boxed_rate:.2f}; "
-        f"right number in any format {after_sft.correct_anywhere:.2f} → {after_grpo.correct_anywhere:.2f}."
-    )
-    rows = {"after SFT": after_sft.row(), "after GRPO": after_grpo.row()}
-    _print_table(rows, verdict)
+    fields = {
+        "greedy: verified correct": "greedy_verified",
+        HEADLINE: "greedy_any_format",
+        "sampled (T=1): verified correct": "sampled_verified",
+        "sampled (T=1): right answer, any format": "sampled_any_format",
+        f"pass@{n_samples} (verified)": "pass_at_k",
+        "answers in \\boxed{} (sampled)": "boxed",
+    }
+    gains = {name: paired_gain(getattr(after_grpo, f), getattr(after_sft, f)) for name, f in fields.items()}
+    rich_verdict, verdict = _verdict(after_sft, after_grpo, gains)
+    metrics = {"after SFT": after_sft.metrics(), "after GRPO": after_grpo.metrics()}
+    _print_table(metrics, gains, rich_verdict, len(eval_data))
+    timings["total_wall_s"] = round(time.time() - started, 1)
+    timings["total_cpu_s"] = round(time.process_time() - cpu_started, 1)
     summary = {
         "mode": mode,
         "seed": seed,
-        "seconds": round(time.time() - started, 1),
+        "seconds": timings["total_wall_s"],
+        "timings": timings,
+        "torch_threads": _torch_threads(),
+        "eval_problems": len(eval_data),
+        "eval_samples_per_problem": n_samples,
         "after_sft": after_sft.row(),
         "after_grpo": after_grpo.row(),
-        "accuracy_gain": gain,
-        "standard_error": stderr,
-        "samples_after_grpo": after_grpo.samples[:8],
-        "reports": {stage: str(out / stage / "report" / "index.html") for stage in ("sft", "grpo")},
+        "standard_errors": {
+            stage: {k: se for k, (_, se) in m.items()}
+            for stage, m in (("after_sft", metrics["after SFT"]), ("after_grpo", metrics["after GRPO"]))
+        },
+        "gains": {k: {"mean": g, "standard_error": se} for k, (g, se) in gains.items()},
+        "greedy_gain": gains[HEADLINE][0],
+        "sampled_gain": gains["sampled (T=1): verified correct"][0],
+        "verdict": verdict,
+        "report": str(out / "report.html"),
+        "stage_reports": {stage: str(out / stage / "report" / "index.html") for stage in ("sft", "grpo")},
     }
+    summary["report"] = write_demo_report(str(out), summary, after_sft, after_grpo)
     with open(out / "summary.json", "w") as f:
         json.dump(summary, f, indent=2)
     print(
-        f"[demo] finished in {summary['seconds']:.0f} s. Reports: {out / 'sft' / 'report' / 'index.html'} and "
-        f"{out / 'grpo' / 'report' / 'index.html'}; summary: {out / 'summary.json'}",
+        f"[demo] finished in {timings['total_wall_s']:.0f} s wall / {timings['total_cpu_s']:.0f} s CPU "
+        f"(SFT {timings.get('sft_wall_s', 0):.0f} s, GRPO {timings['grpo_wall_s']:.0f} s, evaluation "
+        f"{timings['eval_sft_wall_s'] + timings['eval_grpo_wall_s']:.0f} s). Report: {summary['report']}; "
+        f"summary: {out / 'summary.json'}",
         flush=True,
     )
     return summary
 
 
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="posttrain demo",
-        description="Offline end-to-end demo: a tiny model learns arithmetic by SFT, then improves with GRPO.",
+        description="Offline end-to-end demo: a tiny model learns two-digit addition from a sloppy teacher by SFT, "
+        "then GRPO with a verifier teaches it to remember the carry.",
     )
-    parser.add_argument("--quick", action="store_true", help="A ~1-minute smoke run (tiny stages).")
-    parser.add_argument("--output_dir", default="demo_output", help="Where models, data and reports go.")
+    parser.add_argument("--quick", action="store_true", help="A smoke run (tiny stages, well under a minute).")
+    parser.add_argument("--output_dir", default="demo_output", help="Where models, data and the report go.")
     parser.add_argument("--seed", type=int, default=0, help="Seed for the model, the data and training.")
+    parser.add_argument(
+        "--eval_size",
+        type=int,
+        default=None,
+        help=f"Held-out problems to evaluate on (default {EVAL_SIZE['full']}; {EVAL_SIZE['quick']} with --quick).",
+    )
+    parser.add_argument(
+        "--reuse_sft",
+        action="store_true",
+        help="Reuse output_dir/sft from an earlier run with the same seed and mode (re-run only GRPO and the "
+        "evaluations, e.g. after editing the GRPO recipe).",
+    )
     args = parser.parse_args(sys.argv[2:] if argv is None else argv)
-    run_demo(args.output_dir, quick=args.quick, seed=args.seed)
+    run_demo(args.output_dir, quick=args.quick, seed=args.seed, eval_size=args.eval_size, reuse_sft=args.reuse_sft)
     return 0
 
 
