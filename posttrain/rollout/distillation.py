@@ -2,12 +2,11 @@
 
 - ``check_shared_vocabulary``: student and teacher must score the same token ids (same tokenizer vocabulary, LM
   heads that cover it); returns how many head rows the divergence compares.
-- ``score_distillation_completions``: one forward pass of a causal LM over ``[prompt | completion]`` that returns the last hidden
-  states at the positions predicting the loss tokens plus the LM-head weight — the head runs on an empty slice, so
-  no ``(B, T, V)`` logits are built. Heads that are not a plain linear map (LoRA on ``lm_head``, soft-capping, logit
-  scales, sharded weights) fall back to the model's own logits at those positions, logged once.
-- ``token_divergence``: the generalized JSD per loss token from ``core.distill.chunked_generalized_jsd`` (peak memory
-  chunk × V, logits recomputed in backward), plus the student's entropy at the same tokens.
+- ``token_divergence``: the generalized JSD per loss token between the student's and the teacher's
+  ``DistillationScores`` (scored without full-vocabulary logits by
+  :func:`posttrain.models.distillation_scoring.score_distillation_completions`), from
+  ``core.distill.chunked_generalized_jsd`` (peak memory chunk × V, logits recomputed in backward), plus the
+  student's entropy at the same tokens.
 - ``DistillationRollout``: builds one generation round. Each gradient-accumulation slice is on-policy with
   probability ``lmbda`` (GKD, Agarwal et al. 2024, https://huggingface.co/papers/2306.13649): its completions are
   sampled from the student through the shared generation backend. The other slices use the dataset's completions,
@@ -24,22 +23,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from posttrain.core.distill import chunked_generalized_jsd, generalized_jsd_loss
 from posttrain.core.logprobs import chunked_logprobs_from_hidden, entropy_from_logits
 from posttrain.data.tokenization import tokenize_prompt_completion, truncate_sequence
 from posttrain.distributed import gather_objects, gather_rows
 from posttrain.generation.base import Completions, SamplingConfig, truncate_at_eos
-from posttrain.models.forward import (
-    forward_capturing_head_input,
-    prepare_attention_mask,
-    resolve_lm_head,
-)
+from posttrain.models.distillation_scoring import DistillationScores
 from posttrain.models.unwrap import unwrap_base_model
 from posttrain.rollout.buffer import RolloutBatch
 from posttrain.rollout.metrics import completion_length_metrics
@@ -135,123 +128,8 @@ def check_shared_vocabulary(
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Scoring completions without full-vocabulary logits
+# The divergence at the loss tokens
 # ----------------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class DistillationScores:
-    """What one forward pass gives the divergence, for the ``N`` loss tokens of a micro-batch.
-
-    Either ``hidden`` ``(N, H)`` (the last hidden states at the positions predicting the loss tokens) with the LM
-    head's ``weight`` ``(V, H)`` and ``bias`` ``(V,)|None`` — or, on the fallback path, ``logits`` ``(N, V)``.
-
-    Attributes:
-        tokens: ``(N,)`` the loss tokens (the completion tokens under the loss mask).
-        aux_loss: The model's MoE load-balancing loss, or None.
-    """
-
-    tokens: torch.Tensor
-    hidden: torch.Tensor | None = None
-    weight: torch.Tensor | None = None
-    bias: torch.Tensor | None = None
-    logits: torch.Tensor | None = None
-    aux_loss: torch.Tensor | None = None
-
-    def logits_fn(self, vocab_rows: int) -> Callable[[torch.Tensor], torch.Tensor]:
-        """``rows -> (len(rows), vocab_rows)`` logits of the given loss tokens (for ``teacher_logits_fn``)."""
-        if self.logits is not None:
-            logits = self.logits
-            return lambda rows: logits[rows, :vocab_rows]
-        hidden, weight, bias = self.hidden, self.weight[:vocab_rows], _head_rows(self.bias, vocab_rows)
-        return lambda rows: F.linear(hidden[rows], weight, bias)
-
-
-def _head_rows(bias: torch.Tensor | None, rows: int) -> torch.Tensor | None:
-    return None if bias is None else bias[:rows]
-
-
-def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
-    import inspect
-
-    try:
-        return "logits_to_keep" in inspect.signature(unwrap_base_model(model).forward).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-def score_distillation_completions(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    position_ids: torch.Tensor,
-    completion_ids: torch.Tensor,
-    loss_mask: torch.Tensor,
-    predictors: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> DistillationScores:
-    """Run ``model`` over ``[prompt | completion]`` and keep what the divergence needs at the loss tokens.
-
-    Position ``P + t − 1`` predicts completion token ``t``, so the last ``C + 1`` hidden states minus the final one
-    are the ``C`` predicting positions; of those, the ones where ``loss_mask`` is set are returned. The call goes
-    through the model's own ``forward`` (DDP, PEFT adapters, gradient checkpointing behave as usual); a pre-hook
-    hands the LM head an empty slice instead of the hidden states. On the first call per head, the head computes
-    one position and the result is compared with ``hidden @ weightᵀ + bias``; a mismatch switches that model to the
-    logits path for good.
-
-    Args:
-        model: A causal LM (possibly PEFT- or accelerator-wrapped).
-        input_ids / attention_mask / position_ids: ``(B, P + C)``.
-        completion_ids: ``(B, C)``.
-        loss_mask: ``(B, C)`` 1 on the tokens the loss counts.
-        predictors: ``(row, position)`` of the hidden state predicting each loss token (row-major order of
-            ``loss_mask``) when the inputs are a shared-prompt layout (:mod:`posttrain.models.prefix_sharing`)
-            rather than ``[prompt | completion]`` rows; the attention mask is then its 4-D tree mask.
-
-    Returns:
-        :class:`DistillationScores` with ``N = loss_mask.sum()`` rows, differentiable when grad is enabled.
-    """
-    width = completion_ids.shape[1]
-    keep = width + 1
-    sel = loss_mask.bool()
-    tokens = completion_ids[sel]
-    kwargs: dict[str, Any] = {"use_cache": False}
-    if predictors is None and _accepts_logits_to_keep(model):
-        kwargs["logits_to_keep"] = keep
-    attention_mask = prepare_attention_mask(model, attention_mask)
-
-    def at_loss_tokens(values: torch.Tensor) -> torch.Tensor:
-        """``(N, ·)``: the rows of per-position ``values`` that predict the loss tokens."""
-        if predictors is not None:
-            return values[predictors[0], predictors[1]]
-        return values[:, -keep:-1][sel]
-
-    def forward() -> Any:
-        return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
-
-    head = resolve_lm_head(model)
-    if not isinstance(head, str) and head.scale != 1.0:  # the divergence reads logits as h Wᵀ + b
-        head = f"the model scales its logits by {head.scale}"
-    reason = head if isinstance(head, str) else ""
-    if not isinstance(head, str):
-        captured = forward_capturing_head_input(model, head, forward)
-        if captured is not None:
-            outputs, hidden = captured
-            return DistillationScores(
-                tokens=tokens,
-                hidden=at_loss_tokens(hidden),  # (N, H)
-                weight=head.weight,
-                bias=head.bias,
-                aux_loss=getattr(outputs, "aux_loss", None),
-            )
-        reason = "its logits differ from hidden_states @ lm_head.weight (an unknown head transform)"
-    _log_once(
-        f"posttrain distillation: chunked divergence is not used for {type(unwrap_base_model(model)).__name__} because "
-        f"{reason}; using its full-vocabulary logits at the completion positions (more memory, same result)."
-    )
-    outputs = forward()
-    return DistillationScores(
-        tokens=tokens, logits=at_loss_tokens(outputs.logits), aux_loss=getattr(outputs, "aux_loss", None)
-    )
 
 
 def token_divergence(
@@ -276,13 +154,12 @@ def token_divergence(
     """
     rows = vocab_rows
     if student.hidden is not None:
-        weight, bias = student.weight[:rows], _head_rows(student.bias, rows)
+        weight, bias = student.head(rows)
         teacher_kwargs: dict[str, Any]
         if teacher.hidden is not None:
+            teacher_weight, teacher_bias = teacher.head(rows)
             teacher_kwargs = dict(
-                teacher_hidden=teacher.hidden,
-                teacher_weight=teacher.weight[:rows],
-                teacher_bias=_head_rows(teacher.bias, rows),
+                teacher_hidden=teacher.hidden, teacher_weight=teacher_weight, teacher_bias=teacher_bias
             )
         else:
             teacher_kwargs = dict(teacher_logits_fn=teacher.logits_fn(rows))

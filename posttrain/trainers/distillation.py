@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from posttrain.models.completion_scoring import choose_shared_prompt_layout, completion_inputs
+from posttrain.models.distillation_scoring import score_distillation_completions
 from posttrain.models.loading import (
     create_model_from_path,
     load_processing_class,
@@ -48,7 +49,6 @@ from posttrain.rollout.distillation import (
     DistillationRollout,
     check_shared_vocabulary,
     model_vocab_size,
-    score_distillation_completions,
     token_divergence,
 )
 from posttrain.trainers.online import OnlineRLConfig, OnlineTrainerBase
