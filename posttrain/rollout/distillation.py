@@ -12,7 +12,8 @@
   sampled from the student through the shared generation backend. The other slices use the dataset's completions,
   or, with ``seq_kd``, completions sampled from the teacher (sequence-level KD). Prompts go through the shared
   rollout stages (``render_prompts``, ``collate_completions``, TRL's completion metrics), so the batch has the
-  online-RL layout that ``RolloutBuffer`` shuffles, splits and replays.
+  online-RL layout that ``RolloutBuffer`` shuffles, splits and replays. ``run`` reads as named stages, each timed
+  into a ``timing/<stage>`` metric (``STAGES``), as ``RolloutPipeline.run`` does.
 
 Deliberate differences from TRL: student and teacher heads of different sizes are accepted when both cover the
 tokenizer (e.g. Qwen2.5-0.5B's 151 936 rows vs Qwen2.5-7B's 152 064): the divergence then compares the first
@@ -36,11 +37,21 @@ from posttrain.models.distillation_scoring import DistillationScores
 from posttrain.models.unwrap import unwrap_base_model
 from posttrain.rollout.buffer import RolloutBatch
 from posttrain.rollout.metrics import completion_length_metrics
-from posttrain.rollout.pipeline import CompletionsTable, collate_completions, render_prompts
+from posttrain.rollout.pipeline import CompletionsTable, StageTimer, collate_completions, render_prompts
 
 logger = logging.getLogger(__name__)
 
 SOURCES = ("student", "dataset", "teacher")
+# The stages of DistillationRollout.run, each timed into ``timing/<stage>`` (seconds), as RolloutPipeline.run's are.
+STAGES = (
+    "prepare_rows",
+    "render_prompts",
+    "generate",
+    "dataset_completions",
+    "collate",
+    "metrics",
+    "completions_table",
+)
 _LOGGED: set[str] = set()
 
 
@@ -345,20 +356,63 @@ class DistillationRollout:
         round); each slice gets one source. The batch holds ``prompt_ids``/``prompt_mask`` ``(B, P)``,
         ``completion_ids``/``completion_mask`` ``(B, C)``, ``completion_lengths`` ``(B,)``, ``sources`` (one of
         ``SOURCES`` per row) and ``num_items_in_batch`` (loss tokens of the round over all processes).
+
+        Each stage is a named call, timed into a ``timing/<stage>`` metric (seconds on this process; see
+        :data:`STAGES`), and the whole round into ``timing/rollout``; stages with nothing to do (no sampled or no
+        dataset rows, no completions table) record nothing.
         """
         record = record or (lambda name, value: None)
+        stage = StageTimer(record)
+        with stage("rollout"):
+            with stage("prepare_rows"):
+                rows, sources = self.prepare_rows(rows, num_slices, mode)
+            with stage("render_prompts"):
+                prompt_texts, rendered = render_prompts(rows, self.tokenizer, self.chat_template_kwargs)
+                prompt_ids: list[list[int]] = [self._truncate_prompt(ids) for ids in rendered]
+            completion_ids: list[list[int]] = [[] for _ in rows]
+            finished = [False] * len(rows)
+            if any(source != "dataset" for source in sources):
+                with stage("generate"):
+                    self.generate(sources, prompt_ids, completion_ids, finished)
+            if "dataset" in sources:
+                with stage("dataset_completions"):
+                    self.dataset_completions(rows, sources, prompt_ids, completion_ids, finished)
+            with stage("collate"):
+                batch = collate_completions(
+                    Completions(completion_ids, None, finished, prompt_ids),
+                    pad_token_id=self.pad_token_id,
+                    mask_truncated_completions=self.mask_truncated_completions,
+                    pad_to_multiple_of=self.pad_to_multiple_of,
+                )
+            with stage("metrics"):
+                self.record_metrics(batch, sources, finished, record)
+            batch["num_items_in_batch"] = self._gather_sum(batch["completion_mask"].sum())
+            batch["sources"] = sources
+            if self.keep_completions:
+                with stage("completions_table"):
+                    self.last_completions = self.completions_table(prompt_texts, completion_ids, sources)
+        batch.pop("finished")
+        return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+
+    # -- the stages of run(), in order -------------------------------------------------------------------------
+    def prepare_rows(
+        self, rows: list[dict[str, Any]], num_slices: int, mode: str
+    ) -> tuple[list[dict[str, Any]], list[str]]:
+        """Rows as prompt(-completion) rows (:meth:`as_prompt_completion`) and each row's source: the round is cut
+        into ``num_slices`` equal consecutive slices, one on-policy draw (:meth:`draw_on_policy`) per slice."""
         rows = [self.as_prompt_completion(row, i) for i, row in enumerate(rows)]
         n = len(rows)
         if num_slices < 1 or n % num_slices != 0:
             raise ValueError(f"Cannot split a round of {n} rows into {num_slices} equal slices.")
         size = n // num_slices
         on_policy = self.draw_on_policy(num_slices, mode)
-        sources = [self.row_source(on_policy[i // size], row) for i, row in enumerate(rows)]
+        return rows, [self.row_source(on_policy[i // size], row) for i, row in enumerate(rows)]
 
-        prompt_texts, rendered = render_prompts(rows, self.tokenizer, self.chat_template_kwargs)
-        prompt_ids: list[list[int]] = [self._truncate_prompt(ids) for ids in rendered]
-        completion_ids: list[list[int]] = [[] for _ in range(n)]
-        finished = [False] * n
+    def generate(
+        self, sources: list[str], prompt_ids: list[list[int]], completion_ids: list[list[int]], finished: list[bool]
+    ) -> None:
+        """Sample the completions of the ``student`` and ``teacher`` rows from their backends (in place)."""
+        n = len(sources)
         for source, backend in (("student", self.student_backend), ("teacher", self.teacher_backend)):
             index = [i for i in range(n) if sources[i] == source]
             if not index:
@@ -371,20 +425,30 @@ class DistillationRollout:
             for j, i in enumerate(index):
                 completion_ids[i] = list(out.completion_ids[j])
                 finished[i] = bool(out.finished[j])
-        for i in range(n):
+
+    def dataset_completions(
+        self,
+        rows: list[dict[str, Any]],
+        sources: list[str],
+        prompt_ids: list[list[int]],
+        completion_ids: list[list[int]],
+        finished: list[bool],
+    ) -> None:
+        """Tokenize the ``dataset`` rows' own completions (in place; their prompt ids are re-tokenized with the
+        completion, as training on the pair renders it)."""
+        for i in range(len(rows)):
             if sources[i] == "dataset":
                 ids, completion_ids[i], finished[i] = self._dataset_completion(rows[i], i)
                 prompt_ids[i] = self._truncate_prompt(ids)
 
-        batch = collate_completions(
-            Completions(completion_ids, None, finished, prompt_ids),
-            pad_token_id=self.pad_token_id,
-            mask_truncated_completions=self.mask_truncated_completions,
-            pad_to_multiple_of=self.pad_to_multiple_of,
-        )
+    def record_metrics(
+        self, batch: RolloutBatch, sources: list[str], finished: list[bool], record: Callable[[str, float], None]
+    ) -> None:
+        """``num_tokens`` (prompt + completion tokens over all processes) and TRL's ``completions/*`` metrics of the
+        sampled (student or teacher) completions."""
         lengths = batch["completion_lengths"]
         record("num_tokens", float(self._gather_sum(batch["prompt_mask"].sum() + lengths.sum())))
-        generated = [i for i in range(n) if sources[i] != "dataset"]
+        generated = [i for i in range(len(sources)) if sources[i] != "dataset"]
         gen_lengths = self._gather_list([int(lengths[i]) for i in generated])
         gen_finished = self._gather_list([bool(finished[i]) for i in generated])
         if gen_lengths:  # TRL's completion metrics describe sampled completions
@@ -392,19 +456,19 @@ class DistillationRollout:
                 torch.tensor(gen_lengths), torch.tensor(gen_finished, dtype=torch.bool)
             ).items():
                 record(name, value)
-        batch["num_items_in_batch"] = self._gather_sum(batch["completion_mask"].sum())
-        batch["sources"] = sources
-        if self.keep_completions:
-            texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-            self.last_completions = CompletionsTable(
-                {
-                    "prompt": self._gather_list(prompt_texts),
-                    "completion": self._gather_list(texts),
-                    "source": self._gather_list(sources),
-                }
-            )
-        batch.pop("finished")
-        return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+
+    def completions_table(
+        self, prompt_texts: list[str], completion_ids: list[list[int]], sources: list[str]
+    ) -> CompletionsTable:
+        """(prompt, completion, source) of every row over all processes, for ``log_completions``."""
+        texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        return CompletionsTable(
+            {
+                "prompt": self._gather_list(prompt_texts),
+                "completion": self._gather_list(texts),
+                "source": self._gather_list(sources),
+            }
+        )
 
     # -- checkpointing -----------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
