@@ -257,8 +257,9 @@ class PreferenceTrainer(BaseTrainer):
         self, loss: torch.Tensor, model: torch.nn.Module, aux_loss: torch.Tensor | None, mode: str
     ) -> torch.Tensor:
         """``loss + router_aux_loss_coef · aux_loss`` for a MoE model that returns its load-balancing loss (logged as
-        ``aux_loss``, averaged over processes); ``loss`` unchanged for dense models."""
-        coef = self.args.router_aux_loss_coef
+        ``aux_loss``, averaged over processes); ``loss`` unchanged for dense models. Configs without a
+        ``router_aux_loss_coef`` field (the experimental CPO/ORPO/TPO) use the model's own."""
+        coef = getattr(self.args, "router_aux_loss_coef", None)
         coef = router_aux_loss_coef(model) if coef is None else coef
         if aux_loss is None or not coef or not getattr(self, "aux_loss_enabled", True):
             return loss
