@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import math
@@ -495,10 +494,4 @@ def __getattr__(name: str):
         from posttrain.models.reference import SyncRefModelCallback
 
         return SyncRefModelCallback
-    if name == "BEMACallback":  # posttrain.experimental (TRL's trl.experimental.bema_for_ref_model)
-        try:
-            module = importlib.import_module("posttrain.experimental.bema_for_ref_model")
-        except ModuleNotFoundError as err:
-            raise AttributeError("BEMACallback needs posttrain.experimental.bema_for_ref_model") from err
-        return module.BEMACallback
     raise AttributeError(name)
