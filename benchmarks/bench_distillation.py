@@ -78,9 +78,9 @@ def build_dataset(n: int = 64):
 
 def force_full_logits() -> None:
     """Make every model take the full-logits fallback path (for the comparison only)."""
-    from posttrain.rollout import distillation
+    from posttrain.models import distillation_scoring
 
-    distillation.resolve_lm_head = lambda model: "the benchmark forces the full-logits path"
+    distillation_scoring.resolve_lm_head = lambda model: "the benchmark forces the full-logits path"
 
 
 def run_one(model: str, lmbda: float, loss_path: str, steps: int, warmup: int, threads: int) -> dict:

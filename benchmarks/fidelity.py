@@ -603,7 +603,7 @@ def markdown_table(comparisons: list[Comparison], known: dict[str, str] | None =
         if c.only_trl:
             one_side.append("TRL: " + ", ".join(c.only_trl))
         status = {"equal": "equal", "differs": "**differs**", "error": "**error**"}[c.status]
-        if c.name in known:
+        if c.name in known and c.status != "equal":  # a scenario that matches needs no explanation
             status += f" (known: {known[c.name]})"
         detail = c.detail.replace("|", "\\|")
         lines.append(
@@ -619,23 +619,14 @@ KNOWN_DIFFERENCES: dict[str, str] = {
     "grpo/steps_per_generation_2": "deliberate: the generation batch is shuffled before it is split over steps with "
     "a dedicated seeded generator (saved in checkpoints, so a resumed run replays it); TRL draws the permutation from "
     "the global torch RNG",
-    "sft/truncation_16": "issue 18 item 1 (SFT metric gather crash), fixed on branch i18a",
 }
-_CLIP_EXTREMES = {"clip_ratio/low_min", "clip_ratio/high_max"}
 
 
 def known_difference(comparison: Comparison) -> str | None:
     """Why a non-equal scenario differs, when that is understood (see :data:`KNOWN_DIFFERENCES`)."""
     if comparison.status == "equal":
         return None
-    if comparison.name in KNOWN_DIFFERENCES:
-        return KNOWN_DIFFERENCES[comparison.name]
-    keys = set(comparison.differing_keys)
-    if keys and keys <= _CLIP_EXTREMES:
-        return "only clip_ratio/low_min, high_max: issue 18 item 6 (their reductions), fixed on branch i18a"
-    if keys == {"num_tokens"} and "packed_bfd" in comparison.name:
-        return "only num_tokens with bfd packing: issue 18 item 6, fixed on branch i18a"
-    return None
+    return KNOWN_DIFFERENCES.get(comparison.name)
 
 
 def write_markdown(path: str, table: str, counts: dict[str, int], ours: Any, theirs: Any) -> None:

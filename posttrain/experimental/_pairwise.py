@@ -3,7 +3,7 @@ chunked ``[chosen; rejected(; ...)]`` scoring forward and TRL's pair metrics.
 
 They sit on :class:`posttrain.trainers.preference.PreferenceTrainer` (signature columns, ``num_tokens``, MoE
 ``aux_loss``, ``prediction_step``) and read token log-probs through
-:func:`posttrain.trainers.preference.score_preference_completions` — the chunked path, never ``(B, T, V)`` logits. Unlike DPO
+:func:`posttrain.models.preference_scoring.score_preference_completions` — the chunked path, never ``(B, T, V)`` logits. Unlike DPO
 there is no reference policy: no second model, no reference forward.
 """
 
@@ -26,14 +26,9 @@ from posttrain.data.dataset_ops import (
 )
 from posttrain.distributed import gather_masked_mean, gather_mean
 from posttrain.models.loading import disable_dropout_in_model, resolve_model, resolve_processing_class
+from posttrain.models.preference_scoring import PreferenceScores, score_preference_completions
 from posttrain.reliability.validation import check_single_split, check_text_only
-from posttrain.trainers.preference import (
-    PreferenceScores,
-    PreferenceTrainer,
-    enable_router_aux_loss,
-    resolve_pad_token,
-    score_preference_completions,
-)
+from posttrain.trainers.preference import PreferenceTrainer, enable_router_aux_loss, resolve_pad_token
 
 __all__ = ["PairScores", "ReferenceFreePairwiseTrainer", "check_common_options"]
 

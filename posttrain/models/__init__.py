@@ -1,6 +1,8 @@
 """Models: loading from ids/paths/objects (``loading``), PEFT helpers (``peft_utils``), offline tiny models
 (``tiny``), the chunked forward pass and token log-probs (``forward``), completion scoring of rollouts
-(``completion_scoring``) with the shared-prompt layout (``prefix_sharing``), and reference policies (``reference``).
+(``completion_scoring``) with the shared-prompt layout (``prefix_sharing``), of preference pairs
+(``preference_scoring``) and of distillation completions (``distillation_scoring``), and reference policies
+(``reference``).
 
 ``from posttrain.models import create_reference_model`` works as ``from trl.models import ...`` does (lazily, so
 importing a submodule such as ``posttrain.models.tiny`` costs nothing extra)."""

@@ -2,18 +2,18 @@
 
 - ``check_shared_vocabulary``: student and teacher must score the same token ids (same tokenizer vocabulary, LM
   heads that cover it); returns how many head rows the divergence compares.
-- ``score_distillation_completions``: one forward pass of a causal LM over ``[prompt | completion]`` that returns the last hidden
-  states at the positions predicting the loss tokens plus the LM-head weight — the head runs on an empty slice, so
-  no ``(B, T, V)`` logits are built. Heads that are not a plain linear map (LoRA on ``lm_head``, soft-capping, logit
-  scales, sharded weights) fall back to the model's own logits at those positions, logged once.
-- ``token_divergence``: the generalized JSD per loss token from ``core.distill.chunked_generalized_jsd`` (peak memory
-  chunk × V, logits recomputed in backward), plus the student's entropy at the same tokens.
+- ``token_divergence``: the generalized JSD per loss token between the student's and the teacher's
+  ``DistillationScores`` (scored without full-vocabulary logits by
+  :func:`posttrain.models.distillation_scoring.score_distillation_completions`), from
+  ``core.distill.chunked_generalized_jsd`` (peak memory chunk × V, logits recomputed in backward), plus the
+  student's entropy at the same tokens.
 - ``DistillationRollout``: builds one generation round. Each gradient-accumulation slice is on-policy with
   probability ``lmbda`` (GKD, Agarwal et al. 2024, https://huggingface.co/papers/2306.13649): its completions are
   sampled from the student through the shared generation backend. The other slices use the dataset's completions,
   or, with ``seq_kd``, completions sampled from the teacher (sequence-level KD). Prompts go through the shared
   rollout stages (``render_prompts``, ``collate_completions``, TRL's completion metrics), so the batch has the
-  online-RL layout that ``RolloutBuffer`` shuffles, splits and replays.
+  online-RL layout that ``RolloutBuffer`` shuffles, splits and replays. ``run`` reads as named stages, each timed
+  into a ``timing/<stage>`` metric (``STAGES``), as ``RolloutPipeline.run`` does.
 
 Deliberate differences from TRL: student and teacher heads of different sizes are accepted when both cover the
 tokenizer (e.g. Qwen2.5-0.5B's 151 936 rows vs Qwen2.5-7B's 152 064): the divergence then compares the first
@@ -24,30 +24,34 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from posttrain.core.distill import chunked_generalized_jsd, generalized_jsd_loss
 from posttrain.core.logprobs import chunked_logprobs_from_hidden, entropy_from_logits
 from posttrain.data.tokenization import tokenize_prompt_completion, truncate_sequence
 from posttrain.distributed import gather_objects, gather_rows
 from posttrain.generation.base import Completions, SamplingConfig, truncate_at_eos
-from posttrain.models.forward import (
-    forward_capturing_head_input,
-    prepare_attention_mask,
-    resolve_lm_head,
-)
+from posttrain.models.distillation_scoring import DistillationScores
 from posttrain.models.unwrap import unwrap_base_model
 from posttrain.rollout.buffer import RolloutBatch
 from posttrain.rollout.metrics import completion_length_metrics
-from posttrain.rollout.pipeline import CompletionsTable, collate_completions, render_prompts
+from posttrain.rollout.pipeline import CompletionsTable, StageTimer, collate_completions, render_prompts
 
 logger = logging.getLogger(__name__)
 
 SOURCES = ("student", "dataset", "teacher")
+# The stages of DistillationRollout.run, each timed into ``timing/<stage>`` (seconds), as RolloutPipeline.run's are.
+STAGES = (
+    "prepare_rows",
+    "render_prompts",
+    "generate",
+    "dataset_completions",
+    "collate",
+    "metrics",
+    "completions_table",
+)
 _LOGGED: set[str] = set()
 
 
@@ -135,123 +139,8 @@ def check_shared_vocabulary(
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Scoring completions without full-vocabulary logits
+# The divergence at the loss tokens
 # ----------------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class DistillationScores:
-    """What one forward pass gives the divergence, for the ``N`` loss tokens of a micro-batch.
-
-    Either ``hidden`` ``(N, H)`` (the last hidden states at the positions predicting the loss tokens) with the LM
-    head's ``weight`` ``(V, H)`` and ``bias`` ``(V,)|None`` — or, on the fallback path, ``logits`` ``(N, V)``.
-
-    Attributes:
-        tokens: ``(N,)`` the loss tokens (the completion tokens under the loss mask).
-        aux_loss: The model's MoE load-balancing loss, or None.
-    """
-
-    tokens: torch.Tensor
-    hidden: torch.Tensor | None = None
-    weight: torch.Tensor | None = None
-    bias: torch.Tensor | None = None
-    logits: torch.Tensor | None = None
-    aux_loss: torch.Tensor | None = None
-
-    def logits_fn(self, vocab_rows: int) -> Callable[[torch.Tensor], torch.Tensor]:
-        """``rows -> (len(rows), vocab_rows)`` logits of the given loss tokens (for ``teacher_logits_fn``)."""
-        if self.logits is not None:
-            logits = self.logits
-            return lambda rows: logits[rows, :vocab_rows]
-        hidden, weight, bias = self.hidden, self.weight[:vocab_rows], _head_rows(self.bias, vocab_rows)
-        return lambda rows: F.linear(hidden[rows], weight, bias)
-
-
-def _head_rows(bias: torch.Tensor | None, rows: int) -> torch.Tensor | None:
-    return None if bias is None else bias[:rows]
-
-
-def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
-    import inspect
-
-    try:
-        return "logits_to_keep" in inspect.signature(unwrap_base_model(model).forward).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-def score_distillation_completions(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    position_ids: torch.Tensor,
-    completion_ids: torch.Tensor,
-    loss_mask: torch.Tensor,
-    predictors: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> DistillationScores:
-    """Run ``model`` over ``[prompt | completion]`` and keep what the divergence needs at the loss tokens.
-
-    Position ``P + t − 1`` predicts completion token ``t``, so the last ``C + 1`` hidden states minus the final one
-    are the ``C`` predicting positions; of those, the ones where ``loss_mask`` is set are returned. The call goes
-    through the model's own ``forward`` (DDP, PEFT adapters, gradient checkpointing behave as usual); a pre-hook
-    hands the LM head an empty slice instead of the hidden states. On the first call per head, the head computes
-    one position and the result is compared with ``hidden @ weightᵀ + bias``; a mismatch switches that model to the
-    logits path for good.
-
-    Args:
-        model: A causal LM (possibly PEFT- or accelerator-wrapped).
-        input_ids / attention_mask / position_ids: ``(B, P + C)``.
-        completion_ids: ``(B, C)``.
-        loss_mask: ``(B, C)`` 1 on the tokens the loss counts.
-        predictors: ``(row, position)`` of the hidden state predicting each loss token (row-major order of
-            ``loss_mask``) when the inputs are a shared-prompt layout (:mod:`posttrain.models.prefix_sharing`)
-            rather than ``[prompt | completion]`` rows; the attention mask is then its 4-D tree mask.
-
-    Returns:
-        :class:`DistillationScores` with ``N = loss_mask.sum()`` rows, differentiable when grad is enabled.
-    """
-    width = completion_ids.shape[1]
-    keep = width + 1
-    sel = loss_mask.bool()
-    tokens = completion_ids[sel]
-    kwargs: dict[str, Any] = {"use_cache": False}
-    if predictors is None and _accepts_logits_to_keep(model):
-        kwargs["logits_to_keep"] = keep
-    attention_mask = prepare_attention_mask(model, attention_mask)
-
-    def at_loss_tokens(values: torch.Tensor) -> torch.Tensor:
-        """``(N, ·)``: the rows of per-position ``values`` that predict the loss tokens."""
-        if predictors is not None:
-            return values[predictors[0], predictors[1]]
-        return values[:, -keep:-1][sel]
-
-    def forward() -> Any:
-        return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
-
-    head = resolve_lm_head(model)
-    if not isinstance(head, str) and head.scale != 1.0:  # the divergence reads logits as h Wᵀ + b
-        head = f"the model scales its logits by {head.scale}"
-    reason = head if isinstance(head, str) else ""
-    if not isinstance(head, str):
-        captured = forward_capturing_head_input(model, head, forward)
-        if captured is not None:
-            outputs, hidden = captured
-            return DistillationScores(
-                tokens=tokens,
-                hidden=at_loss_tokens(hidden),  # (N, H)
-                weight=head.weight,
-                bias=head.bias,
-                aux_loss=getattr(outputs, "aux_loss", None),
-            )
-        reason = "its logits differ from hidden_states @ lm_head.weight (an unknown head transform)"
-    _log_once(
-        f"posttrain distillation: chunked divergence is not used for {type(unwrap_base_model(model)).__name__} because "
-        f"{reason}; using its full-vocabulary logits at the completion positions (more memory, same result)."
-    )
-    outputs = forward()
-    return DistillationScores(
-        tokens=tokens, logits=at_loss_tokens(outputs.logits), aux_loss=getattr(outputs, "aux_loss", None)
-    )
 
 
 def token_divergence(
@@ -276,13 +165,12 @@ def token_divergence(
     """
     rows = vocab_rows
     if student.hidden is not None:
-        weight, bias = student.weight[:rows], _head_rows(student.bias, rows)
+        weight, bias = student.head(rows)
         teacher_kwargs: dict[str, Any]
         if teacher.hidden is not None:
+            teacher_weight, teacher_bias = teacher.head(rows)
             teacher_kwargs = dict(
-                teacher_hidden=teacher.hidden,
-                teacher_weight=teacher.weight[:rows],
-                teacher_bias=_head_rows(teacher.bias, rows),
+                teacher_hidden=teacher.hidden, teacher_weight=teacher_weight, teacher_bias=teacher_bias
             )
         else:
             teacher_kwargs = dict(teacher_logits_fn=teacher.logits_fn(rows))
@@ -468,20 +356,63 @@ class DistillationRollout:
         round); each slice gets one source. The batch holds ``prompt_ids``/``prompt_mask`` ``(B, P)``,
         ``completion_ids``/``completion_mask`` ``(B, C)``, ``completion_lengths`` ``(B,)``, ``sources`` (one of
         ``SOURCES`` per row) and ``num_items_in_batch`` (loss tokens of the round over all processes).
+
+        Each stage is a named call, timed into a ``timing/<stage>`` metric (seconds on this process; see
+        :data:`STAGES`), and the whole round into ``timing/rollout``; stages with nothing to do (no sampled or no
+        dataset rows, no completions table) record nothing.
         """
         record = record or (lambda name, value: None)
+        stage = StageTimer(record)
+        with stage("rollout"):
+            with stage("prepare_rows"):
+                rows, sources = self.prepare_rows(rows, num_slices, mode)
+            with stage("render_prompts"):
+                prompt_texts, rendered = render_prompts(rows, self.tokenizer, self.chat_template_kwargs)
+                prompt_ids: list[list[int]] = [self._truncate_prompt(ids) for ids in rendered]
+            completion_ids: list[list[int]] = [[] for _ in rows]
+            finished = [False] * len(rows)
+            if any(source != "dataset" for source in sources):
+                with stage("generate"):
+                    self.generate(sources, prompt_ids, completion_ids, finished)
+            if "dataset" in sources:
+                with stage("dataset_completions"):
+                    self.dataset_completions(rows, sources, prompt_ids, completion_ids, finished)
+            with stage("collate"):
+                batch = collate_completions(
+                    Completions(completion_ids, None, finished, prompt_ids),
+                    pad_token_id=self.pad_token_id,
+                    mask_truncated_completions=self.mask_truncated_completions,
+                    pad_to_multiple_of=self.pad_to_multiple_of,
+                )
+            with stage("metrics"):
+                self.record_metrics(batch, sources, finished, record)
+            batch["num_items_in_batch"] = self._gather_sum(batch["completion_mask"].sum())
+            batch["sources"] = sources
+            if self.keep_completions:
+                with stage("completions_table"):
+                    self.last_completions = self.completions_table(prompt_texts, completion_ids, sources)
+        batch.pop("finished")
+        return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+
+    # -- the stages of run(), in order -------------------------------------------------------------------------
+    def prepare_rows(
+        self, rows: list[dict[str, Any]], num_slices: int, mode: str
+    ) -> tuple[list[dict[str, Any]], list[str]]:
+        """Rows as prompt(-completion) rows (:meth:`as_prompt_completion`) and each row's source: the round is cut
+        into ``num_slices`` equal consecutive slices, one on-policy draw (:meth:`draw_on_policy`) per slice."""
         rows = [self.as_prompt_completion(row, i) for i, row in enumerate(rows)]
         n = len(rows)
         if num_slices < 1 or n % num_slices != 0:
             raise ValueError(f"Cannot split a round of {n} rows into {num_slices} equal slices.")
         size = n // num_slices
         on_policy = self.draw_on_policy(num_slices, mode)
-        sources = [self.row_source(on_policy[i // size], row) for i, row in enumerate(rows)]
+        return rows, [self.row_source(on_policy[i // size], row) for i, row in enumerate(rows)]
 
-        prompt_texts, rendered = render_prompts(rows, self.tokenizer, self.chat_template_kwargs)
-        prompt_ids: list[list[int]] = [self._truncate_prompt(ids) for ids in rendered]
-        completion_ids: list[list[int]] = [[] for _ in range(n)]
-        finished = [False] * n
+    def generate(
+        self, sources: list[str], prompt_ids: list[list[int]], completion_ids: list[list[int]], finished: list[bool]
+    ) -> None:
+        """Sample the completions of the ``student`` and ``teacher`` rows from their backends (in place)."""
+        n = len(sources)
         for source, backend in (("student", self.student_backend), ("teacher", self.teacher_backend)):
             index = [i for i in range(n) if sources[i] == source]
             if not index:
@@ -494,20 +425,30 @@ class DistillationRollout:
             for j, i in enumerate(index):
                 completion_ids[i] = list(out.completion_ids[j])
                 finished[i] = bool(out.finished[j])
-        for i in range(n):
+
+    def dataset_completions(
+        self,
+        rows: list[dict[str, Any]],
+        sources: list[str],
+        prompt_ids: list[list[int]],
+        completion_ids: list[list[int]],
+        finished: list[bool],
+    ) -> None:
+        """Tokenize the ``dataset`` rows' own completions (in place; their prompt ids are re-tokenized with the
+        completion, as training on the pair renders it)."""
+        for i in range(len(rows)):
             if sources[i] == "dataset":
                 ids, completion_ids[i], finished[i] = self._dataset_completion(rows[i], i)
                 prompt_ids[i] = self._truncate_prompt(ids)
 
-        batch = collate_completions(
-            Completions(completion_ids, None, finished, prompt_ids),
-            pad_token_id=self.pad_token_id,
-            mask_truncated_completions=self.mask_truncated_completions,
-            pad_to_multiple_of=self.pad_to_multiple_of,
-        )
+    def record_metrics(
+        self, batch: RolloutBatch, sources: list[str], finished: list[bool], record: Callable[[str, float], None]
+    ) -> None:
+        """``num_tokens`` (prompt + completion tokens over all processes) and TRL's ``completions/*`` metrics of the
+        sampled (student or teacher) completions."""
         lengths = batch["completion_lengths"]
         record("num_tokens", float(self._gather_sum(batch["prompt_mask"].sum() + lengths.sum())))
-        generated = [i for i in range(n) if sources[i] != "dataset"]
+        generated = [i for i in range(len(sources)) if sources[i] != "dataset"]
         gen_lengths = self._gather_list([int(lengths[i]) for i in generated])
         gen_finished = self._gather_list([bool(finished[i]) for i in generated])
         if gen_lengths:  # TRL's completion metrics describe sampled completions
@@ -515,19 +456,19 @@ class DistillationRollout:
                 torch.tensor(gen_lengths), torch.tensor(gen_finished, dtype=torch.bool)
             ).items():
                 record(name, value)
-        batch["num_items_in_batch"] = self._gather_sum(batch["completion_mask"].sum())
-        batch["sources"] = sources
-        if self.keep_completions:
-            texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-            self.last_completions = CompletionsTable(
-                {
-                    "prompt": self._gather_list(prompt_texts),
-                    "completion": self._gather_list(texts),
-                    "source": self._gather_list(sources),
-                }
-            )
-        batch.pop("finished")
-        return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+
+    def completions_table(
+        self, prompt_texts: list[str], completion_ids: list[list[int]], sources: list[str]
+    ) -> CompletionsTable:
+        """(prompt, completion, source) of every row over all processes, for ``log_completions``."""
+        texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        return CompletionsTable(
+            {
+                "prompt": self._gather_list(prompt_texts),
+                "completion": self._gather_list(texts),
+                "source": self._gather_list(sources),
+            }
+        )
 
     # -- checkpointing -----------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

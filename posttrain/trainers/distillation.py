@@ -18,7 +18,7 @@ log and checkpoint/resume handling as GRPO and RLOO. What distillation changes:
 
 Metrics (TRL's names): ``loss`` (the divergence per token), ``distillation_loss`` (the same per micro-batch),
 ``entropy`` (student, at the completion tokens), ``completions/*`` (sampled completions), ``num_tokens``,
-``step_time``; ``aux_loss`` for MoE students.
+``step_time``; ``aux_loss`` for MoE students; ``timing/*`` (the round's stages, ``rollout.distillation.STAGES``).
 
 Deliberate differences from TRL: heads of different sizes that both cover the tokenizer are accepted (see
 ``rollout/distillation.py``); evaluation scores student samples when ``lmbda > 0`` and dataset (or, with ``seq_kd``, teacher)
@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from posttrain.models.completion_scoring import choose_shared_prompt_layout, completion_inputs
+from posttrain.models.distillation_scoring import score_distillation_completions
 from posttrain.models.loading import (
     create_model_from_path,
     load_processing_class,
@@ -48,7 +49,6 @@ from posttrain.rollout.distillation import (
     DistillationRollout,
     check_shared_vocabulary,
     model_vocab_size,
-    score_distillation_completions,
     token_divergence,
 )
 from posttrain.trainers.online import OnlineRLConfig, OnlineTrainerBase

@@ -23,8 +23,9 @@ Metrics (TRL's names): ``rewards/chosen``, ``rewards/rejected``, ``rewards/accur
 computed as ``h · mean_v(W)`` — no vocabulary-sized tensor), ``entropy``, ``num_tokens``, ``mean_token_accuracy``
 (chosen tokens), ``aux_loss`` (MoE).
 
-The pieces DPO shares with KTO and the reward trainer (completion scoring, metric gathering, dataset helpers,
-policy + reference setup, ``PreferenceTrainer``) live in :mod:`posttrain.trainers.preference`.
+The pieces DPO shares with KTO and the reward trainer (config fields, policy + reference setup,
+``PreferenceTrainer``) live in :mod:`posttrain.trainers.preference`; completion scoring in
+:mod:`posttrain.models.preference_scoring`.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ from posttrain.data.dataset_ops import (
 from posttrain.data.formats import is_vision_dataset
 from posttrain.distributed import gather_masked_mean, gather_mean
 from posttrain.models.loading import load_processor
+from posttrain.models.preference_scoring import PreferenceScores, score_preference_completions
 from posttrain.models.reference import precompute_reference_columns
 from posttrain.reliability.validation import (
     ALLOW_NEGATIVE_BETA_HELP,
@@ -69,13 +71,11 @@ from posttrain.reliability.validation import (
 )
 from posttrain.trainers.base import BaseConfig
 from posttrain.trainers.preference import (
-    PreferenceScores,
     PreferenceTrainer,
     activation_offloading_context,
     check_reference_options,
     load_policy_and_reference,
     resolve_pad_token,
-    score_preference_completions,
     shared_field,
 )
 

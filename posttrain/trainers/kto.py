@@ -51,16 +51,15 @@ from posttrain.data.dataset_ops import (
 from posttrain.data.formats import is_vision_dataset
 from posttrain.distributed import gather_masked_mean
 from posttrain.models.loading import load_processor
+from posttrain.models.preference_scoring import PreferenceScores, score_preference_completions
 from posttrain.models.reference import precompute_reference_columns
 from posttrain.reliability.validation import check_datasets, check_preference_pairs
 from posttrain.trainers.base import BaseConfig
 from posttrain.trainers.preference import (
-    PreferenceScores,
     PreferenceTrainer,
     activation_offloading_context,
     check_reference_options,
     load_policy_and_reference,
-    score_preference_completions,
     shared_field,
 )
 

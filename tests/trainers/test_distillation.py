@@ -524,6 +524,28 @@ def test_rollout_draws_are_reproducible_from_the_state():
     assert rollout.draw_on_policy(4, mode="eval") == [True] * 4
 
 
+def test_rollout_stages_are_timed():
+    """run() is a sequence of named stages, each recorded as timing/<stage> (seconds), the whole as timing/rollout;
+    stages with nothing to do (no sampled rows, no dataset rows, no completions table) record nothing."""
+    from posttrain.rollout.distillation import STAGES
+
+    sampling = SamplingConfig(max_new_tokens=4, eos_token_ids=[EOS], pad_token_id=259)
+    tokenizer = build_tiny_tokenizer()
+
+    def timed_run(rows, **kwargs):
+        rollout = DistillationRollout(tokenizer=tokenizer, student_backend=_EchoBackend(), sampling=sampling, **kwargs)
+        metrics = {}
+        rollout.run(rows, num_slices=2, record=metrics.__setitem__)
+        timed = {name.removeprefix("timing/") for name in metrics if name.startswith("timing/")}
+        assert all(metrics[f"timing/{name}"] >= 0.0 for name in timed)
+        assert metrics["timing/rollout"] >= sum(metrics[f"timing/{name}"] for name in STAGES if name in timed)
+        return timed
+
+    on_policy = timed_run([{"prompt": "p"}] * 4)
+    assert on_policy == {*STAGES, "rollout"} - {"dataset_completions", "completions_table"}
+    off_policy = timed_run([{"prompt": "p", "completion": " c"}] * 4, lmbda=0.0, keep_completions=True)
+    assert off_policy == {*STAGES, "rollout"} - {"generate"}
+
 @pytest.mark.invariance
 def test_shared_prompt_layout_gives_the_same_loss_and_gradients(tiny_model_path, teacher_path, tmp_path):
     """Long shared prompts, 4 completions each: the shared-prompt layout is used and changes nothing."""

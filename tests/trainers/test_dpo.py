@@ -16,8 +16,8 @@ from trainer_helpers import fast_config, params_changed, quiet_single_thread, tr
 from transformers import TrainingArguments
 
 from posttrain.core.preference import DPO_LOSSES
+from posttrain.models.preference_scoring import score_preference_completions
 from posttrain.trainers.dpo import DPOConfig, DPOTrainer
-from posttrain.trainers.preference import score_preference_completions
 
 METRICS = [
     "rewards/chosen",

@@ -15,9 +15,9 @@ from trainer_helpers import params_changed, quiet_single_thread, trainable_param
 from vision_helpers import color_rows, vision_config
 
 from posttrain.data.vision_collators import DataCollatorForVisionPreference
+from posttrain.models.preference_scoring import score_preference_completions
 from posttrain.models.tiny import build_tiny_vlm, save_tiny_vlm
 from posttrain.trainers.dpo import DPOConfig, DPOTrainer
-from posttrain.trainers.preference import score_preference_completions
 
 
 def preference_dataset(column: str = "images") -> Dataset:
