@@ -8,3 +8,5 @@ from pathlib import Path
 _TRAINERS = str(Path(__file__).resolve().parents[1] / "trainers")
 if _TRAINERS not in sys.path:
     sys.path.insert(0, _TRAINERS)
+
+from distill_helpers import abc_teacher_path  # noqa: E402, F401  (the distillation-family tests' tiny teacher)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from datasets import Dataset
-from distill_helpers import abc_teacher_path, mean_reverse_kl, pairs  # noqa: F401
+from distill_helpers import mean_reverse_kl, pairs
 from trainer_helpers import fast_config, quiet_single_thread  # noqa: F401
 
 from posttrain.core.distill import generalized_jsd_loss
