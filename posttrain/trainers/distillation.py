@@ -278,9 +278,12 @@ class DistillationTrainer(OnlineTrainerBase):
         if train_dataset is None:
             raise ValueError("DistillationTrainer needs a train_dataset with a 'prompt' column.")
         model, processing_class = self._setup_policy(model, args, processing_class, peft_config)
-        teacher, teacher_tokenizer = self._load_teacher(teacher_model, args)
+        teacher, teacher_tokenizer = self._load_teacher(teacher_model, args)  # (None, None): a served teacher
         self.vocab_rows = check_shared_vocabulary(
-            processing_class, teacher_tokenizer, model_vocab_size(model), model_vocab_size(teacher)
+            processing_class,
+            teacher_tokenizer,
+            model_vocab_size(model),
+            model_vocab_size(teacher if teacher is not None else model),
         )
         n_rows = self._configure_train_dataset(train_dataset, args)
         if n_rows is not None and n_rows < args.generation_batch_size * args.world_size:
@@ -302,9 +305,11 @@ class DistillationTrainer(OnlineTrainerBase):
         self.reward_funcs = []
         self.reference = ReferencePolicy("none")
         self._init_trainer(model, args, train_dataset, eval_dataset, processing_class, callbacks, optimizers)
-        placed = ReferencePolicy("model", model=teacher)
-        placed.prepare(self.accelerator)  # device, or a DeepSpeed/FSDP inference engine
-        self.teacher_model = placed.model
+        self.teacher_model = None
+        if teacher is not None:
+            placed = ReferencePolicy("model", model=teacher)
+            placed.prepare(self.accelerator)  # device, or a DeepSpeed/FSDP inference engine
+            self.teacher_model = placed.model
         self._setup_rollout(None)
 
     def _make_rollout(self) -> None:
