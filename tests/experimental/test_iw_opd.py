@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from distill_helpers import mean_reverse_kl, prompts
+from distill_helpers import perturbed_copy, prompts, sampled_reverse_kl
 from trainer_helpers import fast_config, quiet_single_thread  # noqa: F401
 
 from posttrain.core.distill import iw_opd_loss, sparse_support_divergence
@@ -125,11 +125,13 @@ def test_seed_doc_example_runs(tiny_model_path, abc_teacher_path, tmp_path):
 
 
 @pytest.mark.slow
-def test_student_moves_toward_the_teacher(tiny_model_path, abc_teacher_path, tmp_path):
+def test_student_moves_toward_the_teacher(abc_teacher_path, tmp_path):
+    """The on-policy reverse KL (on the student's own samples) falls for a student that starts near the teacher."""
+    student = perturbed_copy(abc_teacher_path, str(tmp_path / "student"))
     args = _config(tmp_path, per_device_train_batch_size=4, max_completion_length=8, max_steps=30,
-                   learning_rate=3e-3, logging_steps=10)  # fmt: skip
-    trainer = IWOPDTrainer(tiny_model_path, abc_teacher_path, args=args, train_dataset=prompts(16))
-    start = mean_reverse_kl(trainer.model, trainer.teacher_model, trainer.processing_class)
+                   learning_rate=1e-3, logging_steps=10)  # fmt: skip
+    trainer = IWOPDTrainer(student, abc_teacher_path, args=args, train_dataset=prompts(16))
+    start = sampled_reverse_kl(trainer.model, trainer.teacher_model, trainer.processing_class)
     trainer.train()
-    end = mean_reverse_kl(trainer.model.eval(), trainer.teacher_model, trainer.processing_class)
-    assert end < 0.75 * start, (start, end)
+    end = sampled_reverse_kl(trainer.model, trainer.teacher_model, trainer.processing_class)
+    assert end < 0.5 * start, (start, end)
