@@ -279,12 +279,7 @@ class DistillationTrainer(OnlineTrainerBase):
             raise ValueError("DistillationTrainer needs a train_dataset with a 'prompt' column.")
         model, processing_class = self._setup_policy(model, args, processing_class, peft_config)
         teacher, teacher_tokenizer = self._load_teacher(teacher_model, args)  # (None, None): a served teacher
-        self.vocab_rows = check_shared_vocabulary(
-            processing_class,
-            teacher_tokenizer,
-            model_vocab_size(model),
-            model_vocab_size(teacher if teacher is not None else model),
-        )
+        self.vocab_rows = self._check_vocabulary(processing_class, teacher_tokenizer, model, teacher)
         n_rows = self._configure_train_dataset(train_dataset, args)
         if n_rows is not None and n_rows < args.generation_batch_size * args.world_size:
             raise ValueError(
@@ -376,6 +371,17 @@ class DistillationTrainer(OnlineTrainerBase):
             except (OSError, ValueError):
                 tokenizer = None
         return teacher_model, tokenizer
+
+    @staticmethod
+    def _check_vocabulary(tokenizer: Any, teacher_tokenizer: Any, model: Any, teacher: Any) -> int:
+        """Rows of both LM heads the divergence compares (the shared tokenizer vocabulary; a served teacher is
+        checked against the student's own size)."""
+        return check_shared_vocabulary(
+            tokenizer,
+            teacher_tokenizer,
+            model_vocab_size(model),
+            model_vocab_size(teacher if teacher is not None else model),
+        )
 
     def _set_signature_columns_if_needed(self):
         if self._signature_columns is None:

@@ -75,3 +75,25 @@ def perturbed_copy(path: str, out: str, scale: float = 0.05, seed: int = 3) -> s
     model.save_pretrained(out)
     AutoTokenizer.from_pretrained(path).save_pretrained(out)
     return out
+
+
+@pytest.fixture(scope="session")
+def merged_teacher_path(tmp_path_factory) -> str:
+    """A tiny Qwen2 with the *other* tokenizer (``build_tiny_merged_tokenizer``: different ids, "abc" one token)
+    that answers "abcabc..." after "Q<n>:" (80 full-batch Adam steps)."""
+    from posttrain.models.tiny import build_tiny_merged_tokenizer
+
+    torch.manual_seed(0)
+    tokenizer = build_tiny_merged_tokenizer()
+    teacher = build_tiny_model("qwen2", tokenizer=tokenizer, seed=2)
+    enc = tokenizer([f"Q{i}:abcabcabcabc" for i in range(16)], return_tensors="pt", padding=True)
+    labels = enc.input_ids.masked_fill(enc.attention_mask == 0, -100)
+    optimizer = torch.optim.Adam(teacher.parameters(), lr=1e-2)
+    for _ in range(80):
+        teacher(**enc, labels=labels).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    path = str(tmp_path_factory.mktemp("merged-teacher"))
+    teacher.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
