@@ -6,11 +6,18 @@ ones (TRL has no CLI verbs for these, so neither has ``posttrain``)::
     python -m posttrain.experimental.run tpo --config examples/tpo.yaml
     python -m posttrain.experimental.run prm --config examples/prm.yaml
     python -m posttrain.experimental.run bema_dpo --config examples/bema_dpo.yaml
+    python -m posttrain.experimental.run gkd --config examples/gkd.yaml
+    python -m posttrain.experimental.run gold --config examples/gold.yaml
+    python -m posttrain.experimental.run iw_opd --config examples/iw_opd.yaml
+    python -m posttrain.experimental.run server_distillation --config examples/server_distillation.yaml
 
 Each method parses ``(ScriptArguments, <X>Config, ModelConfig, DatasetMixtureConfig)`` with ``TrlParser`` (YAML
 keys and ``--flags``; flags win), trains in this process and saves to ``output_dir``. ``bema_dpo`` is
 ``bema_for_ref_model.DPOTrainer`` with a ``BEMACallback`` whose options are :class:`BEMAArguments`. Errors are one
-paragraph (``--debug`` for the traceback).
+paragraph (``--debug`` for the traceback). The distillation methods (``gkd``, ``gold``, ``iw_opd``) load the teacher
+from ``--teacher_model_name_or_path`` like the student (dtype, attention; never quantized) unless
+``teacher_model_init_kwargs`` says otherwise; ``server_distillation`` (and ``iw_opd`` with ``use_teacher_server``)
+reads it from ``--teacher_model_server_url`` (a running ``posttrain serve --model TEACHER``).
 """
 
 from __future__ import annotations
@@ -64,7 +71,33 @@ METHODS: dict[str, tuple[str, str]] = {
     "tpo": ("posttrain.experimental.tpo:TPOConfig", "posttrain.experimental.tpo:TPOTrainer"),
     "prm": ("posttrain.experimental.prm:PRMConfig", "posttrain.experimental.prm:PRMTrainer"),
     "bema_dpo": ("posttrain.trainers.dpo:DPOConfig", "posttrain.experimental.bema_for_ref_model:DPOTrainer"),
+    "gkd": ("posttrain.experimental.gkd:GKDConfig", "posttrain.experimental.gkd:GKDTrainer"),
+    "gold": ("posttrain.experimental.gold:GOLDConfig", "posttrain.experimental.gold:GOLDTrainer"),
+    "iw_opd": ("posttrain.experimental.iw_opd:IWOPDConfig", "posttrain.experimental.iw_opd:IWOPDTrainer"),
+    "server_distillation": (
+        "posttrain.experimental.server_distillation:ServerDistillationConfig",
+        "posttrain.experimental.server_distillation:ServerDistillationTrainer",
+    ),
 }
+# Methods distilling a teacher: loaded locally from teacher_model_name_or_path unless it is served.
+_DISTILLATION = ("gkd", "gold", "iw_opd", "server_distillation")
+
+
+def _teacher_kwargs(method: str, training_args: Any, model_args: Any) -> dict[str, Any]:
+    """``teacher_model=`` for the distillation methods (after ``apply_model_args``); {} when the teacher is served."""
+    from posttrain.cli.parser import ConfigError
+
+    if method == "server_distillation" or getattr(training_args, "use_teacher_server", False):
+        return {}
+    teacher = getattr(training_args, "teacher_model_name_or_path", None)
+    if not teacher:
+        raise ConfigError("--teacher_model_name_or_path is required: a hub id or a local model folder.")
+    if getattr(training_args, "teacher_model_init_kwargs", None) is None:
+        kwargs = {k: v for k, v in (training_args.model_init_kwargs or {}).items() if k != "quantization_config"}
+        kwargs.pop("device_map", None)
+        kwargs["revision"] = getattr(training_args, "teacher_model_revision", None) or "main"
+        training_args.teacher_model_init_kwargs = kwargs
+    return {"teacher_model": teacher}
 
 
 def _load(spec: str) -> Any:
@@ -78,7 +111,7 @@ def _train(method: str, argv: list[str]) -> int:
     from posttrain.cli.configs import ModelConfig, ScriptArguments
     from posttrain.cli.parser import ConfigError
     from posttrain.data.loading import DatasetMixtureConfig
-    from posttrain.scripts._common import build_and_train, make_trl_parser
+    from posttrain.scripts._common import apply_model_args, build_and_train, make_trl_parser
 
     if method not in METHODS:
         raise ConfigError(f"Unknown experimental method {method!r}; choose one of: {', '.join(METHODS)}.")
@@ -93,6 +126,9 @@ def _train(method: str, argv: list[str]) -> int:
     configs = parser.namespace_to_dataclasses(namespace)
     script_args, training_args, model_args, dataset_args = configs[:4]
     extra = {"callbacks": [configs[4].callback()]} if method == "bema_dpo" else {}
+    if method in _DISTILLATION:
+        apply_model_args(training_args, model_args)
+        extra.update(_teacher_kwargs(method, training_args, model_args))
     build_and_train(method, _load(trainer_spec), script_args, training_args, model_args, dataset_args, **extra)
     return 0
 
