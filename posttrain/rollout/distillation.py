@@ -364,6 +364,7 @@ class DistillationRollout:
         keep_completions: bool = False,
         seed: int = 0,
         accelerator: Any = None,
+        agent: Any = None,
     ):
         if seq_kd and teacher_backend is None:
             raise ValueError("seq_kd=True needs a teacher generation backend.")
@@ -381,6 +382,9 @@ class DistillationRollout:
         self.chat_template_kwargs = chat_template_kwargs
         self.keep_completions = keep_completions
         self.accelerator = accelerator
+        # Agent training (tools): rows are completed by agent.prepare, prompts rendered with the tool schemas, and
+        # student_backend is the agent's ToolCallingBackend; its tool tokens are context, not loss tokens.
+        self.agent = agent
         self.generator = torch.Generator().manual_seed(int(seed))
         self.last_completions: CompletionsTable | None = None
         tok = getattr(tokenizer, "tokenizer", tokenizer)
@@ -431,13 +435,15 @@ class DistillationRollout:
     def _truncate_prompt(self, ids: list[int]) -> list[int]:
         return truncate_sequence(ids, self.max_prompt_length, self._truncation)
 
-    def _generate(self, backend: Any, prompt_ids: list[list[int]]) -> Completions:
-        """Sample one completion per row; whole groups of identical prompts are handed over once with G."""
+    def _generate(self, backend: Any, prompt_ids: list[list[int]], tools: list | None = None) -> Completions:
+        """Sample one completion per row; whole groups of identical prompts are handed over once with G.
+        ``tools``: per row, the tools its rollout may call (agent training; the student's backend only)."""
         g, n = self.num_generations, len(prompt_ids)
         grouped = g > 1 and n % g == 0 and all(prompt_ids[i] == prompt_ids[i - i % g] for i in range(n))
+        kwargs = {"tools": tools} if tools is not None else {}
         if grouped:
-            return backend.generate(prompt_ids[::g], self.sampling, g)
-        return backend.generate(prompt_ids, self.sampling, 1)
+            return backend.generate(prompt_ids[::g], self.sampling, g, **kwargs)
+        return backend.generate(prompt_ids, self.sampling, 1, **kwargs)
 
     def _dataset_completion(self, row: dict[str, Any], index: int) -> tuple[list[int], list[int], bool]:
         """(prompt ids, completion ids cut after the first EOS and to max_completion_length, ended with EOS)."""
@@ -471,6 +477,9 @@ class DistillationRollout:
         """
         record = record or (lambda name, value: None)
         rows = [self.as_prompt_completion(row, i) for i, row in enumerate(rows)]
+        agent_batch = self.agent.prepare(rows) if self.agent is not None else None
+        if agent_batch is not None:
+            rows = agent_batch.rows
         n = len(rows)
         if num_slices < 1 or n % num_slices != 0:
             raise ValueError(f"Cannot split a round of {n} rows into {num_slices} equal slices.")
@@ -478,29 +487,41 @@ class DistillationRollout:
         on_policy = self.draw_on_policy(num_slices, mode)
         sources = [self.row_source(on_policy[i // size], row) for i, row in enumerate(rows)]
 
-        prompt_texts, rendered = render_prompts(rows, self.tokenizer, self.chat_template_kwargs)
+        schemas = agent_batch.tool_schemas if agent_batch is not None else None
+        prompt_texts, rendered = render_prompts(rows, self.tokenizer, self.chat_template_kwargs, schemas)
         prompt_ids: list[list[int]] = [self._truncate_prompt(ids) for ids in rendered]
         completion_ids: list[list[int]] = [[] for _ in range(n)]
         finished = [False] * n
+        tool_mask: list[list[int] | None] = [None] * n
+        tool_counts: list[tuple[float, float]] = []
         for source, backend in (("student", self.student_backend), ("teacher", self.teacher_backend)):
             index = [i for i in range(n) if sources[i] == source]
             if not index:
                 continue
-            out = self._generate(backend, [prompt_ids[i] for i in index])
+            tools = [agent_batch.tools[i] for i in index] if agent_batch is not None and source == "student" else None
+            out = self._generate(backend, [prompt_ids[i] for i in index], tools)
             if len(out) != len(index):
                 raise ValueError(
                     f"The {source} generation backend returned {len(out)} completions for {len(index)} rows."
                 )
+            masks = out.extra.get("tool_mask") if source == "student" else None
+            if source == "student" and "tool_call_count" in out.extra:
+                tool_counts += list(zip(out.extra["tool_call_count"], out.extra["tool_failure_count"]))
             for j, i in enumerate(index):
                 completion_ids[i] = list(out.completion_ids[j])
                 finished[i] = bool(out.finished[j])
+                if masks is not None:
+                    tool_mask[i] = list(masks[j])
         for i in range(n):
             if sources[i] == "dataset":
                 ids, completion_ids[i], finished[i] = self._dataset_completion(rows[i], i)
                 prompt_ids[i] = self._truncate_prompt(ids)
 
+        extra = {}
+        if any(m is not None for m in tool_mask):  # tool-result tokens: context for both models, not loss tokens
+            extra["tool_mask"] = [m if m is not None else [1] * len(c) for m, c in zip(tool_mask, completion_ids)]
         batch = collate_completions(
-            Completions(completion_ids, None, finished, prompt_ids),
+            Completions(completion_ids, None, finished, prompt_ids, extra=extra),
             pad_token_id=self.pad_token_id,
             mask_truncated_completions=self.mask_truncated_completions,
             pad_to_multiple_of=self.pad_to_multiple_of,
@@ -515,6 +536,13 @@ class DistillationRollout:
                 torch.tensor(gen_lengths), torch.tensor(gen_finished, dtype=torch.bool)
             ).items():
                 record(name, value)
+        if self.agent is not None:  # TRL's tools/call_frequency, tools/failure_frequency over on-policy samples
+            from posttrain.agents.loop import tool_metrics
+
+            counts = self._gather_list(tool_counts)
+            if counts:
+                for name, value in tool_metrics([c for c, _ in counts], [f for _, f in counts]).items():
+                    record(name, value)
         batch["num_items_in_batch"] = self._gather_sum(batch["completion_mask"].sum())
         batch["sources"] = sources
         if self.keep_completions:

@@ -22,8 +22,9 @@ Metrics (TRL's names): ``loss`` (the divergence per token), ``distillation_loss`
 
 Deliberate differences from TRL: heads of different sizes that both cover the tokenizer are accepted (see
 ``rollout/distillation.py``); evaluation scores student samples when ``lmbda > 0`` and dataset (or, with ``seq_kd``, teacher)
-completions when ``lmbda = 0``; teacher-server / top-k losses (TRL's ``ServerDistillationTrainer``), Liger, tools
-and VLMs are not supported.
+completions when ``lmbda = 0``; teacher-server / top-k losses live in ``posttrain.experimental.server_distillation``;
+Liger and VLMs are not supported. ``tools=`` (with ``max_tool_calling_iterations``) runs on-policy samples through
+the agents' tool loop as GRPO does: tool-result tokens stay in both models' context but carry no loss.
 """
 
 from __future__ import annotations
@@ -142,6 +143,13 @@ class DistillationConfig(OnlineRLConfig):
     vllm_sync_frequency: int = field(
         default=1, metadata={"help": "Optimizer steps between weight syncs to the generation backend."}
     )
+    max_tool_calling_iterations: int | None = field(
+        default=None,
+        metadata={
+            "help": "Most rounds of tool calls per on-policy completion (with tools=); None = until the budget is "
+            "spent."
+        },
+    )
     # -- logging -----------------------------------------------------------------------------------------------------
     log_completions: bool = field(
         default=False,
@@ -239,6 +247,8 @@ class DistillationTrainer(OnlineTrainerBase):
         compute_metrics / preprocess_logits_for_metrics: Not supported (no logits are returned); must be None.
         callbacks / optimizers: As ``transformers.Trainer``.
         peft_config: Wraps the student (LoRA). A LoRA on ``lm_head`` works but uses the full-logits path.
+        tools: Python functions the student may call during on-policy generation (conversational prompts; the chat
+            template must render tools). Tool results are masked out of the loss.
     """
 
     config_class = DistillationConfig
@@ -261,6 +271,7 @@ class DistillationTrainer(OnlineTrainerBase):
         optimizers: tuple = (None, None),
         preprocess_logits_for_metrics: Any = None,
         peft_config: Any = None,
+        tools: list | None = None,
     ):
         for name, value in (
             ("data_collator", data_collator),
@@ -296,7 +307,8 @@ class DistillationTrainer(OnlineTrainerBase):
                 stacklevel=2,
             )
         # The shared construction steps, without rewards or a reference policy (distillation has neither).
-        self.agent = None  # no rollout_func / tools (agent training) in distillation yet
+        # Tools (agent training): on-policy samples run the tool loop; tool-result tokens are context, not loss.
+        self.agent = self._make_agent(tools, None, None, processing_class, model, args)
         self.reward_funcs = []
         self.reference = ReferencePolicy("none")
         self._init_trainer(model, args, train_dataset, eval_dataset, processing_class, callbacks, optimizers)
@@ -333,6 +345,7 @@ class DistillationTrainer(OnlineTrainerBase):
             keep_completions=args.log_completions,
             seed=args.seed,
             accelerator=self.accelerator,
+            agent=self.agent,
         )
 
     # -- construction helpers ----------------------------------------------------------------------------------
