@@ -3,7 +3,8 @@
 ``from trl.experimental.cpo import CPOConfig, CPOTrainer`` becomes ``from posttrain.experimental.cpo import ...``.
 Submodules: ``cpo`` (CPO, SimPO, AlphaPO), ``orpo``, ``tpo``, ``prm`` (process reward models),
 ``bema_for_ref_model`` (BEMACallback and the DPO trainer whose reference tracks BEMA weights),
-``merge_model_callback`` (mergekit, optional extra) and ``utils`` (TRL's experimental collators).
+``merge_model_callback`` (mergekit, optional extra), ``utils`` (TRL's experimental collators) and the distillation
+family: ``gkd``, ``gold`` (cross-tokenizer ULD), ``iw_opd`` and ``server_distillation`` (teacher behind a server).
 
 Anything here may change or be removed in any release without deprecation, as in TRL; importing this package warns
 ``TRLExperimentalWarning`` once, unless the environment variable ``TRL_EXPERIMENTAL_SILENCE`` is set (TRL's switch).
