@@ -23,7 +23,17 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["chunked_generalized_jsd", "forward_kl", "generalized_jsd_loss", "reverse_kl", "token_generalized_jsd"]
+__all__ = [
+    "add_tail_bucket",
+    "chunked_generalized_jsd",
+    "forward_kl",
+    "generalized_jsd_loss",
+    "iw_opd_loss",
+    "iw_opd_weights",
+    "reverse_kl",
+    "sparse_support_divergence",
+    "token_generalized_jsd",
+]
 
 _REDUCTIONS = ("batchmean", "sum", "mean", "none")
 
@@ -268,3 +278,96 @@ def chunked_generalized_jsd(
         out = per_valid.new_zeros(n_tokens).index_copy(0, rows, per_valid)
         return out.reshape(leading)
     return _reduce(per_valid, rows.numel(), student_weight.size(0), reduction)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Sparse (top-k) supports: a teacher that only exposes its top-k log-probabilities (a generation server)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def add_tail_bucket(log_probs: torch.Tensor, support_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Append a (K+1)-th bucket holding the mass outside the support: log(1 − Σ_k p_k) (TRL's ``loss_add_tail``).
+
+    ``log_probs`` ``(..., K)`` are log-probabilities of the support tokens under the full distribution (−inf where
+    ``support_mask`` is False). The sum is clamped just below 1 so the tail stays finite. Returns
+    ``(log_probs (..., K+1), mask (..., K+1))``; the tail is always in the support.
+    """
+    log_sum = torch.logsumexp(log_probs, dim=-1, keepdim=True).clamp(max=-1e-7)
+    tail = torch.log(-torch.expm1(log_sum))
+    return torch.cat([log_probs, tail], dim=-1), torch.cat([support_mask, torch.ones_like(support_mask[..., :1])], -1)
+
+
+def sparse_support_divergence(
+    student_log_probs: torch.Tensor,
+    teacher_log_probs: torch.Tensor,
+    support_mask: torch.Tensor,
+    *,
+    beta: float,
+    add_tail: bool = True,
+) -> torch.Tensor:
+    """Generalized JSD restricted to a sparse support of K tokens per position; returns ``(...,)``.
+
+    ``student_log_probs`` / ``teacher_log_probs`` ``(..., K)`` are each model's log-probabilities of the support
+    tokens (full-vocabulary log-softmax values); entries where ``support_mask`` is False are ignored. With
+    ``add_tail`` each side gets the tail bucket ``1 − Σ_k p_k`` (:func:`add_tail_bucket`), a proper distribution over
+    K + 1 outcomes; without it each side is renormalised over the support. Then ``token_generalized_jsd``
+    (β = 0 forward KL, β = 1 reverse KL).
+    """
+    mask = support_mask.to(torch.bool)
+    neg_inf = torch.tensor(float("-inf"), dtype=student_log_probs.dtype, device=student_log_probs.device)
+    student = torch.where(mask, student_log_probs, neg_inf)
+    teacher = torch.where(mask, teacher_log_probs.to(student.dtype), neg_inf)
+    if add_tail:
+        student, mask = add_tail_bucket(student, mask)
+        teacher, _ = add_tail_bucket(teacher, support_mask.to(torch.bool))
+    else:
+        student = student - torch.logsumexp(student, dim=-1, keepdim=True)
+        teacher = teacher - torch.logsumexp(teacher, dim=-1, keepdim=True)
+    # Masked entries are -inf on both sides: _kl drops p = 0 terms, and the mixture of two -inf is -inf.
+    per_token = token_generalized_jsd(student, teacher, beta)
+    return torch.nan_to_num(per_token, nan=0.0)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# IW-OPD: importance-weighted on-policy distillation (sampled-token objective)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def iw_opd_weights(advantages: torch.Tensor, mask: torch.Tensor, gamma: float, epsilon: float = 1e-8) -> torch.Tensor:
+    """IW-OPD prefix weights ``(B, T)`` (Algorithm 1 of "On the Position Bias of On-Policy Distillation").
+
+    With a_t the per-token advantage (teacher minus rollout log-prob of the sampled token) and
+    c_t = Σ_{s<t} |a_s| the accumulated prefix discrepancy of the row,
+    w_t = 1 + γ · (1 − c_t / max(Σ_s |a_s|, ε)): early tokens weigh up to 1 + γ, tokens after large drift down to 1.
+    Masked positions count as a = 0. Returned detached.
+    """
+    abs_adv = torch.where(mask.to(torch.bool), advantages.abs(), torch.zeros_like(advantages))
+    prefix = abs_adv.cumsum(dim=-1) - abs_adv
+    total = abs_adv.sum(dim=-1, keepdim=True).clamp(min=epsilon)
+    return (1.0 + gamma * (1.0 - prefix / total)).detach()
+
+
+def iw_opd_loss(
+    student_logprobs: torch.Tensor,
+    teacher_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    gamma: float = 0.5,
+    epsilon: float = 1e-8,
+    rollout_logprobs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token IW-OPD loss ``−w_t · a_t · log π_θ(y_t)`` on ``(B, T)`` sampled-token log-probs.
+
+    a_t = log π_T(y_t) − log π_rollout(y_t) (the student's own log-prob, detached, when no rollout log-probs are
+    given), detached; w_t from :func:`iw_opd_weights`. Its gradient is the reverse-KL policy gradient with
+    per-token reward a_t, reweighted by position. Returns ``(loss (B, T) zero at masked positions, advantages w·a,
+    weights)``.
+    """
+    keep = mask.to(torch.bool)
+    behaviour = student_logprobs if rollout_logprobs is None else rollout_logprobs
+    zeros = torch.zeros_like(student_logprobs)
+    a = torch.where(keep, teacher_logprobs.to(zeros.dtype) - behaviour.to(zeros.dtype), zeros).detach()
+    weights = iw_opd_weights(a, keep, gamma, epsilon)
+    advantages = weights * a
+    loss = torch.where(keep, -student_logprobs * advantages, zeros)
+    return loss, advantages, weights

@@ -11,13 +11,20 @@ ones (TRL has no CLI verbs for these, so neither has ``posttrain``)::
     python -m posttrain.experimental.run online_dpo --config examples/online_dpo.yaml
     python -m posttrain.experimental.run a2po --config examples/a2po.yaml
     python -m posttrain.experimental.run ppo --config examples/ppo.yaml
+    python -m posttrain.experimental.run gkd --config examples/gkd.yaml
+    python -m posttrain.experimental.run gold --config examples/gold.yaml
+    python -m posttrain.experimental.run iw_opd --config examples/iw_opd.yaml
+    python -m posttrain.experimental.run server_distillation --config examples/server_distillation.yaml
 
 Each method parses ``(ScriptArguments, <X>Config, ModelConfig, DatasetMixtureConfig)`` with ``TrlParser`` (YAML
 keys and ``--flags``; flags win), trains in this process and saves to ``output_dir``. ``bema_dpo`` is
 ``bema_for_ref_model.DPOTrainer`` with a ``BEMACallback`` whose options are :class:`BEMAArguments`. The online methods
 (``REWARD_METHODS``) parse ``posttrain grpo``'s script arguments instead, so their rewards come from
 ``reward_funcs`` (registry names or dotted paths) and/or ``reward_model_name_or_path``. Errors are one
-paragraph (``--debug`` for the traceback).
+paragraph (``--debug`` for the traceback). The distillation methods (``gkd``, ``gold``, ``iw_opd``) load the teacher
+from ``--teacher_model_name_or_path`` like the student (dtype, attention; never quantized) unless
+``teacher_model_init_kwargs`` says otherwise; ``server_distillation`` (and ``iw_opd`` with ``use_teacher_server``)
+reads it from ``--teacher_model_server_url`` (a running ``posttrain serve --model TEACHER``).
 """
 
 from __future__ import annotations
@@ -82,9 +89,35 @@ METHODS: dict[str, tuple[str, str]] = {
     ),
     "a2po": ("posttrain.experimental.a2po:A2POConfig", "posttrain.experimental.a2po:A2POTrainer"),
     "ppo": ("posttrain.experimental.ppo:PPOConfig", "posttrain.experimental.ppo:PPOTrainer"),
+    "gkd": ("posttrain.experimental.gkd:GKDConfig", "posttrain.experimental.gkd:GKDTrainer"),
+    "gold": ("posttrain.experimental.gold:GOLDConfig", "posttrain.experimental.gold:GOLDTrainer"),
+    "iw_opd": ("posttrain.experimental.iw_opd:IWOPDConfig", "posttrain.experimental.iw_opd:IWOPDTrainer"),
+    "server_distillation": (
+        "posttrain.experimental.server_distillation:ServerDistillationConfig",
+        "posttrain.experimental.server_distillation:ServerDistillationTrainer",
+    ),
 }
 # Online methods: GRPO's script arguments (reward_funcs, reward_model_name_or_path) and a reward_funcs argument.
 REWARD_METHODS = {"gmpo", "grpo_with_replay_buffer", "online_dpo", "a2po", "ppo"}
+# Methods distilling a teacher: loaded locally from teacher_model_name_or_path unless it is served.
+_DISTILLATION = ("gkd", "gold", "iw_opd", "server_distillation")
+
+
+def _teacher_kwargs(method: str, training_args: Any, model_args: Any) -> dict[str, Any]:
+    """``teacher_model=`` for the distillation methods (after ``apply_model_args``); {} when the teacher is served."""
+    from posttrain.cli.parser import ConfigError
+
+    if method == "server_distillation" or getattr(training_args, "use_teacher_server", False):
+        return {}
+    teacher = getattr(training_args, "teacher_model_name_or_path", None)
+    if not teacher:
+        raise ConfigError("--teacher_model_name_or_path is required: a hub id or a local model folder.")
+    if getattr(training_args, "teacher_model_init_kwargs", None) is None:
+        kwargs = {k: v for k, v in (training_args.model_init_kwargs or {}).items() if k != "quantization_config"}
+        kwargs.pop("device_map", None)
+        kwargs["revision"] = getattr(training_args, "teacher_model_revision", None) or "main"
+        training_args.teacher_model_init_kwargs = kwargs
+    return {"teacher_model": teacher}
 
 
 def _load(spec: str) -> Any:
@@ -98,7 +131,7 @@ def _train(method: str, argv: list[str]) -> int:
     from posttrain.cli.configs import GRPOScriptArguments, ModelConfig, ScriptArguments
     from posttrain.cli.parser import ConfigError
     from posttrain.data.loading import DatasetMixtureConfig
-    from posttrain.scripts._common import build_and_train, make_trl_parser, reward_funcs_from_args
+    from posttrain.scripts._common import apply_model_args, build_and_train, make_trl_parser, reward_funcs_from_args
 
     if method not in METHODS:
         raise ConfigError(f"Unknown experimental method {method!r}; choose one of: {', '.join(METHODS)}.")
@@ -120,6 +153,9 @@ def _train(method: str, argv: list[str]) -> int:
             extra["reward_funcs"] = None
         else:
             extra["reward_funcs"] = reward_funcs_from_args(f"experimental.run {method}", script_args)
+    if method in _DISTILLATION:
+        apply_model_args(training_args, model_args)
+        extra.update(_teacher_kwargs(method, training_args, model_args))
     build_and_train(method, _load(trainer_spec), script_args, training_args, model_args, dataset_args, **extra)
     return 0
 

@@ -61,6 +61,42 @@ def build_tiny_tokenizer(padding_side: Literal["left", "right"] = "right"):
     return fast
 
 
+# Merges of the second tiny tokenizer (a different vocabulary for cross-tokenizer distillation tests).
+MERGED_PAIRS = [("a", "b"), ("c", "a"), ("b", "c"), ("ab", "c"), ("Q", "1"), ("x", "y")]
+
+
+def build_tiny_merged_tokenizer(padding_side: Literal["left", "right"] = "right"):
+    """A second offline tokenizer whose vocabulary differs from :func:`build_tiny_tokenizer`'s: the same specials
+    first (ids 0-3: ``<|pad|>``, ``<|im_start|>``, ``<|im_end|>`` (EOS), ``<|endoftext|>``), then the 256 bytes
+    shifted to ids 4-259, then BPE merges (``ab``, ``ca``, ``bc``, ``abc``, ``Q1``, ``xy``) at ids 260-265 — so
+    "abcabc" is two tokens here and six there, and byte ``b`` has id ``b + 4``. Same ChatML template.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_to_char = _bytes_to_unicode()
+    specials = ["<|pad|>", "<|im_start|>", "<|im_end|>", "<|endoftext|>"]
+    vocab = {name: i for i, name in enumerate(specials)}
+    vocab.update({byte_to_char[b]: b + len(specials) for b in range(256)})
+    for left, right in MERGED_PAIRS:
+        vocab[left + right] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=list(MERGED_PAIRS), fuse_unk=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(name, special=True, normalized=False) for name in specials])  # ids 0-3
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|pad|>",
+        unk_token=None,
+        padding_side=padding_side,
+        model_max_length=4096,
+    )
+    fast.chat_template = chatml_template()
+    return fast
+
+
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte → printable-unicode table (the ByteLevel pre-tokenizer's alphabet)."""
     bs = (

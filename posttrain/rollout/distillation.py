@@ -252,6 +252,7 @@ class DistillationRollout:
         keep_completions: bool = False,
         seed: int = 0,
         accelerator: Any = None,
+        agent: Any = None,
     ):
         if seq_kd and teacher_backend is None:
             raise ValueError("seq_kd=True needs a teacher generation backend.")
@@ -269,6 +270,9 @@ class DistillationRollout:
         self.chat_template_kwargs = chat_template_kwargs
         self.keep_completions = keep_completions
         self.accelerator = accelerator
+        # Agent training (tools): rows are completed by agent.prepare, prompts rendered with the tool schemas, and
+        # student_backend is the agent's ToolCallingBackend; its tool tokens are context, not loss tokens.
+        self.agent = agent
         self.generator = torch.Generator().manual_seed(int(seed))
         self.last_completions: CompletionsTable | None = None
         tok = getattr(tokenizer, "tokenizer", tokenizer)
@@ -319,13 +323,15 @@ class DistillationRollout:
     def _truncate_prompt(self, ids: list[int]) -> list[int]:
         return truncate_sequence(ids, self.max_prompt_length, self._truncation)
 
-    def _generate(self, backend: Any, prompt_ids: list[list[int]]) -> Completions:
-        """Sample one completion per row; whole groups of identical prompts are handed over once with G."""
+    def _generate(self, backend: Any, prompt_ids: list[list[int]], tools: list | None = None) -> Completions:
+        """Sample one completion per row; whole groups of identical prompts are handed over once with G.
+        ``tools``: per row, the tools its rollout may call (agent training; the student's backend only)."""
         g, n = self.num_generations, len(prompt_ids)
         grouped = g > 1 and n % g == 0 and all(prompt_ids[i] == prompt_ids[i - i % g] for i in range(n))
+        kwargs = {"tools": tools} if tools is not None else {}
         if grouped:
-            return backend.generate(prompt_ids[::g], self.sampling, g)
-        return backend.generate(prompt_ids, self.sampling, 1)
+            return backend.generate(prompt_ids[::g], self.sampling, g, **kwargs)
+        return backend.generate(prompt_ids, self.sampling, 1, **kwargs)
 
     def _dataset_completion(self, row: dict[str, Any], index: int) -> tuple[list[int], list[int], bool]:
         """(prompt ids, completion ids cut after the first EOS and to max_completion_length, ended with EOS)."""
@@ -355,7 +361,8 @@ class DistillationRollout:
         Rows are split into ``num_slices`` consecutive slices (the gradient-accumulation micro-batches of the
         round); each slice gets one source. The batch holds ``prompt_ids``/``prompt_mask`` ``(B, P)``,
         ``completion_ids``/``completion_mask`` ``(B, C)``, ``completion_lengths`` ``(B,)``, ``sources`` (one of
-        ``SOURCES`` per row) and ``num_items_in_batch`` (loss tokens of the round over all processes).
+        ``SOURCES`` per row), ``tool_mask`` with tools (tool-result tokens: context, not loss tokens) and
+        ``num_items_in_batch`` (loss tokens of the round over all processes).
 
         Each stage is a named call, timed into a ``timing/<stage>`` metric (seconds on this process; see
         :data:`STAGES`), and the whole round into ``timing/rollout``; stages with nothing to do (no sampled or no
@@ -365,27 +372,33 @@ class DistillationRollout:
         stage = StageTimer(record)
         with stage("rollout"):
             with stage("prepare_rows"):
-                rows, sources = self.prepare_rows(rows, num_slices, mode)
+                rows, sources, agent_batch = self.prepare_rows(rows, num_slices, mode)
             with stage("render_prompts"):
-                prompt_texts, rendered = render_prompts(rows, self.tokenizer, self.chat_template_kwargs)
+                schemas = agent_batch.tool_schemas if agent_batch is not None else None
+                prompt_texts, rendered = render_prompts(rows, self.tokenizer, self.chat_template_kwargs, schemas)
                 prompt_ids: list[list[int]] = [self._truncate_prompt(ids) for ids in rendered]
             completion_ids: list[list[int]] = [[] for _ in rows]
             finished = [False] * len(rows)
+            tool_mask: list[list[int] | None] = [None] * len(rows)
+            tool_counts: list[tuple[float, float]] = []
             if any(source != "dataset" for source in sources):
                 with stage("generate"):
-                    self.generate(sources, prompt_ids, completion_ids, finished)
+                    self.generate(sources, prompt_ids, completion_ids, finished, agent_batch, tool_mask, tool_counts)
             if "dataset" in sources:
                 with stage("dataset_completions"):
                     self.dataset_completions(rows, sources, prompt_ids, completion_ids, finished)
             with stage("collate"):
+                extra = {}
+                if any(m is not None for m in tool_mask):  # tool-result tokens: context for both models, no loss
+                    extra["tool_mask"] = [m if m is not None else [1] * len(c) for m, c in zip(tool_mask, completion_ids)]
                 batch = collate_completions(
-                    Completions(completion_ids, None, finished, prompt_ids),
+                    Completions(completion_ids, None, finished, prompt_ids, extra=extra),
                     pad_token_id=self.pad_token_id,
                     mask_truncated_completions=self.mask_truncated_completions,
                     pad_to_multiple_of=self.pad_to_multiple_of,
                 )
             with stage("metrics"):
-                self.record_metrics(batch, sources, finished, record)
+                self.record_metrics(batch, sources, finished, record, tool_counts)
             batch["num_items_in_batch"] = self._gather_sum(batch["completion_mask"].sum())
             batch["sources"] = sources
             if self.keep_completions:
@@ -395,36 +408,52 @@ class DistillationRollout:
         return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
 
     # -- the stages of run(), in order -------------------------------------------------------------------------
-    def prepare_rows(
-        self, rows: list[dict[str, Any]], num_slices: int, mode: str
-    ) -> tuple[list[dict[str, Any]], list[str]]:
-        """Rows as prompt(-completion) rows (:meth:`as_prompt_completion`) and each row's source: the round is cut
-        into ``num_slices`` equal consecutive slices, one on-policy draw (:meth:`draw_on_policy`) per slice."""
+    def prepare_rows(self, rows: list[dict[str, Any]], num_slices: int, mode: str) -> tuple[list, list[str], Any]:
+        """Rows as prompt(-completion) rows (:meth:`as_prompt_completion`, completed by the agent's ``prepare``
+        with tools), each row's source — the round is cut into ``num_slices`` equal consecutive slices, one
+        on-policy draw (:meth:`draw_on_policy`) per slice — and the agent batch (None without tools)."""
         rows = [self.as_prompt_completion(row, i) for i, row in enumerate(rows)]
+        agent_batch = self.agent.prepare(rows) if self.agent is not None else None
+        if agent_batch is not None:
+            rows = agent_batch.rows
         n = len(rows)
         if num_slices < 1 or n % num_slices != 0:
             raise ValueError(f"Cannot split a round of {n} rows into {num_slices} equal slices.")
         size = n // num_slices
         on_policy = self.draw_on_policy(num_slices, mode)
-        return rows, [self.row_source(on_policy[i // size], row) for i, row in enumerate(rows)]
+        return rows, [self.row_source(on_policy[i // size], row) for i, row in enumerate(rows)], agent_batch
 
     def generate(
-        self, sources: list[str], prompt_ids: list[list[int]], completion_ids: list[list[int]], finished: list[bool]
+        self,
+        sources: list[str],
+        prompt_ids: list[list[int]],
+        completion_ids: list[list[int]],
+        finished: list[bool],
+        agent_batch: Any = None,
+        tool_mask: list | None = None,
+        tool_counts: list | None = None,
     ) -> None:
-        """Sample the completions of the ``student`` and ``teacher`` rows from their backends (in place)."""
+        """Sample the completions of the ``student`` and ``teacher`` rows from their backends (in place). With tools
+        the student rows get their tools; their tool masks and (calls, failures) counts are filled in."""
         n = len(sources)
         for source, backend in (("student", self.student_backend), ("teacher", self.teacher_backend)):
             index = [i for i in range(n) if sources[i] == source]
             if not index:
                 continue
-            out = self._generate(backend, [prompt_ids[i] for i in index])
+            tools = [agent_batch.tools[i] for i in index] if agent_batch is not None and source == "student" else None
+            out = self._generate(backend, [prompt_ids[i] for i in index], tools)
             if len(out) != len(index):
                 raise ValueError(
                     f"The {source} generation backend returned {len(out)} completions for {len(index)} rows."
                 )
+            masks = out.extra.get("tool_mask") if source == "student" else None
+            if source == "student" and "tool_call_count" in out.extra and tool_counts is not None:
+                tool_counts += list(zip(out.extra["tool_call_count"], out.extra["tool_failure_count"]))
             for j, i in enumerate(index):
                 completion_ids[i] = list(out.completion_ids[j])
                 finished[i] = bool(out.finished[j])
+                if masks is not None and tool_mask is not None:
+                    tool_mask[i] = list(masks[j])
 
     def dataset_completions(
         self,
@@ -442,10 +471,15 @@ class DistillationRollout:
                 prompt_ids[i] = self._truncate_prompt(ids)
 
     def record_metrics(
-        self, batch: RolloutBatch, sources: list[str], finished: list[bool], record: Callable[[str, float], None]
+        self,
+        batch: RolloutBatch,
+        sources: list[str],
+        finished: list[bool],
+        record: Callable[[str, float], None],
+        tool_counts: list | None = None,
     ) -> None:
-        """``num_tokens`` (prompt + completion tokens over all processes) and TRL's ``completions/*`` metrics of the
-        sampled (student or teacher) completions."""
+        """``num_tokens`` (prompt + completion tokens over all processes), TRL's ``completions/*`` metrics of the
+        sampled (student or teacher) completions and, with tools, ``tools/*`` over the on-policy samples."""
         lengths = batch["completion_lengths"]
         record("num_tokens", float(self._gather_sum(batch["prompt_mask"].sum() + lengths.sum())))
         generated = [i for i in range(len(sources)) if sources[i] != "dataset"]
@@ -456,6 +490,13 @@ class DistillationRollout:
                 torch.tensor(gen_lengths), torch.tensor(gen_finished, dtype=torch.bool)
             ).items():
                 record(name, value)
+        if self.agent is not None:  # TRL's tools/call_frequency, tools/failure_frequency
+            from posttrain.agents.loop import tool_metrics
+
+            counts = self._gather_list(list(tool_counts or []))
+            if counts:
+                for name, value in tool_metrics([c for c, _ in counts], [f for _, f in counts]).items():
+                    record(name, value)
 
     def completions_table(
         self, prompt_texts: list[str], completion_ids: list[list[int]], sources: list[str]

@@ -10,6 +10,9 @@ Endpoints (FastAPI on uvicorn):
   ``text``, ``logprobs.token_logprobs`` and ``finish_reason`` (``"stop"``/``"length"``).
 - ``GET /health`` (and TRL's ``/health/``) — ``{"status": "ok", "server": "posttrain", "version": ...}``;
   ``GET /v1/models``; ``GET /get_world_size`` (and ``/get_world_size/``).
+- ``POST /get_sequence_logprobs/`` — TRL's teacher-scoring request for server distillation: ``sequences`` (token
+  ids), ``prompt_lengths``, ``top_logprobs`` (K), ``temperature``; returns, per completion token, the top-K
+  ``logprobs`` / ``logprob_token_ids`` and the ``actual_logprobs`` of the sequence's own tokens (posttrain engine).
 - ``POST /v1/load_weights`` — a safetensors payload as the body (see ``posttrain.serving.weights`` for why);
   query ``update_id`` + ``last=false`` stage a chunk of a larger update, ``last=true`` (default) applies everything
   staged for that ``update_id`` at once; ``version=N`` sets the new weight version (default: previous + 1).
@@ -82,6 +85,17 @@ class CompletionBody(BaseModel):
     echo: bool = False
     structured_outputs: dict[str, Any] | None = None
     user: str | None = None
+
+
+class SequenceLogprobsBody(BaseModel):
+    """``POST /get_sequence_logprobs/`` (TRL's teacher-scoring request): full token sequences, where each
+    completion starts, how many top log-probs to return per completion token, and the softmax temperature."""
+
+    model_config = ConfigDict(extra="forbid")
+    sequences: list[list[int]]
+    prompt_lengths: list[int]
+    top_logprobs: int = Field(1, ge=0)
+    temperature: float = Field(1.0, gt=0)
 
 
 class TRLGenerateBody(BaseModel):
@@ -488,6 +502,26 @@ def create_app(engine: Any, *, max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE, ver
             "logprob_token_ids": [[[t] for t in s.token_ids] for s in seqs],
             "version": version,
         })
+
+    @app.post("/get_sequence_logprobs/")
+    async def get_sequence_logprobs(body: SequenceLogprobsBody, request: Request):
+        """Teacher log-probs of given sequences (server distillation): ``logprobs`` / ``logprob_token_ids`` per
+        completion token (top ``top_logprobs``, sorted) and ``actual_logprobs`` of the sequence's own tokens."""
+        score = getattr(engine, "score_sequences", None)
+        if score is None:
+            raise RequestError("sequences", f"The {engine.name} engine cannot score sequences; serve with the posttrain backend.")
+
+        def fn() -> tuple[int, dict]:
+            return state.version, score(body.sequences, body.prompt_lengths, body.top_logprobs, body.temperature)
+
+        if not state.admit():
+            return busy()
+        result = await state.run(request, fn)
+        if result is None:
+            return error_response(499, "Client disconnected.", None, "ClientDisconnected")
+        version, scored = result
+        state.count("completed")
+        return JSONResponse({**scored, "version": version})
 
     @app.post("/v1/load_weights")
     async def load_weights(request: Request, update_id: str | None = None, last: bool = True, version: int | None = None):

@@ -274,6 +274,32 @@ class GenerationClient:
         resp = await self.arequest("POST", "/v1/completions", json=payload)
         return parse_completions(resp.json(), len(prompts), payload["n"])
 
+    def get_sequence_logprobs(
+        self, sequences: list[list[int]], prompt_lengths: list[int], top_logprobs: int = 1, temperature: float = 1.0
+    ) -> dict[str, Any]:
+        """``POST /get_sequence_logprobs/`` (TRL's teacher-server call): per completion token of each sequence, the
+        top-``top_logprobs`` ``logprobs`` / ``logprob_token_ids`` and the ``actual_logprobs`` of its own token,
+        plus the server's weight ``version``."""
+        payload = {
+            "sequences": [list(map(int, s)) for s in sequences],
+            "prompt_lengths": [int(p) for p in prompt_lengths],
+            "top_logprobs": int(top_logprobs),
+            "temperature": float(temperature),
+        }
+        return self.request("POST", "/get_sequence_logprobs/", json=payload).json()
+
+    async def aget_sequence_logprobs(
+        self, sequences: list[list[int]], prompt_lengths: list[int], top_logprobs: int = 1, temperature: float = 1.0
+    ) -> dict[str, Any]:
+        payload = {
+            "sequences": [list(map(int, s)) for s in sequences],
+            "prompt_lengths": [int(p) for p in prompt_lengths],
+            "top_logprobs": int(top_logprobs),
+            "temperature": float(temperature),
+        }
+        resp = await self.arequest("POST", "/get_sequence_logprobs/", json=payload)
+        return resp.json()
+
     @staticmethod
     def _with_last(chunks: Iterable[bytes]) -> Iterable[tuple[bytes, bool]]:
         """``(chunk, is_last)`` with one chunk of look-ahead, so chunks stream without being held all at once."""

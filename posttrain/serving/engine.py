@@ -209,6 +209,53 @@ class PosttrainEngine:
             results.append(group)
         return results
 
+    @torch.no_grad()
+    def score_sequences(
+        self, sequences: list[list[int]], prompt_lengths: list[int], top_logprobs: int = 1, temperature: float = 1.0
+    ) -> dict[str, list]:
+        """Teacher log-probs of given sequences (TRL's ``get_sequence_logprobs``): for each completion token
+        (positions ``prompt_length..``) the log-prob of the actual token and the ``top_logprobs`` most likely tokens
+        with their log-probs, under ``softmax(logits / temperature)``.
+
+        Returns ``{"logprobs": [(C_i, K)], "logprob_token_ids": [(C_i, K)], "actual_logprobs": [(C_i, 1)]}`` as
+        nested lists (sorted by decreasing log-prob within each position).
+        """
+        vocab = self.model.config.vocab_size
+        if top_logprobs < 0:
+            raise RequestError("top_logprobs", f"top_logprobs must be >= 0, got {top_logprobs}.")
+        if not temperature > 0:
+            raise RequestError("temperature", f"temperature must be > 0, got {temperature}.")
+        if len(prompt_lengths) != len(sequences):
+            raise RequestError("prompt_lengths", "prompt_lengths must have one entry per sequence.")
+        for i, (ids, p) in enumerate(zip(sequences, prompt_lengths)):
+            if not 1 <= p <= len(ids):
+                raise RequestError("prompt_lengths", f"prompt_lengths[{i}]={p} must lie in [1, {len(ids)}].")
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise RequestError("sequences", f"sequences[{i}] has token ids outside [0, {vocab}): {bad[:5]}.")
+        out: dict[str, list] = {"logprobs": [], "logprob_token_ids": [], "actual_logprobs": []}
+        if not sequences:
+            return out
+        width = max(len(ids) for ids in sequences)
+        input_ids = torch.full((len(sequences), width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros_like(input_ids)
+        for i, ids in enumerate(sequences):
+            input_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            attention_mask[i, : len(ids)] = 1
+        logits = self.model(
+            input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device), use_cache=False
+        ).logits
+        k = min(top_logprobs, logits.shape[-1])
+        for i, (ids, p) in enumerate(zip(sequences, prompt_lengths)):
+            log_probs = torch.log_softmax(logits[i, p - 1 : len(ids) - 1].float() / temperature, dim=-1)  # (C, V)
+            targets = torch.tensor(ids[p:], dtype=torch.long, device=log_probs.device)
+            actual = log_probs.gather(-1, targets[:, None])
+            top = log_probs.topk(k, dim=-1) if k > 0 else None
+            out["actual_logprobs"].append(actual.tolist())
+            out["logprobs"].append(top.values.tolist() if top is not None else [[] for _ in ids[p:]])
+            out["logprob_token_ids"].append(top.indices.tolist() if top is not None else [[] for _ in ids[p:]])
+        return out
+
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> int:
         from posttrain.serving.weights import load_into
 

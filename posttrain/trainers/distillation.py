@@ -22,8 +22,9 @@ Metrics (TRL's names): ``loss`` (the divergence per token), ``distillation_loss`
 
 Deliberate differences from TRL: heads of different sizes that both cover the tokenizer are accepted (see
 ``rollout/distillation.py``); evaluation scores student samples when ``lmbda > 0`` and dataset (or, with ``seq_kd``, teacher)
-completions when ``lmbda = 0``; teacher-server / top-k losses (TRL's ``ServerDistillationTrainer``), Liger, tools
-and VLMs are not supported.
+completions when ``lmbda = 0``; teacher-server / top-k losses live in ``posttrain.experimental.server_distillation``;
+Liger and VLMs are not supported. ``tools=`` (with ``max_tool_calling_iterations``) runs on-policy samples through
+the agents' tool loop as GRPO does: tool-result tokens stay in both models' context but carry no loss.
 """
 
 from __future__ import annotations
@@ -146,8 +147,8 @@ class DistillationConfig(OnlineRLConfig):
     max_tool_calling_iterations: int | None = field(
         default=None,
         metadata={
-            "help": "TRL's cap on tool-calling rounds per completion. DistillationTrainer does not run tools in this "
-            "release (tools= is refused), so any value other than None is an error."
+            "help": "Most rounds of tool calls per on-policy completion (with tools=); None = until the budget is "
+            "spent."
         },
     )
     # -- logging -----------------------------------------------------------------------------------------------------
@@ -176,11 +177,6 @@ class DistillationConfig(OnlineRLConfig):
                 raise ValueError(
                     f"{name}={getattr(self, name)!r} is a GRPO/RLOO option with no effect on distillation; remove it."
                 )
-        if self.max_tool_calling_iterations is not None:
-            raise ValueError(
-                f"max_tool_calling_iterations={self.max_tool_calling_iterations} has no effect: DistillationTrainer "
-                "does not run tool calls in this release. Remove it."
-            )
         super().__post_init__()  # TrainingArguments, the shared online checks, then _resolve_batch_plan below
 
     def _resolve_batch_plan(self) -> None:
@@ -253,7 +249,8 @@ class DistillationTrainer(OnlineTrainerBase):
         callbacks / optimizers: As ``transformers.Trainer``.
         quantization_config: A ``transformers`` quantization config used when the student is a string.
         peft_config: Wraps the student (LoRA). A LoRA on ``lm_head`` works but uses the full-logits path.
-        tools: TRL's agent distillation; not supported in this release (a non-empty list raises).
+        tools: Python functions the student may call during on-policy generation (conversational prompts; the chat
+            template must render tools). Tool results are masked out of the loss.
     """
 
     config_class = DistillationConfig
@@ -279,11 +276,6 @@ class DistillationTrainer(OnlineTrainerBase):
         compute_metrics: Any = None,
         preprocess_logits_for_metrics: Any = None,
     ):
-        if tools:
-            raise ValueError(
-                "DistillationTrainer does not run tool calls in this release (tools= is TRL's agent distillation). "
-                "Distil on tool-free prompts, or train the tool-using policy with GRPOTrainer(tools=...)."
-            )
         for name, value in (
             ("data_collator", data_collator),
             ("compute_metrics", compute_metrics),
@@ -301,10 +293,8 @@ class DistillationTrainer(OnlineTrainerBase):
         if train_dataset is None:
             raise ValueError("DistillationTrainer needs a train_dataset with a 'prompt' column.")
         model, processing_class = self._setup_policy(model, args, processing_class, peft_config, quantization_config)
-        teacher, teacher_tokenizer = self._load_teacher(teacher_model, args)
-        self.vocab_rows = check_shared_vocabulary(
-            processing_class, teacher_tokenizer, model_vocab_size(model), model_vocab_size(teacher)
-        )
+        teacher, teacher_tokenizer = self._load_teacher(teacher_model, args)  # (None, None): a served teacher
+        self.vocab_rows = self._check_vocabulary(processing_class, teacher_tokenizer, model, teacher)
         n_rows = self._configure_train_dataset(train_dataset, args)
         if n_rows is not None and n_rows < args.generation_batch_size * args.world_size:
             raise ValueError(
@@ -321,13 +311,16 @@ class DistillationTrainer(OnlineTrainerBase):
                 stacklevel=2,
             )
         # The shared construction steps, without rewards or a reference policy (distillation has neither).
-        self.agent = None  # no rollout_func / tools (agent training) in distillation yet
+        # Tools (agent training): on-policy samples run the tool loop; tool-result tokens are context, not loss.
+        self.agent = self._make_agent(tools, None, None, processing_class, model, args)
         self.reward_funcs = []
         self.reference = ReferencePolicy("none")
         self._init_trainer(model, args, train_dataset, eval_dataset, processing_class, callbacks, optimizers)
-        placed = ReferencePolicy("model", model=teacher)
-        placed.prepare(self.accelerator)  # device, or a DeepSpeed/FSDP inference engine
-        self.teacher_model = placed.model
+        self.teacher_model = None
+        if teacher is not None:
+            placed = ReferencePolicy("model", model=teacher)
+            placed.prepare(self.accelerator)  # device, or a DeepSpeed/FSDP inference engine
+            self.teacher_model = placed.model
         self._setup_rollout(None)
 
     def _make_rollout(self) -> None:
@@ -358,6 +351,7 @@ class DistillationTrainer(OnlineTrainerBase):
             keep_completions=args.log_completions,
             seed=args.seed,
             accelerator=self.accelerator,
+            agent=self.agent,
         )
 
     # -- construction helpers ----------------------------------------------------------------------------------
@@ -396,6 +390,17 @@ class DistillationTrainer(OnlineTrainerBase):
             except (OSError, ValueError):
                 tokenizer = None
         return teacher_model, tokenizer
+
+    @staticmethod
+    def _check_vocabulary(tokenizer: Any, teacher_tokenizer: Any, model: Any, teacher: Any) -> int:
+        """Rows of both LM heads the divergence compares (the shared tokenizer vocabulary; a served teacher is
+        checked against the student's own size)."""
+        return check_shared_vocabulary(
+            tokenizer,
+            teacher_tokenizer,
+            model_vocab_size(model),
+            model_vocab_size(teacher if teacher is not None else model),
+        )
 
     def _set_signature_columns_if_needed(self):
         if self._signature_columns is None:

@@ -104,15 +104,3 @@ def test_quantization_config_and_trust_remote_code_reach_the_loader(trainer, tmp
         )
     assert seen["kwargs"]["quantization_config"] is marker
     assert seen["kwargs"]["trust_remote_code"] is True
-
-
-def test_distillation_refuses_tools(tmp_path, tiny_model_path):
-    import posttrain
-
-    args = posttrain.DistillationConfig(output_dir=str(tmp_path), max_completion_length=4, **TINY)
-    with pytest.raises(ValueError, match="does not run tool calls"):
-        posttrain.DistillationTrainer(
-            tiny_model_path, tiny_model_path, args, Dataset.from_dict({"prompt": ["a", "b"]}), tools=[len]
-        )
-    with pytest.raises(ValueError, match="max_tool_calling_iterations=3 has no effect"):
-        posttrain.DistillationConfig(output_dir=str(tmp_path), max_tool_calling_iterations=3, **TINY)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -24,8 +25,18 @@ def test_recipe_runs(method, tmp_path, tiny_model_path, monkeypatch, capsys):
     monkeypatch.chdir(REPO)  # the recipes name their data relative to the repository root
     monkeypatch.setenv("POSTTRAIN_NO_REPORT", "1")
     out = tmp_path / "out"
-    code = main([method, "--config", f"examples/{method}.yaml", "--model_name_or_path", tiny_model_path,
-                 "--max_steps", "1", "--output_dir", str(out)])  # fmt: skip
+    argv = [method, "--config", f"examples/{method}.yaml", "--model_name_or_path", tiny_model_path,
+            "--max_steps", "1", "--output_dir", str(out)]  # fmt: skip
+    with contextlib.ExitStack() as stack:
+        if method == "server_distillation":  # the teacher behind `posttrain serve` over loopback
+            from posttrain.serving.app import serve_in_thread
+            from posttrain.serving.engine import PosttrainEngine
+
+            url = stack.enter_context(serve_in_thread(PosttrainEngine.from_pretrained(tiny_model_path, device="cpu")))
+            argv += ["--teacher_model_server_url", url]
+        elif method in ("gkd", "gold", "iw_opd"):
+            argv += ["--teacher_model_name_or_path", tiny_model_path]
+        code = main(argv)
     captured = capsys.readouterr()
     assert code == 0, captured.err
     assert "training finished after 1 steps" in captured.out
@@ -39,7 +50,7 @@ def test_recipe_runs(method, tmp_path, tiny_model_path, monkeypatch, capsys):
 
 def test_unknown_method_and_option(capsys):
     assert main(["simpo"]) == 2
-    assert "choose one of: cpo, orpo, tpo, prm, bema_dpo" in capsys.readouterr().err
+    assert "choose one of: " + ", ".join(METHODS) in capsys.readouterr().err
     assert main(["cpo", "--no_such_option", "1"]) == 2
     assert "no_such_option" in capsys.readouterr().err
 

@@ -1,0 +1,150 @@
+"""The loss of the experimental distillation trainers that read teacher log-probs token by token: IW-OPD (the
+sampled-token objective) and TRL's sparse top-k supports, with a local teacher or a teacher server.
+
+A mixin over :class:`~posttrain.trainers.distillation.DistillationTrainer`: the round (student samples / dataset /
+teacher completions), batching, normalisation (Σ over tokens / completion tokens of the optimizer step) and metrics
+(``distillation_loss``, ``entropy``) are the distillation trainer's; this swaps the per-token term.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from posttrain.core.distill import iw_opd_loss
+from posttrain.experimental._distill_support import (
+    ServedTeacher,
+    local_sparse_divergence,
+    loss_token_log_probs,
+    server_sparse_divergence,
+    to_rows,
+)
+from posttrain.rollout.distillation import score_distillation_completions
+
+
+def check_sparse_options(args: Any, uses_server: bool) -> None:
+    """TRL's rules for ``loss_top_k`` / ``reverse_kl_top_1_mode`` with a local or a served teacher."""
+    if args.reverse_kl_top_1_mode not in ("sampled", "argmax"):
+        raise ValueError("reverse_kl_top_1_mode must be one of: 'sampled', 'argmax'")
+    if args.loss_top_k < 0:
+        raise ValueError(f"loss_top_k must be >= 0, got {args.loss_top_k}.")
+    if not uses_server:
+        return
+    if not (args.teacher_model_server_url or "").strip():
+        raise ValueError("teacher_model_server_url must be set to use a teacher server.")
+    if args.seq_kd:
+        raise ValueError("seq_kd=True needs a local teacher to sample from; a teacher server only scores.")
+    if args.beta == 0 and args.loss_top_k < 1:
+        raise ValueError(
+            f"loss_top_k must be positive with beta=0 (got loss_top_k={args.loss_top_k}). The pure forward server "
+            "path only has access to the teacher's top-k logprobs, so it cannot compute the exact full-vocabulary "
+            "loss when loss_top_k=0."
+        )
+    if args.reverse_kl_top_1_mode == "argmax":
+        raise ValueError(
+            "reverse_kl_top_1_mode='argmax' is not supported with a teacher server, which cannot provide teacher "
+            "logprobs for arbitrary student-selected tokens."
+        )
+    if args.beta > 0 and args.loss_top_k != 1:
+        raise ValueError(
+            f"loss_top_k must be 1 with beta>0 (got loss_top_k={args.loss_top_k}). Mixed forward/reverse "
+            "distillation with an external teacher is only implemented for top-1 support."
+        )
+
+
+class SparseDistillationMixin:
+    """Per-token teacher log-probs (local forward or ``POST /get_sequence_logprobs/``) → IW-OPD or sparse JSD."""
+
+    served_teacher: ServedTeacher | None = None
+
+    def _uses_teacher_server(self, args: Any) -> bool:
+        """Whether the teacher is served (``use_teacher_server``); ``ServerDistillationTrainer`` always is."""
+        return bool(getattr(args, "use_teacher_server", False))
+
+    def _objective(self) -> str:
+        return getattr(self.args, "distillation_objective", "jsd")
+
+    def _load_teacher(self, teacher_model: Any, args: Any) -> tuple[Any, Any]:
+        if not self._uses_teacher_server(args):
+            return super()._load_teacher(teacher_model, args)
+        if teacher_model is not None:
+            raise ValueError(
+                "teacher_model was passed but the teacher is served at teacher_model_server_url; pass one or the other."
+            )
+        return None, None
+
+    def _teacher_server(self) -> ServedTeacher:
+        if self.served_teacher is None:
+            timeout = float(getattr(self.args, "vllm_server_timeout", 240.0) or 240.0)
+            self.served_teacher = ServedTeacher(self.args.teacher_model_server_url, self.vocab_rows, timeout)
+        return self.served_teacher
+
+    def _compute_loss(self, model: torch.nn.Module, inputs: Any) -> torch.Tensor:
+        args = self.args
+        server = self._uses_teacher_server(args)
+        objective = self._objective()
+        if objective == "jsd" and not server and args.loss_top_k == 0:
+            return super()._compute_loss(model, inputs)  # the exact full-vocabulary generalized JSD
+        mode = self._mode()
+        student = score_distillation_completions(model, *self._scoring_inputs(model, inputs))
+        tokens = student.tokens
+        student_lp = loss_token_log_probs(student, self.vocab_rows, args.temperature)  # (N, V)
+        teacher: dict[str, torch.Tensor] | None = None
+        teacher_lp = None
+        if server:
+            teacher = self._teacher_server().score(inputs, args.loss_top_k, args.temperature)
+        else:
+            with torch.no_grad():
+                scores = score_distillation_completions(
+                    self.teacher_model, *self._scoring_inputs(self.teacher_model, inputs)
+                )
+                teacher_lp = loss_token_log_probs(scores, self.vocab_rows, args.temperature)
+        if objective == "iw_opd":
+            mask = inputs["completion_mask"].bool()
+            student_actual = student_lp.gather(-1, tokens[:, None]).squeeze(-1)
+            if teacher is not None:
+                teacher_actual = teacher["actual_logprobs"]
+            else:
+                teacher_actual = teacher_lp.gather(-1, tokens[:, None]).squeeze(-1)
+            rows_loss, advantages, weights = iw_opd_loss(
+                to_rows(student_actual, mask),
+                to_rows(teacher_actual.to(student_actual.dtype), mask),
+                mask,
+                gamma=args.iw_opd_gamma,
+                epsilon=args.iw_opd_epsilon,
+            )
+            per_token = rows_loss[mask]
+            if mask.any():
+                adv, w = advantages[mask], weights[mask]
+                self.record_metric("iw_opd/mean_advantage", self._gather_mean(adv.mean()), mode=mode)
+                abs_adv = (teacher_actual - student_actual).detach().abs()
+                self.record_metric("iw_opd/mean_abs_advantage", self._gather_mean(abs_adv.mean()), mode=mode)
+                self.record_metric("iw_opd/mean_weight", self._gather_mean(w.mean()), mode=mode)
+                self.record_metric("iw_opd/min_weight", float(w.min()), mode=mode)
+                self.record_metric("iw_opd/max_weight", float(w.max()), mode=mode)
+        elif teacher is not None:
+            per_token = server_sparse_divergence(
+                student_lp, tokens, teacher, beta=args.beta, add_tail=args.loss_add_tail
+            )
+        else:
+            per_token = local_sparse_divergence(
+                student_lp, teacher_lp, tokens, beta=args.beta, top_k=args.loss_top_k, add_tail=args.loss_add_tail,
+                reverse_top_1_mode=args.reverse_kl_top_1_mode,
+            )  # fmt: skip
+        n_tokens = per_token.new_tensor(float(per_token.numel()))
+        if mode == "train":
+            normaliser = inputs["num_items_in_batch"].to(per_token) / self.accelerator.num_processes
+        else:
+            normaliser = n_tokens
+        loss = per_token.sum() / normaliser.clamp(min=1.0)
+        if per_token.numel() == 0:
+            loss = loss + 0.0 * sum(p.sum() for p in model.parameters() if p.requires_grad)
+        loss = self._finish_loss(loss, student.aux_loss, divide_by_grad_accum=False)
+        mean = per_token.detach().sum() / n_tokens if per_token.numel() else per_token.new_tensor(float("nan"))
+        self.record_metric("distillation_loss", self._gather_mean(mean), mode=mode)
+        with torch.no_grad():
+            entropy = -(student_lp.exp() * student_lp).sum(-1)
+        entropy_mean = entropy.mean() if entropy.numel() else entropy.new_tensor(float("nan"))
+        self.record_metric("entropy", self._gather_mean(entropy_mean), mode=mode)
+        return loss

@@ -1,0 +1,99 @@
+"""Shared pieces of the distillation-family tests: a tiny teacher that answers "abcabc..." and a divergence probe."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from datasets import Dataset
+
+from posttrain.models.tiny import build_tiny_model, build_tiny_tokenizer
+
+
+@pytest.fixture(scope="session")
+def abc_teacher_path(tmp_path_factory) -> str:
+    """A tiny Qwen2 that answers "abcabc..." after any "Q<n>:" prompt (80 full-batch Adam steps, ~1 s)."""
+    torch.manual_seed(0)
+    tokenizer = build_tiny_tokenizer()
+    teacher = build_tiny_model("qwen2", tokenizer=tokenizer, seed=1)
+    enc = tokenizer([f"Q{i}:abcabcabcabc" for i in range(16)], return_tensors="pt", padding=True)
+    labels = enc.input_ids.masked_fill(enc.attention_mask == 0, -100)
+    optimizer = torch.optim.Adam(teacher.parameters(), lr=1e-2)
+    for _ in range(80):
+        teacher(**enc, labels=labels).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    path = str(tmp_path_factory.mktemp("abc-teacher"))
+    teacher.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def prompts(n: int = 8) -> Dataset:
+    return Dataset.from_list([{"prompt": f"Q{i}:"} for i in range(n)])
+
+
+def pairs(n: int = 8) -> Dataset:
+    return Dataset.from_list([{"prompt": f"Q{i}:", "completion": "abcabc"} for i in range(n)])
+
+
+@torch.no_grad()
+def mean_reverse_kl(student, teacher, tokenizer, text: str = "Q3:abcabcab") -> float:
+    """KL(p_S‖p_T) per position of a fixed probe text (how far the student is from the teacher)."""
+    enc = tokenizer([text], return_tensors="pt")
+    ls = torch.log_softmax(student(**enc).logits.float(), -1)
+    lt = torch.log_softmax(teacher(**enc).logits.float(), -1)
+    return (ls.exp() * (ls - lt)).sum(-1).mean().item()
+
+
+@torch.no_grad()
+def sampled_reverse_kl(student, teacher, tokenizer, n: int = 32, max_new_tokens: int = 8, seed: int = 0) -> float:
+    """E_{y~p_S}[log p_S(y_t) − log p_T(y_t)] per sampled token over prompts "Q<i>:" (the on-policy reverse KL the
+    sampled-token objectives minimise), from ``n`` seeded student samples."""
+    torch.manual_seed(seed)
+    student.eval()
+    enc = tokenizer([f"Q{i % 16}:" for i in range(n)], return_tensors="pt", padding=True, padding_side="left")
+    out = student.generate(**enc, do_sample=True, top_k=0, top_p=1.0, temperature=1.0, max_new_tokens=max_new_tokens,
+                           min_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    mask = torch.cat([enc.attention_mask, torch.ones_like(out[:, enc.input_ids.shape[1]:])], 1)
+    c = out.shape[1] - enc.input_ids.shape[1]
+    targets = out[:, -c:, None]
+    ls = torch.log_softmax(student(out, attention_mask=mask).logits[:, -c - 1 : -1].float(), -1).gather(-1, targets)
+    lt = torch.log_softmax(teacher(out, attention_mask=mask).logits[:, -c - 1 : -1].float(), -1).gather(-1, targets)
+    return (ls - lt).mean().item()
+
+
+def perturbed_copy(path: str, out: str, scale: float = 0.05, seed: int = 3) -> str:
+    """A student that starts near the teacher at ``path`` (every weight + N(0, scale²)), saved to ``out``: on-policy
+    sampled-token objectives get informative feedback on its samples, unlike a random student's."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * scale)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(path).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def merged_teacher_path(tmp_path_factory) -> str:
+    """A tiny Qwen2 with the *other* tokenizer (``build_tiny_merged_tokenizer``: different ids, "abc" one token)
+    that answers "abcabc..." after "Q<n>:" (80 full-batch Adam steps)."""
+    from posttrain.models.tiny import build_tiny_merged_tokenizer
+
+    torch.manual_seed(0)
+    tokenizer = build_tiny_merged_tokenizer()
+    teacher = build_tiny_model("qwen2", tokenizer=tokenizer, seed=2)
+    enc = tokenizer([f"Q{i}:abcabcabcabc" for i in range(16)], return_tensors="pt", padding=True)
+    labels = enc.input_ids.masked_fill(enc.attention_mask == 0, -100)
+    optimizer = torch.optim.Adam(teacher.parameters(), lr=1e-2)
+    for _ in range(80):
+        teacher(**enc, labels=labels).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    path = str(tmp_path_factory.mktemp("merged-teacher"))
+    teacher.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
