@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from posttrain.core.distill import sparse_support_divergence
-from posttrain.rollout.distillation import DistillationScores
+from posttrain.models.distillation_scoring import DistillationScores
 
 __all__ = [
     "ServedTeacher",

@@ -20,7 +20,7 @@ from posttrain.experimental._distill_support import (
     server_sparse_divergence,
     to_rows,
 )
-from posttrain.rollout.distillation import score_distillation_completions
+from posttrain.models.distillation_scoring import score_distillation_completions
 
 
 def check_sparse_options(args: Any, uses_server: bool) -> None:
