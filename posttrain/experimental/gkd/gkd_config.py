@@ -42,6 +42,7 @@ class GKDConfig(DistillationConfig):
         default=None, metadata={"help": "Completion budget; None: max_new_tokens (GKD's field)."}
     )
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass for on-policy generation."})
+    disable_dropout: bool = field(default=True, metadata={"help": "Disable dropout in the student (TRL's GKD default)."})
 
     _trainer_name = "GKD"
 

@@ -15,7 +15,7 @@ class IWOPDConfig(DistillationConfig):
     """Configuration of :class:`~posttrain.experimental.iw_opd.IWOPDTrainer` (TRL's ``IWOPDConfig``).
 
     On top of :class:`~posttrain.trainers.distillation.DistillationConfig` (``lmbda`` 1.0, ``beta`` 1.0,
-    ``temperature`` 1.0, ``max_completion_length`` 512, ``disable_dropout`` True, the teacher and generation fields):
+    ``temperature`` 1.0, ``max_completion_length`` 512, the teacher and generation fields):
 
     - ``distillation_objective`` ("iw_opd"): ``"iw_opd"`` is the sampled-token objective
       −w_t·a_t·log π_θ(y_t) with a_t = log π_T(y_t) − log π_θ(y_t) and prefix weights
