@@ -1,6 +1,7 @@
 """`posttrain demo`: the task, the skill-vs-format evaluation, the quick smoke run and (slow) the full schedule."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -70,6 +71,8 @@ def test_any_format_answer_and_standard_errors():
 def _run_demo(out, *args, timeout):
     proc = subprocess.run(
         [sys.executable, "-m", "posttrain.cli.main", "demo", "--output_dir", str(out), *args],
+        # one torch thread, as the README's timings: pytest-xdist's other worker has the other core
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
         capture_output=True,
         text=True,
         timeout=timeout,
