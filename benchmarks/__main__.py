@@ -182,6 +182,7 @@ def summarize(config: str, model: str, records: list[dict[str, Any]]) -> dict[st
         ("peak_rss_above_interpreter_mib", "rss_interp"),
         ("peak_rss_above_model_mib", "rss_model"),
         ("adam_floor_mib", "adam_floor"),
+        ("model_param_mib", "model_param"),
         ("tokens_per_s", "tokens_per_s"),
     ):
         values = {impl: [r[key] for r in rs if r.get(key) is not None] for impl, rs in by_impl.items()}
@@ -274,7 +275,7 @@ def cmd_table(args: argparse.Namespace) -> None:
     print(
         "| config | model | runs | wall s/step posttrain | TRL | **wall ratio** | paired | CPU s/step posttrain | TRL "
         "| CPU ratio | peak RSS above interpreter posttrain / TRL (MiB) | **ratio** | above loaded model posttrain / "
-        "TRL (MiB) | ratio | posttrain / fp32 Adam floor | above trainer build (MiB) ratio | gen. share posttrain / "
+        "TRL (MiB) | ratio | posttrain (model + above it) / fp32 Adam floor (MiB) | above trainer build (MiB) ratio | gen. share posttrain / "
         "TRL | mean completion length posttrain / TRL | load avg (1 min) |"
     )
     print("| --- " * 19 + "|")
@@ -287,9 +288,11 @@ def cmd_table(args: argparse.Namespace) -> None:
         def pair(key: str, fmt: str = "{:.0f}") -> str:
             return f"{get(key + '_posttrain', fmt)} / {get(key + '_trl', fmt)}"
 
+        # training state as the Adam floor counts it: the weights plus everything the run added above them
         floor = "–"
-        if s.get("rss_interp_posttrain") and s.get("adam_floor_posttrain"):
-            floor = f"{s['rss_interp_posttrain'] / s['adam_floor_posttrain']:.2f} (floor {s['adam_floor_posttrain']:.0f})"
+        if s.get("rss_model_posttrain") is not None and s.get("adam_floor_posttrain"):
+            held = s["rss_model_posttrain"] + s.get("model_param_posttrain", 0.0)
+            floor = f"{held / s['adam_floor_posttrain']:.2f} (floor {s['adam_floor_posttrain']:.1f})"
         loads = [x for x in s["load_avg_1m"] if x is not None]
         load = f"{min(loads):.1f}–{max(loads):.1f}" if loads else "–"
         print(
