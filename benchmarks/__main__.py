@@ -179,6 +179,10 @@ def summarize(config: str, model: str, records: list[dict[str, Any]]) -> dict[st
         (f"{statistic}_step_cpu_s", "time"),  # CPU time: robust to the load of a shared machine
         (f"{statistic}_step_s", "wall_time"),
         ("peak_rss_mib", "peak_rss"),
+        ("peak_rss_above_interpreter_mib", "rss_interp"),
+        ("peak_rss_above_model_mib", "rss_model"),
+        ("adam_floor_mib", "adam_floor"),
+        ("model_param_mib", "model_param"),
         ("tokens_per_s", "tokens_per_s"),
     ):
         values = {impl: [r[key] for r in rs if r.get(key) is not None] for impl, rs in by_impl.items()}
@@ -269,26 +273,35 @@ def cmd_table(args: argparse.Namespace) -> None:
                 if not record.get("summary") and not record.get("error"):
                     runs.setdefault((record["config"], record["model"]), []).append(record)
     print(
-        "| config | model | runs | CPU s/step posttrain | TRL | time ratio | paired | wall ratio | peak RSS posttrain "
-        "(MiB) | TRL (MiB) | RSS ratio | gen. share posttrain / TRL | mean completion length posttrain / TRL |"
+        "| config | model | runs | wall s/step posttrain | TRL | **wall ratio** | paired | CPU s/step posttrain | TRL "
+        "| CPU ratio | peak RSS above interpreter posttrain / TRL (MiB) | **ratio** | above loaded model posttrain / "
+        "TRL (MiB) | ratio | posttrain (model + above it) / fp32 Adam floor (MiB) | above trainer build (MiB) ratio | gen. share posttrain / "
+        "TRL | mean completion length posttrain / TRL | load avg (1 min) |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- " * 19 + "|")
     for (config, model), records in runs.items():
         s = summarize(config, model, records)
 
         def get(key: str, fmt: str = "{:.3f}", s: dict[str, Any] = s) -> str:
             return fmt.format(s[key]) if s.get(key) is not None else "–"
 
-        gen = f"{get('generation_share_posttrain', '{:.2f}')} / {get('generation_share_trl', '{:.2f}')}"
-        lengths = (
-            f"{get('completions/mean_length_posttrain', '{:.1f}')} / {get('completions/mean_length_trl', '{:.1f}')}"
-        )
+        def pair(key: str, fmt: str = "{:.0f}") -> str:
+            return f"{get(key + '_posttrain', fmt)} / {get(key + '_trl', fmt)}"
+
+        # training state as the Adam floor counts it: the weights plus everything the run added above them
+        floor = "–"
+        if s.get("rss_model_posttrain") is not None and s.get("adam_floor_posttrain"):
+            held = s["rss_model_posttrain"] + s.get("model_param_posttrain", 0.0)
+            floor = f"{held / s['adam_floor_posttrain']:.2f} (floor {s['adam_floor_posttrain']:.1f})"
+        loads = [x for x in s["load_avg_1m"] if x is not None]
+        load = f"{min(loads):.1f}–{max(loads):.1f}" if loads else "–"
         print(
-            f"| {config} | {model} | {s['runs']} | {get('time_posttrain')} | {get('time_trl')} | "
-            f"**{get('time_ratio', '{:.2f}')}** | {get('time_ratio_paired_median', '{:.2f}')} | "
-            f"{get('wall_time_ratio', '{:.2f}')} | "
-            f"{get('peak_rss_posttrain', '{:.0f}')} | {get('peak_rss_trl', '{:.0f}')} | "
-            f"**{get('peak_rss_ratio', '{:.2f}')}** | {gen} | {lengths} |"
+            f"| {config} | {model} | {s['runs']} | {get('wall_time_posttrain')} | {get('wall_time_trl')} | "
+            f"**{get('wall_time_ratio', '{:.2f}')}** | {get('wall_time_ratio_paired_median', '{:.2f}')} | "
+            f"{get('time_posttrain')} | {get('time_trl')} | {get('time_ratio', '{:.2f}')} | "
+            f"{pair('rss_interp')} | **{get('rss_interp_ratio', '{:.2f}')}** | {pair('rss_model')} | "
+            f"{get('rss_model_ratio', '{:.2f}')} | {floor} | {get('peak_rss_ratio', '{:.2f}')} | "
+            f"{pair('generation_share', '{:.2f}')} | {pair('completions/mean_length', '{:.1f}')} | {load} |"
         )
 
 

@@ -394,7 +394,8 @@ def execute(
     gc.collect()
     baseline = current_rss_bytes()
     load = load_average()
-    trainer = trainer_cls(**kwargs)
+    with _model_load_probe() as after_model:
+        trainer = trainer_cls(**kwargs)
     timer = PhaseTimer(profile=profile_path is not None)
     recorder = StepRecorder(phases=timer)
     trainer.add_callback(recorder.callback())
@@ -412,6 +413,21 @@ def execute(
     wall = time.perf_counter() - start
     peak = peak_rss_bytes()
 
+    import benchmarks
+
+    params = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
+    trainable = sum(p.numel() * p.element_size() for p in trainer.model.parameters() if p.requires_grad)
+    memory: dict[str, Any] = {
+        # the model's own bytes and the fp32 Adam floor: params + grads + two moments of the trainable ones
+        "model_param_mib": round(params / 2**20, 1),
+        "adam_floor_mib": round((params + 3 * trainable) / 2**20, 1),
+    }
+    if benchmarks.INTERPRETER_RSS_BYTES is not None:
+        memory["peak_rss_above_interpreter_mib"] = round((peak - benchmarks.INTERPRETER_RSS_BYTES) / 2**20, 1)
+        memory["interpreter_rss_mib"] = round(benchmarks.INTERPRETER_RSS_BYTES / 2**20, 1)
+    if after_model:
+        memory["peak_rss_above_model_mib"] = round((peak - after_model[0]) / 2**20, 1)
+        memory["model_loaded_rss_mib"] = round(after_model[0] / 2**20, 1)
     record: dict[str, Any] = {
         "impl": impl,
         "config": workload.name,
@@ -422,6 +438,7 @@ def execute(
         "threads": _threads(),
         **recorder.summary(warmup),
         "peak_rss_mib": round((peak - baseline) / 2**20, 1),
+        **memory,
         "baseline_rss_mib": round(baseline / 2**20, 1),
         "train_wall_s": round(wall, 3),
         "load_avg_1m": load,
@@ -432,6 +449,33 @@ def execute(
     if profiler is not None:
         record["profile"] = profiler.summary
     return record
+
+
+@contextlib.contextmanager
+def _model_load_probe():
+    """Yield a list that receives the RSS right after the first ``from_pretrained`` (the policy) returns.
+
+    Both libraries load the policy from the saved path with ``PreTrainedModel.from_pretrained``; the RSS then is the
+    zero of "peak RSS above the loaded model" (everything the trainer holds beyond imports and the weights).
+    """
+    from transformers import PreTrainedModel
+
+    seen: list[int] = []
+    original = PreTrainedModel.__dict__["from_pretrained"]  # a classmethod object
+    func = original.__func__
+
+    @functools.wraps(func)
+    def probed(cls, *args, **kwargs):
+        model = func(cls, *args, **kwargs)
+        if not seen:
+            seen.append(current_rss_bytes())
+        return model
+
+    PreTrainedModel.from_pretrained = classmethod(probed)
+    try:
+        yield seen
+    finally:
+        PreTrainedModel.from_pretrained = original
 
 
 def _threads() -> int:

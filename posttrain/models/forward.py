@@ -270,12 +270,15 @@ def _call_model(model, input_ids, attention_mask, position_ids, model_kwargs, **
     return model(input_ids=input_ids, attention_mask=attention_mask, **kwargs, **extra)
 
 
-CHUNK_BUDGET_BYTES = 128 * 2**20
+# 16 MiB: on a 151 936-row vocabulary (16-token chunks, the floor) the GRPO step's peak RSS drops by ~100 MiB
+# against 128 MiB and the step is no slower on CPU (issue 26, benchmarks/RESULTS.md); 32k-row vocabularies get
+# 65-token chunks, small ones keep 1024.
+CHUNK_BUDGET_BYTES = 16 * 2**20
 
 
 def auto_chunk_size(vocab_size: int, budget_bytes: int = CHUNK_BUDGET_BYTES) -> int:
     """Tokens per LM-head chunk so the chunk's float32 scratch (about 2 × chunk × V floats) stays near
-    ``budget_bytes``: 1024 for small vocabularies, ~110 for Qwen-sized ones (151 936 rows)."""
+    ``budget_bytes``: 1024 for small vocabularies, 16 (the floor) for Qwen-sized ones (151 936 rows)."""
     return int(max(16, min(1024, budget_bytes // (8 * max(int(vocab_size), 1)))))
 
 
@@ -642,7 +645,7 @@ def forward_token_stats(
         compute_accuracy: also return whether the top-1 prediction equals the target (a no-grad chunked argmax
             pass over the same hidden states on the chunked path).
         chunk_size: tokens per chunk; the chunked path's scratch memory is about ``2 × chunk_size × V`` floats.
-            None sizes it from the vocabulary (:func:`auto_chunk_size`, ~128 MiB of scratch).
+            None sizes it from the vocabulary (:func:`auto_chunk_size`, ~16 MiB of scratch).
         chunked: False forces the plain full-logits path (TRL's ``nll`` loss type, and reference checks).
         entropy_requires_grad: return the entropy with its autograd graph (an entropy bonus in the loss); on the
             chunked path its gradient −p (log p + H) is recomputed chunk-wise, so still no ``(B, T, V)`` logits.

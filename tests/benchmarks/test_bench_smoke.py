@@ -72,6 +72,11 @@ def test_run_prints_one_json_line(trainer, cache_dir, capsys, monkeypatch):
     assert record["final_loss"] is not None
     assert isinstance(record["peak_rss_mib"], float) and isinstance(record["baseline_rss_mib"], float)
     assert "trainer.compute_loss" in record["timed_methods"]
+    # the user's view of memory: above the bare interpreter, above the loaded policy, against the fp32 Adam floor
+    assert record["model_loaded_rss_mib"] >= record["baseline_rss_mib"] - 1
+    assert 0 <= record["peak_rss_above_model_mib"] <= record["peak_rss_above_interpreter_mib"]
+    assert record["peak_rss_above_interpreter_mib"] >= record["peak_rss_mib"]
+    assert record["adam_floor_mib"] == pytest.approx(4 * record["model_param_mib"], abs=0.3)  # rounded to 0.1 MiB
     if trainer == "grpo":
         assert 0 < record["generation_share"] < 1
         assert {"generation", "rewards", "loss_forward"} <= set(record["phase_share"])

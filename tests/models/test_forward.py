@@ -295,12 +295,13 @@ def test_bad_inputs_name_the_argument():
 
 
 def test_auto_chunk_size_bounds_scratch_memory():
-    """~128 MiB of float32 scratch (2 x chunk x V floats): full 1024-token chunks for small vocabularies, ~110
-    tokens for Qwen's 151 936 rows, never below 16."""
+    """~16 MiB of float32 scratch (2 x chunk x V floats): full 1024-token chunks for small vocabularies, 65 for
+    Llama's 32 000 rows, the 16-token floor for Qwen's 151 936 rows."""
     from posttrain.models.forward import auto_chunk_size
 
     assert auto_chunk_size(320) == 1024
-    assert auto_chunk_size(151_936) == 128 * 2**20 // (8 * 151_936) == 110
+    assert auto_chunk_size(32_000) == 16 * 2**20 // (8 * 32_000) == 65
+    assert auto_chunk_size(151_936) == 16
     assert auto_chunk_size(10**9) == 16
 
 
