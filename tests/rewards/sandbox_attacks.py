@@ -227,13 +227,16 @@ def attack_memory_many_processes() -> None:
         "        x = bytearray(60 << 20)\n"
         "        for j in range(0, len(x), 4096):\n"
         "            x[j] = 1\n"
-        "        os.write(w, b'1')\n"
+        "        os.write(w, b'%d,' % os.getpid())\n"
         "        time.sleep(5)\n"
         "        os._exit(0)\n"
         "os.close(w)\n"
         "time.sleep(1.5)\n"
         "os.set_blocking(r, False)\n"
-        "try:\n    n = len(os.read(r, 100))\nexcept BlockingIOError:\n    n = 0\n"
+        "try:\n    pids = [int(p) for p in os.read(r, 1000).split(b',') if p]\nexcept BlockingIOError:\n    pids = []\n"
+        # held now = children that filled their 60 MB and are still alive (the OOM killer may have taken one that
+        # had already reported, so counting reports alone would overcount)
+        "n = sum(1 for p in pids if os.waitpid(p, os.WNOHANG) == (0, 0))\n"
         "print('held', n)\n"
     )
     caps = sandbox_capabilities()
