@@ -5,27 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 from datasets import Dataset
+from trainer_helpers import save_abc_teacher
 
-from posttrain.models.tiny import build_tiny_model, build_tiny_tokenizer
+from posttrain.models.tiny import build_tiny_tokenizer
 
 
 @pytest.fixture(scope="session")
 def abc_teacher_path(tmp_path_factory) -> str:
-    """A tiny Qwen2 that answers "abcabc..." after any "Q<n>:" prompt (80 full-batch Adam steps, ~1 s)."""
-    torch.manual_seed(0)
-    tokenizer = build_tiny_tokenizer()
-    teacher = build_tiny_model("qwen2", tokenizer=tokenizer, seed=1)
-    enc = tokenizer([f"Q{i}:abcabcabcabc" for i in range(16)], return_tensors="pt", padding=True)
-    labels = enc.input_ids.masked_fill(enc.attention_mask == 0, -100)
-    optimizer = torch.optim.Adam(teacher.parameters(), lr=1e-2)
-    for _ in range(80):
-        teacher(**enc, labels=labels).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    path = str(tmp_path_factory.mktemp("abc-teacher"))
-    teacher.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    """A tiny Qwen2 that answers "abcabc..." after any "Q<n>:" prompt (see ``save_abc_teacher``)."""
+    return save_abc_teacher(build_tiny_tokenizer(), str(tmp_path_factory.mktemp("abc-teacher")), seed=1)
 
 
 def prompts(n: int = 8) -> Dataset:
@@ -80,20 +68,7 @@ def perturbed_copy(path: str, out: str, scale: float = 0.05, seed: int = 3) -> s
 @pytest.fixture(scope="session")
 def merged_teacher_path(tmp_path_factory) -> str:
     """A tiny Qwen2 with the *other* tokenizer (``build_tiny_merged_tokenizer``: different ids, "abc" one token)
-    that answers "abcabc..." after "Q<n>:" (80 full-batch Adam steps)."""
+    that answers "abcabc..." after "Q<n>:" (see ``save_abc_teacher``)."""
     from posttrain.models.tiny import build_tiny_merged_tokenizer
 
-    torch.manual_seed(0)
-    tokenizer = build_tiny_merged_tokenizer()
-    teacher = build_tiny_model("qwen2", tokenizer=tokenizer, seed=2)
-    enc = tokenizer([f"Q{i}:abcabcabcabc" for i in range(16)], return_tensors="pt", padding=True)
-    labels = enc.input_ids.masked_fill(enc.attention_mask == 0, -100)
-    optimizer = torch.optim.Adam(teacher.parameters(), lr=1e-2)
-    for _ in range(80):
-        teacher(**enc, labels=labels).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    path = str(tmp_path_factory.mktemp("merged-teacher"))
-    teacher.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return save_abc_teacher(build_tiny_merged_tokenizer(), str(tmp_path_factory.mktemp("merged-teacher")), seed=2)

@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 from datasets import Dataset
-from trainer_helpers import fast_config, quiet_single_thread, trainable_params  # noqa: F401
+from trainer_helpers import fast_config, quiet_single_thread, save_abc_teacher, trainable_params  # noqa: F401
 
 from posttrain.core.distill import generalized_jsd_loss
 from posttrain.generation.base import Completions, SamplingConfig
@@ -25,21 +25,8 @@ EOS = 258
 
 @pytest.fixture(scope="module")
 def teacher_path(tmp_path_factory) -> str:
-    """A tiny Qwen2 that answers "abcabc..." after any "Q<n>:" prompt (80 full-batch Adam steps, ~1 s)."""
-    torch.manual_seed(0)
-    tokenizer = build_tiny_tokenizer()
-    teacher = build_tiny_model("qwen2", tokenizer=tokenizer, seed=1)
-    enc = tokenizer([f"Q{i}:abcabcabcabc" for i in range(16)], return_tensors="pt", padding=True)
-    labels = enc.input_ids.masked_fill(enc.attention_mask == 0, -100)
-    optimizer = torch.optim.Adam(teacher.parameters(), lr=1e-2)
-    for _ in range(80):
-        teacher(**enc, labels=labels).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    path = str(tmp_path_factory.mktemp("abc-teacher"))
-    teacher.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    """A tiny Qwen2 that answers "abcabc..." after any "Q<n>:" prompt (see ``save_abc_teacher``)."""
+    return save_abc_teacher(build_tiny_tokenizer(), str(tmp_path_factory.mktemp("abc-teacher")), seed=1)
 
 
 def _prompts(n: int = 8, prefix: str = "Q") -> Dataset:

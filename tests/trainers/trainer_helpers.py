@@ -65,3 +65,22 @@ def assert_same_params(results: list[dict[str, torch.Tensor]], atol: float = 1e-
     for other in results[1:]:
         for name, value in results[0].items():
             torch.testing.assert_close(other[name], value, atol=atol, rtol=0)
+
+
+def save_abc_teacher(tokenizer: Any, path: str, seed: int = 1) -> str:
+    """Train a tiny Qwen2 (with ``tokenizer``) to answer "abcabc..." after any "Q<n>:" prompt (80 full-batch Adam
+    steps, ~1 s) and save it with its tokenizer to ``path``: the distillation tests' teacher."""
+    from posttrain.models.tiny import build_tiny_model
+
+    torch.manual_seed(0)
+    teacher = build_tiny_model("qwen2", tokenizer=tokenizer, seed=seed)
+    enc = tokenizer([f"Q{i}:abcabcabcabc" for i in range(16)], return_tensors="pt", padding=True)
+    labels = enc.input_ids.masked_fill(enc.attention_mask == 0, -100)
+    optimizer = torch.optim.Adam(teacher.parameters(), lr=1e-2)
+    for _ in range(80):
+        teacher(**enc, labels=labels).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    teacher.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
