@@ -7,6 +7,8 @@ What lives here:
   trainers, with ``forward_kl`` / ``reverse_kl`` wrappers for its endpoints.
 - ``chunked_generalized_jsd`` — the same loss computed from last hidden states and LM-head weights in chunks of
   tokens, so that peak memory is chunk × V instead of N × V (each chunk's logits are recomputed in backward).
+- ``chunked_token_map`` — any per-token function of the student's full-vocabulary log-probs (the sparse top-k
+  supports, sampled-token log-probs, entropies) evaluated the same way, chunk by chunk with recompute in backward.
 
 Conventions: logits are ``(N, V)`` or ``(B, T, V)``; ``mask`` has the leading shape and selects the tokens that
 count. Logits are divided by ``temperature`` and the math runs in (at least) float32 in log space (``log_softmax``,
@@ -26,6 +28,7 @@ from torch.utils.checkpoint import checkpoint
 __all__ = [
     "add_tail_bucket",
     "chunked_generalized_jsd",
+    "chunked_token_map",
     "forward_kl",
     "generalized_jsd_loss",
     "iw_opd_loss",
@@ -278,6 +281,69 @@ def chunked_generalized_jsd(
         out = per_valid.new_zeros(n_tokens).index_copy(0, rows, per_valid)
         return out.reshape(leading)
     return _reduce(per_valid, rows.numel(), student_weight.size(0), reduction)
+
+
+def _chunk_map(
+    logits_fn: Callable[[torch.Tensor], torch.Tensor],
+    fn: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]],
+    temperature: float,
+    rows: torch.Tensor,
+) -> tuple[torch.Tensor, ...]:
+    # Checkpointed like _chunk_divergence: this chunk's (rows, V) logits live only while it runs (and again in
+    # backward, when they are recomputed).
+    return tuple(fn(_log_probs(logits_fn(rows), temperature), rows))
+
+
+def chunked_token_map(
+    student_logits_fn: Callable[[torch.Tensor], torch.Tensor],
+    n_tokens: int,
+    fn: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]],
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    requires_grad: bool | None = None,
+    device: torch.device | str | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """Evaluate a per-token function of the student's full-vocabulary log-probs ``chunk_size`` tokens at a time.
+
+    For each chunk of token indices ``rows`` (into ``0 … n_tokens − 1``), ``student_logits_fn(rows)`` gives the
+    ``(len(rows), V)`` student logits (differentiable, e.g. ``hidden[rows] @ Wᵀ``) and
+    ``fn(log_softmax(logits / temperature) in float32, rows)`` returns a tuple of tensors with ``len(rows)`` leading
+    rows (per-token losses, gathered log-probs, detached metrics; a teacher's logits for the same rows can be
+    computed inside ``fn`` under ``no_grad``). The pieces are concatenated over chunks. When gradients are needed
+    each chunk runs under ``torch.utils.checkpoint`` so its logits are recomputed in backward instead of kept: peak
+    memory is O(chunk_size × V), not O(n_tokens × V). ``fn`` must be deterministic (it runs again in backward).
+
+    Args:
+        student_logits_fn: ``rows -> (len(rows), V)`` logits.
+        n_tokens: Number of tokens N.
+        fn: ``(student_log_probs (c, V), rows (c,)) -> tuple of (c, …) tensors``.
+        temperature: Softmax temperature (> 0) of the student's log-probs.
+        chunk_size: Tokens per chunk.
+        requires_grad: Whether to checkpoint (None: when grad mode is on).
+        device: Device of ``rows``.
+
+    Returns:
+        The concatenated outputs of ``fn`` (``fn`` is called once on an empty ``rows`` when ``n_tokens`` is 0).
+    """
+    if chunk_size < 1:
+        raise ValueError(f"`chunk_size` must be >= 1; got {chunk_size}.")
+    if not temperature > 0.0:
+        raise ValueError(f"`temperature` must be > 0; got {temperature}.")
+    checkpointed = torch.is_grad_enabled() if requires_grad is None else (requires_grad and torch.is_grad_enabled())
+    pieces: list[tuple[torch.Tensor, ...]] = []
+    for start in range(0, max(int(n_tokens), 1), chunk_size):
+        rows = torch.arange(start, min(int(n_tokens), start + chunk_size), device=device)
+        if checkpointed and rows.numel():
+            out = checkpoint(
+                _chunk_map, student_logits_fn, fn, temperature, rows, use_reentrant=False, preserve_rng_state=False
+            )
+        else:
+            out = _chunk_map(student_logits_fn, fn, temperature, rows)
+        pieces.append(out)
+    if len(pieces) == 1:
+        return pieces[0]
+    return tuple(torch.cat(parts) for parts in zip(*pieces))
 
 
 # ----------------------------------------------------------------------------------------------------------------

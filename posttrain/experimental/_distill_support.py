@@ -1,5 +1,5 @@
-"""What the experimental distillation trainers (IW-OPD, server distillation) share: full-vocabulary log-probs at the
-loss tokens, TRL's sparse top-k supports (local teacher or teacher server), and the teacher-server request.
+"""What the experimental distillation trainers (IW-OPD, server distillation) share: TRL's sparse top-k supports
+(local teacher or teacher server) on a chunk of loss tokens, and the teacher-server request.
 
 Tokens are the ``N`` loss tokens of a micro-batch in row-major order of ``completion_mask`` (the order of
 ``score_distillation_completions``); ``(B, C)`` tensors are scattered back with :func:`to_rows`.
@@ -10,27 +10,15 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from posttrain.core.distill import sparse_support_divergence
-from posttrain.models.distillation_scoring import DistillationScores
 
 __all__ = [
     "ServedTeacher",
     "local_sparse_divergence",
-    "loss_token_log_probs",
     "server_sparse_divergence",
     "to_rows",
 ]
-
-
-def loss_token_log_probs(scores: DistillationScores, vocab_rows: int, temperature: float) -> torch.Tensor:
-    """``(N, V)`` log-softmax(logits / temperature) at the loss tokens (differentiable for the student).
-
-    Builds the N × V logits of the micro-batch (the sparse and sampled-token losses gather from them)."""
-    n = scores.tokens.shape[0]
-    logits = scores.logits_fn(vocab_rows)(torch.arange(n, device=scores.tokens.device))
-    return F.log_softmax(logits.float() / temperature, dim=-1)
 
 
 def to_rows(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,9 @@ sampled-token objective) and TRL's sparse top-k supports, with a local teacher o
 A mixin over :class:`~posttrain.trainers.distillation.DistillationTrainer`: the round (student samples / dataset /
 teacher completions), batching, normalisation (Σ over tokens / completion tokens of the optimizer step) and metrics
 (``distillation_loss``, ``entropy``) are the distillation trainer's; this swaps the per-token term.
+
+Like the distillation loss, every term is computed from the last hidden states ``chunk`` loss tokens at a time
+(``core.distill.chunked_token_map``, recomputed in backward): no ``(N, V)`` logits of the micro-batch are built.
 """
 
 from __future__ import annotations
@@ -11,12 +14,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
-from posttrain.core.distill import iw_opd_loss
+from posttrain.core.distill import chunked_token_map, iw_opd_loss
 from posttrain.experimental._distill_support import (
     ServedTeacher,
     local_sparse_divergence,
-    loss_token_log_probs,
     server_sparse_divergence,
     to_rows,
 )
@@ -80,6 +83,14 @@ class SparseDistillationMixin:
             self.served_teacher = ServedTeacher(self.args.teacher_model_server_url, self.vocab_rows, timeout)
         return self.served_teacher
 
+    def _behaviour_logprobs(self, inputs: Any) -> torch.Tensor | None:
+        """``(N,)`` the sampler's log-probs of the loss tokens (TRL's ``rollout_logprobs``), or None."""
+        sampled = inputs.get("sampling_per_token_logps") if hasattr(inputs, "get") else None
+        if sampled is None:
+            return None
+        mask = inputs["completion_mask"].bool()
+        return sampled[:, : mask.shape[1]].to(mask.device)[mask].float()
+
     def _compute_loss(self, model: torch.nn.Module, inputs: Any) -> torch.Tensor:
         args = self.args
         server = self._uses_teacher_server(args)
@@ -89,9 +100,8 @@ class SparseDistillationMixin:
         mode = self._mode()
         student = score_distillation_completions(model, *self._scoring_inputs(model, inputs))
         tokens = student.tokens
-        student_lp = loss_token_log_probs(student, self.vocab_rows, args.temperature)  # (N, V)
         teacher: dict[str, torch.Tensor] | None = None
-        teacher_lp = None
+        teacher_logits_fn = None
         if server:
             teacher = self._teacher_server().score(inputs, args.loss_top_k, args.temperature)
         else:
@@ -99,39 +109,71 @@ class SparseDistillationMixin:
                 scores = score_distillation_completions(
                     self.teacher_model, *self._scoring_inputs(self.teacher_model, inputs)
                 )
-                teacher_lp = loss_token_log_probs(scores, self.vocab_rows, args.temperature)
-        if objective == "iw_opd":
-            mask = inputs["completion_mask"].bool()
-            student_actual = student_lp.gather(-1, tokens[:, None]).squeeze(-1)
+            teacher_logits_fn = scores.logits_fn(self.vocab_rows)
+        temperature = args.temperature
+
+        def teacher_log_probs(rows: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                return F.log_softmax(teacher_logits_fn(rows).float() / temperature, dim=-1)
+
+        def per_chunk(student_lp: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            """(c, V) student log-probs of the chunk's loss tokens → (per-token term(s), detached entropy)."""
+            with torch.no_grad():
+                entropy = -(student_lp.exp() * student_lp).sum(-1)
+            chunk_tokens = tokens[rows]
+            if objective == "iw_opd":
+                student_actual = student_lp.gather(-1, chunk_tokens[:, None]).squeeze(-1)
+                if teacher is not None:
+                    teacher_actual = teacher["actual_logprobs"][rows]
+                else:
+                    teacher_actual = teacher_log_probs(rows).gather(-1, chunk_tokens[:, None]).squeeze(-1)
+                return student_actual, teacher_actual.to(student_actual.dtype), entropy
             if teacher is not None:
-                teacher_actual = teacher["actual_logprobs"]
+                chunk_teacher = {key: value[rows] for key, value in teacher.items()}
+                per_token = server_sparse_divergence(
+                    student_lp, chunk_tokens, chunk_teacher, beta=args.beta, add_tail=args.loss_add_tail
+                )
             else:
-                teacher_actual = teacher_lp.gather(-1, tokens[:, None]).squeeze(-1)
+                per_token = local_sparse_divergence(
+                    student_lp, teacher_log_probs(rows), chunk_tokens, beta=args.beta, top_k=args.loss_top_k,
+                    add_tail=args.loss_add_tail, reverse_top_1_mode=args.reverse_kl_top_1_mode,
+                )  # fmt: skip
+            return per_token, entropy
+
+        # Chunks of loss tokens, recomputed in backward: no (N, V) logits for the micro-batch (design §3.1).
+        outputs = chunked_token_map(
+            student.logits_fn(self.vocab_rows),
+            tokens.shape[0],
+            per_chunk,
+            temperature=temperature,
+            chunk_size=self._loss_chunk_size(),
+            device=tokens.device,
+        )
+        entropy = outputs[-1]
+        if objective == "iw_opd":
+            student_actual, teacher_actual = outputs[0], outputs[1]
+            mask = inputs["completion_mask"].bool()
+            behaviour = self._behaviour_logprobs(inputs)
             rows_loss, advantages, weights = iw_opd_loss(
                 to_rows(student_actual, mask),
-                to_rows(teacher_actual.to(student_actual.dtype), mask),
+                to_rows(teacher_actual, mask),
                 mask,
                 gamma=args.iw_opd_gamma,
                 epsilon=args.iw_opd_epsilon,
+                rollout_logprobs=None if behaviour is None else to_rows(behaviour.to(student_actual.dtype), mask),
             )
             per_token = rows_loss[mask]
             if mask.any():
                 adv, w = advantages[mask], weights[mask]
+                reference = student_actual if behaviour is None else behaviour.to(student_actual.dtype)
                 self.record_metric("iw_opd/mean_advantage", self._gather_mean(adv.mean()), mode=mode)
-                abs_adv = (teacher_actual - student_actual).detach().abs()
+                abs_adv = (teacher_actual - reference).detach().abs()
                 self.record_metric("iw_opd/mean_abs_advantage", self._gather_mean(abs_adv.mean()), mode=mode)
                 self.record_metric("iw_opd/mean_weight", self._gather_mean(w.mean()), mode=mode)
                 self.record_metric("iw_opd/min_weight", float(w.min()), mode=mode)
                 self.record_metric("iw_opd/max_weight", float(w.max()), mode=mode)
-        elif teacher is not None:
-            per_token = server_sparse_divergence(
-                student_lp, tokens, teacher, beta=args.beta, add_tail=args.loss_add_tail
-            )
         else:
-            per_token = local_sparse_divergence(
-                student_lp, teacher_lp, tokens, beta=args.beta, top_k=args.loss_top_k, add_tail=args.loss_add_tail,
-                reverse_top_1_mode=args.reverse_kl_top_1_mode,
-            )  # fmt: skip
+            per_token = outputs[0]
         n_tokens = per_token.new_tensor(float(per_token.numel()))
         if mode == "train":
             normaliser = inputs["num_items_in_batch"].to(per_token) / self.accelerator.num_processes
@@ -143,8 +185,6 @@ class SparseDistillationMixin:
         loss = self._finish_loss(loss, student.aux_loss, divide_by_grad_accum=False)
         mean = per_token.detach().sum() / n_tokens if per_token.numel() else per_token.new_tensor(float("nan"))
         self.record_metric("distillation_loss", self._gather_mean(mean), mode=mode)
-        with torch.no_grad():
-            entropy = -(student_lp.exp() * student_lp).sum(-1)
         entropy_mean = entropy.mean() if entropy.numel() else entropy.new_tensor(float("nan"))
         self.record_metric("entropy", self._gather_mean(entropy_mean), mode=mode)
         return loss
