@@ -389,7 +389,11 @@ def sparse_support_divergence(
     else:
         student = student - torch.logsumexp(student, dim=-1, keepdim=True)
         teacher = teacher - torch.logsumexp(teacher, dim=-1, keepdim=True)
-    # Masked entries are -inf on both sides: _kl drops p = 0 terms, and the mixture of two -inf is -inf.
+    # Entries outside the support get the same finite, negligible log-prob on both sides: they contribute exactly 0
+    # (exp(-1e4) = 0) and, unlike -inf on both sides (−inf − (−inf) = nan), keep the backward pass finite.
+    outside = torch.tensor(-1e4, dtype=student.dtype, device=student.device)
+    student = torch.where(mask, student, outside)
+    teacher = torch.where(mask, teacher, outside)
     per_token = token_generalized_jsd(student, teacher, beta)
     return torch.nan_to_num(per_token, nan=0.0)
 

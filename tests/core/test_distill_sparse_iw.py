@@ -80,3 +80,16 @@ def test_iw_opd_rollout_logprobs_and_zero_gamma():
     assert adv[0].tolist() == pytest.approx([2.0, -10.0 / 3.0])
     _, adv0, w0 = iw_opd_loss(student, teacher, torch.ones(1, 2), gamma=0.0, rollout_logprobs=rollout)
     assert w0.tolist() == [[1.0, 1.0]] and adv0[0].tolist() == pytest.approx([1.0, -2.0])
+
+
+@pytest.mark.parametrize("add_tail", [True, False])
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_sparse_gradient_is_finite_with_entries_outside_the_support(beta, add_tail):
+    """A masked entry (a duplicate of the support, e.g. teacher top-1 == sampled token) must not turn the gradient
+    into NaN; without the tail the renormalisation used to spread −inf − (−inf) over the whole row."""
+    student = _lp(0.3, 0.1).requires_grad_(True)
+    out = sparse_support_divergence(student, _lp(0.2, 0.2), torch.tensor([[True, False]]), beta=beta, add_tail=add_tail)
+    (grad,) = torch.autograd.grad(out.sum(), student)
+    assert torch.isfinite(grad).all() and grad[0, 1] == 0
+    if not add_tail:  # one entry left: both renormalise to 1
+        assert out.item() == 0.0 and grad[0, 0] == 0

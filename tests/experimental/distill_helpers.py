@@ -72,3 +72,36 @@ def merged_teacher_path(tmp_path_factory) -> str:
     from posttrain.models.tiny import build_tiny_merged_tokenizer
 
     return save_abc_teacher(build_tiny_merged_tokenizer(), str(tmp_path_factory.mktemp("merged-teacher")), seed=2)
+
+
+class LogitsTracker:
+    """Records the largest freshly allocated (non-view) tensor whose last dimension is ``vocab`` — full-vocabulary
+    logits/log-probs — across every op run while active, forward, checkpoint recompute and backward included
+    (a ``TorchDispatchMode``: deterministic, no timing). ``rows`` = its numel // vocab, ``bytes`` = its size."""
+
+    def __init__(self, *vocabs: int):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        tracker = self
+        self.vocabs, self.rows, self.bytes = set(vocabs), 0, 0
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                inputs = torch.utils._pytree.tree_leaves((args, kwargs))
+                shared = {x.untyped_storage().data_ptr() for x in inputs if isinstance(x, torch.Tensor)}
+                for t in torch.utils._pytree.tree_leaves(out):
+                    is_logits = isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] in tracker.vocabs
+                    if is_logits and t.untyped_storage().data_ptr() not in shared:  # a new buffer, not a view
+                        tracker.rows = max(tracker.rows, t.numel() // t.shape[-1])
+                        tracker.bytes = max(tracker.bytes, t.numel() * t.element_size())
+                return out
+
+        self._mode = _Mode()
+
+    def __enter__(self) -> LogitsTracker:
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._mode.__exit__(*exc)
