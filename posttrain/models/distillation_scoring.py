@@ -3,6 +3,8 @@ teacher gives the divergence (``rollout/distillation.token_divergence``) at the 
 
 - :class:`DistillationScores`: the last hidden states at the positions predicting the loss tokens plus the LM-head
   weight (or, on the fallback path, the model's logits there).
+- :func:`forward_logits_fn`: one forward pass whose head runs on an empty slice, returning a function that computes
+  the logits of any flat positions on demand (for losses that need other positions than the loss tokens, e.g. ULD).
 - :func:`score_distillation_completions`: one forward pass of a causal LM over ``[prompt | completion]`` (or a
   shared-prompt layout, :mod:`posttrain.models.prefix_sharing`) in which the head runs on an empty slice, so no
   ``(B, T, V)`` logits are built. Heads that are not a plain linear map (LoRA on ``lm_head``, soft-capping, logit
@@ -26,7 +28,7 @@ from posttrain.models.forward import (
 )
 from posttrain.models.unwrap import unwrap_base_model
 
-__all__ = ["DistillationScores", "score_distillation_completions"]
+__all__ = ["DistillationScores", "forward_logits_fn", "score_distillation_completions"]
 
 
 @dataclass
@@ -142,3 +144,47 @@ def score_distillation_completions(
     return DistillationScores(
         tokens=tokens, logits=at_loss_tokens(outputs.logits), aux_loss=getattr(outputs, "aux_loss", None)
     )
+
+
+def forward_logits_fn(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+) -> tuple[Any, Callable[[torch.Tensor], torch.Tensor]]:
+    """One forward pass of ``model`` over ``(B, L)`` inputs without its ``(B, L, V)`` logits.
+
+    Returns ``(outputs, logits_fn)`` where ``logits_fn(positions)`` gives the ``(n, V)`` logits (the whole head) at
+    flat positions ``b · L + t`` — ``scale · (hidden @ Wᵀ + b)`` from the captured last hidden states,
+    differentiable when grad is enabled. Heads that are not a plain linear map fall back to the model's own logits
+    (logged once), which ``logits_fn`` then slices.
+    """
+    kwargs: dict[str, Any] = {"use_cache": False}
+    if position_ids is not None:
+        kwargs["position_ids"] = position_ids
+
+    def forward() -> Any:
+        return model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+
+    head = resolve_lm_head(model)
+    reason = head if isinstance(head, str) else ""
+    if not isinstance(head, str):
+        captured = forward_capturing_head_input(model, head, forward)
+        if captured is not None:
+            outputs, hidden = captured
+            flat = hidden.reshape(-1, hidden.shape[-1])
+            weight, bias, scale = head.weight, head.bias, head.scale
+
+            def logits_fn(positions: torch.Tensor) -> torch.Tensor:
+                logits = F.linear(flat[positions.to(flat.device)], weight, bias)
+                return logits if scale == 1.0 else logits * scale
+
+            return outputs, logits_fn
+        reason = "its logits differ from hidden_states @ lm_head.weight (an unknown head transform)"
+    _log_once(
+        f"posttrain: chunked logits are not used for {type(unwrap_base_model(model)).__name__} because {reason}; "
+        "using its full-vocabulary logits (more memory, same result)."
+    )
+    outputs = forward()
+    flat_logits = outputs.logits.reshape(-1, outputs.logits.shape[-1])
+    return outputs, lambda positions: flat_logits[positions.to(flat_logits.device)]

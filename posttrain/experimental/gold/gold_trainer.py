@@ -6,7 +6,9 @@ generalized JSD). With it, each completion (student samples, dataset completions
 re-tokenized by the teacher's tokenizer after the decoded prompt; both models score their own tokens; the two
 tokenizations are aligned by byte offsets of the completion text (``core.uld.align_by_byte_offsets``), split tokens'
 probabilities merged (``merge_group_probs``), and the loss is the sorted-probability L1 (``uld_sorted_l1``) or the
-hybrid matched/unmatched loss (``hybrid_uld_loss``), averaged over the micro-batch's completions.
+hybrid matched/unmatched loss (``hybrid_uld_loss``), averaged over the micro-batch's completions. Both models' logits
+are computed from their last hidden states a chunk of aligned groups at a time (``chunked_uld_loss``), never for the
+whole micro-batch.
 
 Metrics: ``loss``, ``distillation_loss`` (the ULD term), ``entropy``, ``completions/*``; with the hybrid loss
 ``uld/matched_loss`` and ``uld/unmatched_loss``.
@@ -17,17 +19,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from posttrain.core.uld import (
-    align_by_byte_offsets,
-    hybrid_uld_loss,
-    merge_group_probs,
-    uld_sorted_l1,
-    vocabulary_mapping,
-)
+from posttrain.core.distill import chunked_token_map
+from posttrain.core.uld import GroupPlan, align_by_byte_offsets, chunked_uld_loss, group_plan, vocabulary_mapping
 from posttrain.experimental.gold.gold_config import GOLDConfig
 from posttrain.models.completion_scoring import completion_inputs
+from posttrain.models.distillation_scoring import forward_logits_fn
 from posttrain.models.loading import load_processing_class
 from posttrain.rollout.distillation import model_vocab_size
 from posttrain.trainers.distillation import DistillationTrainer
@@ -90,22 +87,15 @@ class GOLDTrainer(DistillationTrainer):
         super().__init__(model, teacher_model, self.args, **kwargs)
 
     # -- the ULD loss ------------------------------------------------------------------------------------------------
-    def _compute_loss(self, model: torch.nn.Module, inputs: Any) -> torch.Tensor:
+    def _uld_rows(self, inputs: Any) -> list[tuple]:
+        """Per completion with loss tokens: (row, student ids, their byte offsets, teacher prompt ids, teacher ids,
+        their byte offsets) — the completion text re-tokenized by the teacher after the decoded prompt."""
         args = self.args
-        if not args.use_uld_loss:
-            return super()._compute_loss(model, inputs)
-        mode = self._mode()
         tok = getattr(self.processing_class, "tokenizer", self.processing_class)
         teacher_tok = self.teacher_tokenizer
         eos_ids = {tok.eos_token_id} if tok.eos_token_id is not None else set()
-        input_ids, attention_mask, position_ids, _ = completion_inputs(inputs)
-        outputs = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-        logits = outputs.logits  # the full head: sampled ids may fall in its padding rows
-        width_p = inputs["prompt_ids"].shape[1]
-        bayesian = args.uld_token_merge_strategy == "bayesian"
-
         rows = []
-        for i in range(input_ids.shape[0]):
+        for i in range(inputs["completion_ids"].shape[0]):
             length = int(inputs["completion_lengths"][i])
             if not bool(inputs["completion_mask"][i].any()) or length == 0:
                 continue
@@ -125,15 +115,28 @@ class GOLDTrainer(DistillationTrainer):
             if not ids or not t_ids or not t_prompt:
                 continue
             rows.append((i, ids, token_byte_offsets(tok, ids), t_prompt, t_ids, t_offsets))
+        return rows
+
+    def _compute_loss(self, model: torch.nn.Module, inputs: Any) -> torch.Tensor:
+        """ULD averaged over the micro-batch's completions, from both models' last hidden states a chunk of aligned
+        groups at a time (``core.uld.chunked_uld_loss``): no ``(B, T, V)`` logits of either model are built."""
+        args = self.args
+        if not args.use_uld_loss:
+            return super()._compute_loss(model, inputs)
+        mode = self._mode()
+        input_ids, attention_mask, position_ids, _ = completion_inputs(inputs)
+        outputs, student_logits_fn = forward_logits_fn(model, input_ids, attention_mask, position_ids)
+        aux_loss = getattr(outputs, "aux_loss", None)
+        rows = self._uld_rows(inputs)
         if not rows:
-            zero = logits.sum() * 0.0
+            zero = 0.0 * sum(p.sum() for p in model.parameters() if p.requires_grad)
             self.record_metric("distillation_loss", float("nan"), mode=mode)
-            return self._finish_loss(zero, getattr(outputs, "aux_loss", None))
+            return self._finish_loss(zero, aux_loss)
 
         # the teacher scores its own tokenization of every kept row (one right-padded batch)
         sequences = [t_prompt + t_ids for _, _, _, t_prompt, t_ids, _ in rows]
         width = max(map(len, sequences))
-        pad = teacher_tok.pad_token_id if teacher_tok.pad_token_id is not None else 0
+        pad = self.teacher_tokenizer.pad_token_id if self.teacher_tokenizer.pad_token_id is not None else 0
         t_input = torch.full((len(rows), width), pad, dtype=torch.long)
         t_mask = torch.zeros_like(t_input)
         for j, seq in enumerate(sequences):
@@ -141,49 +144,70 @@ class GOLDTrainer(DistillationTrainer):
             t_mask[j, : len(seq)] = 1
         device = self.accelerator.device
         with torch.no_grad():
-            t_logits = self.teacher_model(input_ids=t_input.to(device), attention_mask=t_mask.to(device)).logits
+            _, teacher_logits_fn = forward_logits_fn(self.teacher_model, t_input.to(device), t_mask.to(device))
 
-        losses, matched_parts, unmatched_parts, entropies = [], [], [], []
+        # Which positions of each side every aligned group merges (flat indices into the two models' outputs).
+        # "observed" reads the logits at the completion tokens' own positions, "bayesian" one earlier (TRL's slicing).
+        shift = 1 if args.uld_token_merge_strategy == "bayesian" else 0
+        s_len, width_p = input_ids.shape[1], inputs["prompt_ids"].shape[1]
+        s_plans, t_plans, weights, entropy_positions, entropy_rows = [], [], [], [], []
         for j, (i, ids, s_offsets, t_prompt, t_ids, t_offsets) in enumerate(rows):
-            s_start, t_start = width_p, len(t_prompt)
-            shift = 1 if bayesian else 0
-            s_logits = logits[i, s_start - shift : s_start - shift + len(ids)]
-            tt_logits = t_logits[j, t_start - shift : t_start - shift + len(t_ids)]
-            s_probs = F.softmax(s_logits.float() / args.uld_student_temperature, dim=-1)
-            t_probs = F.softmax(tt_logits.float() / args.uld_teacher_temperature, dim=-1)
-            with torch.no_grad():
-                entropies.append(-(s_probs * torch.log(s_probs.clamp_min(1e-30))).sum(-1).mean())
+            s_offset = i * s_len + width_p - shift
+            t_offset = j * width + len(t_prompt) - shift
             if args.use_extended_uld:
                 s_groups, t_groups = align_by_byte_offsets(s_offsets, t_offsets)
                 paired = [(a, b) for a, b in zip(s_groups, t_groups) if a and b]
-                strategy = args.uld_token_merge_strategy
-                s_aligned = merge_group_probs(s_probs, [a for a, _ in paired], ids, strategy)
-                t_aligned = merge_group_probs(t_probs, [b for _, b in paired], t_ids, strategy)
             else:
-                n = min(len(ids), len(t_ids))
-                s_aligned, t_aligned = s_probs[:n], t_probs[:n]
-            if self._mapping is not None:
-                loss_i, matched, unmatched = hybrid_uld_loss(
-                    s_aligned, t_aligned, *self._mapping, beta=args.beta,
-                    matched_weight=args.uld_hybrid_matched_weight, unmatched_weight=args.uld_hybrid_unmatched_weight,
-                )  # fmt: skip
-                matched_parts.append(matched.detach())
-                unmatched_parts.append(unmatched.detach())
-            else:
-                loss_i = uld_sorted_l1(s_aligned, t_aligned)
-            losses.append(loss_i)
-        distillation = torch.stack(losses).mean()
+                paired = [([k], [k]) for k in range(min(len(ids), len(t_ids)))]
+            strategy = args.uld_token_merge_strategy
+            s_plans.append(group_plan([a for a, _ in paired], ids, strategy, s_offset))
+            t_plans.append(group_plan([b for _, b in paired], t_ids, strategy, t_offset))
+            weights += [1.0 / (len(paired) * len(rows))] * len(paired)
+            entropy_positions += range(s_offset, s_offset + len(ids))
+            entropy_rows += [j] * len(ids)
+        chunk = self._loss_chunk_size()
+        distillation, matched, unmatched = chunked_uld_loss(
+            student_logits_fn,
+            teacher_logits_fn,
+            GroupPlan.concat(s_plans).to(device),
+            GroupPlan.concat(t_plans).to(device),
+            torch.tensor(weights, dtype=torch.float32, device=device),
+            student_temperature=args.uld_student_temperature,
+            teacher_temperature=args.uld_teacher_temperature,
+            mapping=self._mapping,
+            beta=args.beta,
+            matched_weight=args.uld_hybrid_matched_weight,
+            unmatched_weight=args.uld_hybrid_unmatched_weight,
+            chunk_size=chunk,
+        )
         loss = args.uld_distillation_weight * distillation
+        positions = torch.tensor(entropy_positions, dtype=torch.long, device=device)
+        with torch.no_grad():  # the student's entropy over each kept completion's ULD positions, mean over rows
+            (entropy,) = chunked_token_map(
+                lambda r: student_logits_fn(positions[r]), positions.numel(),
+                lambda lp, r: ((-(lp.exp() * lp).sum(-1)),), temperature=args.uld_student_temperature,
+                chunk_size=chunk, device=device,
+            )  # fmt: skip
+            per_row = torch.zeros(len(rows), device=device).index_add_(
+                0, torch.tensor(entropy_rows, device=device), entropy.float()
+            )
+            counts = torch.bincount(torch.tensor(entropy_rows, device=device), minlength=len(rows))
+            entropy_mean = (per_row / counts.clamp(min=1)).mean()
         if args.uld_crossentropy_weight > 0:
-            width_c = inputs["completion_ids"].shape[1]
-            predicted = logits[:, width_p - 1 : width_p - 1 + width_c]
             mask = inputs["completion_mask"].bool()
-            ce = F.cross_entropy(predicted[mask].float(), inputs["completion_ids"][mask])
+            b_idx, t_idx = mask.nonzero(as_tuple=True)
+            predictors = b_idx * s_len + width_p - 1 + t_idx
+            targets = inputs["completion_ids"][mask]
+            (token_logps,) = chunked_token_map(
+                lambda r: student_logits_fn(predictors[r]), predictors.numel(),
+                lambda lp, r: (lp.gather(-1, targets[r][:, None]).squeeze(-1),), chunk_size=chunk, device=device,
+            )  # fmt: skip
+            ce = -token_logps.sum() / max(targets.numel(), 1)
             loss = loss + args.uld_crossentropy_weight * ce
-        loss = self._finish_loss(loss, getattr(outputs, "aux_loss", None))  # mean per micro-batch, / GA
+        loss = self._finish_loss(loss, aux_loss)  # mean per micro-batch, / GA
         self.record_metric("distillation_loss", self._gather_mean(distillation.detach()), mode=mode)
-        self.record_metric("entropy", self._gather_mean(torch.stack(entropies).mean()), mode=mode)
-        if matched_parts:
-            self.record_metric("uld/matched_loss", self._gather_mean(torch.stack(matched_parts).mean()), mode=mode)
-            self.record_metric("uld/unmatched_loss", self._gather_mean(torch.stack(unmatched_parts).mean()), mode=mode)
+        self.record_metric("entropy", self._gather_mean(entropy_mean), mode=mode)
+        if self._mapping is not None:
+            self.record_metric("uld/matched_loss", self._gather_mean(matched), mode=mode)
+            self.record_metric("uld/unmatched_loss", self._gather_mean(unmatched), mode=mode)
         return loss
