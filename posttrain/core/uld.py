@@ -281,11 +281,13 @@ def group_plan(
 def _merged(logits_fn: Callable[[torch.Tensor], torch.Tensor], plan: GroupPlan, temperature: float, eps: float):
     """``(c, V)`` merged probabilities of a chunk of groups: base softmax × Π clamp(p(scalar token), eps)."""
     device = plan.base.device
-    probs = F.softmax(logits_fn(plan.base).float() / temperature, dim=-1)
+    logits = logits_fn(plan.base)
+    dtype = torch.promote_types(logits.dtype, torch.float32)  # at least float32 (bf16 heads)
+    probs = F.softmax(logits.to(dtype) / temperature, dim=-1)
     if not bool(plan.scalar_mask.any()):
         return probs
     positions, tokens = plan.scalar_positions[plan.scalar_mask], plan.scalar_tokens[plan.scalar_mask]
-    log_probs = F.log_softmax(logits_fn(positions).float() / temperature, dim=-1)
+    log_probs = F.log_softmax(logits_fn(positions).to(dtype) / temperature, dim=-1)
     picked = log_probs.gather(-1, tokens[:, None].to(device)).squeeze(-1).exp().clamp_min(eps)
     factors = torch.ones(plan.scalar_mask.shape, dtype=picked.dtype, device=device)
     factors = factors.masked_scatter(plan.scalar_mask.to(device), picked)
