@@ -361,8 +361,9 @@ class DistillationRollout:
         Rows are split into ``num_slices`` consecutive slices (the gradient-accumulation micro-batches of the
         round); each slice gets one source. The batch holds ``prompt_ids``/``prompt_mask`` ``(B, P)``,
         ``completion_ids``/``completion_mask`` ``(B, C)``, ``completion_lengths`` ``(B,)``, ``sources`` (one of
-        ``SOURCES`` per row), ``tool_mask`` with tools (tool-result tokens: context, not loss tokens) and
-        ``num_items_in_batch`` (loss tokens of the round over all processes).
+        ``SOURCES`` per row), ``tool_mask`` with tools (tool-result tokens: context, not loss tokens),
+        ``sampling_per_token_logps`` ``(B, C)`` when every row was sampled by a student backend that returns its
+        sampling log-probs (IW-OPD), and ``num_items_in_batch`` (loss tokens of the round over all processes).
 
         Each stage is a named call, timed into a ``timing/<stage>`` metric (seconds on this process; see
         :data:`STAGES`), and the whole round into ``timing/rollout``; stages with nothing to do (no sampled or no
@@ -381,9 +382,12 @@ class DistillationRollout:
             finished = [False] * len(rows)
             tool_mask: list[list[int] | None] = [None] * len(rows)
             tool_counts: list[tuple[float, float]] = []
+            logprobs: list[list[float] | None] = [None] * len(rows)
             if any(source != "dataset" for source in sources):
                 with stage("generate"):
-                    self.generate(sources, prompt_ids, completion_ids, finished, agent_batch, tool_mask, tool_counts)
+                    self.generate(
+                        sources, prompt_ids, completion_ids, finished, agent_batch, tool_mask, tool_counts, logprobs
+                    )
             if "dataset" in sources:
                 with stage("dataset_completions"):
                     self.dataset_completions(rows, sources, prompt_ids, completion_ids, finished)
@@ -391,8 +395,10 @@ class DistillationRollout:
                 extra = {}
                 if any(m is not None for m in tool_mask):  # tool-result tokens: context for both models, no loss
                     extra["tool_mask"] = [m if m is not None else [1] * len(c) for m, c in zip(tool_mask, completion_ids)]
+                # The student sampler's per-token log-probs (IW-OPD's behaviour policy), when every row has them.
+                sampled = logprobs if all(lp is not None for lp in logprobs) else None
                 batch = collate_completions(
-                    Completions(completion_ids, None, finished, prompt_ids, extra=extra),
+                    Completions(completion_ids, sampled, finished, prompt_ids, extra=extra),
                     pad_token_id=self.pad_token_id,
                     mask_truncated_completions=self.mask_truncated_completions,
                     pad_to_multiple_of=self.pad_to_multiple_of,
@@ -432,9 +438,11 @@ class DistillationRollout:
         agent_batch: Any = None,
         tool_mask: list | None = None,
         tool_counts: list | None = None,
+        logprobs: list | None = None,
     ) -> None:
         """Sample the completions of the ``student`` and ``teacher`` rows from their backends (in place). With tools
-        the student rows get their tools; their tool masks and (calls, failures) counts are filled in."""
+        the student rows get their tools; their tool masks and (calls, failures) counts are filled in. ``logprobs``
+        receives the student rows' sampling log-probs when the student backend returns them."""
         n = len(sources)
         for source, backend in (("student", self.student_backend), ("teacher", self.teacher_backend)):
             index = [i for i in range(n) if sources[i] == source]
@@ -452,6 +460,8 @@ class DistillationRollout:
             for j, i in enumerate(index):
                 completion_ids[i] = list(out.completion_ids[j])
                 finished[i] = bool(out.finished[j])
+                if source == "student" and logprobs is not None and out.logprobs is not None:
+                    logprobs[i] = list(out.logprobs[j])
                 if masks is not None and tool_mask is not None:
                     tool_mask[i] = list(masks[j])
 

@@ -18,7 +18,8 @@ class IWOPDConfig(DistillationConfig):
     ``temperature`` 1.0, ``max_completion_length`` 512, the teacher and generation fields):
 
     - ``distillation_objective`` ("iw_opd"): ``"iw_opd"`` is the sampled-token objective
-      −w_t·a_t·log π_θ(y_t) with a_t = log π_T(y_t) − log π_θ(y_t) and prefix weights
+      −w_t·a_t·log π_θ(y_t) with a_t = log π_T(y_t) − log π_rollout(y_t) (the sampler's log-prob of the sampled
+      token, as TRL's vLLM path; the current student's when the batch has none) and prefix weights
       w_t = 1 + γ(1 − Σ_{s<t}|a_s| / Σ_s|a_s|) (``core.distill.iw_opd_loss``); it is on-policy (needs ``lmbda`` 1.0).
       ``"jsd"`` is the generalized JSD, on the top-``loss_top_k`` support (0: the full vocabulary).
     - ``iw_opd_gamma`` (0.5): importance-weight amplification γ; ``iw_opd_epsilon`` (1e-8): stabiliser of Σ|a|.

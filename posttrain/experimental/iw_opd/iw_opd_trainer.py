@@ -10,9 +10,16 @@ IW-OPD reweights each token's update by how little prefix discrepancy has accumu
 
 Metrics (TRL's names): ``loss``, ``distillation_loss``, ``entropy``, ``iw_opd/mean_advantage``,
 ``iw_opd/mean_abs_advantage``, ``iw_opd/mean_weight``, ``iw_opd/min_weight``, ``iw_opd/max_weight``,
-``completions/*``. Difference from TRL: the advantage's behaviour log-prob is the student's current one (TRL uses
-vLLM's rollout log-probs when it has them; with one optimizer step per round they coincide up to sampling
-processing).
+``completions/*``.
+
+The behaviour log-prob in the advantage a_t = log π_T(y_t) − log π_rollout(y_t) is the *sampler's*, as in TRL: TRL's
+vLLM generation requests ``logprobs=0`` (with ``logprobs_mode="processed_logprobs"``) for the IW-OPD objective and
+stores the sampled tokens' log-probs as ``rollout_logprobs``, which ``_compute_iw_opd_loss`` uses; only its
+``model.generate`` fallback, which records none, uses the student's current (detached) log-probs. posttrain's
+samplers always return them, so the rollout records them (``sampling_per_token_logps``, under the sampling
+distribution after temperature / top-k / top-p / min-p) and the loss uses them; they differ from the current
+student's when the sampler truncates the distribution (top-k, top-p) or runs stale weights (``vllm_sync_frequency``
+> 1). A batch without them (dataset completions) falls back to the current log-probs, as TRL does.
 """
 
 from __future__ import annotations
@@ -32,3 +39,7 @@ class IWOPDTrainer(SparseDistillationMixin, DistillationTrainer):
     config_class = IWOPDConfig
     _trainer_name = "IWOPD"
     _tag_names = ["posttrain", "iw-opd", "distillation"]
+
+    def _wants_sampling_logprobs(self) -> bool:
+        """The IW-OPD advantage's behaviour log-probs come from the sampler (TRL's ``rollout_logprobs``)."""
+        return self.args.distillation_objective == "iw_opd"
