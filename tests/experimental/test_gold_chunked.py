@@ -109,3 +109,25 @@ def test_no_full_batch_logits(tiny_model_path, merged_teacher_path, tmp_path):
         trainer._compute_loss(trainer.model, batch).backward()
     assert 0 < tracker.rows <= 3, tracker.rows
     print(f"GOLD largest logits block: {tracker.rows} rows, {tracker.bytes} bytes (vocabularies {vocabs})")
+
+
+def test_teacher_prompt_gets_the_teachers_special_tokens(tiny_model_path, merged_teacher_path, tmp_path):
+    """As TRL's ``build_teacher_inputs_from_texts``: the decoded prompt is re-tokenized *with* the teacher's special
+    tokens (a BOS-adding teacher gets its BOS), less a trailing EOS; the completion without them."""
+    from tokenizers.processors import TemplateProcessing
+
+    args = fast_config(GOLDConfig, tmp_path, per_device_train_batch_size=2, max_completion_length=6, max_steps=1,
+                       use_uld_loss=True)  # fmt: skip
+    trainer = GOLDTrainer(tiny_model_path, merged_teacher_path, args=args, train_dataset=pairs())
+    ttok = trainer.teacher_tokenizer
+    bos = ttok.convert_tokens_to_ids("<|endoftext|>")
+    ttok.backend_tokenizer.post_processor = TemplateProcessing(
+        single="<|endoftext|> $A <|im_end|>", special_tokens=[("<|endoftext|>", bos), ("<|im_end|>", ttok.eos_token_id)]
+    )
+    batch = _batch(trainer.processing_class)
+    rows = trainer._uld_rows(batch)
+    plain = ttok("Q1:", add_special_tokens=False).input_ids
+    assert rows[0][3] == [bos, *plain]  # BOS kept, the trailing EOS the template added removed
+    assert rows[0][4] == ttok("abcab", add_special_tokens=False).input_ids  # the completion: no specials
+    loss = trainer._compute_loss(trainer.model, batch)  # the teacher scores [BOS, prompt, completion]
+    assert torch.isfinite(loss)

@@ -105,7 +105,11 @@ class GOLDTrainer(DistillationTrainer):
             text = tok.decode(ids, skip_special_tokens=False)
             prompt = inputs["prompt_ids"][i][inputs["prompt_mask"][i].bool()].tolist()
             prompt_text = tok.decode(prompt, skip_special_tokens=False)
-            t_prompt = teacher_tok(prompt_text, add_special_tokens=False)["input_ids"]
+            # As TRL's build_teacher_inputs_from_texts: the teacher's own special tokens (e.g. its BOS) around the
+            # prompt, less a trailing EOS so the completion extends it.
+            t_prompt = list(teacher_tok(prompt_text, add_special_tokens=True)["input_ids"])
+            if t_prompt and teacher_tok.eos_token_id is not None and t_prompt[-1] == teacher_tok.eos_token_id:
+                t_prompt = t_prompt[:-1]
             enc = teacher_tok(text, add_special_tokens=False, return_offsets_mapping=True)
             t_ids, t_offsets = list(enc["input_ids"]), _char_to_byte_offsets(text, list(enc["offset_mapping"]))
             if not args.uld_skip_teacher_eos and teacher_tok.eos_token_id is not None:
