@@ -1,7 +1,7 @@
 """GOLDTrainer / GOLDConfig with two tiny models whose tokenizers differ (byte-level vs. BPE merges, different ids):
 TRL's defaults and checks, the ULD loss equals a hand assembly of both models' probabilities (alignment "ab|ca" vs.
 "a b|c a", observed merge, sorted L1), the hybrid loss and its metrics, the seed document's examples, the
-shared-vocabulary JSD path, and (slow) the ULD distance falls."""
+shared-vocabulary JSD path, and (slow) the extended and positional ULD distances fall."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from datasets import Dataset
-from distill_helpers import pairs
+from distill_helpers import pairs, perturbed_copy
 from trainer_helpers import fast_config, quiet_single_thread  # noqa: F401
 
 from posttrain.experimental.gold import GOLDConfig, GOLDTrainer
@@ -120,9 +120,33 @@ def test_without_uld_a_different_vocabulary_is_refused(tiny_model_path, merged_t
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["observed", "bayesian"])
+def test_extended_uld_distance_falls(abc_teacher_path, merged_teacher_path, tmp_path, strategy):
+    """TRL's default extended ULD (byte-offset alignment, merged split tokens) falls to near 0 in 30 steps for a
+    student that starts near a model of the task (a perturbed copy of the byte-level "abc" teacher). From a random
+    student it barely moves — in TRL too (same values and the same 30-step trajectory on the same inputs): a group
+    of k student tokens is merged into p(base) · Π p(later tokens) ≈ V^-(k-1) mass, and the sorted L1 against the
+    teacher's unit-mass row then pulls that mass down rather than up."""
+    student = perturbed_copy(abc_teacher_path, str(tmp_path / "student"), scale=0.1)
+    args = _config(tmp_path, per_device_train_batch_size=4, max_completion_length=8, max_steps=30,
+                   learning_rate=1e-2, lmbda=0.0, logging_steps=10, uld_token_merge_strategy=strategy)  # fmt: skip
+    assert args.use_extended_uld
+    trainer = GOLDTrainer(student, merged_teacher_path, args=args, train_dataset=pairs(16))
+    batch = _batch(trainer.processing_class, "abcabc")
+    trainer.model.eval()
+    with torch.no_grad():
+        start = trainer._compute_loss(trainer.model, batch).item()
+    trainer.train()
+    trainer.model.eval()
+    with torch.no_grad():
+        end = trainer._compute_loss(trainer.model, batch).item()
+    assert start > 0.4 and end < 0.1 * start, (start, end)
+
+
+@pytest.mark.slow
 def test_uld_distance_falls(tiny_model_path, merged_teacher_path, tmp_path):
-    """The ULD paper's positional loss (use_extended_uld=False) falls from ~2 to near 0 in 30 steps. (From a random
-    student the extended loss's merged rows are products of ~1/V probabilities: its gradient is ~1e-8.)"""
+    """The ULD paper's positional loss (use_extended_uld=False) falls from ~2 to near 0 in 30 steps from a random
+    student (see the extended test above for why the extended loss needs a non-uniform start)."""
     args = _config(tmp_path, per_device_train_batch_size=4, max_completion_length=8, max_steps=30,
                    learning_rate=1e-2, lmbda=0.0, logging_steps=10, use_extended_uld=False)  # fmt: skip
     trainer = GOLDTrainer(tiny_model_path, merged_teacher_path, args=args, train_dataset=pairs(16))

@@ -121,6 +121,14 @@ class GOLDTrainer(DistillationTrainer):
             rows.append((i, ids, token_byte_offsets(tok, ids), t_prompt, t_ids, t_offsets))
         return rows
 
+    def _uld_chunk_size(self, model: torch.nn.Module) -> int:
+        """Positions per chunk: ``loss_chunk_size``, else about 2**24 logits per chunk of the wider of the two heads
+        (ULD reads whole heads, not the shared vocabulary), between 16 and 1024 positions."""
+        if self.loss_chunk_size is not None:
+            return int(self.loss_chunk_size)
+        width = max(model_vocab_size(model), model_vocab_size(self.teacher_model))
+        return min(1024, max(16, 2**24 // width))
+
     def _compute_loss(self, model: torch.nn.Module, inputs: Any) -> torch.Tensor:
         """ULD averaged over the micro-batch's completions, from both models' last hidden states a chunk of aligned
         groups at a time (``core.uld.chunked_uld_loss``): no ``(B, T, V)`` logits of either model are built."""
@@ -169,7 +177,7 @@ class GOLDTrainer(DistillationTrainer):
             weights += [1.0 / (len(paired) * len(rows))] * len(paired)
             entropy_positions += range(s_offset, s_offset + len(ids))
             entropy_rows += [j] * len(ids)
-        chunk = self._loss_chunk_size()
+        chunk = self._uld_chunk_size(model)
         distillation, matched, unmatched = chunked_uld_loss(
             student_logits_fn,
             teacher_logits_fn,
