@@ -131,3 +131,14 @@ def test_teacher_prompt_gets_the_teachers_special_tokens(tiny_model_path, merged
     assert rows[0][4] == ttok("abcab", add_special_tokens=False).input_ids  # the completion: no specials
     loss = trainer._compute_loss(trainer.model, batch)  # the teacher scores [BOS, prompt, completion]
     assert torch.isfinite(loss)
+
+
+def test_chunk_size_follows_the_wider_full_head(tiny_model_path, merged_teacher_path, tmp_path, monkeypatch):
+    """ULD reads both models' whole heads, so the default chunk holds ~2**24 logits of the wider one."""
+    args = fast_config(GOLDConfig, tmp_path, per_device_train_batch_size=2, max_steps=1, use_uld_loss=True)
+    trainer = GOLDTrainer(tiny_model_path, merged_teacher_path, args=args, train_dataset=pairs())
+    assert trainer._uld_chunk_size(trainer.model) == 1024  # 320-row heads
+    monkeypatch.setattr(trainer.teacher_model.config, "vocab_size", 151_936)
+    assert trainer._uld_chunk_size(trainer.model) == 2**24 // 151_936 == 110
+    trainer.loss_chunk_size = 7
+    assert trainer._uld_chunk_size(trainer.model) == 7
