@@ -388,3 +388,17 @@ def test_student_learns_the_privileged_behaviour(tmp_path):
     assert before < -1.0 and after > before + 0.8, (before, after)
     losses = [e["sdft/distillation_loss"] for e in trainer.state.log_history if "sdft/distillation_loss" in e]
     assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_ema_teacher_is_checkpointed_and_resumed(tiny_model_path, tmp_path):
+    """A run resumed after step 1 ends with the uninterrupted run's EMA teacher (its average is in the checkpoint)."""
+    args = _config(tmp_path / "full", teacher_model_kind="ema", teacher_update_rate=0.5, max_steps=2,
+                   save_strategy="steps", save_steps=1)  # fmt: skip
+    full = SDFTTrainer(tiny_model_path, args=args, train_dataset=_rows())
+    full.train()
+    expected = _params(full.teacher_model)
+    resumed = SDFTTrainer(tiny_model_path, args=args, train_dataset=_rows())
+    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-1"))
+    assert resumed.state.global_step == 2
+    for name, param in resumed.teacher_model.named_parameters():
+        torch.testing.assert_close(param, expected[name])

@@ -24,9 +24,9 @@ per-token loss of the micro-batch), ``completions/mean_length``, ``/min_length``
 posttrain's ``num_tokens``, ``step_time``, ``timing/*``.
 
 Differences from TRL: ``use_teacher_server`` is refused (the teacher always runs in the trainer); the ``base`` /
-``ema`` teacher copy is a deep copy of the student (TRL reloads it from the model path); an EMA teacher is not
-saved in checkpoints (as in TRL: a resumed run restarts the average from the resumed student); vLLM generation and
-the posttrain generation backends are the shared online ones; no VLMs.
+``ema`` teacher copy is a deep copy of the student (TRL reloads it from the model path); an EMA teacher's weights
+are saved in checkpoints (``posttrain_state_*.pt``), so a resumed run continues the same average (TRL restarts it);
+vLLM generation and the posttrain generation backends are the shared online ones; no VLMs.
 """
 
 from __future__ import annotations
@@ -409,9 +409,16 @@ class SDFTTrainer(OnlineTrainerBase):
 
     # -- checkpoints -------------------------------------------------------------------------------------------
     def resume_state_dict(self) -> dict[str, Any]:
-        return {**super().resume_state_dict(), "distillation_rollout": self.rollout.state_dict()}
+        """Adds the rollout's RNG and an EMA teacher's weights (so a resumed run continues the same average)."""
+        state = {**super().resume_state_dict(), "distillation_rollout": self.rollout.state_dict()}
+        teacher = self.teacher.state_dict(self.model)
+        if teacher:
+            state["ema_teacher"] = teacher
+        return state
 
     def load_resume_state_dict(self, state: dict[str, Any]) -> None:
         super().load_resume_state_dict(state)
         if "distillation_rollout" in state:
             self.rollout.load_state_dict(state["distillation_rollout"])
+        if "ema_teacher" in state:
+            self.teacher.load_state_dict(state["ema_teacher"], self.model)
