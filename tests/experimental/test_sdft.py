@@ -402,3 +402,30 @@ def test_ema_teacher_is_checkpointed_and_resumed(tiny_model_path, tmp_path):
     assert resumed.state.global_step == 2
     for name, param in resumed.teacher_model.named_parameters():
         torch.testing.assert_close(param, expected[name])
+
+
+def test_self_distillation_callback_events(tiny_model_path, tmp_path):
+    from transformers import TrainerCallback
+
+    class Recorder(TrainerCallback):
+        def __init__(self):
+            self.events = []
+
+        def on_generation_prompts_selected(self, generation_prompts, **kwargs):
+            self.events.append(("prompts", list(generation_prompts)))
+
+        def on_self_distillation_batch_prepared(self, teacher_input_ids, completion_ids, **kwargs):
+            assert teacher_input_ids.shape[0] == completion_ids.shape[0]
+            prompt = teacher_input_ids[0, : -completion_ids.shape[1]]
+            self.events.append(("batch", kwargs["processing_class"].decode(prompt, skip_special_tokens=True)))
+
+        def on_generation_batch_built(self, generate_every, steps_per_generation, **kwargs):
+            self.events.append(("built", generate_every, steps_per_generation))
+
+    recorder = Recorder()
+    args = _config(tmp_path, generate_from_teacher=True)
+    trainer = SDFTTrainer(tiny_model_path, args=args, train_dataset=_rows(1), callbacks=[recorder])
+    trainer.train()
+    assert [e[0] for e in recorder.events] == ["prompts", "batch", "built"]
+    assert recorder.events[0][1] == ["Q0:\n\nabc", "Q0:\n\nabc"]  # generate_from_teacher: the teacher prompts
+    assert recorder.events[1][1].endswith("Q0:\n\nabc") and recorder.events[2][1:] == (1, 1)

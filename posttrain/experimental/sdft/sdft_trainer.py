@@ -18,6 +18,9 @@ mode stays chunked, ``rollout.distillation.token_divergence``); sampler, buffer 
 Loss: per completion, the mean per-token loss over its loss tokens (``completion_mask`` minus the first
 ``num_loss_tokens_to_skip``), then the mean over completions, divided by the gradient-accumulation steps (TRL).
 
+Callbacks may define TRL's self-distillation events ``on_generation_prompts_selected``,
+``on_self_distillation_batch_prepared`` and ``on_generation_batch_built`` (called with TRL's payloads).
+
 Metrics (TRL's names): ``loss``, ``self_distillation/distillation_loss`` and ``sdft/distillation_loss`` (mean
 per-token loss of the micro-batch), ``completions/mean_length``, ``/min_length``, ``/max_length``,
 ``/clipped_ratio``, ``/mean_terminated_length``, ``/min_terminated_length``, ``/max_terminated_length``; plus
@@ -299,6 +302,12 @@ class SDFTTrainer(OnlineTrainerBase):
         if self.state.global_step != self._last_synced_step:
             self.backend.sync_weights(self.accelerator.unwrap_model(self.model))
             self._last_synced_step = self.state.global_step
+        generating = self.rollout.teacher_rows(rows) if self.args.generate_from_teacher else rows
+        self._dispatch_self_distillation_callback(
+            "on_generation_prompts_selected",
+            generation_prompts=[row["prompt"] for row in generating],
+            generation_prompt_text=None,
+        )
         batch = self.rollout.run(
             rows, num_slices=1, mode=mode, device=self.accelerator.device, record=self._record(mode)
         )
@@ -308,7 +317,33 @@ class SDFTTrainer(OnlineTrainerBase):
         if mode == "train" and self._needs_old_logps() and not self.args.generate_from_teacher:
             with torch.no_grad():
                 batch["old_per_token_logps"] = self._token_stats(self.model, batch).logps
+        self._dispatch_self_distillation_callback(
+            "on_self_distillation_batch_prepared",
+            old_per_token_logps=batch.get("old_per_token_logps"),
+            prompt_ids=batch["prompt_ids"],
+            completion_ids=batch["completion_ids"],
+            teacher_input_ids=torch.cat([batch["teacher_prompt_ids"], batch["completion_ids"]], dim=1),
+            teacher_attention_mask=torch.cat([batch["teacher_prompt_mask"], batch["completion_mask"]], dim=1),
+        )
+        if mode == "train":
+            self._dispatch_self_distillation_callback(
+                "on_generation_batch_built",
+                generate_every=self.args.steps_per_generation * self.args.num_iterations,
+                steps_per_generation=self.args.steps_per_generation,
+            )
         return batch
+
+    def _dispatch_self_distillation_callback(self, event_name: str, **payload: Any) -> None:
+        """TRL's self-distillation callback events: each callback that defines ``event_name`` is called with
+        ``args``, ``state``, ``control``, ``model``, ``processing_class`` and the payload (``on_generation_prompts_selected``,
+        ``on_self_distillation_batch_prepared``, ``on_generation_batch_built``)."""
+        for callback in self.callback_handler.callbacks:
+            handler = getattr(callback, event_name, None)
+            if handler is not None:
+                handler(
+                    args=self.args, state=self.state, control=self.control, model=self.model,
+                    processing_class=self.processing_class, **payload,
+                )  # fmt: skip
 
     # -- loss --------------------------------------------------------------------------------------------------
     def _scoring_inputs(self, model: torch.nn.Module, inputs: RolloutBatch) -> tuple:
