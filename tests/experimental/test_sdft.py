@@ -15,38 +15,57 @@ from trainer_helpers import fast_config, quiet_single_thread  # noqa: F401
 from posttrain.experimental.sdft import SDFTConfig, SDFTTrainer
 from posttrain.experimental.sdft.sdft_trainer import compose_teacher_prompt
 
-# TRL 1.16's SDFTConfig(output_dir=...) values of SDFT's own fields.
+# TRL 1.16's SDFTConfig(output_dir=...): every field it adds to TrainingArguments (dumped from TRL), and the
+# TrainingArguments defaults it changes.
 TRL_DEFAULTS = {
+    "model_init_kwargs": None,
+    "trust_remote_code": False,
+    "disable_dropout": True,
+    "max_prompt_length": 512,
+    "num_generations": 8,
+    "num_generations_eval": None,
+    "max_completion_length": 256,
+    "ds3_gather_for_generation": True,
+    "shuffle_dataset": True,
+    "generation_batch_size": 8,
+    "steps_per_generation": 1,
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": None,
+    "generation_kwargs": None,
+    "chat_template_kwargs": None,
+    "repetition_penalty": 1.0,
+    "cache_implementation": None,
+    "use_vllm": False,
+    "use_teacher_server": False,
+    "vllm_mode": "colocate",
+    "vllm_model_impl": "vllm",
+    "vllm_enable_sleep_mode": False,
+    "vllm_server_base_url": None,
+    "vllm_server_host": "0.0.0.0",
+    "vllm_server_port": 8000,
+    "vllm_group_port": 51216,
+    "vllm_server_timeout": 240.0,
+    "vllm_tensor_parallel_size": 1,
+    "vllm_gpu_memory_utilization": 0.3,
+    "vllm_max_model_length": None,
+    "num_iterations": 1,
+    "teacher_model_kind": "base",
+    "teacher_update_rate": 0.05,
+    "teacher_sync_steps": 1,
     "distillation_alpha": 0.5,
     "distillation_mode": "topk_logits",
     "distillation_topk": 100,
     "distillation_is_clip": 2.0,
     "distillation_add_tail": False,
-    "num_loss_tokens_to_skip": 0,
-    "teacher_model_kind": "base",
-    "teacher_update_rate": 0.05,
-    "teacher_sync_steps": 1,
     "generate_from_teacher": False,
     "teacher_prompt_template": "{prompt}\n\n{privileged_context}",
-    "use_teacher_server": False,
-    "disable_dropout": True,
-    "remove_unused_columns": False,
-    "max_prompt_length": 512,
-    "max_completion_length": 256,
-    "num_generations": 8,
-    "num_generations_eval": None,
-    "num_iterations": 1,
-    "temperature": 1.0,
-    "top_p": 1.0,
-    "top_k": 0,
-    "min_p": None,
-    "repetition_penalty": 1.0,
-    "shuffle_dataset": True,
-    "generation_batch_size": 8,
-    "steps_per_generation": 1,
-    "learning_rate": 5e-5,
+    "num_loss_tokens_to_skip": 0,
+    "learning_rate": 5e-05,
     "logging_steps": 10,
     "gradient_checkpointing": True,
+    "remove_unused_columns": False,
 }
 
 
@@ -61,9 +80,14 @@ def _config(tmp_path, **overrides):
     return fast_config(SDFTConfig, tmp_path, **{**values, **overrides})
 
 
-def test_trl_defaults(tmp_path):
+def test_trl_defaults_and_signature(tmp_path):
+    import inspect
+
     args = SDFTConfig(output_dir=str(tmp_path), report_to="none")
     assert {k: getattr(args, k) for k in TRL_DEFAULTS} == TRL_DEFAULTS
+    parameters = list(inspect.signature(SDFTTrainer.__init__).parameters)
+    assert parameters == ["self", "model", "args", "train_dataset", "eval_dataset", "processing_class", "callbacks",
+                          "optimizers", "peft_config"]  # fmt: skip
 
 
 @pytest.mark.parametrize(
