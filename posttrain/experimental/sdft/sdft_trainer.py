@@ -30,14 +30,15 @@ posttrain's ``num_tokens``, ``step_time``, ``timing/*``.
 (``_distill_support.ServedTeacher``: ``POST /get_sequence_logprobs/`` on ``[teacher prompt | completion]``) and
 logs ``self_distillation/server_logprob_abs_diff``.
 
-Differences from TRL: the ``base`` / ``ema`` teacher copy is a deep copy of the student (TRL reloads it from the
-model path); an EMA teacher's weights are saved in checkpoints (``posttrain_state_*.pt``), so a resumed run continues
+Differences from TRL: a student given as a module gets a deep copy as its ``base`` / ``ema`` teacher (one given by
+path is loaded again from it, as TRL does); an EMA teacher's weights are saved in checkpoints (``posttrain_state_*.pt``), so a resumed run continues
 the same average (TRL restarts it); vLLM generation and the posttrain generation backends are the shared online ones;
 no VLMs.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -54,6 +55,8 @@ from posttrain.experimental._distill_support import ServedTeacher, loss_token_lo
 from posttrain.experimental.sdft.sdft_config import SDFTConfig
 from posttrain.models.completion_scoring import choose_shared_prompt_layout, completion_inputs
 from posttrain.models.distillation_scoring import DistillationScores, score_distillation_completions
+from posttrain.models.loading import disable_dropout_in_model
+from posttrain.models.peft_utils import is_peft_model
 from posttrain.models.reference import ReferencePolicy
 from posttrain.models.teacher_sync import SyncTeacherModelCallback, create_teacher
 from posttrain.reliability.validation import check_datasets
@@ -248,14 +251,29 @@ class SDFTTrainer(OnlineTrainerBase):
         check_datasets(train_dataset, eval_dataset)
         check_self_distillation_columns(train_dataset, "train_dataset")
         check_self_distillation_columns(eval_dataset, "eval_dataset")
+        model_id = model if isinstance(model, str) else None
         model, processing_class = self._setup_policy(model, args, processing_class, peft_config)
-        # Before the Trainer wraps the model (and before the optimizer exists): the copy / the "teacher" adapter.
+        if peft_config is None and is_peft_model(model) and args.teacher_model_kind == "base":
+            warnings.warn(
+                "The provided self-distillation student model already contains a PEFT adapter. With "
+                "teacher_model_kind='base' the teacher is its base weights (adapters disabled), not the initially "
+                "loaded student including its adapter. For an unambiguous teacher, start from a merged/non-adapter "
+                "model.",
+                UserWarning,
+                stacklevel=2,
+            )
+        # Before the Trainer wraps the model (and before the optimizer exists): the copy / the "teacher" adapter. A
+        # student given by path gets its copy loaded again from it (TRL; a deep copy of ZeRO-3 shards would be empty).
         self.teacher = create_teacher(
             model,
             args.teacher_model_kind,
             teacher_update_rate=args.teacher_update_rate,
             teacher_sync_steps=args.teacher_sync_steps,
+            reload_from=model_id,
+            model_init_kwargs=dict(args.model_init_kwargs or {}),
         )
+        if self.teacher.model is not None and args.disable_dropout:
+            disable_dropout_in_model(self.teacher.model)
         self.vocab_rows = model_vocab_size(model)
         n_rows = self._configure_train_dataset(train_dataset, args)
         prompts_per_round = args.generation_batch_size // args.num_generations
