@@ -53,7 +53,6 @@ from posttrain.core.self_distillation import (
 )
 from posttrain.experimental._distill_support import ServedTeacher, loss_token_log_probs, to_rows
 from posttrain.experimental.sdft.sdft_config import SDFTConfig
-from posttrain.models.completion_scoring import choose_shared_prompt_layout, completion_inputs
 from posttrain.models.distillation_scoring import DistillationScores, score_distillation_completions
 from posttrain.models.loading import disable_dropout_in_model
 from posttrain.models.peft_utils import is_peft_model
@@ -63,6 +62,7 @@ from posttrain.reliability.validation import check_datasets
 from posttrain.rollout.buffer import RolloutBatch
 from posttrain.rollout.distillation import DistillationRollout, model_vocab_size, token_divergence
 from posttrain.rollout.pipeline import render_prompts
+from posttrain.trainers.distillation import DistillationTrainer
 from posttrain.trainers.online import OnlineTrainerBase
 
 __all__ = [
@@ -233,6 +233,10 @@ class SDFTTrainer(OnlineTrainerBase):
     # Tokens per chunk of the full-logit divergence (None: chosen from the vocabulary, as DistillationTrainer).
     loss_chunk_size: int | None = None
     served_teacher: ServedTeacher | None = None  # the teacher-server client (use_teacher_server), made on first use
+    # DistillationTrainer's: score_distillation_completions arguments (the shared-prompt layout when it saves work),
+    # and the tokens per chunk of the chunked divergence / log-probs (about 2**24 logits per chunk).
+    _scoring_inputs = DistillationTrainer._scoring_inputs
+    _loss_chunk_size = DistillationTrainer._loss_chunk_size
 
     def __init__(
         self,
@@ -370,16 +374,6 @@ class SDFTTrainer(OnlineTrainerBase):
                 )  # fmt: skip
 
     # -- loss --------------------------------------------------------------------------------------------------
-    def _scoring_inputs(self, model: torch.nn.Module, inputs: RolloutBatch) -> tuple:
-        """``score_distillation_completions`` arguments (the shared-prompt layout when it saves work)."""
-        targets = (inputs["completion_ids"], inputs["completion_mask"])
-        layout = choose_shared_prompt_layout(model, inputs) if self.args.shared_prompt_forward else None
-        if layout is not None:
-            predictors = layout.predictor_index(inputs["completion_mask"])
-            return layout.input_ids, layout.attention_mask, layout.position_ids, *targets, predictors
-        input_ids, attention_mask, position_ids, _ = completion_inputs(inputs)
-        return input_ids, attention_mask, position_ids, *targets
-
     def _loss_mask(self, inputs: RolloutBatch) -> torch.Tensor:
         mask = inputs["completion_mask"]
         skip = self.args.num_loss_tokens_to_skip
@@ -505,12 +499,6 @@ class SDFTTrainer(OnlineTrainerBase):
         self.record_metric("self_distillation/distillation_loss", value, mode=mode)
         self.record_metric(f"{self._trainer_name.lower()}/distillation_loss", value, mode=mode)
         return loss
-
-    def _loss_chunk_size(self) -> int:
-        """Tokens per chunk: about 2**24 logits per chunk, between 16 and 1024 tokens (as DistillationTrainer)."""
-        if self.loss_chunk_size is not None:
-            return int(self.loss_chunk_size)
-        return min(1024, max(16, 2**24 // self.vocab_rows))
 
     # -- checkpoints -------------------------------------------------------------------------------------------
     def resume_state_dict(self) -> dict[str, Any]:
