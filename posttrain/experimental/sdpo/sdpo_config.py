@@ -12,10 +12,10 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, field
 
+from posttrain.core.self_distillation import DISTILLATION_MODES
+from posttrain.models.teacher_sync import TEACHER_MODEL_KINDS
 from posttrain.trainers.grpo import GRPOConfig
 
-DISTILLATION_MODES = ("sampled_token", "full_logits", "topk_logits")
-TEACHER_MODEL_KINDS = ("base", "live", "ema")
 # Placeholders each template is formatted with (TRL's names).
 TEMPLATE_FIELDS = {
     "reprompt_template": ("prompt", "solution", "feedback"),
