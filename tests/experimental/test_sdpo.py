@@ -325,7 +325,8 @@ def _dataset(n: int = 4, conversational: bool = False) -> Dataset:
     "overrides",
     [
         dict(),  # TRL's defaults: pure sampled-token distillation, EMA teacher
-        dict(distillation_weight=0.5, gradient_accumulation_steps=2, steps_per_generation=1, teacher_model_kind="live"),
+        dict(distillation_weight=0.5, gradient_accumulation_steps=2, steps_per_generation=2, num_iterations=2,
+             teacher_model_kind="live"),  # fmt: skip
         dict(distillation_mode="topk_logits", distillation_topk=4, distillation_alpha=0.5, distillation_weight=0.3,
              include_environment_feedback=True, teacher_model_kind="base"),  # fmt: skip
     ],
@@ -350,6 +351,7 @@ def test_trains_end_to_end(tmp_path, tiny_model_path, overrides):
         assert key in logs, key
     assert ("self_distillation/policy_loss" in logs) == (args.distillation_weight < 1.0)
     batch = served[0]
+    assert ("old_per_token_logps" in batch) == (args.num_iterations > 1)  # then the IS clipping applies
     assert batch["teacher_prompt_ids"].shape[0] == batch["self_distillation_mask"].shape[0] == 4
     if overrides.get("include_environment_feedback"):  # the hint makes every row a teacher row
         assert batch["self_distillation_mask"].tolist() == [1.0] * 4
@@ -371,6 +373,32 @@ def test_ema_teacher_follows_the_student(tmp_path, tiny_model_path):
     name = moved[0]
     assert not torch.equal(trainer.teacher.model.get_parameter(name), student[name])  # an average, not a copy
     assert trainer.teacher_model is trainer.teacher.model
+
+
+def test_ema_teacher_is_checkpointed_and_restored(tmp_path, tiny_model_path):
+    args = _config(tmp_path, teacher_update_rate=0.5, include_environment_feedback=True, save_strategy="steps",
+                   save_steps=2)  # fmt: skip
+    trainer = SDPOTrainer(tiny_model_path, even_sum, args, train_dataset=_dataset())
+    trainer.train()
+    saved = {n: p.detach().clone() for n, p in trainer.teacher.model.named_parameters()}
+    resumed = SDPOTrainer(tiny_model_path, even_sum, args, train_dataset=_dataset())
+    assert any(not torch.equal(p, saved[n]) for n, p in resumed.teacher.model.named_parameters())  # a fresh copy
+    resumed._load_resume_state(str(tmp_path / "checkpoint-2"))
+    for name, param in resumed.teacher.model.named_parameters():
+        assert torch.equal(param, saved[name]), name
+
+
+def test_lora_student_gets_an_ema_teacher_adapter(tmp_path, tiny_model_path):
+    peft = pytest.importorskip("peft")
+    args = _config(tmp_path, include_environment_feedback=True)
+    trainer = SDPOTrainer(tiny_model_path, even_sum, args, train_dataset=_dataset(),
+                          peft_config=peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))  # fmt: skip
+    assert trainer.teacher.model is None and trainer.teacher.uses_adapters
+    trainer.train()
+    teacher = {n: p for n, p in trainer.model.named_parameters() if ".teacher." in n}
+    assert teacher and not any(p.requires_grad for p in teacher.values())
+    assert any(p.abs().sum() > 0 for p in teacher.values())  # averaged toward the student's adapter
+    assert math.isfinite(trainer.state.log_history[0]["self_distillation/distillation_loss"])
 
 
 def test_diagnostics_warn_on_first_and_every_interval(tmp_path, tiny_model_path, caplog):

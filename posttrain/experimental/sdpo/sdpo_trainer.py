@@ -30,12 +30,14 @@ Deliberate differences from TRL: the policy term is posttrain's GRPO loss, so ev
 applies and ``dapo`` normalises by the tokens of the whole generation batch (TRL's SDPO: the local micro-batch), and
 ``beta > 0`` adds GRPO's KL to the policy term (TRL's SDPO accepts ``beta`` but never uses it). The teacher forward
 skips rows without a teacher (their loss is 0 either way). ``use_teacher_server`` is not supported (rejected by the
-config). The EMA teacher is not stored in checkpoints (nor in TRL): a resumed run restarts it from the student.
+config). The EMA teacher's weights are stored in each checkpoint (``sdpo_teacher.pt``) and restored on resume; TRL
+rebuilds its teacher from the model path, so a resumed TRL run restarts the average.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import textwrap
 from collections import defaultdict
 from dataclasses import replace
@@ -64,6 +66,8 @@ from .sdpo_config import SDPOConfig
 from .teacher_context import SuccessfulRolloutTeacherContextBuilder
 
 __all__ = ["SDPOTrainer"]
+
+TEACHER_STATE = "sdpo_teacher.pt"
 
 logger = logging.getLogger(__name__)
 
@@ -168,6 +172,41 @@ class SDPOTrainer(GRPOTrainer):
     def teacher_model(self) -> torch.nn.Module:
         """TRL's attribute: the module the teacher pass runs (a frozen copy, or the student itself)."""
         return self.teacher.model if self.teacher.model is not None else self.model
+
+    # -- checkpoints: the EMA teacher's weights --------------------------------------------------------------
+    def _teacher_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """The parameters an EMA teacher averages: its frozen copy's, or the student's ``teacher`` adapter's."""
+        if self.teacher.kind != "ema":
+            return []
+        if self.teacher.model is not None:
+            return list(self.accelerator.unwrap_model(self.teacher.model).named_parameters())
+        marker = f".{self.teacher.adapter_name}."
+        return [(n, p) for n, p in self.accelerator.unwrap_model(self.model).named_parameters() if marker in n]
+
+    def _save_checkpoint_extras(self, output_dir: str) -> None:
+        super()._save_checkpoint_extras(output_dir)
+        params = self._teacher_parameters()
+        if params and self.args.should_save:
+            tmp = os.path.join(output_dir, f".{TEACHER_STATE}.tmp")
+            torch.save({name: p.detach().cpu() for name, p in params}, tmp)
+            os.replace(tmp, os.path.join(output_dir, TEACHER_STATE))
+
+    def _load_resume_state(self, checkpoint: str) -> None:
+        super()._load_resume_state(checkpoint)
+        path = os.path.join(checkpoint, TEACHER_STATE)
+        params = self._teacher_parameters()
+        if not params or not os.path.isfile(path):
+            return
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        missing = [name for name, _ in params if name not in state]
+        if missing:
+            raise ValueError(
+                f"{path} does not match this run's EMA teacher ({len(missing)} parameters missing, e.g. {missing[0]!r})"
+                "; resume with the model and teacher settings of the run that wrote it."
+            )
+        with torch.no_grad():
+            for name, param in params:
+                param.copy_(state[name].to(device=param.device, dtype=param.dtype))
 
     def _make_estimator(self) -> _KeepResultEstimator:
         return _KeepResultEstimator(self.args.scale_rewards, self.args.multi_objective_aggregation)
