@@ -16,6 +16,7 @@ ones (TRL has no CLI verbs for these, so neither has ``posttrain``)::
     python -m posttrain.experimental.run gold --config examples/gold.yaml
     python -m posttrain.experimental.run iw_opd --config examples/iw_opd.yaml
     python -m posttrain.experimental.run server_distillation --config examples/server_distillation.yaml
+    python -m posttrain.experimental.run sdft --config examples/sdft.yaml
 
 Each method parses ``(ScriptArguments, <X>Config, ModelConfig, DatasetMixtureConfig)`` with ``TrlParser`` (YAML
 keys and ``--flags``; flags win), trains in this process and saves to ``output_dir``. ``bema_dpo`` is
@@ -25,7 +26,8 @@ keys and ``--flags``; flags win), trains in this process and saves to ``output_d
 paragraph (``--debug`` for the traceback). The distillation methods (``gkd``, ``gold``, ``iw_opd``) load the teacher
 from ``--teacher_model_name_or_path`` like the student (dtype, attention; never quantized) unless
 ``teacher_model_init_kwargs`` says otherwise; ``server_distillation`` (and ``iw_opd`` with ``use_teacher_server``)
-reads it from ``--teacher_model_server_url`` (a running ``posttrain serve --model TEACHER``).
+reads it from ``--teacher_model_server_url`` (a running ``posttrain serve --model TEACHER``). ``sdft`` has no
+separate teacher: the student is its own (``teacher_model_kind``).
 """
 
 from __future__ import annotations
@@ -98,6 +100,7 @@ METHODS: dict[str, tuple[str, str]] = {
         "posttrain.experimental.server_distillation:ServerDistillationConfig",
         "posttrain.experimental.server_distillation:ServerDistillationTrainer",
     ),
+    "sdft": ("posttrain.experimental.sdft:SDFTConfig", "posttrain.experimental.sdft:SDFTTrainer"),
 }
 # Online methods: GRPO's script arguments (reward_funcs, reward_model_name_or_path) and a reward_funcs argument.
 REWARD_METHODS = {"gmpo", "grpo_with_replay_buffer", "online_dpo", "a2po", "ppo", "sdpo"}

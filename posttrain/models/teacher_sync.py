@@ -164,6 +164,31 @@ class SelfDistillationTeacher:
         for source, target in _adapter_pairs(inner, self.student_adapter, self.adapter_name):
             target.data.mul_(1.0 - rate).add_(source.data.to(target.dtype), alpha=rate)
 
+    def state_dict(self, student: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The weights an EMA teacher has accumulated (CPU tensors; empty for ``"base"`` / ``"live"``, which a
+        resumed run rebuilds exactly), for checkpoints: a resumed run then continues the same average."""
+        if self.kind != "ema":
+            return {}
+        if self.model is not None:
+            return {k: v.detach().cpu().clone() for k, v in unwrap_parallel(self.model).state_dict().items()}
+        tag = f".{self.adapter_name}."
+        return {n: p.detach().cpu().clone() for n, p in unwrap_parallel(student).named_parameters() if tag in n}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, torch.Tensor], student: torch.nn.Module) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        if self.kind != "ema" or not state:
+            return
+        if self.model is not None:
+            unwrap_parallel(self.model).load_state_dict(state)
+            return
+        params = dict(unwrap_parallel(student).named_parameters())
+        missing = sorted(set(state) - set(params))
+        if missing:
+            raise ValueError(f"The checkpoint's EMA teacher adapter has parameters the student lacks: {missing[:3]}.")
+        for name, value in state.items():
+            params[name].data.copy_(value.to(params[name].device, params[name].dtype))
+
 
 def _add_zero_teacher_adapter(model: torch.nn.Module, name: str) -> str:
     """Add a frozen LoRA adapter ``name`` with the active adapter's config and all-zero weights; returns the active

@@ -158,3 +158,28 @@ def test_ema_teacher_refuses_a_peft_student_that_is_not_pure_lora():
     assert not is_pure_lora_training(student)
     with pytest.raises(ValueError, match="non-pure-LoRA"):
         create_teacher(student, "ema")
+
+
+def test_ema_state_round_trips_for_a_copy_and_an_adapter():
+    student = _model()
+    teacher = create_teacher(student, "ema", teacher_update_rate=0.5)
+    _perturb(student, 1.0)
+    teacher.update(student)
+    state = teacher.state_dict(student)
+    fresh = create_teacher(_model(), "ema")
+    fresh.load_state_dict(state, student)
+    for a, b in zip(fresh.model.parameters(), teacher.model.parameters()):
+        torch.testing.assert_close(a, b)
+    assert create_teacher(student, "base").state_dict(student) == {}  # rebuilt exactly on resume
+
+    lora = _lora_student()
+    adapter = create_teacher(lora, "ema", teacher_update_rate=0.5)
+    adapter.update(lora)
+    saved = adapter.state_dict(lora)
+    assert saved and all(f".{TEACHER_ADAPTER_NAME}." in name for name in saved)
+    other = _lora_student()
+    other_teacher = create_teacher(other, "ema")
+    other_teacher.load_state_dict(saved, other)
+    params = dict(other.named_parameters())
+    for name, value in saved.items():
+        torch.testing.assert_close(params[name].detach(), value)
