@@ -375,6 +375,33 @@ def test_ema_teacher_follows_the_student(tmp_path, tiny_model_path):
     assert trainer.teacher_model is trainer.teacher.model
 
 
+def test_trls_callback_events(tmp_path, tiny_model_path):
+    from transformers import TrainerCallback
+
+    class Recorder(TrainerCallback):
+        def __init__(self):
+            self.events = []
+
+        def __getattr__(self, name):
+            if not name.startswith("on_") or name in TrainerCallback.__dict__:
+                raise AttributeError(name)
+            return lambda **payload: self.events.append((name, sorted(payload)))
+
+    recorder = Recorder()
+    args = _config(tmp_path, max_steps=1, include_environment_feedback=True)
+    SDPOTrainer(tiny_model_path, even_sum, args, train_dataset=_dataset(), callbacks=[recorder]).train()
+    common = ["args", "control", "model", "processing_class", "state"]
+    assert recorder.events == [
+        ("on_generation_prompts_selected", sorted([*common, "generation_prompts", "generation_prompt_text"])),
+        ("on_teacher_context_built", sorted([*common, "teacher_input_ids", "teacher_attention_mask",
+                                             "completion_mask", "self_distillation_mask"])),
+        ("on_self_distillation_batch_prepared", sorted([*common, "old_per_token_logps", "prompt_ids", "completion_ids",
+                                                        "teacher_input_ids", "teacher_attention_mask",
+                                                        "self_distillation_mask"])),
+        ("on_generation_batch_built", sorted([*common, "generate_every", "steps_per_generation"])),
+    ]  # fmt: skip
+
+
 def test_ema_teacher_is_checkpointed_and_restored(tmp_path, tiny_model_path):
     args = _config(tmp_path, teacher_update_rate=0.5, include_environment_feedback=True, save_strategy="steps",
                    save_steps=2)  # fmt: skip

@@ -21,6 +21,9 @@ serves both terms. The teacher (``teacher_model_kind``: ``base`` / ``live`` / ``
 ``teacher_sync_steps`` by ``teacher_update_rate``) is ``models.teacher_sync``'s; only rows with a teacher are
 forwarded through it.
 
+Callbacks may define TRL's self-distillation events ``on_generation_prompts_selected``, ``on_teacher_context_built``,
+``on_self_distillation_batch_prepared`` and ``on_generation_batch_built`` (called with TRL's payloads).
+
 Metrics: GRPO's, plus TRL's ``self_distillation/*`` (teacher-context fractions, reward diagnostics, policy and
 distillation losses) and ``sdpo/distillation_loss``. TRL's diagnostics warnings (flat rewards, inactive
 self-distillation, no successful rollouts) are logged on the first and every ``diagnostics_warning_interval``-th
@@ -30,14 +33,13 @@ Deliberate differences from TRL: the policy term is posttrain's GRPO loss, so ev
 applies and ``dapo`` normalises by the tokens of the whole generation batch (TRL's SDPO: the local micro-batch), and
 ``beta > 0`` adds GRPO's KL to the policy term (TRL's SDPO accepts ``beta`` but never uses it). The teacher forward
 skips rows without a teacher (their loss is 0 either way). ``use_teacher_server`` is not supported (rejected by the
-config). The EMA teacher's weights are stored in each checkpoint (``sdpo_teacher.pt``) and restored on resume; TRL
-rebuilds its teacher from the model path, so a resumed TRL run restarts the average.
+config). An EMA teacher's weights are saved in checkpoints (``posttrain_state_*.pt``, as SDFT's), so a resumed run
+continues the same average (TRL rebuilds the teacher from the model path and restarts it).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import textwrap
 from collections import defaultdict
 from dataclasses import replace
@@ -45,19 +47,21 @@ from typing import Any
 
 import torch
 
+from posttrain.core.logprobs import chunked_logprobs_from_hidden, entropy_from_logits
 from posttrain.core.self_distillation import (
     apply_importance_sampling_clipping,
-    compute_full_logit_self_distillation_loss,
-    compute_topk_self_distillation_loss,
     sampled_token_self_distillation_loss_from_logps,
     self_distillation_loss,
 )
 from posttrain.distributed import gather_objects
+from posttrain.experimental._distill_support import to_rows
+from posttrain.experimental.sdft.sdft_trainer import SDFTTrainer
 from posttrain.models.completion_scoring import completion_inputs
-from posttrain.models.distillation_scoring import score_distillation_completions
+from posttrain.models.distillation_scoring import DistillationScores, score_distillation_completions
 from posttrain.models.forward import TokenStats
 from posttrain.models.teacher_sync import SyncTeacherModelCallback, create_teacher
 from posttrain.rollout.buffer import RolloutBatch
+from posttrain.rollout.distillation import model_vocab_size
 from posttrain.rollout.estimators import AdvantageResult, GroupRelativeEstimator
 from posttrain.rollout.pipeline import RolloutSettings, StageTimer, _pad, render_prompts
 from posttrain.trainers.grpo import GRPOTrainer
@@ -67,7 +71,6 @@ from .teacher_context import SuccessfulRolloutTeacherContextBuilder
 
 __all__ = ["SDPOTrainer"]
 
-TEACHER_STATE = "sdpo_teacher.pt"
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +111,14 @@ class SDPOTrainer(GRPOTrainer):
                 eprint       = {arXiv:2601.20802}
             }"""),
     }
+
+    # Shared with SDFT (the same self-distillation term, TRL's same callback events): its per-token loss of the logit
+    # modes on DistillationScores, the loss tokens' chunked log-probs, the chunk size, the callback dispatch.
+    loss_chunk_size: int | None = None
+    _per_token_loss = SDFTTrainer._per_token_loss
+    _token_logps = SDFTTrainer._token_logps
+    _loss_chunk_size = SDFTTrainer._loss_chunk_size
+    _dispatch_self_distillation_callback = SDFTTrainer._dispatch_self_distillation_callback
 
     def __init__(
         self,
@@ -167,46 +178,12 @@ class SDPOTrainer(GRPOTrainer):
         )
         self.teacher.prepare(self.accelerator)
         self.add_callback(SyncTeacherModelCallback(self.teacher, self.accelerator))
+        self.vocab_rows = model_vocab_size(student)
 
     @property
     def teacher_model(self) -> torch.nn.Module:
         """TRL's attribute: the module the teacher pass runs (a frozen copy, or the student itself)."""
         return self.teacher.model if self.teacher.model is not None else self.model
-
-    # -- checkpoints: the EMA teacher's weights --------------------------------------------------------------
-    def _teacher_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
-        """The parameters an EMA teacher averages: its frozen copy's, or the student's ``teacher`` adapter's."""
-        if self.teacher.kind != "ema":
-            return []
-        if self.teacher.model is not None:
-            return list(self.accelerator.unwrap_model(self.teacher.model).named_parameters())
-        marker = f".{self.teacher.adapter_name}."
-        return [(n, p) for n, p in self.accelerator.unwrap_model(self.model).named_parameters() if marker in n]
-
-    def _save_checkpoint_extras(self, output_dir: str) -> None:
-        super()._save_checkpoint_extras(output_dir)
-        params = self._teacher_parameters()
-        if params and self.args.should_save:
-            tmp = os.path.join(output_dir, f".{TEACHER_STATE}.tmp")
-            torch.save({name: p.detach().cpu() for name, p in params}, tmp)
-            os.replace(tmp, os.path.join(output_dir, TEACHER_STATE))
-
-    def _load_resume_state(self, checkpoint: str) -> None:
-        super()._load_resume_state(checkpoint)
-        path = os.path.join(checkpoint, TEACHER_STATE)
-        params = self._teacher_parameters()
-        if not params or not os.path.isfile(path):
-            return
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        missing = [name for name, _ in params if name not in state]
-        if missing:
-            raise ValueError(
-                f"{path} does not match this run's EMA teacher ({len(missing)} parameters missing, e.g. {missing[0]!r})"
-                "; resume with the model and teacher settings of the run that wrote it."
-            )
-        with torch.no_grad():
-            for name, param in params:
-                param.copy_(state[name].to(device=param.device, dtype=param.dtype))
 
     def _make_estimator(self) -> _KeepResultEstimator:
         return _KeepResultEstimator(self.args.scale_rewards, self.args.multi_objective_aggregation)
@@ -222,10 +199,34 @@ class SDPOTrainer(GRPOTrainer):
 
     # -- the teacher-context rollout stage ---------------------------------------------------------------------
     def _generate_and_score(self, rows: list[dict[str, Any]], mode: str) -> RolloutBatch:
+        self._dispatch_self_distillation_callback(
+            "on_generation_prompts_selected", generation_prompts=[row["prompt"] for row in rows], generation_prompt_text=None
+        )
         batch = super()._generate_and_score(rows, mode)
-        record = self._record(mode)
-        with StageTimer(record)("teacher_context"):
+        with StageTimer(self._record(mode))("teacher_context"):
             batch.update(self._teacher_context_stage(rows, batch, mode))
+        # TRL's events, with its payloads (teacher inputs as [re-prompt | completion])
+        teacher = {
+            "teacher_input_ids": torch.cat([batch["teacher_prompt_ids"], batch["completion_ids"]], dim=1),
+            "teacher_attention_mask": torch.cat([batch["teacher_prompt_mask"], batch["completion_mask"]], dim=1),
+            "self_distillation_mask": batch["self_distillation_mask"],
+        }
+        self._dispatch_self_distillation_callback(
+            "on_teacher_context_built", completion_mask=batch["completion_mask"], **teacher
+        )
+        self._dispatch_self_distillation_callback(
+            "on_self_distillation_batch_prepared",
+            old_per_token_logps=batch.get("old_per_token_logps"),
+            prompt_ids=batch["prompt_ids"],
+            completion_ids=batch["completion_ids"],
+            **teacher,
+        )
+        if mode == "train":
+            self._dispatch_self_distillation_callback(
+                "on_generation_batch_built",
+                generate_every=self.args.steps_per_generation * self.args.num_iterations,
+                steps_per_generation=self.args.steps_per_generation,
+            )
         return batch
 
     def _teacher_context_stage(self, rows: list[dict[str, Any]], batch: RolloutBatch, mode: str) -> RolloutBatch:
@@ -338,8 +339,8 @@ class SDPOTrainer(GRPOTrainer):
             loss = super()._compute_loss(model, inputs)
             self._record_policy_loss(loss, mode)
             return loss
-        student, student_logits = self._student_stats(model, inputs, with_policy=weight < 1.0)
-        distillation = self._finish_loss(self._self_distillation_loss(model, inputs, student, student_logits), None)
+        student, scores = self._student_stats(model, inputs, with_policy=weight < 1.0)
+        distillation = self._finish_loss(self._self_distillation_loss(model, inputs, student, scores), None)
         if weight == 1.0:
             return self._finish_loss(distillation, student.aux_loss, divide_by_grad_accum=False)
         policy = super()._compute_loss(model, inputs, stats=replace(student, aux_loss=None))
@@ -353,9 +354,9 @@ class SDPOTrainer(GRPOTrainer):
 
     def _student_stats(
         self, model: torch.nn.Module, inputs: RolloutBatch, *, with_policy: bool
-    ) -> tuple[TokenStats, torch.Tensor | None]:
-        """The student's token statistics over ``inputs`` (one forward for both terms) and, for the logit modes,
-        its temperature-scaled logits ``(N, V)`` at the generated tokens (row-major)."""
+    ) -> tuple[TokenStats, DistillationScores | None]:
+        """The student's token statistics over ``inputs`` (one forward serves both terms) and, for the logit modes,
+        its ``DistillationScores`` at every generated token (row-major; log-probs and entropies chunked from them)."""
         entropy_grad = with_policy and self.entropy_ctrl.enabled
         if self.args.distillation_mode == "sampled_token":
             stats = self._token_stats(model, inputs, compute_entropy=with_policy, entropy_requires_grad=entropy_grad)
@@ -364,23 +365,23 @@ class SDPOTrainer(GRPOTrainer):
         scores = score_distillation_completions(
             model, input_ids, attention_mask, position_ids, inputs["completion_ids"], generated
         )
-        logits = self._scores_logits(scores)  # (N, V)
-        log_probs = torch.log_softmax(logits.float(), dim=-1)
-        token_logps = log_probs.gather(-1, scores.tokens.unsqueeze(-1)).squeeze(-1)  # (N,)
-        logps = torch.zeros(generated.shape, dtype=token_logps.dtype, device=token_logps.device)
-        logps = logps.masked_scatter(generated, token_logps)
-        entropy = None
-        if with_policy:
-            probs = log_probs.exp() if entropy_grad else log_probs.detach().exp()
-            token_entropy = -(probs * (log_probs if entropy_grad else log_probs.detach())).sum(-1)
-            entropy = torch.zeros_like(logps).masked_scatter(generated, token_entropy)
-        return TokenStats(logps=logps, mask=generated, entropy=entropy, aux_loss=scores.aux_loss), logits
-
-    def _scores_logits(self, scores: Any) -> torch.Tensor:
-        """All rows of ``DistillationScores`` as logits ``(N, V)`` divided by the sampling temperature."""
-        rows = scores.logits.shape[-1] if scores.logits is not None else scores.weight.shape[0]
-        logits = scores.logits_fn(rows)(torch.arange(scores.tokens.shape[0], device=scores.tokens.device))
-        return logits / self.sampling.temperature
+        if scores.hidden is not None:
+            weight, bias = scores.head(self.vocab_rows)
+            logps, entropy = chunked_logprobs_from_hidden(
+                scores.hidden, weight, scores.tokens, bias=bias, temperature=self.args.temperature,
+                chunk_size=self._loss_chunk_size(), compute_entropy=with_policy, entropy_requires_grad=entropy_grad,
+            )  # fmt: skip
+        else:
+            logits = scores.logits[:, : self.vocab_rows].float() / self.args.temperature
+            logps = torch.log_softmax(logits, -1).gather(-1, scores.tokens.unsqueeze(-1)).squeeze(-1)
+            entropy = entropy_from_logits(logits if entropy_grad else logits.detach()) if with_policy else None
+        stats = TokenStats(
+            logps=to_rows(logps, generated),
+            mask=generated,
+            entropy=None if entropy is None else to_rows(entropy, generated),
+            aux_loss=scores.aux_loss,
+        )
+        return stats, scores
 
     def _teacher_inputs(self, inputs: RolloutBatch, rows: torch.Tensor) -> RolloutBatch:
         """The teacher's micro-batch: ``[re-prompt | completion]`` of the selected rows (all-padding columns trimmed)."""
@@ -396,7 +397,7 @@ class SDPOTrainer(GRPOTrainer):
         }
 
     def _self_distillation_loss(
-        self, model: torch.nn.Module, inputs: RolloutBatch, student: TokenStats, student_logits: torch.Tensor | None
+        self, model: torch.nn.Module, inputs: RolloutBatch, student: TokenStats, scores: DistillationScores | None
     ) -> torch.Tensor:
         """The distillation term before the gradient-accumulation divisor: per-row mean over the loss tokens, mean
         over rows (rows without a teacher count as 0), with the IS clipping; logs TRL's distillation-loss metrics."""
@@ -418,7 +419,7 @@ class SDPOTrainer(GRPOTrainer):
                 student.logps, teacher_logps, distillation_alpha=args.distillation_alpha
             )
         else:
-            per_token = self._logit_distillation(model, inputs, teacher_batch, rows, loss_mask, student_logits)
+            per_token = self._logit_distillation(model, inputs, teacher_batch, rows, loss_mask, scores)
         old_logps = inputs.get("old_per_token_logps")
         if args.distillation_is_clip is not None and old_logps is not None:
             per_token = apply_importance_sampling_clipping(per_token, student.logps, old_logps, args.distillation_is_clip)
@@ -434,36 +435,42 @@ class SDPOTrainer(GRPOTrainer):
         teacher_batch: RolloutBatch,
         rows: torch.Tensor,
         loss_mask: torch.Tensor,
-        student_logits: torch.Tensor,
+        scores: DistillationScores,
     ) -> torch.Tensor:
-        """``full_logits`` / ``topk_logits`` per-token divergence ``(B, C)`` (0 outside the loss tokens)."""
-        args = self.args
+        """``full_logits`` / ``topk_logits`` per-token divergence ``(B, C)`` (0 outside the loss tokens), by SDFT's
+        per-token loss on the student's and the teacher's scores at the loss tokens (full: chunked over the
+        vocabulary; top-k: from the loss tokens' log-probs)."""
         input_ids, attention_mask, position_ids, _ = completion_inputs(teacher_batch)
         with torch.no_grad(), self.teacher.activate(model) as teacher:
-            scores = score_distillation_completions(
+            teacher_scores = score_distillation_completions(
                 teacher, input_ids, attention_mask, position_ids, teacher_batch["completion_ids"], loss_mask[rows]
             )
-            teacher_logits = self._scores_logits(scores)  # (N_sd, V), row-major over the loss tokens
-        generated = completion_inputs(inputs)[3]
-        at_loss = loss_mask.bool()[generated]  # which student rows (N, V) are loss tokens
-        student_logits = student_logits[at_loss]
-        teacher_logits = teacher_logits[:, : student_logits.shape[-1]].to(student_logits.dtype)
-        if args.distillation_mode == "topk_logits":
-            values = compute_topk_self_distillation_loss(
-                student_logits,
-                teacher_logits,
-                distillation_topk=args.distillation_topk,
-                distillation_alpha=args.distillation_alpha,
-                distillation_add_tail=args.distillation_add_tail,
-            )
-        else:
-            values = compute_full_logit_self_distillation_loss(
-                student_logits, teacher_logits, distillation_alpha=args.distillation_alpha
-            )
-        out = torch.zeros(loss_mask.shape, dtype=values.dtype, device=values.device)
-        return out.masked_scatter(loss_mask.bool(), values)
+        at_loss = loss_mask.bool()[completion_inputs(inputs)[3]]  # which of the student's scored tokens count
+        student_scores = DistillationScores(
+            tokens=scores.tokens[at_loss],
+            hidden=None if scores.hidden is None else scores.hidden[at_loss],
+            weight=scores.weight,
+            bias=scores.bias,
+            logits=None if scores.logits is None else scores.logits[at_loss],
+        )
+        per_token, _ = self._per_token_loss(student_scores, teacher_scores)  # (N_loss,)
+        return to_rows(per_token, loss_mask)
 
     def _log_distillation_metric(self, mode: str, value: torch.Tensor) -> None:
         mean = self._gather_mean(value)
         self.record_metric("self_distillation/distillation_loss", mean, mode=mode)
         self.record_metric(f"{self._name.lower()}/distillation_loss", mean, mode=mode)
+
+    # -- checkpoints -------------------------------------------------------------------------------------------
+    def resume_state_dict(self) -> dict[str, Any]:
+        """Adds an EMA teacher's weights (so a resumed run continues the same average)."""
+        state = super().resume_state_dict()
+        teacher = self.teacher.state_dict(self.model)
+        if teacher:
+            state["ema_teacher"] = teacher
+        return state
+
+    def load_resume_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_resume_state_dict(state)
+        if "ema_teacher" in state:
+            self.teacher.load_state_dict(state["ema_teacher"], self.model)
