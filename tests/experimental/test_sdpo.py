@@ -111,9 +111,11 @@ def test_config_errors(tmp_path, overrides, match):
         SDPOConfig(output_dir=str(tmp_path), report_to="none", **overrides)
 
 
-def test_config_warns_on_ignored_topk(tmp_path):
+def test_config_warns_on_ignored_options(tmp_path):
     with pytest.warns(UserWarning, match="distillation_topk"):
         SDPOConfig(output_dir=str(tmp_path), report_to="none", distillation_topk=5)
+    with pytest.warns(UserWarning, match="beta=0.1 only enters the policy term"):
+        SDPOConfig(output_dir=str(tmp_path), report_to="none", beta=0.1)
     config = SDPOConfig(
         output_dir=str(tmp_path), report_to="none", distillation_mode="topk_logits", distillation_topk=5,
         distillation_alpha=0.5,
@@ -328,7 +330,7 @@ def _dataset(n: int = 4, conversational: bool = False) -> Dataset:
         dict(distillation_weight=0.5, gradient_accumulation_steps=2, steps_per_generation=2, num_iterations=2,
              teacher_model_kind="live"),  # fmt: skip
         dict(distillation_mode="topk_logits", distillation_topk=4, distillation_alpha=0.5, distillation_weight=0.3,
-             include_environment_feedback=True, teacher_model_kind="base"),  # fmt: skip
+             include_environment_feedback=True, teacher_model_kind="base", beta=0.05),  # fmt: skip
     ],
 )
 def test_trains_end_to_end(tmp_path, tiny_model_path, overrides):
@@ -350,6 +352,7 @@ def test_trains_end_to_end(tmp_path, tiny_model_path, overrides):
                 "timing/teacher_context"):  # fmt: skip
         assert key in logs, key
     assert ("self_distillation/policy_loss" in logs) == (args.distillation_weight < 1.0)
+    assert ("kl" in logs) == (args.beta > 0)  # GRPO's KL term in the policy half
     batch = served[0]
     assert ("old_per_token_logps" in batch) == (args.num_iterations > 1)  # then the IS clipping applies
     assert batch["teacher_prompt_ids"].shape[0] == batch["self_distillation_mask"].shape[0] == 4

@@ -224,6 +224,13 @@ class SDPOConfig(GRPOConfig):
             raise ValueError(
                 f"`diagnostics_warning_interval` must be >= 0 (0 disables), got {self.diagnostics_warning_interval}."
             )
+        if self.beta != 0.0 and self.distillation_weight == 1.0:
+            warnings.warn(
+                f"beta={self.beta} only enters the policy term, which distillation_weight=1.0 switches off: the "
+                "reference model is loaded for nothing. Set beta=0.0, or distillation_weight < 1.",
+                UserWarning,
+                stacklevel=3,
+            )
         if self.use_teacher_server:
             raise ValueError(
                 "`use_teacher_server=True` is not supported by posttrain's SDPOTrainer: the teacher log-probs are "
