@@ -15,38 +15,57 @@ from trainer_helpers import fast_config, quiet_single_thread  # noqa: F401
 from posttrain.experimental.sdft import SDFTConfig, SDFTTrainer
 from posttrain.experimental.sdft.sdft_trainer import compose_teacher_prompt
 
-# TRL 1.16's SDFTConfig(output_dir=...) values of SDFT's own fields.
+# TRL 1.16's SDFTConfig(output_dir=...): every field it adds to TrainingArguments (dumped from TRL), and the
+# TrainingArguments defaults it changes.
 TRL_DEFAULTS = {
+    "model_init_kwargs": None,
+    "trust_remote_code": False,
+    "disable_dropout": True,
+    "max_prompt_length": 512,
+    "num_generations": 8,
+    "num_generations_eval": None,
+    "max_completion_length": 256,
+    "ds3_gather_for_generation": True,
+    "shuffle_dataset": True,
+    "generation_batch_size": 8,
+    "steps_per_generation": 1,
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": None,
+    "generation_kwargs": None,
+    "chat_template_kwargs": None,
+    "repetition_penalty": 1.0,
+    "cache_implementation": None,
+    "use_vllm": False,
+    "use_teacher_server": False,
+    "vllm_mode": "colocate",
+    "vllm_model_impl": "vllm",
+    "vllm_enable_sleep_mode": False,
+    "vllm_server_base_url": None,
+    "vllm_server_host": "0.0.0.0",
+    "vllm_server_port": 8000,
+    "vllm_group_port": 51216,
+    "vllm_server_timeout": 240.0,
+    "vllm_tensor_parallel_size": 1,
+    "vllm_gpu_memory_utilization": 0.3,
+    "vllm_max_model_length": None,
+    "num_iterations": 1,
+    "teacher_model_kind": "base",
+    "teacher_update_rate": 0.05,
+    "teacher_sync_steps": 1,
     "distillation_alpha": 0.5,
     "distillation_mode": "topk_logits",
     "distillation_topk": 100,
     "distillation_is_clip": 2.0,
     "distillation_add_tail": False,
-    "num_loss_tokens_to_skip": 0,
-    "teacher_model_kind": "base",
-    "teacher_update_rate": 0.05,
-    "teacher_sync_steps": 1,
     "generate_from_teacher": False,
     "teacher_prompt_template": "{prompt}\n\n{privileged_context}",
-    "use_teacher_server": False,
-    "disable_dropout": True,
-    "remove_unused_columns": False,
-    "max_prompt_length": 512,
-    "max_completion_length": 256,
-    "num_generations": 8,
-    "num_generations_eval": None,
-    "num_iterations": 1,
-    "temperature": 1.0,
-    "top_p": 1.0,
-    "top_k": 0,
-    "min_p": None,
-    "repetition_penalty": 1.0,
-    "shuffle_dataset": True,
-    "generation_batch_size": 8,
-    "steps_per_generation": 1,
-    "learning_rate": 5e-5,
+    "num_loss_tokens_to_skip": 0,
+    "learning_rate": 5e-05,
     "logging_steps": 10,
     "gradient_checkpointing": True,
+    "remove_unused_columns": False,
 }
 
 
@@ -61,9 +80,14 @@ def _config(tmp_path, **overrides):
     return fast_config(SDFTConfig, tmp_path, **{**values, **overrides})
 
 
-def test_trl_defaults(tmp_path):
+def test_trl_defaults_and_signature(tmp_path):
+    import inspect
+
     args = SDFTConfig(output_dir=str(tmp_path), report_to="none")
     assert {k: getattr(args, k) for k in TRL_DEFAULTS} == TRL_DEFAULTS
+    parameters = list(inspect.signature(SDFTTrainer.__init__).parameters)
+    assert parameters == ["self", "model", "args", "train_dataset", "eval_dataset", "processing_class", "callbacks",
+                          "optimizers", "peft_config"]  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -75,7 +99,21 @@ def test_trl_defaults(tmp_path):
         (dict(teacher_model_kind="frozen"), "teacher_model_kind must be one of"),
         (dict(teacher_update_rate=2.0), "teacher_update_rate"),
         (dict(teacher_sync_steps=0), "teacher_sync_steps"),
-        (dict(use_teacher_server=True), "use_teacher_server"),
+        (dict(use_teacher_server=True), "requires `use_vllm=True` and `vllm_mode='server'`"),
+        (
+            dict(use_teacher_server=True, use_vllm=True, vllm_mode="server"),
+            "only supports `teacher_model_kind='live'`",
+        ),
+        (
+            dict(
+                use_teacher_server=True,
+                use_vllm=True,
+                vllm_mode="server",
+                teacher_model_kind="live",
+                distillation_mode="full_logits",
+            ),
+            "`full_logits` is unavailable",
+        ),
         (dict(beta=0.1), "no effect on SDFT"),
         (dict(per_device_train_batch_size=3), "divisible by num_generations"),
         (dict(generation_batch_size=8, steps_per_generation=2), "can not both be configured"),
@@ -429,3 +467,65 @@ def test_self_distillation_callback_events(tiny_model_path, tmp_path):
     assert [e[0] for e in recorder.events] == ["prompts", "batch", "built"]
     assert recorder.events[0][1] == ["Q0:\n\nabc", "Q0:\n\nabc"]  # generate_from_teacher: the teacher prompts
     assert recorder.events[1][1].endswith("Q0:\n\nabc") and recorder.events[2][1:] == (1, 1)
+
+
+# -- the teacher behind the generation server (use_teacher_server) ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def served_url(tiny_model_path):
+    pytest.importorskip("fastapi")
+    from posttrain.serving.app import serve_in_thread
+    from posttrain.serving.engine import PosttrainEngine
+
+    with serve_in_thread(PosttrainEngine.from_pretrained(tiny_model_path, device="cpu")) as url:
+        yield url
+
+
+def _served_config(tmp_path, url, **overrides):
+    return _config(tmp_path, use_vllm=True, vllm_mode="server", vllm_server_base_url=url, use_teacher_server=True,
+                   teacher_model_kind="live", **overrides)  # fmt: skip
+
+
+@pytest.mark.parametrize("mode, alpha, add_tail", [("sampled_token", 1.0, False), ("topk_logits", 0.5, False),
+                                                   ("topk_logits", 0.0, True)])  # fmt: skip
+def test_served_teacher_loss_on_a_fixed_rollout(tiny_model_path, served_url, tmp_path, mode, alpha, add_tail):
+    args = _served_config(tmp_path, served_url, distillation_mode=mode, distillation_alpha=alpha,
+                          distillation_topk=4, distillation_add_tail=add_tail)  # fmt: skip
+    trainer = SDFTTrainer(tiny_model_path, args=args, train_dataset=_rows())
+    trainer.model.train()
+    batch = _fixed_batch(trainer.processing_class)
+    loss = trainer._compute_loss(trainer.model, batch)  # the server holds the student's weights (synced)
+    with torch.no_grad():
+        s = _completion_log_probs(trainer.model, batch["prompt_ids"], batch["completion_ids"], trainer.vocab_rows)
+        t = _completion_log_probs(
+            trainer.model, batch["teacher_prompt_ids"], batch["completion_ids"], trainer.vocab_rows
+        )
+    if mode == "sampled_token":
+        per_token = _expected_per_token(mode, s, t, batch["completion_ids"], alpha, None, False)
+    else:  # on the teacher's own top-4 support
+        idx = t.topk(4, -1).indices
+        s_k, t_k = s.gather(-1, idx), t.gather(-1, idx)
+        if add_tail:
+            s_k = torch.cat([s_k, (1 - s_k.exp().sum(-1, keepdim=True)).log()], -1)
+            t_k = torch.cat([t_k, (1 - t_k.exp().sum(-1, keepdim=True)).log()], -1)
+        else:
+            s_k, t_k = s_k - s_k.logsumexp(-1, keepdim=True), t_k - t_k.logsumexp(-1, keepdim=True)
+        per_token = _divergence(s_k, t_k, alpha)
+    mask = batch["completion_mask"].double()
+    expected = ((per_token * mask).sum(-1) / mask.sum(-1)).mean()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-3, abs=1e-5)
+    assert trainer._metrics["train"]["self_distillation/server_logprob_abs_diff"][-1] >= 0
+    trainer.served_teacher.close()
+
+
+def test_served_teacher_end_to_end(tiny_model_path, served_url, tmp_path):
+    trainer = SDFTTrainer(
+        tiny_model_path, args=_served_config(tmp_path, served_url, max_steps=2), train_dataset=_rows()
+    )
+    before = _params(trainer.model)
+    trainer.train()
+    assert any(not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
+    logs = {k for entry in trainer.state.log_history for k in entry}
+    assert {"sdft/distillation_loss", "self_distillation/server_logprob_abs_diff"} <= logs
+    trainer.served_teacher.close()

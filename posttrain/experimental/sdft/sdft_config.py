@@ -38,7 +38,10 @@ class SDFTConfig(OnlineRLConfig):
       ``teacher_update_rate`` (0.05), ``teacher_sync_steps`` (1) — see :mod:`posttrain.models.teacher_sync`;
     - the teacher prompt: ``teacher_prompt_template`` ("{prompt}\\n\\n{privileged_context}"), filled from each row's
       ``prompt`` (the last user turn's text for conversational prompts) and ``privileged_context``;
-      ``generate_from_teacher`` (False) samples the completions from the teacher prompt instead.
+      ``generate_from_teacher`` (False) samples the completions from the teacher prompt instead;
+    - ``use_teacher_server`` (False): the live teacher's log-probs come from the generation server
+      (``use_vllm=True, vllm_mode="server"``: ``POST /get_sequence_logprobs/`` on the teacher prompts), top-k on the
+      teacher's own support.
 
     The generation fields, ``num_generations`` (8), ``generation_batch_size`` / ``steps_per_generation``,
     ``num_iterations``, ``max_completion_length`` (256) and ``max_prompt_length`` (512, cut on the left) follow TRL's
@@ -116,8 +119,10 @@ class SDFTConfig(OnlineRLConfig):
     use_teacher_server: bool = field(
         default=False,
         metadata={
-            "help": "TRL: teacher log-probs from the vLLM generation server. Not supported by posttrain's SDFT "
-            "(the teacher runs in the trainer; with teacher_model_kind='live' it is the student itself, no copy)."
+            "help": "Compute teacher logprobs from the running vLLM generation server instead of a local teacher "
+            "forward. Only supported for `teacher_model_kind='live'` with `use_vllm=True` and `vllm_mode='server'`, "
+            "and `distillation_mode` in {'sampled_token', 'topk_logits'} (the server returns the teacher's top-k "
+            "logprobs, not the full vocabulary; `topk_logits` distills over the teacher's own top-k support)."
         },
     )
 
@@ -172,10 +177,23 @@ class SDFTConfig(OnlineRLConfig):
                 "teacher_prompt_template must contain both `{prompt}` and `{privileged_context}` placeholders"
             )
         if self.use_teacher_server:
-            raise ValueError(
-                "use_teacher_server=True is not supported by posttrain's SDFTTrainer: the teacher is scored in the "
-                "trainer. Remove it (teacher_model_kind='live' also needs no second copy of the weights)."
-            )
+            if not (self.use_vllm and self.vllm_mode == "server"):
+                raise ValueError(
+                    "`use_teacher_server=True` requires `use_vllm=True` and `vllm_mode='server'`: teacher logprobs "
+                    "are served by the same server used for generation (`posttrain serve` or `trl vllm-serve`)."
+                )
+            if self.teacher_model_kind != "live":
+                raise ValueError(
+                    "`use_teacher_server=True` only supports `teacher_model_kind='live'` (the generation server holds "
+                    f"the current student weights), got {self.teacher_model_kind!r}."
+                )
+            if self.distillation_mode not in ("sampled_token", "topk_logits"):
+                raise ValueError(
+                    "`use_teacher_server=True` only supports `distillation_mode` in {'sampled_token', 'topk_logits'}, "
+                    f"got {self.distillation_mode!r}. The server returns the teacher's top-k logprobs, not the full "
+                    "vocabulary, so `full_logits` is unavailable. Note `topk_logits` distills over the teacher's own "
+                    "top-k support (the server cannot score the student's top-k indices)."
+                )
         if self.num_iterations < 1:
             raise ValueError(f"num_iterations must be >= 1, got {self.num_iterations}.")
         if self.max_completion_length is None or self.max_completion_length < 1:

@@ -26,10 +26,14 @@ per-token loss of the micro-batch), ``completions/mean_length``, ``/min_length``
 ``/clipped_ratio``, ``/mean_terminated_length``, ``/min_terminated_length``, ``/max_terminated_length``; plus
 posttrain's ``num_tokens``, ``step_time``, ``timing/*``.
 
-Differences from TRL: ``use_teacher_server`` is refused (the teacher always runs in the trainer); the ``base`` /
-``ema`` teacher copy is a deep copy of the student (TRL reloads it from the model path); an EMA teacher's weights
-are saved in checkpoints (``posttrain_state_*.pt``), so a resumed run continues the same average (TRL restarts it);
-vLLM generation and the posttrain generation backends are the shared online ones; no VLMs.
+``use_teacher_server`` (live teacher only) reads the teacher's log-probs from the generation server
+(``_distill_support.ServedTeacher``: ``POST /get_sequence_logprobs/`` on ``[teacher prompt | completion]``) and
+logs ``self_distillation/server_logprob_abs_diff``.
+
+Differences from TRL: the ``base`` / ``ema`` teacher copy is a deep copy of the student (TRL reloads it from the
+model path); an EMA teacher's weights are saved in checkpoints (``posttrain_state_*.pt``), so a resumed run continues
+the same average (TRL restarts it); vLLM generation and the posttrain generation backends are the shared online ones;
+no VLMs.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from typing import Any
 
 import torch
 
+from posttrain.core.distill import sparse_support_divergence
 from posttrain.core.logprobs import chunked_logprobs_from_hidden, selective_log_softmax
 from posttrain.core.self_distillation import (
     apply_importance_sampling_clipping,
@@ -45,7 +50,7 @@ from posttrain.core.self_distillation import (
     sampled_token_self_distillation_loss_from_logps,
     self_distillation_loss,
 )
-from posttrain.experimental._distill_support import loss_token_log_probs, to_rows
+from posttrain.experimental._distill_support import ServedTeacher, loss_token_log_probs, to_rows
 from posttrain.experimental.sdft.sdft_config import SDFTConfig
 from posttrain.models.completion_scoring import choose_shared_prompt_layout, completion_inputs
 from posttrain.models.distillation_scoring import DistillationScores, score_distillation_completions
@@ -224,6 +229,7 @@ class SDFTTrainer(OnlineTrainerBase):
     _tag_names = ["posttrain", "sdft"]
     # Tokens per chunk of the full-logit divergence (None: chosen from the vocabulary, as DistillationTrainer).
     loss_chunk_size: int | None = None
+    served_teacher: ServedTeacher | None = None  # the teacher-server client (use_teacher_server), made on first use
 
     def __init__(
         self,
@@ -404,6 +410,49 @@ class SDFTTrainer(OnlineTrainerBase):
         )
         return per_token, lambda: student_logps
 
+    def _teacher_server(self) -> ServedTeacher:
+        if self.served_teacher is None:
+            base_url = getattr(self.backend, "base_url", None)
+            if base_url is None:
+                args = self.args
+                base_url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
+            self.served_teacher = ServedTeacher(base_url, self.vocab_rows, float(self.args.vllm_server_timeout))
+        return self.served_teacher
+
+    def _served_per_token_loss(
+        self, student: DistillationScores, teacher_inputs: RolloutBatch, mode: str
+    ) -> tuple[torch.Tensor, Any]:
+        """The live teacher's log-probs from the generation server (``use_teacher_server``): the sampled token's for
+        ``sampled_token``, the teacher's own top-k support for ``topk_logits`` (renormalised or with the tail)."""
+        args = self.args
+        if self.state.global_step != self._last_synced_step:  # a reused rollout: the server must hold θ now
+            self.backend.sync_weights(self.accelerator.unwrap_model(self.model))
+            self._last_synced_step = self.state.global_step
+        top_k = args.distillation_topk if args.distillation_mode == "topk_logits" else 1
+        served = self._teacher_server().score(teacher_inputs, top_k, args.temperature)  # (N,), (N, K)
+        actual = served["actual_logprobs"]
+        if args.distillation_mode == "sampled_token":
+            student_logps = self._token_logps(student)
+            per_token = sampled_token_self_distillation_loss_from_logps(
+                student_logps, actual, distillation_alpha=args.distillation_alpha
+            )
+        else:
+            student_lp = loss_token_log_probs(student, self.vocab_rows, args.temperature)  # (N, V)
+            ids, teacher_lp = served["topk_token_ids"], served["topk_logprobs"]
+            per_token = sparse_support_divergence(
+                student_lp.gather(-1, ids), teacher_lp, torch.isfinite(teacher_lp), beta=args.distillation_alpha,
+                add_tail=args.distillation_add_tail,
+            )  # fmt: skip
+            student_logps = student_lp.gather(-1, student.tokens[:, None]).squeeze(-1)
+        # Disagreement of the local student and the served teacher on the realized tokens (stale weights, drift).
+        diff = (student_logps.detach() - actual).abs()
+        self.record_metric(
+            "self_distillation/server_logprob_abs_diff",
+            self._gather_mean(diff.mean() if diff.numel() else diff.new_zeros(())),
+            mode=mode,
+        )
+        return per_token, lambda: student_logps
+
     def _compute_loss(self, model: torch.nn.Module, inputs: RolloutBatch) -> torch.Tensor:
         """mean over completions of (Σ_t loss_t / loss tokens), divided by the gradient-accumulation steps."""
         args = self.args
@@ -413,11 +462,14 @@ class SDFTTrainer(OnlineTrainerBase):
         teacher_ids, teacher_mask = _trim_left(inputs["teacher_prompt_ids"], inputs["teacher_prompt_mask"])
         teacher_inputs = {**student_inputs, "prompt_ids": teacher_ids, "prompt_mask": teacher_mask}
         student = score_distillation_completions(model, *self._scoring_inputs(model, student_inputs))
-        with torch.no_grad(), self.teacher.activate(model) as teacher_module:
-            teacher = score_distillation_completions(
-                teacher_module, *self._scoring_inputs(teacher_module, teacher_inputs)
-            )
-        per_token, student_token_logps = self._per_token_loss(student, teacher)  # (N,)
+        if args.use_teacher_server:
+            per_token, student_token_logps = self._served_per_token_loss(student, teacher_inputs, mode)
+        else:
+            with torch.no_grad(), self.teacher.activate(model) as teacher_module:
+                teacher = score_distillation_completions(
+                    teacher_module, *self._scoring_inputs(teacher_module, teacher_inputs)
+                )
+            per_token, student_token_logps = self._per_token_loss(student, teacher)  # (N,)
         old = inputs.get("old_per_token_logps")
         if args.distillation_is_clip is not None and old is not None and per_token.numel():
             per_token = apply_importance_sampling_clipping(
