@@ -99,7 +99,12 @@ def test_config_has_trls_defaults(tmp_path):
         (dict(teacher_sync_steps=0), "teacher_sync_steps"),
         (dict(max_reprompt_len=0), "max_reprompt_len"),
         (dict(diagnostics_warning_interval=-1), "diagnostics_warning_interval"),
-        (dict(use_teacher_server=True), "use_teacher_server"),
+        (dict(use_teacher_server=True), "requires `use_vllm=True` and `vllm_mode='server'`"),
+        (dict(use_teacher_server=True, use_vllm=True, vllm_mode="server"), "teacher_model_kind='live'"),
+        (dict(use_teacher_server=True, use_vllm=True, vllm_mode="server", teacher_model_kind="live",
+              distillation_weight=0.5), "distillation_weight=1.0"),  # fmt: skip
+        (dict(use_teacher_server=True, use_vllm=True, vllm_mode="server", teacher_model_kind="live",
+              distillation_mode="full_logits"), "full_logits"),  # fmt: skip
         (dict(reprompt_template="{question}{solution}"), r"reprompt_template.*\{prompt\}"),
         (dict(solution_template="{demo}"), "solution_template"),
         (dict(feedback_template="{feedback"), "feedback_template"),
@@ -496,3 +501,66 @@ def test_reward_rises(tmp_path, tiny_model_path):
     assert sum(rewards[-5:]) / 5 > 0.5
     fractions = [h["self_distillation/reprompt_sample_fraction"] for h in trainer.state.log_history if "reward" in h]
     assert max(fractions) > 0.5  # the distillation term was active
+
+
+# -- the live teacher behind the generation server (use_teacher_server) -------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def served_url(tiny_model_path):
+    pytest.importorskip("fastapi")
+    from posttrain.serving.app import serve_in_thread
+    from posttrain.serving.engine import PosttrainEngine
+
+    with serve_in_thread(PosttrainEngine.from_pretrained(tiny_model_path, device="cpu")) as url:
+        yield url
+
+
+def _served_config(tmp_path, url, **overrides):
+    return _config(tmp_path, use_vllm=True, vllm_mode="server", vllm_server_base_url=url, use_teacher_server=True,
+                   teacher_model_kind="live", **overrides)  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["sampled_token", "topk_logits"])
+def test_served_teacher_loss_on_a_fixed_rollout(tmp_path, tiny_model_path, served_url, mode):
+    """The served live teacher (the student's weights, synced to the server) on [re-prompt | completion]: sampled-token
+    reverse KL, or the divergence on the teacher's own top-3 support, written out from naive full logits."""
+    extra = dict(distillation_topk=3, distillation_alpha=0.5) if mode == "topk_logits" else {}
+    args = _served_config(tmp_path, served_url, num_generations=2, per_device_train_batch_size=2, distillation_mode=mode,
+                          distillation_is_clip=None, **extra)  # fmt: skip
+    trainer = SDPOTrainer(tiny_model_path, has_a, args, train_dataset=Dataset.from_list([{"prompt": "Q:"}] * 2))
+    trainer.model.train()
+    batch = _fixed_rollout()
+    loss = trainer._compute_loss(trainer.model, batch)
+    with torch.no_grad():
+        s = _naive_completion_logits(trainer.model, batch["prompt_ids"], batch["prompt_mask"],
+                                     batch["completion_ids"], batch["completion_lengths"], 1.0).log_softmax(-1)
+        t = _naive_completion_logits(trainer.model, batch["teacher_prompt_ids"][:, 1:],
+                                     batch["teacher_prompt_mask"][:, 1:], batch["completion_ids"],
+                                     batch["completion_lengths"], 1.0).log_softmax(-1)  # fmt: skip
+    if mode == "sampled_token":
+        ids = batch["completion_ids"].unsqueeze(-1)
+        s_tok, t_tok = s.gather(-1, ids).squeeze(-1), t.gather(-1, ids).squeeze(-1)
+        per_token = (s_tok - t_tok) * s_tok
+    else:
+        idx = t.topk(3, -1).indices
+        qs, qt = s.gather(-1, idx), t.gather(-1, idx)
+        qs, qt = qs - qs.logsumexp(-1, keepdim=True), qt - qt.logsumexp(-1, keepdim=True)
+        m = (0.5 * qs.exp() + 0.5 * qt.exp()).log()
+        per_token = 0.5 * (qt.exp() * (qt - m)).sum(-1) + 0.5 * (qs.exp() * (qs - m)).sum(-1)
+    mask = batch["completion_mask"].float() * batch["self_distillation_mask"].unsqueeze(1)
+    expected = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-3, abs=1e-5)
+    assert trainer._metrics["train"]["self_distillation/server_logprob_abs_diff"][-1] >= 0
+    trainer.served_teacher.close()
+
+
+def test_served_teacher_end_to_end(tmp_path, tiny_model_path, served_url):
+    args = _served_config(tmp_path, served_url, include_environment_feedback=True)
+    trainer = SDPOTrainer(tiny_model_path, even_sum, args, train_dataset=_dataset())
+    before = trainable_params(trainer.model)
+    trainer.train()
+    assert params_changed(before, trainer.model)
+    logs = {k for entry in trainer.state.log_history for k in entry}
+    assert {"sdpo/distillation_loss", "self_distillation/server_logprob_abs_diff"} <= logs
+    trainer.served_teacher.close()

@@ -53,8 +53,11 @@ class SDPOConfig(GRPOConfig):
     use_teacher_server: bool = field(
         default=False,
         metadata={
-            "help": "TRL: compute the teacher log-probs on the vLLM generation server. Not supported by posttrain's "
-            "SDPOTrainer (the teacher pass runs locally); must stay False."
+            "help": "Compute teacher logprobs from the running vLLM generation server instead of a local teacher "
+            "forward. Only supported for `teacher_model_kind='live'` with `use_vllm=True`, `vllm_mode='server'`, "
+            "`distillation_weight=1.0` (pure distillation), and `distillation_mode` in {'sampled_token', "
+            "'topk_logits'} (the server returns the teacher's top-k logprobs, not the full vocabulary; `topk_logits` "
+            "distills over the teacher's own top-k support)."
         },
     )
     # -- the SDPO loss ------------------------------------------------------------------------------------------
@@ -232,10 +235,7 @@ class SDPOConfig(GRPOConfig):
                 stacklevel=3,
             )
         if self.use_teacher_server:
-            raise ValueError(
-                "`use_teacher_server=True` is not supported by posttrain's SDPOTrainer: the teacher log-probs are "
-                "computed by a local teacher pass. Set use_teacher_server=False."
-            )
+            self._check_teacher_server()
         for name, placeholders in TEMPLATE_FIELDS.items():
             template = getattr(self, name)
             try:
@@ -245,3 +245,29 @@ class SDPOConfig(GRPOConfig):
                     f"`{name}` {template!r} cannot be formatted: {type(error).__name__}: {error}. Its placeholders "
                     f"are {', '.join('{' + key + '}' for key in placeholders)} (write literal braces as '{{' / '}}')."
                 ) from None
+
+    def _check_teacher_server(self) -> None:
+        """TRL's conditions for ``use_teacher_server``."""
+        if not (self.use_vllm and self.vllm_mode == "server"):
+            raise ValueError(
+                "`use_teacher_server=True` requires `use_vllm=True` and `vllm_mode='server'`: teacher logprobs are "
+                "served by the same server used for generation (`posttrain serve` or `trl vllm-serve`)."
+            )
+        if self.teacher_model_kind != "live":
+            raise ValueError(
+                "`use_teacher_server=True` only supports `teacher_model_kind='live'` (the generation server holds the "
+                f"current student weights), got {self.teacher_model_kind!r}."
+            )
+        if self.distillation_weight != 1.0:
+            raise ValueError(
+                "`use_teacher_server=True` only supports pure self-distillation with `distillation_weight=1.0`, got "
+                f"{self.distillation_weight}. A convex blend with the policy loss needs the full-vocabulary logits, "
+                "which the server does not return."
+            )
+        if self.distillation_mode not in ("sampled_token", "topk_logits"):
+            raise ValueError(
+                "`use_teacher_server=True` only supports `distillation_mode` in {'sampled_token', 'topk_logits'}, got "
+                f"{self.distillation_mode!r}. The server returns the teacher's top-k logprobs, not the full "
+                "vocabulary, so `full_logits` is unavailable. Note `topk_logits` distills over the teacher's own "
+                "top-k support (the server cannot score the student's top-k indices)."
+            )

@@ -32,8 +32,9 @@ consecutive degenerate generation batch.
 Deliberate differences from TRL: the policy term is posttrain's GRPO loss, so every GRPO ``loss_type`` and option
 applies and ``dapo`` normalises by the tokens of the whole generation batch (TRL's SDPO: the local micro-batch), and
 ``beta > 0`` adds GRPO's KL to the policy term (TRL's SDPO accepts ``beta`` but never uses it). The teacher forward
-skips rows without a teacher (their loss is 0 either way). ``use_teacher_server`` is not supported (rejected by the
-config). An EMA teacher's weights are saved in checkpoints (``posttrain_state_*.pt``, as SDFT's), so a resumed run
+skips rows without a teacher (their loss is 0 either way). ``use_teacher_server`` (TRL's conditions: live teacher, a
+vLLM/``posttrain serve`` generation server, ``distillation_weight=1``) reads the teacher's log-probs from the server
+as SDFT does, and logs ``self_distillation/server_logprob_abs_diff``. An EMA teacher's weights are saved in checkpoints (``posttrain_state_*.pt``, as SDFT's), so a resumed run
 continues the same average (TRL rebuilds the teacher from the model path and restarts it).
 """
 
@@ -119,6 +120,10 @@ class SDPOTrainer(GRPOTrainer):
     _token_logps = SDFTTrainer._token_logps
     _loss_chunk_size = SDFTTrainer._loss_chunk_size
     _dispatch_self_distillation_callback = SDFTTrainer._dispatch_self_distillation_callback
+    # use_teacher_server: the live teacher's log-probs from the generation server, as SDFT's
+    served_teacher = None
+    _teacher_server = SDFTTrainer._teacher_server
+    _served_per_token_loss = SDFTTrainer._served_per_token_loss
 
     def __init__(
         self,
@@ -358,7 +363,7 @@ class SDPOTrainer(GRPOTrainer):
         """The student's token statistics over ``inputs`` (one forward serves both terms) and, for the logit modes,
         its ``DistillationScores`` at every generated token (row-major; log-probs and entropies chunked from them)."""
         entropy_grad = with_policy and self.entropy_ctrl.enabled
-        if self.args.distillation_mode == "sampled_token":
+        if self.args.distillation_mode == "sampled_token" and not self.args.use_teacher_server:
             stats = self._token_stats(model, inputs, compute_entropy=with_policy, entropy_requires_grad=entropy_grad)
             return stats, None
         input_ids, attention_mask, position_ids, generated = completion_inputs(inputs)
@@ -411,7 +416,7 @@ class SDPOTrainer(GRPOTrainer):
             return student.logps.sum() * 0.0  # attached to the graph: backward gives zero gradients
         rows = inputs["self_distillation_mask"].bool().nonzero().squeeze(-1)
         teacher_batch = self._teacher_inputs(inputs, rows)
-        if args.distillation_mode == "sampled_token":
+        if args.distillation_mode == "sampled_token" and not args.use_teacher_server:
             with torch.no_grad(), self.teacher.activate(model) as teacher:
                 teacher_rows = self._token_stats(teacher, teacher_batch).logps  # (B_sd, C)
             teacher_logps = torch.zeros_like(student.logps).index_copy(0, rows, teacher_rows.to(student.logps.dtype))
@@ -437,14 +442,9 @@ class SDPOTrainer(GRPOTrainer):
         loss_mask: torch.Tensor,
         scores: DistillationScores,
     ) -> torch.Tensor:
-        """``full_logits`` / ``topk_logits`` per-token divergence ``(B, C)`` (0 outside the loss tokens), by SDFT's
-        per-token loss on the student's and the teacher's scores at the loss tokens (full: chunked over the
-        vocabulary; top-k: from the loss tokens' log-probs)."""
-        input_ids, attention_mask, position_ids, _ = completion_inputs(teacher_batch)
-        with torch.no_grad(), self.teacher.activate(model) as teacher:
-            teacher_scores = score_distillation_completions(
-                teacher, input_ids, attention_mask, position_ids, teacher_batch["completion_ids"], loss_mask[rows]
-            )
+        """Per-token loss ``(B, C)`` (0 outside the loss tokens) from the student's scores at the loss tokens, by
+        SDFT's per-token loss: ``full_logits`` (chunked over the vocabulary) / ``topk_logits`` against the local
+        teacher's scores, or, with ``use_teacher_server``, against the served live teacher's log-probs."""
         at_loss = loss_mask.bool()[completion_inputs(inputs)[3]]  # which of the student's scored tokens count
         student_scores = DistillationScores(
             tokens=scores.tokens[at_loss],
@@ -453,6 +453,15 @@ class SDPOTrainer(GRPOTrainer):
             bias=scores.bias,
             logits=None if scores.logits is None else scores.logits[at_loss],
         )
+        if self.args.use_teacher_server:
+            served_inputs = {**teacher_batch, "completion_mask": loss_mask[rows]}
+            per_token, _ = self._served_per_token_loss(student_scores, served_inputs, self._mode())
+            return to_rows(per_token, loss_mask)
+        input_ids, attention_mask, position_ids, _ = completion_inputs(teacher_batch)
+        with torch.no_grad(), self.teacher.activate(model) as teacher:
+            teacher_scores = score_distillation_completions(
+                teacher, input_ids, attention_mask, position_ids, teacher_batch["completion_ids"], loss_mask[rows]
+            )
         per_token, _ = self._per_token_loss(student_scores, teacher_scores)  # (N_loss,)
         return to_rows(per_token, loss_mask)
 
