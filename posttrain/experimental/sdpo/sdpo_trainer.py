@@ -15,9 +15,9 @@ with ``w = distillation_weight``, loss tokens = completion tokens of rows with a
 ``min(π_θ/π_old, distillation_is_clip)`` (when π_old exists, i.e. the batch outlives one optimizer step), and ``ℓ_t``
 the ``distillation_mode`` term of ``core.self_distillation`` between the student on ``[prompt | completion]`` and the
 teacher on ``[re-prompt | completion]`` (no gradient): ``sampled_token`` (reverse KL at the sampled token, from the
-chunked log-probs: no full-vocabulary logits), ``full_logits`` / ``topk_logits`` (divergence with ``distillation_alpha``
-over the vocabulary / the student's top-k ids, from the logits at the completion tokens only). One student forward
-serves both terms. The teacher (``teacher_model_kind``: ``base`` / ``live`` / ``ema``, updated every
+chunked log-probs: no full-vocabulary logits), ``full_logits`` (divergence with ``distillation_alpha`` over the
+vocabulary, chunked) / ``topk_logits`` (over the student's top-k ids, from the loss tokens' logits); the per-token
+loss of the logit modes is SDFT's. One student forward serves both terms. The teacher (``teacher_model_kind``: ``base`` / ``live`` / ``ema``, updated every
 ``teacher_sync_steps`` by ``teacher_update_rate``) is ``models.teacher_sync``'s; only rows with a teacher are
 forwarded through it.
 
@@ -34,8 +34,9 @@ applies and ``dapo`` normalises by the tokens of the whole generation batch (TRL
 ``beta > 0`` adds GRPO's KL to the policy term (TRL's SDPO accepts ``beta`` but never uses it). The teacher forward
 skips rows without a teacher (their loss is 0 either way). ``use_teacher_server`` (TRL's conditions: live teacher, a
 vLLM/``posttrain serve`` generation server, ``distillation_weight=1``) reads the teacher's log-probs from the server
-as SDFT does, and logs ``self_distillation/server_logprob_abs_diff``. An EMA teacher's weights are saved in checkpoints (``posttrain_state_*.pt``, as SDFT's), so a resumed run
-continues the same average (TRL rebuilds the teacher from the model path and restarts it).
+as SDFT does, and logs ``self_distillation/server_logprob_abs_diff``. An EMA teacher's weights are saved in
+checkpoints (``posttrain_state_*.pt``, as SDFT's), so a resumed run continues the same average (TRL rebuilds the
+teacher from the model path and restarts it).
 """
 
 from __future__ import annotations
