@@ -294,15 +294,18 @@ def test_logit_modes_match_a_naive_full_logits_computation(tmp_path, tiny_model_
     args = _config(tmp_path, num_generations=2, per_device_train_batch_size=2, distillation_mode=mode,
                    teacher_model_kind="base", temperature=0.7, distillation_is_clip=None, **extra)  # fmt: skip
     trainer = SDPOTrainer(tiny_model_path, has_a, args, train_dataset=Dataset.from_list([{"prompt": "Q:"}] * 2))
-    batch = {**_fixed_rollout(), "self_distillation_mask": torch.tensor([1.0, 1.0])}
-    batch["completion_mask"] = torch.tensor([[1, 0], [1, 0]])  # a masked-out token (e.g. a tool result) in row 0
+    # full: only row 1 has a teacher (row selection); topk: both, with a masked-out token (e.g. a tool result) in row 0
+    sd = [0.0, 1.0] if mode == "full_logits" else [1.0, 1.0]
+    batch = {**_fixed_rollout(), "self_distillation_mask": torch.tensor(sd)}
+    batch["completion_mask"] = torch.tensor([[1, 0], [1, 0]] if mode == "topk_logits" else [[1, 1], [1, 0]])
+    batch["teacher_prompt_ids"] = torch.tensor([[0, 7, 7], [8, 9, 10]])  # row 1 re-prompted too, unpadded
+    batch["teacher_prompt_mask"] = torch.tensor([[0, 1, 1], [1, 1, 1]])
     with torch.no_grad():
         loss = trainer._compute_loss(trainer.model, batch)
         s = _naive_completion_logits(trainer.model, batch["prompt_ids"], batch["prompt_mask"],
                                      batch["completion_ids"], batch["completion_lengths"], 0.7)  # fmt: skip
-        t = _naive_completion_logits(trainer.teacher.model, batch["teacher_prompt_ids"][:, 1:],
-                                     batch["teacher_prompt_mask"][:, 1:], batch["completion_ids"],
-                                     batch["completion_lengths"], 0.7)  # fmt: skip
+        t = _naive_completion_logits(trainer.teacher.model, batch["teacher_prompt_ids"], batch["teacher_prompt_mask"],
+                                     batch["completion_ids"], batch["completion_lengths"], 0.7)  # fmt: skip
     ls, lt = s.log_softmax(-1), t.log_softmax(-1)
     if mode == "full_logits":
         p_s, p_t = ls.exp(), lt.exp()
@@ -313,8 +316,8 @@ def test_logit_modes_match_a_naive_full_logits_computation(tmp_path, tiny_model_
         qs, qt = ls.gather(-1, idx), lt.gather(-1, idx)
         qs, qt = qs - qs.logsumexp(-1, keepdim=True), qt - qt.logsumexp(-1, keepdim=True)
         per_token = (qs.exp() * (qs - qt)).sum(-1)
-    mask = batch["completion_mask"].float()
-    expected = ((per_token * mask).sum(-1) / mask.sum(-1)).mean()
+    mask = batch["completion_mask"].float() * batch["self_distillation_mask"].unsqueeze(1)
+    expected = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()
     assert loss.item() == pytest.approx(expected.item(), rel=1e-4, abs=1e-6)
     assert expected.item() > 1e-4  # the re-prompt changes the teacher's distribution
 
