@@ -529,3 +529,14 @@ def test_served_teacher_end_to_end(tiny_model_path, served_url, tmp_path):
     logs = {k for entry in trainer.state.log_history for k in entry}
     assert {"sdft/distillation_loss", "self_distillation/server_logprob_abs_diff"} <= logs
     trainer.served_teacher.close()
+
+
+def test_an_already_adapted_student_with_the_base_teacher_warns(tiny_model_path, tmp_path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    student = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_path),
+                             LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM"))  # fmt: skip
+    with pytest.warns(UserWarning, match="already contains a PEFT adapter"):
+        trainer = SDFTTrainer(student, args=_config(tmp_path), train_dataset=_rows())
+    assert trainer.teacher.uses_adapters and trainer.teacher.adapter_name is None  # the base weights

@@ -30,114 +30,43 @@ posttrain's ``num_tokens``, ``step_time``, ``timing/*``.
 (``_distill_support.ServedTeacher``: ``POST /get_sequence_logprobs/`` on ``[teacher prompt | completion]``) and
 logs ``self_distillation/server_logprob_abs_diff``.
 
-Differences from TRL: the ``base`` / ``ema`` teacher copy is a deep copy of the student (TRL reloads it from the
-model path); an EMA teacher's weights are saved in checkpoints (``posttrain_state_*.pt``), so a resumed run continues
-the same average (TRL restarts it); vLLM generation and the posttrain generation backends are the shared online ones;
-no VLMs.
+The teacher prompt, the scoring of both sides and the per-token term live in
+:mod:`posttrain.experimental._self_distillation` (``SelfDistillationMixin``, shared with SDPO); this module adds the
+round, the config and SDFT's aggregation.
+
+Differences from TRL: a student given as a module gets a deep copy as its ``base`` / ``ema`` teacher (one given by
+path is loaded again from it, as TRL does); an EMA teacher's weights are saved in checkpoints
+(``posttrain_state_*.pt``), so a resumed run continues the same average (TRL restarts it); vLLM generation and the
+posttrain generation backends are the shared online ones; no VLMs.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
 
-from posttrain.core.distill import sparse_support_divergence
-from posttrain.core.logprobs import chunked_logprobs_from_hidden, selective_log_softmax
-from posttrain.core.self_distillation import (
-    apply_importance_sampling_clipping,
-    compute_topk_self_distillation_loss,
-    sampled_token_self_distillation_loss_from_logps,
-    self_distillation_loss,
+from posttrain.core.self_distillation import self_distillation_loss
+from posttrain.experimental._distill_support import to_rows
+from posttrain.experimental._self_distillation import (
+    SelfDistillationMixin,
+    check_self_distillation_columns,
+    compose_teacher_prompt,
+    teacher_prompt_rows,
 )
-from posttrain.experimental._distill_support import ServedTeacher, loss_token_log_probs, to_rows
 from posttrain.experimental.sdft.sdft_config import SDFTConfig
-from posttrain.models.completion_scoring import choose_shared_prompt_layout, completion_inputs
-from posttrain.models.distillation_scoring import DistillationScores, score_distillation_completions
+from posttrain.models.loading import disable_dropout_in_model
+from posttrain.models.peft_utils import is_peft_model
 from posttrain.models.reference import ReferencePolicy
 from posttrain.models.teacher_sync import SyncTeacherModelCallback, create_teacher
 from posttrain.reliability.validation import check_datasets
 from posttrain.rollout.buffer import RolloutBatch
-from posttrain.rollout.distillation import DistillationRollout, model_vocab_size, token_divergence
+from posttrain.rollout.distillation import DistillationRollout, model_vocab_size
 from posttrain.rollout.pipeline import render_prompts
 from posttrain.trainers.online import OnlineTrainerBase
 
-__all__ = [
-    "SDFTTrainer",
-    "SelfDistillationRollout",
-    "check_self_distillation_columns",
-    "compose_teacher_prompt",
-]
-
-REQUIRED_COLUMNS = ("prompt", "privileged_context")
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The teacher prompt
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def _text_of(content: Any) -> str:
-    if isinstance(content, list):
-        return " ".join(part.get("text", "") for part in content if part.get("type") == "text")
-    return str(content)
-
-
-def stringify_privileged_context(privileged_context: Any, index: int | None = None) -> str:
-    """``privileged_context`` as text: a string as is, a list of messages as their contents joined by newlines."""
-    if privileged_context is None:
-        where = f" (row {index})" if index is not None else ""
-        raise ValueError(
-            f"`privileged_context` must not be None for self-distillation teacher prompt construction{where}: give "
-            "every row the teacher-only information (e.g. a demonstration) as a string."
-        )
-    if isinstance(privileged_context, str):
-        return privileged_context
-    if isinstance(privileged_context, list) and privileged_context and isinstance(privileged_context[0], dict):
-        return "\n".join(t for t in (_text_of(m.get("content", "")) for m in privileged_context) if t)
-    return str(privileged_context)
-
-
-def compose_teacher_prompt(prompt: Any, privileged_context: Any, template: str, index: int | None = None) -> Any:
-    """The teacher's prompt: ``template.format(prompt=..., privileged_context=...)``.
-
-    A conversational prompt keeps its earlier messages and gets its last (user) turn replaced by the filled
-    template over that turn's text; prompts ending with another role are refused (TRL).
-    """
-    privileged = stringify_privileged_context(privileged_context, index)
-    if isinstance(prompt, list):
-        if not prompt or prompt[-1].get("role") != "user":
-            role = prompt[-1].get("role") if prompt else None
-            raise ValueError(
-                "Self-distillation teacher prompt construction expects the conversation to end with a user turn, "
-                f"but the last message has role '{role}'. Prompts ending with assistant prefills or tool turns are "
-                "not supported."
-            )
-        text = template.format(prompt=_text_of(prompt[-1].get("content", "")), privileged_context=privileged)
-        return [*prompt[:-1], {"role": "user", "content": text}]
-    return template.format(prompt=prompt, privileged_context=privileged)
-
-
-def check_self_distillation_columns(dataset: Any, name: str) -> None:
-    """Fail at init when ``dataset`` lacks ``prompt`` or ``privileged_context`` (naming the column and the fix)."""
-    if dataset is None:
-        return
-    if isinstance(dataset, dict):
-        for key, split in dataset.items():
-            check_self_distillation_columns(split, f"{name}[{key!r}]")
-        return
-    columns = getattr(dataset, "column_names", None)
-    if columns is None:
-        return  # a stream without declared features: checked row by row
-    missing = [c for c in REQUIRED_COLUMNS if c not in columns]
-    if missing:
-        raise ValueError(
-            f"{name} is missing the column(s) {missing} (columns: {sorted(columns)}). SDFT needs a 'prompt' column "
-            "(what the student sees) and a 'privileged_context' column (the teacher-only information, e.g. a "
-            "demonstration, combined with the prompt by `teacher_prompt_template`); add it, e.g. "
-            "dataset.add_column('privileged_context', [...]) or dataset.rename_column('<your column>', "
-            "'privileged_context')."
-        )
+__all__ = ["SDFTTrainer", "SelfDistillationRollout", "check_self_distillation_columns", "compose_teacher_prompt"]
 
 
 def _left_pad(rows: list[list[int]], value: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,17 +94,8 @@ class SelfDistillationRollout(DistillationRollout):
         self.generate_from_teacher = generate_from_teacher
 
     def teacher_rows(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Each row with its ``prompt`` replaced by the teacher prompt (:func:`compose_teacher_prompt`)."""
-        out = []
-        for i, row in enumerate(rows):
-            if "privileged_context" not in row:
-                raise ValueError(
-                    f"Row {i} has no 'privileged_context' (columns: {sorted(row)}); SDFT builds the teacher prompt "
-                    "from 'prompt' + 'privileged_context'. Add the column to the dataset."
-                )
-            teacher = compose_teacher_prompt(row["prompt"], row["privileged_context"], self.teacher_prompt_template, i)
-            out.append({**row, "prompt": teacher})
-        return out
+        """Each row with its ``prompt`` replaced by the teacher prompt (:func:`teacher_prompt_rows`)."""
+        return teacher_prompt_rows(rows, self.teacher_prompt_template)
 
     def _prompt_tensors(self, rows: list[dict[str, Any]], device: Any) -> tuple[torch.Tensor, torch.Tensor]:
         _, rendered = render_prompts(rows, self.tokenizer, self.chat_template_kwargs)
@@ -196,19 +116,12 @@ class SelfDistillationRollout(DistillationRollout):
         return batch
 
 
-def _trim_left(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Drop the leading columns that are padding in every row (a micro-batch of a left-padded round)."""
-    used = mask.any(dim=0).nonzero()
-    start = int(used[0]) if used.numel() else max(mask.shape[1] - 1, 0)
-    return ids[:, start:], mask[:, start:]
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # The trainer
 # ----------------------------------------------------------------------------------------------------------------
 
 
-class SDFTTrainer(OnlineTrainerBase):
+class SDFTTrainer(SelfDistillationMixin, OnlineTrainerBase):
     """Self-Distilled Fine-Tuning with TRL's ``SDFTTrainer(model, args, train_dataset, ...)`` signature.
 
     Args:
@@ -227,9 +140,6 @@ class SDFTTrainer(OnlineTrainerBase):
     config_class = SDFTConfig
     _trainer_name = "SDFT"
     _tag_names = ["posttrain", "sdft"]
-    # Tokens per chunk of the full-logit divergence (None: chosen from the vocabulary, as DistillationTrainer).
-    loss_chunk_size: int | None = None
-    served_teacher: ServedTeacher | None = None  # the teacher-server client (use_teacher_server), made on first use
 
     def __init__(
         self,
@@ -248,14 +158,29 @@ class SDFTTrainer(OnlineTrainerBase):
         check_datasets(train_dataset, eval_dataset)
         check_self_distillation_columns(train_dataset, "train_dataset")
         check_self_distillation_columns(eval_dataset, "eval_dataset")
+        model_id = model if isinstance(model, str) else None
         model, processing_class = self._setup_policy(model, args, processing_class, peft_config)
-        # Before the Trainer wraps the model (and before the optimizer exists): the copy / the "teacher" adapter.
+        if peft_config is None and is_peft_model(model) and args.teacher_model_kind == "base":
+            warnings.warn(
+                "The provided self-distillation student model already contains a PEFT adapter. With "
+                "teacher_model_kind='base' the teacher is its base weights (adapters disabled), not the initially "
+                "loaded student including its adapter. For an unambiguous teacher, start from a merged/non-adapter "
+                "model.",
+                UserWarning,
+                stacklevel=2,
+            )
+        # Before the Trainer wraps the model (and before the optimizer exists): the copy / the "teacher" adapter. A
+        # student given by path gets its copy loaded again from it (TRL; a deep copy of ZeRO-3 shards would be empty).
         self.teacher = create_teacher(
             model,
             args.teacher_model_kind,
             teacher_update_rate=args.teacher_update_rate,
             teacher_sync_steps=args.teacher_sync_steps,
+            reload_from=model_id,
+            model_init_kwargs=dict(args.model_init_kwargs or {}),
         )
+        if self.teacher.model is not None and args.disable_dropout:
+            disable_dropout_in_model(self.teacher.model)
         self.vocab_rows = model_vocab_size(model)
         n_rows = self._configure_train_dataset(train_dataset, args)
         prompts_per_round = args.generation_batch_size // args.num_generations
@@ -273,11 +198,6 @@ class SDFTTrainer(OnlineTrainerBase):
         if self.teacher.kind == "ema":
             self.add_callback(SyncTeacherModelCallback(self.teacher, self.accelerator))
         self._setup_rollout(None)
-
-    @property
-    def teacher_model(self) -> torch.nn.Module:
-        """TRL's attribute: the separate teacher module, or the student itself (``live``, or PEFT adapters)."""
-        return self.teacher.model if self.teacher.model is not None else self.model
 
     def _make_rollout(self) -> None:
         args = self.args
@@ -339,142 +259,11 @@ class SDFTTrainer(OnlineTrainerBase):
             )
         return batch
 
-    def _dispatch_self_distillation_callback(self, event_name: str, **payload: Any) -> None:
-        """TRL's self-distillation callback events: each callback that defines ``event_name`` is called with
-        ``args``, ``state``, ``control``, ``model``, ``processing_class`` and the payload (``on_generation_prompts_selected``,
-        ``on_self_distillation_batch_prepared``, ``on_generation_batch_built``)."""
-        for callback in self.callback_handler.callbacks:
-            handler = getattr(callback, event_name, None)
-            if handler is not None:
-                handler(
-                    args=self.args, state=self.state, control=self.control, model=self.model,
-                    processing_class=self.processing_class, **payload,
-                )  # fmt: skip
-
     # -- loss --------------------------------------------------------------------------------------------------
-    def _scoring_inputs(self, model: torch.nn.Module, inputs: RolloutBatch) -> tuple:
-        """``score_distillation_completions`` arguments (the shared-prompt layout when it saves work)."""
-        targets = (inputs["completion_ids"], inputs["completion_mask"])
-        layout = choose_shared_prompt_layout(model, inputs) if self.args.shared_prompt_forward else None
-        if layout is not None:
-            predictors = layout.predictor_index(inputs["completion_mask"])
-            return layout.input_ids, layout.attention_mask, layout.position_ids, *targets, predictors
-        input_ids, attention_mask, position_ids, _ = completion_inputs(inputs)
-        return input_ids, attention_mask, position_ids, *targets
-
-    def _loss_mask(self, inputs: RolloutBatch) -> torch.Tensor:
-        mask = inputs["completion_mask"]
-        skip = self.args.num_loss_tokens_to_skip
-        if skip > 0:  # SDFT skips the first completion tokens to suppress teacher-prompt artifacts
-            positions = torch.arange(mask.shape[1], device=mask.device).unsqueeze(0)
-            mask = mask * (positions >= skip).to(mask.dtype)
-        return mask
-
-    def _token_logps(self, scores: DistillationScores) -> torch.Tensor:
-        """``(N,)`` log-probs of the loss tokens (temperature applied), differentiable, without ``N × V`` logits."""
-        rows, temperature = self.vocab_rows, self.args.temperature
-        if scores.hidden is not None:
-            weight, bias = scores.head(rows)
-            logps, _ = chunked_logprobs_from_hidden(
-                scores.hidden, weight, scores.tokens, bias=bias, temperature=temperature,
-                chunk_size=self._loss_chunk_size(),
-            )  # fmt: skip
-            return logps
-        return selective_log_softmax(scores.logits[:, :rows].float() / temperature, scores.tokens)
-
-    def _per_token_loss(self, student: DistillationScores, teacher: DistillationScores) -> tuple[torch.Tensor, Any]:
-        """``(N,)`` per-token loss of ``distillation_mode`` and a thunk giving the student's token log-probs."""
-        args = self.args
-        mode = args.distillation_mode
-        if mode == "topk_logits":
-            student_lp = loss_token_log_probs(student, self.vocab_rows, args.temperature)  # (N, V)
-            with torch.no_grad():
-                teacher_lp = loss_token_log_probs(teacher, self.vocab_rows, args.temperature)
-            # log-softmax values are valid logits: the top-k support and the gathered log-probs are unchanged.
-            per_token = compute_topk_self_distillation_loss(
-                student_lp, teacher_lp, distillation_topk=args.distillation_topk,
-                distillation_alpha=args.distillation_alpha, distillation_add_tail=args.distillation_add_tail,
-            )  # fmt: skip
-            return per_token, lambda: student_lp.gather(-1, student.tokens[:, None]).squeeze(-1)
-        if mode == "full_logits":
-            per_token, _ = token_divergence(
-                student, teacher, vocab_rows=self.vocab_rows, beta=args.distillation_alpha,
-                temperature=args.temperature, chunk_size=self._loss_chunk_size(),
-            )  # fmt: skip
-            return per_token, lambda: self._token_logps(student)
-        student_logps = self._token_logps(student)
-        with torch.no_grad():
-            teacher_logps = self._token_logps(teacher)
-        per_token = sampled_token_self_distillation_loss_from_logps(
-            student_logps, teacher_logps, distillation_alpha=args.distillation_alpha
-        )
-        return per_token, lambda: student_logps
-
-    def _teacher_server(self) -> ServedTeacher:
-        if self.served_teacher is None:
-            base_url = getattr(self.backend, "base_url", None)
-            if base_url is None:
-                args = self.args
-                base_url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
-            self.served_teacher = ServedTeacher(base_url, self.vocab_rows, float(self.args.vllm_server_timeout))
-        return self.served_teacher
-
-    def _served_per_token_loss(
-        self, student: DistillationScores, teacher_inputs: RolloutBatch, mode: str
-    ) -> tuple[torch.Tensor, Any]:
-        """The live teacher's log-probs from the generation server (``use_teacher_server``): the sampled token's for
-        ``sampled_token``, the teacher's own top-k support for ``topk_logits`` (renormalised or with the tail)."""
-        args = self.args
-        if self.state.global_step != self._last_synced_step:  # a reused rollout: the server must hold θ now
-            self.backend.sync_weights(self.accelerator.unwrap_model(self.model))
-            self._last_synced_step = self.state.global_step
-        top_k = args.distillation_topk if args.distillation_mode == "topk_logits" else 1
-        served = self._teacher_server().score(teacher_inputs, top_k, args.temperature)  # (N,), (N, K)
-        actual = served["actual_logprobs"]
-        if args.distillation_mode == "sampled_token":
-            student_logps = self._token_logps(student)
-            per_token = sampled_token_self_distillation_loss_from_logps(
-                student_logps, actual, distillation_alpha=args.distillation_alpha
-            )
-        else:
-            student_lp = loss_token_log_probs(student, self.vocab_rows, args.temperature)  # (N, V)
-            ids, teacher_lp = served["topk_token_ids"], served["topk_logprobs"]
-            per_token = sparse_support_divergence(
-                student_lp.gather(-1, ids), teacher_lp, torch.isfinite(teacher_lp), beta=args.distillation_alpha,
-                add_tail=args.distillation_add_tail,
-            )  # fmt: skip
-            student_logps = student_lp.gather(-1, student.tokens[:, None]).squeeze(-1)
-        # Disagreement of the local student and the served teacher on the realized tokens (stale weights, drift).
-        diff = (student_logps.detach() - actual).abs()
-        self.record_metric(
-            "self_distillation/server_logprob_abs_diff",
-            self._gather_mean(diff.mean() if diff.numel() else diff.new_zeros(())),
-            mode=mode,
-        )
-        return per_token, lambda: student_logps
-
     def _compute_loss(self, model: torch.nn.Module, inputs: RolloutBatch) -> torch.Tensor:
         """mean over completions of (Σ_t loss_t / loss tokens), divided by the gradient-accumulation steps."""
-        args = self.args
         mode = self._mode()
-        loss_mask = self._loss_mask(inputs)
-        student_inputs = {**inputs, "completion_mask": loss_mask}
-        teacher_ids, teacher_mask = _trim_left(inputs["teacher_prompt_ids"], inputs["teacher_prompt_mask"])
-        teacher_inputs = {**student_inputs, "prompt_ids": teacher_ids, "prompt_mask": teacher_mask}
-        student = score_distillation_completions(model, *self._scoring_inputs(model, student_inputs))
-        if args.use_teacher_server:
-            per_token, student_token_logps = self._served_per_token_loss(student, teacher_inputs, mode)
-        else:
-            with torch.no_grad(), self.teacher.activate(model) as teacher_module:
-                teacher = score_distillation_completions(
-                    teacher_module, *self._scoring_inputs(teacher_module, teacher_inputs)
-                )
-            per_token, student_token_logps = self._per_token_loss(student, teacher)  # (N,)
-        old = inputs.get("old_per_token_logps")
-        if args.distillation_is_clip is not None and old is not None and per_token.numel():
-            per_token = apply_importance_sampling_clipping(
-                per_token, student_token_logps(), old[loss_mask.bool()], args.distillation_is_clip
-            )
+        per_token, loss_mask, student = self.self_distillation_per_token(model, inputs)  # (N,), (B, C)
         if per_token.numel() == 0:
             # No loss token anywhere: a zero that still reaches every parameter (backward and DDP hooks run).
             loss = 0.0 * sum(p.sum() for p in model.parameters() if p.requires_grad)
@@ -488,24 +277,12 @@ class SDFTTrainer(OnlineTrainerBase):
         self.record_metric(f"{self._trainer_name.lower()}/distillation_loss", value, mode=mode)
         return loss
 
-    def _loss_chunk_size(self) -> int:
-        """Tokens per chunk: about 2**24 logits per chunk, between 16 and 1024 tokens (as DistillationTrainer)."""
-        if self.loss_chunk_size is not None:
-            return int(self.loss_chunk_size)
-        return min(1024, max(16, 2**24 // self.vocab_rows))
-
     # -- checkpoints -------------------------------------------------------------------------------------------
     def resume_state_dict(self) -> dict[str, Any]:
-        """Adds the rollout's RNG and an EMA teacher's weights (so a resumed run continues the same average)."""
-        state = {**super().resume_state_dict(), "distillation_rollout": self.rollout.state_dict()}
-        teacher = self.teacher.state_dict(self.model)
-        if teacher:
-            state["ema_teacher"] = teacher
-        return state
+        """Adds the rollout's RNG (the mixin adds an EMA teacher's weights)."""
+        return {**super().resume_state_dict(), "distillation_rollout": self.rollout.state_dict()}
 
     def load_resume_state_dict(self, state: dict[str, Any]) -> None:
         super().load_resume_state_dict(state)
         if "distillation_rollout" in state:
             self.rollout.load_state_dict(state["distillation_rollout"])
-        if "ema_teacher" in state:
-            self.teacher.load_state_dict(state["ema_teacher"], self.model)
