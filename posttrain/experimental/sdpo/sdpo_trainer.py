@@ -17,7 +17,8 @@ the ``distillation_mode`` term of ``core.self_distillation`` between the student
 teacher on ``[re-prompt | completion]`` (no gradient): ``sampled_token`` (reverse KL at the sampled token, from the
 chunked log-probs: no full-vocabulary logits), ``full_logits`` (divergence with ``distillation_alpha`` over the
 vocabulary, chunked) / ``topk_logits`` (over the student's top-k ids, from the loss tokens' logits); the per-token
-loss of the logit modes is SDFT's. One student forward serves both terms. The teacher (``teacher_model_kind``: ``base`` / ``live`` / ``ema``, updated every
+loss of the logit modes, the served teacher, the callback dispatch and the EMA checkpoint state are
+``experimental._self_distillation.SelfDistillationMixin``'s, shared with SDFT. One student forward serves both terms. The teacher (``teacher_model_kind``: ``base`` / ``live`` / ``ema``, updated every
 ``teacher_sync_steps`` by ``teacher_update_rate``) is ``models.teacher_sync``'s; only rows with a teacher are
 forwarded through it.
 
@@ -57,7 +58,7 @@ from posttrain.core.self_distillation import (
 )
 from posttrain.distributed import gather_objects
 from posttrain.experimental._distill_support import to_rows
-from posttrain.experimental.sdft.sdft_trainer import SDFTTrainer
+from posttrain.experimental._self_distillation import SelfDistillationMixin, trim_left_padding
 from posttrain.models.completion_scoring import completion_inputs
 from posttrain.models.distillation_scoring import DistillationScores, score_distillation_completions
 from posttrain.models.forward import TokenStats
@@ -88,7 +89,7 @@ class _KeepResultEstimator(GroupRelativeEstimator):
         return self.last_result
 
 
-class SDPOTrainer(GRPOTrainer):
+class SDPOTrainer(SelfDistillationMixin, GRPOTrainer):
     """Trainer for Self-Distillation Policy Optimization; constructor as :class:`~posttrain.GRPOTrainer` (TRL's
     ``SDPOTrainer(model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
     reward_processing_classes, callbacks, optimizers, peft_config)``).
@@ -113,18 +114,6 @@ class SDPOTrainer(GRPOTrainer):
                 eprint       = {arXiv:2601.20802}
             }"""),
     }
-
-    # Shared with SDFT (the same self-distillation term, TRL's same callback events): its per-token loss of the logit
-    # modes on DistillationScores, the loss tokens' chunked log-probs, the chunk size, the callback dispatch.
-    loss_chunk_size: int | None = None
-    _per_token_loss = SDFTTrainer._per_token_loss
-    _token_logps = SDFTTrainer._token_logps
-    _loss_chunk_size = SDFTTrainer._loss_chunk_size
-    _dispatch_self_distillation_callback = SDFTTrainer._dispatch_self_distillation_callback
-    # use_teacher_server: the live teacher's log-probs from the generation server, as SDFT's
-    served_teacher = None
-    _teacher_server = SDFTTrainer._teacher_server
-    _served_per_token_loss = SDFTTrainer._served_per_token_loss
 
     def __init__(
         self,
@@ -185,11 +174,6 @@ class SDPOTrainer(GRPOTrainer):
         self.teacher.prepare(self.accelerator)
         self.add_callback(SyncTeacherModelCallback(self.teacher, self.accelerator))
         self.vocab_rows = model_vocab_size(student)
-
-    @property
-    def teacher_model(self) -> torch.nn.Module:
-        """TRL's attribute: the module the teacher pass runs (a frozen copy, or the student itself)."""
-        return self.teacher.model if self.teacher.model is not None else self.model
 
     def _make_estimator(self) -> _KeepResultEstimator:
         return _KeepResultEstimator(self.args.scale_rewards, self.args.multi_objective_aggregation)
@@ -367,9 +351,9 @@ class SDPOTrainer(GRPOTrainer):
         if self.args.distillation_mode == "sampled_token" and not self.args.use_teacher_server:
             stats = self._token_stats(model, inputs, compute_entropy=with_policy, entropy_requires_grad=entropy_grad)
             return stats, None
-        input_ids, attention_mask, position_ids, generated = completion_inputs(inputs)
+        generated = completion_inputs(inputs)[3]
         scores = score_distillation_completions(
-            model, input_ids, attention_mask, position_ids, inputs["completion_ids"], generated
+            model, *self._scoring_inputs(model, {**inputs, "completion_mask": generated.long()})
         )
         if scores.hidden is not None:
             weight, bias = scores.head(self.vocab_rows)
@@ -391,12 +375,10 @@ class SDPOTrainer(GRPOTrainer):
 
     def _teacher_inputs(self, inputs: RolloutBatch, rows: torch.Tensor) -> RolloutBatch:
         """The teacher's micro-batch: ``[re-prompt | completion]`` of the selected rows (all-padding columns trimmed)."""
-        prompt_mask = inputs["teacher_prompt_mask"][rows]
-        used = prompt_mask.any(dim=0).nonzero()
-        first = int(used[0]) if used.numel() else prompt_mask.shape[1] - 1
+        prompt_ids, prompt_mask = trim_left_padding(inputs["teacher_prompt_ids"][rows], inputs["teacher_prompt_mask"][rows])
         return {
-            "prompt_ids": inputs["teacher_prompt_ids"][rows][:, first:],
-            "prompt_mask": prompt_mask[:, first:],
+            "prompt_ids": prompt_ids,
+            "prompt_mask": prompt_mask,
             "completion_ids": inputs["completion_ids"][rows],
             "completion_mask": inputs["completion_mask"][rows],
             "completion_lengths": inputs["completion_lengths"][rows],
@@ -444,7 +426,7 @@ class SDPOTrainer(GRPOTrainer):
         scores: DistillationScores,
     ) -> torch.Tensor:
         """Per-token loss ``(B, C)`` (0 outside the loss tokens) from the student's scores at the loss tokens, by
-        SDFT's per-token loss: ``full_logits`` (chunked over the vocabulary) / ``topk_logits`` against the local
+        the self-distillation mixin's per-token loss (shared with SDFT): ``full_logits`` (chunked over the vocabulary) / ``topk_logits`` against the local
         teacher's scores, or, with ``use_teacher_server``, against the served live teacher's log-probs."""
         at_loss = loss_mask.bool()[completion_inputs(inputs)[3]]  # which of the student's scored tokens count
         student_scores = DistillationScores(
@@ -458,11 +440,9 @@ class SDPOTrainer(GRPOTrainer):
             served_inputs = {**teacher_batch, "completion_mask": loss_mask[rows]}
             per_token, _ = self._served_per_token_loss(student_scores, served_inputs, self._mode())
             return to_rows(per_token, loss_mask)
-        input_ids, attention_mask, position_ids, _ = completion_inputs(teacher_batch)
+        teacher_batch = {**teacher_batch, "completion_mask": loss_mask[rows]}
         with torch.no_grad(), self.teacher.activate(model) as teacher:
-            teacher_scores = score_distillation_completions(
-                teacher, input_ids, attention_mask, position_ids, teacher_batch["completion_ids"], loss_mask[rows]
-            )
+            teacher_scores = score_distillation_completions(teacher, *self._scoring_inputs(teacher, teacher_batch))
         per_token, _ = self._per_token_loss(student_scores, teacher_scores)  # (N_loss,)
         return to_rows(per_token, loss_mask)
 
@@ -470,17 +450,3 @@ class SDPOTrainer(GRPOTrainer):
         mean = self._gather_mean(value)
         self.record_metric("self_distillation/distillation_loss", mean, mode=mode)
         self.record_metric(f"{self._name.lower()}/distillation_loss", mean, mode=mode)
-
-    # -- checkpoints -------------------------------------------------------------------------------------------
-    def resume_state_dict(self) -> dict[str, Any]:
-        """Adds an EMA teacher's weights (so a resumed run continues the same average)."""
-        state = super().resume_state_dict()
-        teacher = self.teacher.state_dict(self.model)
-        if teacher:
-            state["ema_teacher"] = teacher
-        return state
-
-    def load_resume_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_resume_state_dict(state)
-        if "ema_teacher" in state:
-            self.teacher.load_state_dict(state["ema_teacher"], self.model)
