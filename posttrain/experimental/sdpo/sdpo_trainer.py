@@ -12,15 +12,15 @@ The loss, per micro-batch::
     loss = (1 - w) · GRPO(π_θ)  +  w · mean_rows( mean_{t ∈ loss tokens} ρ_t · ℓ_t ) / GA
 
 with ``w = distillation_weight``, loss tokens = completion tokens of rows with a teacher, ``ρ_t`` the clipped ratio
-``min(π_θ/π_old, distillation_is_clip)`` (when π_old exists, i.e. the batch outlives one optimizer step), and ``ℓ_t``
+``min(π_θ/π_old, distillation_is_clip)`` (when π_old exists: the batch outlives one optimizer step), and ``ℓ_t``
 the ``distillation_mode`` term of ``core.self_distillation`` between the student on ``[prompt | completion]`` and the
 teacher on ``[re-prompt | completion]`` (no gradient): ``sampled_token`` (reverse KL at the sampled token, from the
 chunked log-probs: no full-vocabulary logits), ``full_logits`` (divergence with ``distillation_alpha`` over the
 vocabulary, chunked) / ``topk_logits`` (over the student's top-k ids, from the loss tokens' logits); the per-token
 loss of the logit modes, the served teacher, the callback dispatch and the EMA checkpoint state are
-``experimental._self_distillation.SelfDistillationMixin``'s, shared with SDFT. One student forward serves both terms. The teacher (``teacher_model_kind``: ``base`` / ``live`` / ``ema``, updated every
-``teacher_sync_steps`` by ``teacher_update_rate``) is ``models.teacher_sync``'s; only rows with a teacher are
-forwarded through it.
+``experimental._self_distillation.SelfDistillationMixin``'s, shared with SDFT. One student forward serves both
+terms. The teacher (``teacher_model_kind``: ``base`` / ``live`` / ``ema``, updated every ``teacher_sync_steps`` by
+``teacher_update_rate``) is ``models.teacher_sync``'s; only rows with a teacher are forwarded through it.
 
 Callbacks may define TRL's self-distillation events ``on_generation_prompts_selected``, ``on_teacher_context_built``,
 ``on_self_distillation_batch_prepared`` and ``on_generation_batch_built`` (called with TRL's payloads).
@@ -190,7 +190,9 @@ class SDPOTrainer(SelfDistillationMixin, GRPOTrainer):
     # -- the teacher-context rollout stage ---------------------------------------------------------------------
     def _generate_and_score(self, rows: list[dict[str, Any]], mode: str) -> RolloutBatch:
         self._dispatch_self_distillation_callback(
-            "on_generation_prompts_selected", generation_prompts=[row["prompt"] for row in rows], generation_prompt_text=None
+            "on_generation_prompts_selected",
+            generation_prompts=[row["prompt"] for row in rows],
+            generation_prompt_text=None,
         )
         batch = super()._generate_and_score(rows, mode)
         with StageTimer(self._record(mode))("teacher_context"):
@@ -374,8 +376,10 @@ class SDPOTrainer(SelfDistillationMixin, GRPOTrainer):
         return stats, scores
 
     def _teacher_inputs(self, inputs: RolloutBatch, rows: torch.Tensor) -> RolloutBatch:
-        """The teacher's micro-batch: ``[re-prompt | completion]`` of the selected rows (all-padding columns trimmed)."""
-        prompt_ids, prompt_mask = trim_left_padding(inputs["teacher_prompt_ids"][rows], inputs["teacher_prompt_mask"][rows])
+        """The teacher's micro-batch: ``[re-prompt | completion]`` of the selected rows (padding columns trimmed)."""
+        prompt_ids, prompt_mask = trim_left_padding(
+            inputs["teacher_prompt_ids"][rows], inputs["teacher_prompt_mask"][rows]
+        )
         return {
             "prompt_ids": prompt_ids,
             "prompt_mask": prompt_mask,
@@ -410,7 +414,8 @@ class SDPOTrainer(SelfDistillationMixin, GRPOTrainer):
             per_token = self._logit_distillation(model, inputs, teacher_batch, rows, loss_mask, scores)
         old_logps = inputs.get("old_per_token_logps")
         if args.distillation_is_clip is not None and old_logps is not None:
-            per_token = apply_importance_sampling_clipping(per_token, student.logps, old_logps, args.distillation_is_clip)
+            clip = args.distillation_is_clip
+            per_token = apply_importance_sampling_clipping(per_token, student.logps, old_logps, clip)
         per_token = per_token * loss_mask  # rows without a teacher hold arbitrary values before this
         mean = per_token.detach().sum() / loss_mask.sum().clamp(min=1.0)
         self._log_distillation_metric(mode, mean)
@@ -425,9 +430,10 @@ class SDPOTrainer(SelfDistillationMixin, GRPOTrainer):
         loss_mask: torch.Tensor,
         scores: DistillationScores,
     ) -> torch.Tensor:
-        """Per-token loss ``(B, C)`` (0 outside the loss tokens) from the student's scores at the loss tokens, by
-        the self-distillation mixin's per-token loss (shared with SDFT): ``full_logits`` (chunked over the vocabulary) / ``topk_logits`` against the local
-        teacher's scores, or, with ``use_teacher_server``, against the served live teacher's log-probs."""
+        """Per-token loss ``(B, C)`` (0 outside the loss tokens) from the student's scores at the loss tokens, by the
+        self-distillation mixin's per-token loss (shared with SDFT): ``full_logits`` (chunked over the vocabulary) /
+        ``topk_logits`` against the local teacher's scores, or, with ``use_teacher_server``, against the served live
+        teacher's log-probs."""
         at_loss = loss_mask.bool()[completion_inputs(inputs)[3]]  # which of the student's scored tokens count
         student_scores = DistillationScores(
             tokens=scores.tokens[at_loss],

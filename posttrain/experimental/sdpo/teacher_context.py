@@ -136,7 +136,8 @@ class SuccessfulRolloutTeacherContextBuilder:
             if i == start and any(successful_row[j] for j in group):
                 groups_with_success += 1
             if args.use_successful_as_teacher:
-                candidates = [j for j in group if successful_row[j] and not (args.dont_reprompt_on_self_success and j == i)]
+                skip_self = args.dont_reprompt_on_self_success
+                candidates = [j for j in group if successful_row[j] and not (skip_self and j == i)]
                 demo[i] = candidates[0] if candidates else None
             has_solution = demo[i] is not None
             has_feedback = isinstance(feedbacks[i], str) and feedbacks[i].strip() != ""
