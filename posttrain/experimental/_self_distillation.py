@@ -5,7 +5,8 @@
 OnlineTrainerBase)``). It reads ``self.args`` (TRL's ``distillation_mode`` / ``distillation_alpha`` /
 ``distillation_topk`` / ``distillation_add_tail`` / ``distillation_is_clip`` / ``num_loss_tokens_to_skip`` /
 ``temperature`` / ``use_teacher_server`` fields), ``self.teacher`` (a
-:class:`~posttrain.models.teacher_sync.SelfDistillationTeacher`) and ``self.vocab_rows``; a micro-batch holds the
+:class:`~posttrain.models.teacher_sync.SelfDistillationTeacher`), ``self.vocab_rows`` and, with
+``use_teacher_server``, ``self.backend`` / ``self._last_synced_step`` (the online base's); a micro-batch holds the
 online-RL layout (``prompt_ids`` / ``prompt_mask`` / ``completion_ids`` / ``completion_mask`` /
 ``completion_lengths``) plus ``teacher_prompt_ids`` / ``teacher_prompt_mask`` (left-padded) and, when the rollout
 outlives an optimizer step, ``old_per_token_logps``. :meth:`SelfDistillationMixin.self_distillation_per_token`

@@ -540,3 +540,15 @@ def test_an_already_adapted_student_with_the_base_teacher_warns(tiny_model_path,
     with pytest.warns(UserWarning, match="already contains a PEFT adapter"):
         trainer = SDFTTrainer(student, args=_config(tmp_path), train_dataset=_rows())
     assert trainer.teacher.uses_adapters and trainer.teacher.adapter_name is None  # the base weights
+
+
+def test_no_loss_token_gives_a_zero_loss_that_reaches_the_parameters(loss_trainer):
+    trainer = loss_trainer
+    trainer.args.distillation_mode, trainer.args.distillation_alpha = "full_logits", 0.5
+    trainer.args.num_loss_tokens_to_skip = 10  # longer than every completion
+    try:
+        loss = trainer._compute_loss(trainer.model, _fixed_batch(trainer.processing_class))
+    finally:
+        trainer.args.num_loss_tokens_to_skip = 0
+    assert loss.item() == 0.0 and loss.requires_grad
+    assert trainer._metrics["train"]["sdft/distillation_loss"][-1] == 0.0
