@@ -373,6 +373,18 @@ def test_trains_end_to_end(tmp_path, tiny_model_path, overrides):
         assert text.startswith("<|im_start|>user\nQ") and text.endswith("<|im_start|>assistant\n")
 
 
+def test_remove_unused_columns_keeps_privileged_context(tmp_path, tiny_model_path):
+    args = _config(tmp_path, max_steps=1, remove_unused_columns=True, include_environment_feedback=True)
+    dataset = _dataset().add_column("unused", ["x"] * 4)
+    trainer = SDPOTrainer(tiny_model_path, even_sum, args, train_dataset=dataset)
+    seen = []
+    generate = trainer._generate_and_score
+    trainer._generate_and_score = lambda rows, mode: seen.append(sorted(rows[0])) or generate(rows, mode)
+    trainer.train()
+    assert seen[0] == ["privileged_context", "prompt"]  # "unused" was removed, the feedback kept
+    assert trainer.state.log_history[0]["self_distillation/feedback_used_fraction"] == 1.0
+
+
 def test_ema_teacher_follows_the_student(tmp_path, tiny_model_path):
     args = _config(tmp_path, teacher_update_rate=0.5, teacher_sync_steps=1, include_environment_feedback=True)
     trainer = SDPOTrainer(tiny_model_path, even_sum, args, train_dataset=_dataset())
