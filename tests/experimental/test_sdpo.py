@@ -396,6 +396,7 @@ def test_ema_teacher_follows_the_student(tmp_path, tiny_model_path):
     name = moved[0]
     assert not torch.equal(trainer.teacher.model.get_parameter(name), student[name])  # an average, not a copy
     assert trainer.teacher_model is trainer.teacher.model
+    assert SuccessfulRolloutTeacherContextBuilder(trainer).args is trainer.args  # TRL's constructor takes the trainer
 
 
 def test_trls_callback_events(tmp_path, tiny_model_path):

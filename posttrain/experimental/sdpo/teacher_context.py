@@ -73,11 +73,12 @@ class SuccessfulRolloutTeacherContextBuilder:
     """Builds teacher contexts from successful rollouts (and optional environment feedback); see the module docstring.
 
     Args:
-        args: An :class:`~posttrain.experimental.sdpo.SDPOConfig` (or any object with its re-prompting fields).
+        args: An :class:`~posttrain.experimental.sdpo.SDPOConfig` (or any object with its re-prompting fields), or
+            a trainer holding one as ``.args`` (TRL's constructor takes the trainer).
     """
 
     def __init__(self, args: Any):
-        self.args = args
+        self.args = args if hasattr(args, "reprompt_template") else args.args
         self.last_metrics: dict[str, float] = {}
         self._warned_ignored_feedback = False
 
