@@ -4,7 +4,7 @@
 Submodules: ``cpo`` (CPO, SimPO, AlphaPO), ``orpo``, ``tpo``, ``prm`` (process reward models),
 ``bema_for_ref_model`` (BEMACallback and the DPO trainer whose reference tracks BEMA weights),
 ``merge_model_callback`` (mergekit, optional extra) and ``utils`` (TRL's experimental collators); online trainers on
-the shared rollout: ``gmpo``, ``grpo_with_replay_buffer``, ``online_dpo``, ``a2po``, ``ppo``, ``async_grpo``
+the shared rollout: ``gmpo``, ``grpo_with_replay_buffer``, ``online_dpo``, ``a2po``, ``ppo``, ``sdpo``, ``async_grpo``
 (generation through ``posttrain serve`` in a separate rollout worker); the distillation family: ``gkd``, ``gold``
 (cross-tokenizer ULD), ``iw_opd``, ``server_distillation`` (teacher behind a server) and ``sdft``
 (self-distillation: the student, given privileged context, is its own teacher).

@@ -11,6 +11,7 @@ ones (TRL has no CLI verbs for these, so neither has ``posttrain``)::
     python -m posttrain.experimental.run online_dpo --config examples/online_dpo.yaml
     python -m posttrain.experimental.run a2po --config examples/a2po.yaml
     python -m posttrain.experimental.run ppo --config examples/ppo.yaml
+    python -m posttrain.experimental.run sdpo --config examples/sdpo.yaml
     python -m posttrain.experimental.run gkd --config examples/gkd.yaml
     python -m posttrain.experimental.run gold --config examples/gold.yaml
     python -m posttrain.experimental.run iw_opd --config examples/iw_opd.yaml
@@ -91,6 +92,7 @@ METHODS: dict[str, tuple[str, str]] = {
     ),
     "a2po": ("posttrain.experimental.a2po:A2POConfig", "posttrain.experimental.a2po:A2POTrainer"),
     "ppo": ("posttrain.experimental.ppo:PPOConfig", "posttrain.experimental.ppo:PPOTrainer"),
+    "sdpo": ("posttrain.experimental.sdpo:SDPOConfig", "posttrain.experimental.sdpo:SDPOTrainer"),
     "gkd": ("posttrain.experimental.gkd:GKDConfig", "posttrain.experimental.gkd:GKDTrainer"),
     "gold": ("posttrain.experimental.gold:GOLDConfig", "posttrain.experimental.gold:GOLDTrainer"),
     "iw_opd": ("posttrain.experimental.iw_opd:IWOPDConfig", "posttrain.experimental.iw_opd:IWOPDTrainer"),
@@ -101,7 +103,7 @@ METHODS: dict[str, tuple[str, str]] = {
     "sdft": ("posttrain.experimental.sdft:SDFTConfig", "posttrain.experimental.sdft:SDFTTrainer"),
 }
 # Online methods: GRPO's script arguments (reward_funcs, reward_model_name_or_path) and a reward_funcs argument.
-REWARD_METHODS = {"gmpo", "grpo_with_replay_buffer", "online_dpo", "a2po", "ppo"}
+REWARD_METHODS = {"gmpo", "grpo_with_replay_buffer", "online_dpo", "a2po", "ppo", "sdpo"}
 # Methods distilling a teacher: loaded locally from teacher_model_name_or_path unless it is served.
 _DISTILLATION = ("gkd", "gold", "iw_opd", "server_distillation")
 

@@ -41,6 +41,7 @@ from posttrain.core.presets import (
     validate_grpo_loss_config,
 )
 from posttrain.distributed import gather_variable_length
+from posttrain.models.forward import TokenStats
 from posttrain.models.unwrap import unwrap_base_model
 from posttrain.reliability.validation import ALLOW_NEGATIVE_BETA_HELP, check_beta
 from posttrain.rollout.buffer import RolloutBatch
@@ -370,12 +371,21 @@ class GRPOTrainer(OnlineTrainerBase):
         return gather_variable_length(self.accelerator, values)
 
     # -- loss --------------------------------------------------------------------------------------------------
-    def _compute_loss(self, model: torch.nn.Module, inputs: RolloutBatch) -> torch.Tensor:
-        """TRL's GRPO loss on one micro-batch (see the module docstring for the recipe)."""
+    def _compute_loss(
+        self, model: torch.nn.Module, inputs: RolloutBatch, stats: TokenStats | None = None
+    ) -> torch.Tensor:
+        """TRL's GRPO loss on one micro-batch (see the module docstring for the recipe).
+
+        ``stats``: the policy's token statistics of ``inputs`` when a subclass already ran the forward pass (SDPO
+        shares it with its distillation term); None runs it here.
+        """
         args = self.args
         mode = self._mode()
         # With an entropy bonus the entropies enter the loss: they keep their graph (still chunked, no full logits).
-        stats = self._token_stats(model, inputs, compute_entropy=True, entropy_requires_grad=self.entropy_ctrl.enabled)
+        if stats is None:
+            stats = self._token_stats(
+                model, inputs, compute_entropy=True, entropy_requires_grad=self.entropy_ctrl.enabled
+            )
         logps, entropies = stats.logps, stats.entropy  # (B, C) each
         mask = inputs["completion_mask"].to(logps.dtype)  # (B, C) loss mask
         old_logps = inputs.get("old_per_token_logps")
