@@ -18,15 +18,16 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
-from posttrain.core.distill import sparse_support_divergence
+from posttrain.core.distill import chunked_token_map, sparse_support_divergence
 from posttrain.core.logprobs import chunked_logprobs_from_hidden, selective_log_softmax
 from posttrain.core.self_distillation import (
     apply_importance_sampling_clipping,
     compute_topk_self_distillation_loss,
     sampled_token_self_distillation_loss_from_logps,
 )
-from posttrain.experimental._distill_support import ServedTeacher, loss_token_log_probs
+from posttrain.experimental._distill_support import ServedTeacher
 from posttrain.models.distillation_scoring import DistillationScores, score_distillation_completions
 from posttrain.rollout.buffer import RolloutBatch
 from posttrain.rollout.distillation import token_divergence
@@ -182,20 +183,34 @@ class SelfDistillationMixin:
             return logps
         return selective_log_softmax(scores.logits[:, :rows].float() / temperature, scores.tokens)
 
+    def _chunked(self, student: DistillationScores, per_chunk: Any) -> tuple[torch.Tensor, ...]:
+        """``per_chunk(student log-probs (c, V), rows)`` over the loss tokens a chunk at a time (never ``N × V``)."""
+        return chunked_token_map(
+            student.logits_fn(self.vocab_rows), student.tokens.shape[0], per_chunk,
+            temperature=self.args.temperature, chunk_size=self._loss_chunk_size(), device=student.tokens.device,
+        )  # fmt: skip
+
     def _per_token_loss(self, student: DistillationScores, teacher: DistillationScores) -> tuple[torch.Tensor, Any]:
         """``(N,)`` per-token loss of ``distillation_mode`` and a thunk giving the student's token log-probs."""
         args = self.args
         mode = args.distillation_mode
         if mode == "topk_logits":
-            student_lp = loss_token_log_probs(student, self.vocab_rows, args.temperature)  # (N, V)
-            with torch.no_grad():
-                teacher_lp = loss_token_log_probs(teacher, self.vocab_rows, args.temperature)
-            # log-softmax values are valid logits: the top-k support and the gathered log-probs are unchanged.
-            per_token = compute_topk_self_distillation_loss(
-                student_lp, teacher_lp, distillation_topk=args.distillation_topk,
-                distillation_alpha=args.distillation_alpha, distillation_add_tail=args.distillation_add_tail,
-            )  # fmt: skip
-            return per_token, lambda: student_lp.gather(-1, student.tokens[:, None]).squeeze(-1)
+            tokens, temperature = student.tokens, args.temperature
+            teacher_logits_fn = teacher.logits_fn(self.vocab_rows)
+
+            def per_chunk(student_lp: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                """(c, V) student log-probs of a chunk of loss tokens → (per-token loss, token log-probs)."""
+                with torch.no_grad():
+                    teacher_lp = F.log_softmax(teacher_logits_fn(rows).float() / temperature, dim=-1)
+                # log-softmax values are valid logits: the top-k support and the gathered log-probs are unchanged.
+                per_token = compute_topk_self_distillation_loss(
+                    student_lp, teacher_lp, distillation_topk=args.distillation_topk,
+                    distillation_alpha=args.distillation_alpha, distillation_add_tail=args.distillation_add_tail,
+                )  # fmt: skip
+                return per_token, student_lp.gather(-1, tokens[rows, None]).squeeze(-1)
+
+            per_token, student_logps = self._chunked(student, per_chunk)
+            return per_token, lambda: student_logps
         if mode == "full_logits":
             per_token, _ = token_divergence(
                 student, teacher, vocab_rows=self.vocab_rows, beta=args.distillation_alpha,
@@ -237,13 +252,19 @@ class SelfDistillationMixin:
                 student_logps, actual, distillation_alpha=args.distillation_alpha
             )
         else:
-            student_lp = loss_token_log_probs(student, self.vocab_rows, args.temperature)  # (N, V)
             ids, teacher_lp = served["topk_token_ids"], served["topk_logprobs"]
-            per_token = sparse_support_divergence(
-                student_lp.gather(-1, ids), teacher_lp, torch.isfinite(teacher_lp), beta=args.distillation_alpha,
-                add_tail=args.distillation_add_tail,
-            )  # fmt: skip
-            student_logps = student_lp.gather(-1, student.tokens[:, None]).squeeze(-1)
+            tokens = student.tokens
+
+            def per_chunk(student_lp: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                """(c, V) student log-probs → the divergence on the served top-k support and the token log-probs."""
+                chunk_lp = teacher_lp[rows]
+                per_token = sparse_support_divergence(
+                    student_lp.gather(-1, ids[rows]), chunk_lp, torch.isfinite(chunk_lp),
+                    beta=args.distillation_alpha, add_tail=args.distillation_add_tail,
+                )  # fmt: skip
+                return per_token, student_lp.gather(-1, tokens[rows, None]).squeeze(-1)
+
+            per_token, student_logps = self._chunked(student, per_chunk)
         # Disagreement of the local student and the served teacher on the realized tokens (stale weights, drift).
         diff = (student_logps.detach() - actual).abs()
         self.record_metric(

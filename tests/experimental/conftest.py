@@ -7,6 +7,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 _TRAINERS = str(Path(__file__).resolve().parents[1] / "trainers")
@@ -14,3 +16,14 @@ if _TRAINERS not in sys.path:
     sys.path.insert(0, _TRAINERS)
 
 from distill_helpers import abc_teacher_path, merged_teacher_path  # noqa: E402, F401  (distillation-family teachers)
+
+
+@pytest.fixture(scope="module")
+def served_url(tiny_model_path):
+    """A `posttrain serve` app on loopback holding the tiny model (the self-distillation trainers' served teacher)."""
+    pytest.importorskip("fastapi")
+    from posttrain.serving.app import serve_in_thread
+    from posttrain.serving.engine import PosttrainEngine
+
+    with serve_in_thread(PosttrainEngine.from_pretrained(tiny_model_path, device="cpu")) as url:
+        yield url

@@ -275,6 +275,25 @@ def test_loss_on_a_fixed_rollout(loss_trainer, mode, alpha, topk, add_tail):
     assert trainer._metrics["train"]["self_distillation/distillation_loss"][-1] == logged
 
 
+@pytest.mark.parametrize("mode", ["topk_logits", "full_logits"])
+def test_loss_never_builds_the_micro_batch_logits(loss_trainer, monkeypatch, mode):
+    """The per-token self-distillation loss runs a chunk of loss tokens at a time (forward, recompute, backward):
+    the largest (rows, V) block is one chunk, not the micro-batch's N rows."""
+    from distill_helpers import LogitsTracker
+
+    trainer = loss_trainer
+    args = trainer.args
+    monkeypatch.setattr(args, "distillation_mode", mode)
+    monkeypatch.setattr(args, "distillation_topk", 4)
+    monkeypatch.setattr(trainer, "loss_chunk_size", 2)
+    batch = _fixed_batch(trainer.processing_class)
+    n_tokens = int(batch["completion_mask"].sum())
+    with LogitsTracker(trainer.vocab_rows) as tracker:
+        trainer._compute_loss(trainer.model, batch).backward()
+    trainer.model.zero_grad()
+    assert n_tokens > 2 and tracker.rows == 2, (n_tokens, tracker.rows)
+
+
 def test_loss_token_skipping_and_importance_clipping(loss_trainer):
     trainer = loss_trainer
     args = trainer.args
@@ -470,16 +489,6 @@ def test_self_distillation_callback_events(tiny_model_path, tmp_path):
 
 
 # -- the teacher behind the generation server (use_teacher_server) ------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def served_url(tiny_model_path):
-    pytest.importorskip("fastapi")
-    from posttrain.serving.app import serve_in_thread
-    from posttrain.serving.engine import PosttrainEngine
-
-    with serve_in_thread(PosttrainEngine.from_pretrained(tiny_model_path, device="cpu")) as url:
-        yield url
 
 
 def _served_config(tmp_path, url, **overrides):

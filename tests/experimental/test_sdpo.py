@@ -522,16 +522,6 @@ def test_reward_rises(tmp_path, tiny_model_path):
 # -- the live teacher behind the generation server (use_teacher_server) -------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def served_url(tiny_model_path):
-    pytest.importorskip("fastapi")
-    from posttrain.serving.app import serve_in_thread
-    from posttrain.serving.engine import PosttrainEngine
-
-    with serve_in_thread(PosttrainEngine.from_pretrained(tiny_model_path, device="cpu")) as url:
-        yield url
-
-
 def _served_config(tmp_path, url, **overrides):
     return _config(tmp_path, use_vllm=True, vllm_mode="server", vllm_server_base_url=url, use_teacher_server=True,
                    teacher_model_kind="live", **overrides)  # fmt: skip
