@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from posttrain.core.self_distillation import DISTILLATION_MODES
+from posttrain.experimental._self_distillation_options import check_self_distillation_options
 from posttrain.models.teacher_sync import TEACHER_MODEL_KINDS
 from posttrain.rollout.sampler import check_eval_batch
 from posttrain.trainers.online import OnlineRLConfig
@@ -140,35 +141,9 @@ class SDFTConfig(OnlineRLConfig):
     def _resolve_batch_plan(self) -> None:
         """TRL's SDFT rules: GRPO's generation-batch arithmetic without the ``num_generations >= 2`` floor, plus the
         loss, teacher and template checks."""
-        if self.distillation_mode not in DISTILLATION_MODES:
-            raise ValueError(
-                f"distillation_mode must be one of: {', '.join(repr(m) for m in DISTILLATION_MODES)}, got "
-                f"{self.distillation_mode!r}"
-            )
-        if self.distillation_mode == "sampled_token" and self.distillation_alpha != 1.0:
-            raise ValueError(
-                "`distillation_mode='sampled_token'` only supports reverse KL, so it requires "
-                f"`distillation_alpha=1.0`, got {self.distillation_alpha}."
-            )
-        if not 0.0 <= self.distillation_alpha <= 1.0:
-            raise ValueError(f"distillation_alpha must be in [0, 1], got {self.distillation_alpha}.")
-        if self.distillation_mode == "topk_logits" and (self.distillation_topk is None or self.distillation_topk < 1):
-            raise ValueError(
-                f"`distillation_mode='topk_logits'` requires a positive `distillation_topk`, got {self.distillation_topk}."
-            )
-        if self.distillation_is_clip is not None and not self.distillation_is_clip > 0:
-            raise ValueError(f"distillation_is_clip must be > 0 or None, got {self.distillation_is_clip}.")
+        check_self_distillation_options(self)
         if self.num_loss_tokens_to_skip < 0:
             raise ValueError(f"num_loss_tokens_to_skip must be >= 0, got {self.num_loss_tokens_to_skip}.")
-        if self.teacher_model_kind not in TEACHER_MODEL_KINDS:
-            raise ValueError(
-                f"teacher_model_kind must be one of {', '.join(repr(k) for k in TEACHER_MODEL_KINDS)}, got "
-                f"{self.teacher_model_kind!r}."
-            )
-        if not 0.0 <= self.teacher_update_rate <= 1.0:
-            raise ValueError(f"teacher_update_rate must be in [0, 1], got {self.teacher_update_rate}.")
-        if self.teacher_sync_steps < 1:
-            raise ValueError(f"teacher_sync_steps must be >= 1, got {self.teacher_sync_steps}.")
         if (
             "{prompt}" not in self.teacher_prompt_template
             or "{privileged_context}" not in self.teacher_prompt_template
@@ -176,24 +151,6 @@ class SDFTConfig(OnlineRLConfig):
             raise ValueError(
                 "teacher_prompt_template must contain both `{prompt}` and `{privileged_context}` placeholders"
             )
-        if self.use_teacher_server:
-            if not (self.use_vllm and self.vllm_mode == "server"):
-                raise ValueError(
-                    "`use_teacher_server=True` requires `use_vllm=True` and `vllm_mode='server'`: teacher logprobs "
-                    "are served by the same server used for generation (`posttrain serve` or `trl vllm-serve`)."
-                )
-            if self.teacher_model_kind != "live":
-                raise ValueError(
-                    "`use_teacher_server=True` only supports `teacher_model_kind='live'` (the generation server holds "
-                    f"the current student weights), got {self.teacher_model_kind!r}."
-                )
-            if self.distillation_mode not in ("sampled_token", "topk_logits"):
-                raise ValueError(
-                    "`use_teacher_server=True` only supports `distillation_mode` in {'sampled_token', 'topk_logits'}, "
-                    f"got {self.distillation_mode!r}. The server returns the teacher's top-k logprobs, not the full "
-                    "vocabulary, so `full_logits` is unavailable. Note `topk_logits` distills over the teacher's own "
-                    "top-k support (the server cannot score the student's top-k indices)."
-                )
         if self.num_iterations < 1:
             raise ValueError(f"num_iterations must be >= 1, got {self.num_iterations}.")
         if self.max_completion_length is None or self.max_completion_length < 1:

@@ -13,6 +13,7 @@ import warnings
 from dataclasses import dataclass, field
 
 from posttrain.core.self_distillation import DISTILLATION_MODES
+from posttrain.experimental._self_distillation_options import check_self_distillation_options
 from posttrain.models.teacher_sync import TEACHER_MODEL_KINDS
 from posttrain.trainers.grpo import GRPOConfig
 
@@ -157,7 +158,9 @@ class SDPOConfig(GRPOConfig):
     )
     diagnostics_flat_tolerance: float = field(
         default=1e-8,
-        metadata={"help": "Tolerance used to decide whether reward variance or reprompt activity is effectively zero."},
+        metadata={
+            "help": "Tolerance used to decide whether reward variance or reprompt activity is effectively zero."
+        },
     )
 
     _trainer_name = "SDPO"
@@ -171,29 +174,8 @@ class SDPOConfig(GRPOConfig):
     def _check_sdpo_options(self) -> None:
         if not 0.0 <= self.distillation_weight <= 1.0:
             raise ValueError(f"`distillation_weight` must be in [0, 1], got {self.distillation_weight}.")
-        if self.distillation_mode not in DISTILLATION_MODES:
-            raise ValueError(
-                f"`distillation_mode` must be one of {', '.join(repr(m) for m in DISTILLATION_MODES)}, got "
-                f"{self.distillation_mode!r}."
-            )
-        if not 0.0 <= self.distillation_alpha <= 1.0:
-            raise ValueError(
-                f"`distillation_alpha` must be in [0, 1] (0 = forward KL, 1 = reverse KL, 0.5 = JSD), got "
-                f"{self.distillation_alpha}."
-            )
-        if self.distillation_mode == "sampled_token" and self.distillation_alpha != 1.0:
-            raise ValueError(
-                "`distillation_mode='sampled_token'` only supports reverse KL, so it requires "
-                f"`distillation_alpha=1.0`, got {self.distillation_alpha}. Use distillation_mode='topk_logits' "
-                "or 'full_logits' for another divergence."
-            )
-        if self.distillation_mode == "topk_logits":
-            if self.distillation_topk is None or self.distillation_topk < 1:
-                raise ValueError(
-                    "`distillation_mode='topk_logits'` requires `distillation_topk` to be a positive integer, got "
-                    f"{self.distillation_topk}."
-                )
-        elif self.distillation_topk is not None:
+        check_self_distillation_options(self)
+        if self.distillation_mode != "topk_logits" and self.distillation_topk is not None:
             warnings.warn(
                 f"`distillation_topk={self.distillation_topk}` is ignored with "
                 f"`distillation_mode={self.distillation_mode!r}` (it is read by 'topk_logits' only).",
@@ -206,19 +188,6 @@ class SDPOConfig(GRPOConfig):
                 UserWarning,
                 stacklevel=3,
             )
-        if self.distillation_is_clip is not None and not self.distillation_is_clip > 0:
-            raise ValueError(
-                f"`distillation_is_clip` must be > 0 (or None to disable clipping), got {self.distillation_is_clip}."
-            )
-        if self.teacher_model_kind not in TEACHER_MODEL_KINDS:
-            raise ValueError(
-                f"`teacher_model_kind` must be one of {', '.join(repr(k) for k in TEACHER_MODEL_KINDS)}, got "
-                f"{self.teacher_model_kind!r}."
-            )
-        if not 0.0 <= self.teacher_update_rate <= 1.0:
-            raise ValueError(f"`teacher_update_rate` must be in [0, 1], got {self.teacher_update_rate}.")
-        if self.teacher_sync_steps < 1:
-            raise ValueError(f"`teacher_sync_steps` must be >= 1, got {self.teacher_sync_steps}.")
         if self.max_reprompt_len < 1:
             raise ValueError(f"`max_reprompt_len` must be >= 1, got {self.max_reprompt_len}.")
         if self.max_prompt_length is not None and self.max_prompt_length < 1:
@@ -234,8 +203,6 @@ class SDPOConfig(GRPOConfig):
                 UserWarning,
                 stacklevel=3,
             )
-        if self.use_teacher_server:
-            self._check_teacher_server()
         for name, placeholders in TEMPLATE_FIELDS.items():
             template = getattr(self, name)
             try:
@@ -245,29 +212,3 @@ class SDPOConfig(GRPOConfig):
                     f"`{name}` {template!r} cannot be formatted: {type(error).__name__}: {error}. Its placeholders "
                     f"are {', '.join('{' + key + '}' for key in placeholders)} (write literal braces as '{{' / '}}')."
                 ) from None
-
-    def _check_teacher_server(self) -> None:
-        """TRL's conditions for ``use_teacher_server``."""
-        if not (self.use_vllm and self.vllm_mode == "server"):
-            raise ValueError(
-                "`use_teacher_server=True` requires `use_vllm=True` and `vllm_mode='server'`: teacher logprobs are "
-                "served by the same server used for generation (`posttrain serve` or `trl vllm-serve`)."
-            )
-        if self.teacher_model_kind != "live":
-            raise ValueError(
-                "`use_teacher_server=True` only supports `teacher_model_kind='live'` (the generation server holds the "
-                f"current student weights), got {self.teacher_model_kind!r}."
-            )
-        if self.distillation_weight != 1.0:
-            raise ValueError(
-                "`use_teacher_server=True` only supports pure self-distillation with `distillation_weight=1.0`, got "
-                f"{self.distillation_weight}. A convex blend with the policy loss needs the full-vocabulary logits, "
-                "which the server does not return."
-            )
-        if self.distillation_mode not in ("sampled_token", "topk_logits"):
-            raise ValueError(
-                "`use_teacher_server=True` only supports `distillation_mode` in {'sampled_token', 'topk_logits'}, got "
-                f"{self.distillation_mode!r}. The server returns the teacher's top-k logprobs, not the full "
-                "vocabulary, so `full_logits` is unavailable. Note `topk_logits` distills over the teacher's own "
-                "top-k support (the server cannot score the student's top-k indices)."
-            )
