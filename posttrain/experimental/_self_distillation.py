@@ -162,6 +162,23 @@ class SelfDistillationMixin:
                     processing_class=self.processing_class, **payload,
                 )  # fmt: skip
 
+    def _announce_batch(self, batch: RolloutBatch, mode: str, **teacher: torch.Tensor) -> None:
+        """TRL's ``on_self_distillation_batch_prepared`` (the student/teacher inputs) and, in training,
+        ``on_generation_batch_built`` events for a finished rollout batch."""
+        self._dispatch_self_distillation_callback(
+            "on_self_distillation_batch_prepared",
+            old_per_token_logps=batch.get("old_per_token_logps"),
+            prompt_ids=batch["prompt_ids"],
+            completion_ids=batch["completion_ids"],
+            **teacher,
+        )
+        if mode == "train":
+            self._dispatch_self_distillation_callback(
+                "on_generation_batch_built",
+                generate_every=self.args.steps_per_generation * self.args.num_iterations,
+                steps_per_generation=self.args.steps_per_generation,
+            )
+
     # -- the self-distillation term -------------------------------------------------------------------------
     def _loss_mask(self, inputs: RolloutBatch) -> torch.Tensor:
         mask = inputs["completion_mask"]

@@ -243,20 +243,12 @@ class SDFTTrainer(SelfDistillationMixin, OnlineTrainerBase):
         if mode == "train" and self._needs_old_logps() and not self.args.generate_from_teacher:
             with torch.no_grad():
                 batch["old_per_token_logps"] = self._token_stats(self.model, batch).logps
-        self._dispatch_self_distillation_callback(
-            "on_self_distillation_batch_prepared",
-            old_per_token_logps=batch.get("old_per_token_logps"),
-            prompt_ids=batch["prompt_ids"],
-            completion_ids=batch["completion_ids"],
+        self._announce_batch(
+            batch,
+            mode,
             teacher_input_ids=torch.cat([batch["teacher_prompt_ids"], batch["completion_ids"]], dim=1),
             teacher_attention_mask=torch.cat([batch["teacher_prompt_mask"], batch["completion_mask"]], dim=1),
         )
-        if mode == "train":
-            self._dispatch_self_distillation_callback(
-                "on_generation_batch_built",
-                generate_every=self.args.steps_per_generation * self.args.num_iterations,
-                steps_per_generation=self.args.steps_per_generation,
-            )
         return batch
 
     # -- loss --------------------------------------------------------------------------------------------------

@@ -206,19 +206,7 @@ class SDPOTrainer(SelfDistillationMixin, GRPOTrainer):
         self._dispatch_self_distillation_callback(
             "on_teacher_context_built", completion_mask=batch["completion_mask"], **teacher
         )
-        self._dispatch_self_distillation_callback(
-            "on_self_distillation_batch_prepared",
-            old_per_token_logps=batch.get("old_per_token_logps"),
-            prompt_ids=batch["prompt_ids"],
-            completion_ids=batch["completion_ids"],
-            **teacher,
-        )
-        if mode == "train":
-            self._dispatch_self_distillation_callback(
-                "on_generation_batch_built",
-                generate_every=self.args.steps_per_generation * self.args.num_iterations,
-                steps_per_generation=self.args.steps_per_generation,
-            )
+        self._announce_batch(batch, mode, **teacher)
         return batch
 
     def _teacher_context_stage(self, rows: list[dict[str, Any]], batch: RolloutBatch, mode: str) -> RolloutBatch:
