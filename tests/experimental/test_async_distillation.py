@@ -248,8 +248,8 @@ def test_local_teacher_loss_equals_distillation_trainer(tiny_model_path, abc_tea
 def test_max_staleness_0_equals_sync_distillation_and_resume(tiny_model_path, abc_teacher_path, student_url, tmp_path):
     """max_staleness=0 (local teacher): the worker generates round r only from weight version r, so the run is
     DistillationTrainer in server mode (same prompts, request seeds, buffer shuffle, loss): parameters agree
-    bitwise. A run stopped after step 1 and resumed reaches the same parameters (rollout_state.json: next round 1,
-    weights version 1; the worker restarts at round 1)."""
+    bitwise. Resumed from that run's step-1 checkpoint (rollout_state.json: next round 1, weights version 1), a run
+    restarts the worker at round 1 and reaches the same parameters."""
     from posttrain.trainers.distillation import DistillationConfig, DistillationTrainer
 
     values = {k: v for k, v in COMMON.items() if k != "teacher_temperature"}
@@ -259,8 +259,9 @@ def test_max_staleness_0_equals_sync_distillation_and_resume(tiny_model_path, ab
     sync.train()
     expected = _params(sync)
 
-    full = AsyncDistillationTrainer(tiny_model_path, _args(tmp_path / "full", student_url, max_staleness=0,
-                                    max_steps=2, beta=0.5), train_dataset=prompts(),
+    out = tmp_path / "full"
+    full = AsyncDistillationTrainer(tiny_model_path, _args(out, student_url, max_staleness=0, max_steps=2, beta=0.5,
+                                    save_strategy="steps", save_steps=1), train_dataset=prompts(),
                                     teacher_model=abc_teacher_path)  # fmt: skip
     full.train()
     assert [(r["round"], r["staleness"]) for r in full.trained_rounds] == [(0, 0), (1, 0)]
@@ -271,15 +272,10 @@ def test_max_staleness_0_equals_sync_distillation_and_resume(tiny_model_path, ab
                 "perf/weight_sync_s", "completions/mean_length"):  # fmt: skip
         assert key in logs, key
 
-    out = tmp_path / "resumed"
-    first = AsyncDistillationTrainer(tiny_model_path, _args(out, student_url, max_staleness=0, max_steps=1, beta=0.5,
-                                     save_strategy="steps", save_steps=1), train_dataset=prompts(),
-                                     teacher_model=abc_teacher_path)  # fmt: skip
-    first.train()
     state = json.loads((out / "checkpoint-1" / "rollout_state.json").read_text())
     assert state == {"next_round": 1, "weight_version": 1, "dropped_stale_total": 0}
-    resumed = AsyncDistillationTrainer(tiny_model_path, _args(out, student_url, max_staleness=0, max_steps=2,
-                                       beta=0.5), train_dataset=prompts(),
+    resumed = AsyncDistillationTrainer(tiny_model_path, _args(tmp_path / "resumed", student_url, max_staleness=0,
+                                       max_steps=2, beta=0.5), train_dataset=prompts(),
                                        teacher_model=abc_teacher_path)  # fmt: skip
     resumed.train(resume_from_checkpoint=str(out / "checkpoint-1"))
     assert [r["round"] for r in resumed.trained_rounds] == [1]
