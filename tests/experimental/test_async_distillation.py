@@ -225,6 +225,11 @@ def test_served_loss_on_a_fixed_batch(tiny_model_path, abc_teacher_path, student
     logs = trainer._metrics["train"]
     assert logs["jsd"] == logs["distillation_loss"] and logs["teacher_entropy"][0] >= 0
     loss.backward()
+    trainer.model.eval()  # evaluation batches carry no teacher scores: the trainer asks the teacher server itself
+    with torch.no_grad():
+        torch.testing.assert_close(trainer._compute_loss(trainer.model, batch),
+                                   trainer._compute_loss(trainer.model, scored), rtol=1e-6, atol=1e-7)  # fmt: skip
+    trainer.served_teacher.close()
 
 
 def test_local_teacher_loss_equals_distillation_trainer(tiny_model_path, abc_teacher_path, student_url, tmp_path):
@@ -286,9 +291,9 @@ def test_max_staleness_0_equals_sync_distillation_and_resume(tiny_model_path, ab
 @pytest.mark.slow
 def test_max_staleness_0_served_teacher_matches_server_distillation(tiny_model_path, student_url, teacher_url,
                                                                       tmp_path):  # fmt: skip
-    """Served teacher, β > 0: the same run as synchronous ServerDistillationTrainer in server mode up to float
-    rounding (the worker scores a whole round per request, the synchronous trainer each micro-batch; the teacher's
-    padded forward depends on the batch width)."""
+    """Served teacher, β > 0: the same run as synchronous ServerDistillationTrainer in server mode. Bitwise here,
+    but checked to 1e-5 only: the worker scores a whole round per teacher request, the synchronous trainer each
+    micro-batch, so the teacher's padded forward sees other batch shapes (not bit-stable across BLAS builds)."""
     from posttrain.experimental.server_distillation import ServerDistillationConfig, ServerDistillationTrainer
 
     values = {k: v for k, v in COMMON.items() if k != "teacher_temperature"}
@@ -303,18 +308,21 @@ def test_max_staleness_0_served_teacher_matches_server_distillation(tiny_model_p
     trainer.train()
     expected = _params(sync)
     for name, value in trainer.model.named_parameters():
-        torch.testing.assert_close(value, expected[name], rtol=1e-4, atol=1e-6, msg=name)
+        torch.testing.assert_close(value, expected[name], rtol=1e-5, atol=1e-7, msg=name)
     sync_loss = [e["loss"] for e in sync.state.log_history if "loss" in e]
     async_loss = [e["loss"] for e in trainer.state.log_history if "loss" in e]
-    assert async_loss == pytest.approx(sync_loss, rel=1e-4)
+    assert async_loss == pytest.approx(sync_loss, rel=1e-5)
 
 
 @pytest.mark.slow
 def test_staleness_k_never_trains_on_older_samples(tiny_model_path, student_url, teacher_url, tmp_path):
     """k=1 with the worker allowed 3 rounds ahead: rounds older than 1 version are dropped and counted, never
-    trained on (checked from the logged versions); every consumed round is either trained or dropped."""
-    args = _args(tmp_path, student_url, teacher_url, max_staleness=1, max_inflight_tasks=3 * 4, max_steps=4)
-    trainer = AsyncDistillationTrainer(tiny_model_path, args, train_dataset=prompts(16))
+    trained on (checked from the logged versions); every consumed round is either trained or dropped. Two teachers
+    (MOPD; the same server under two names): each row goes to its `teacher_id`'s, per-teacher metrics are logged."""
+    rows = Dataset.from_list([{"prompt": f"Q{i}:", "teacher_id": "math" if i % 4 else "code"} for i in range(16)])
+    args = _args(tmp_path, student_url, max_staleness=1, max_inflight_tasks=3 * 4, max_steps=4,
+                 teacher_server_urls={"math": teacher_url, "code": teacher_url})  # fmt: skip
+    trainer = AsyncDistillationTrainer(tiny_model_path, args, train_dataset=rows)
     trainer.train()
     rounds = trainer.trained_rounds
     assert len(rounds) == 4 and [r["step"] for r in rounds] == [0, 1, 2, 3]
@@ -324,6 +332,9 @@ def test_staleness_k_never_trains_on_older_samples(tiny_model_path, student_url,
     assert len(logged) == 4 and all(step - 1 - version <= 1 and stale <= 1 for step, version, stale in logged)
     dropped_rounds = trainer.dropped_stale_total // 4
     assert trainer._next_round == rounds[-1]["round"] + 1 == len(rounds) + dropped_rounds
+    logs = [e for e in trainer.state.log_history if "teacher_token_frac/math" in e]
+    assert len(logs) == 4 and all(e["teacher_token_frac/math"] + e["teacher_token_frac/code"] == 1 for e in logs)
+    assert sum(e["teacher_token_frac/code"] for e in logs) > 0 and "teacher_score_s/code" in logs[0]
 
 
 @pytest.mark.slow

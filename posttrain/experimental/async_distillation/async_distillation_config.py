@@ -16,7 +16,8 @@ every sample is on-policy (``lmbda`` 1.0, no ``seq_kd``, as TRL); ``max_length``
 TRL has no such field); ``seed_requests`` seeds each generation request from ``(seed, round)``. Accepted but without
 effect here (TRL's vLLM/FSDP-specific knobs): ``token_budget`` (posttrain packs ``per_device_train_batch_size`` rows
 per micro-batch, as ``token_budget <= 0`` does in TRL), ``heartbeat_stale_after_s`` (a dead worker is detected from
-its exit at once) and ``weight_sync_timeout`` (pushes use ``request_timeout`` per request).
+its exit at once) and ``weight_sync_timeout`` (pushes use ``request_timeout`` per request). ``log_completions_steps``
+counts optimizer steps (as in ``DistillationTrainer``; TRL counts scored samples).
 """
 
 from __future__ import annotations

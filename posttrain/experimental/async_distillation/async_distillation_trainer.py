@@ -23,9 +23,10 @@ The loss (Σ over completion tokens / completion tokens of the optimizer step, T
 
 ``max_staleness=0`` is synchronous distillation in server mode: the worker generates round ``r`` only from weight
 version ``r``. With a local teacher a run equals ``DistillationTrainer(use_vllm=True, vllm_mode="server")`` on the
-same server bitwise; with a served teacher it equals ``ServerDistillationTrainer`` for β > 0 (the same support) up to
-float rounding — the worker scores a whole round in one request, the synchronous trainer each micro-batch, and the
-teacher's padded forward depends on the batch's width.
+same server bitwise; with a served teacher it equals ``ServerDistillationTrainer`` for β > 0 (the same support; at
+β = 0 TRL's async support also holds the sampled token, ServerDistillation's does not). That one is bitwise on the
+tests' CPU runs but not by construction: the worker scores a whole round per teacher request, the synchronous
+trainer each micro-batch, so the teacher's padded forward runs at other batch shapes.
 
 Metrics (TRL's names): ``jsd`` (the divergence per token; also ``distillation_loss``), ``entropy``,
 ``teacher_entropy`` (served teacher: of its sparse distribution on the loss's support), ``sample/*``,
