@@ -364,6 +364,6 @@ def test_student_moves_toward_the_served_teacher(tiny_model_path, abc_teacher_pa
     end = sampled_reverse_kl(trainer.model, teacher, trainer.processing_class)
     jsd = [e["jsd"] for e in trainer.state.log_history if "jsd" in e]
     assert len(jsd) == 30 and sum(jsd[-5:]) < 0.5 * sum(jsd[:5]), jsd
-    assert end < 0.5 * start, (start, end)
+    assert end < 0.7 * start, (start, end)
     assert max(r["staleness"] for r in trainer.trained_rounds) <= 2
 
