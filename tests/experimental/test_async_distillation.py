@@ -335,6 +335,10 @@ def test_staleness_k_never_trains_on_older_samples(tiny_model_path, student_url,
     logs = [e for e in trainer.state.log_history if "teacher_token_frac/math" in e]
     assert len(logs) == 4 and all(e["teacher_token_frac/math"] + e["teacher_token_frac/code"] == 1 for e in logs)
     assert sum(e["teacher_token_frac/code"] for e in logs) > 0 and "teacher_score_s/code" in logs[0]
+    both = [e for e in logs if 0 < e["teacher_token_frac/code"] < 1]  # a step with tokens of each teacher
+    assert both and all(min(e["teacher_jsd/math"], e["teacher_jsd/code"]) <= e["jsd"] + 1e-5 for e in both)
+    assert all(max(e["teacher_jsd/math"], e["teacher_jsd/code"]) >= e["jsd"] - 1e-5 for e in both)
+    assert all("teacher_entropy/math" in e for e in logs)
 
 
 @pytest.mark.slow

@@ -32,8 +32,7 @@ Metrics (TRL's names): ``jsd`` (the divergence per token; also ``distillation_lo
 ``teacher_entropy`` (served teacher: of its sparse distribution on the loss's support), ``sample/*``,
 ``perf/rollout_wait_s``, ``perf/weight_sync_s``, ``rollout/*`` (``rollout/score_s``: teacher scoring),
 ``completions/*``, ``num_tokens``; with several teachers (MOPD: each row's ``teacher_id`` picks its server)
-``teacher_token_frac/{id}`` and ``teacher_score_s/{id}`` (TRL's ``teacher_jsd/{id}`` / ``teacher_entropy/{id}`` are
-not logged).
+``teacher_jsd/{id}``, ``teacher_entropy/{id}``, ``teacher_token_frac/{id}`` and ``teacher_score_s/{id}``.
 
 Resume (``rollout_state.json``: ``next_round``, ``weight_version``, ``dropped_stale_total``) as AsyncGRPO. Not
 supported: multi-process training, tools, streaming datasets, LoRA adapter sync (a PEFT student is pushed merged),
@@ -48,6 +47,7 @@ from typing import Any
 import torch
 
 from posttrain.core.distill import add_tail_bucket
+from posttrain.experimental._distill_support import loss_token_log_probs, server_sparse_divergence
 from posttrain.experimental._sparse_trainer import SparseDistillationMixin
 from posttrain.experimental.async_distillation.async_distillation_config import AsyncDistillationConfig
 from posttrain.experimental.async_distillation.rollout_worker import (
@@ -56,6 +56,7 @@ from posttrain.experimental.async_distillation.rollout_worker import (
     row_teacher_ids,
     score_with_teachers,
 )
+from posttrain.models.distillation_scoring import score_distillation_completions
 from posttrain.rollout.async_worker import AsyncRolloutMixin, RolloutWorkerError
 from posttrain.trainers.distillation import DistillationTrainer
 
@@ -185,13 +186,14 @@ class AsyncDistillationTrainer(AsyncRolloutMixin, SparseDistillationMixin, Disti
         if window.get("distillation_loss"):
             self.record_metric("jsd", window["distillation_loss"][-1], mode=mode)
         if not self._local_teacher:
-            self._record_teacher_metrics(inputs, mode)
+            self._record_teacher_metrics(model, inputs, mode)
         return loss
 
     @torch.no_grad()
-    def _record_teacher_metrics(self, inputs: dict[str, Any], mode: str) -> None:
+    def _record_teacher_metrics(self, model: torch.nn.Module, inputs: dict[str, Any], mode: str) -> None:
         """``teacher_entropy`` on the loss's support (with the tail bucket) and, with several teachers,
-        ``teacher_token_frac/{id}`` (each teacher's share of the micro-batch's loss tokens)."""
+        ``teacher_token_frac/{id}`` (each teacher's share of the micro-batch's loss tokens), ``teacher_jsd/{id}``
+        and ``teacher_entropy/{id}`` (those metrics over the tokens that teacher scored)."""
         if "teacher_topk_logprobs" not in inputs:
             return
         args = self.args
@@ -215,10 +217,19 @@ class AsyncDistillationTrainer(AsyncRolloutMixin, SparseDistillationMixin, Disti
         if entropy.numel():
             self.record_metric("teacher_entropy", entropy.mean(), mode=mode)
         if len(self._teacher_ids) > 1 and "teacher_index" in inputs:
+            # MOPD: the divergence per token again (no grad: one more student forward) to split it by teacher
+            student = score_distillation_completions(model, *self._scoring_inputs(model, inputs))
+            student_lp = loss_token_log_probs(student, self.vocab_rows, args.teacher_temperature)
+            per_token = server_sparse_divergence(student_lp, student.tokens, teacher, beta=args.beta,
+                                                 add_tail=args.add_tail_bucket)  # fmt: skip
             mask = inputs["completion_mask"].bool()
             rows = inputs["teacher_index"][:, None].expand_as(mask)[mask]
             for i, name in enumerate(self._teacher_ids):
-                self.record_metric(f"teacher_token_frac/{name}", (rows == i).float().mean(), mode=mode)
+                chosen = rows == i
+                self.record_metric(f"teacher_token_frac/{name}", chosen.float().mean(), mode=mode)
+                if chosen.any():
+                    self.record_metric(f"teacher_jsd/{name}", per_token[chosen].mean(), mode=mode)
+                    self.record_metric(f"teacher_entropy/{name}", entropy[chosen].mean(), mode=mode)
 
     def train(self, *args, **kwargs):
         try:
