@@ -15,21 +15,21 @@ from distill_helpers import prompts, sampled_reverse_kl
 from trainer_helpers import fast_config
 
 from posttrain.core.distill import sparse_support_divergence
-from posttrain.experimental.async_distillation import (
-    AsyncDistillationConfig,
-    AsyncDistillationTrainer,
-    RolloutWorkerError,
-)
-from posttrain.experimental.async_distillation.rollout_worker import (
-    flat_teacher_scores,
-    row_teacher_ids,
-    score_with_teachers,
-)
 
 pytest.importorskip("fastapi")
 
 COMMON = dict(per_device_train_batch_size=4, max_completion_length=6, learning_rate=5e-2, seed=7, temperature=0.9,
               teacher_temperature=0.9, lr_scheduler_type="constant")  # fmt: skip
+
+
+def _api():
+    """The package, imported in each test (not at collection): test_async_grpo re-imports posttrain.experimental
+    for its notice test, and the worker spec pickles by reference to the class ``sys.modules`` holds."""
+    import posttrain.experimental.async_distillation as api
+    import posttrain.experimental.async_distillation.rollout_worker as worker
+
+    api.worker = worker
+    return api
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +65,7 @@ def _args(path, student, teacher=None, **overrides):
     values = dict(COMMON, vllm_server_base_url=student, max_steps=3)
     if teacher is not None:
         values["teacher_server_urls"] = {"default": teacher}
-    return fast_config(AsyncDistillationConfig, path, **{**values, **overrides})
+    return fast_config(_api().AsyncDistillationConfig, path, **{**values, **overrides})
 
 
 def _params(trainer):
@@ -98,17 +98,19 @@ def _local_log_probs(model, batch, vocab, temperature):
 
 
 def test_config_has_trls_defaults_and_checks(tmp_path):
-    args = AsyncDistillationConfig(output_dir=str(tmp_path), report_to="none")
-    assert (args.max_staleness, args.weight_sync_steps, args.max_inflight_tasks, args.queue_maxsize) == (4, 1, -1, 1024)
+    args = _api().AsyncDistillationConfig(output_dir=str(tmp_path), report_to="none")
+    assert (args.max_staleness, args.weight_sync_steps, args.max_inflight_tasks) == (4, 1, -1)
+    assert args.queue_maxsize == 1024
     assert args.teacher_server_urls == {"default": "http://localhost:8001"}
     assert (args.teacher_top_k, args.teacher_temperature, args.add_tail_bucket, args.beta) == (8, 1.0, True, 0.0)
-    assert (args.learning_rate, args.logging_steps, args.max_completion_length, args.dtype) == (1e-6, 1, 2048, "float32")
+    assert (args.learning_rate, args.logging_steps, args.max_completion_length) == (1e-6, 1, 2048)
+    assert args.dtype == "float32"
     assert (args.request_timeout, args.weight_sync_timeout, args.heartbeat_stale_after_s) == (600, 1800, 300.0)
     assert (args.temperature, args.top_p, args.top_k, args.min_p, args.repetition_penalty) == (1.0, 1.0, 0, None, 1.0)
     assert args.vllm_server_base_url == "http://localhost:8000" and args.use_vllm and args.vllm_mode == "server"
     assert args.ignore_data_skip and args.num_completions_to_print is None and args.log_completions_steps == 100
     assert (args.loss_top_k, args.loss_add_tail) == (8, True)  # the served loss's names
-    parsed = AsyncDistillationConfig(output_dir=str(tmp_path), report_to="none",
+    parsed = _api().AsyncDistillationConfig(output_dir=str(tmp_path), report_to="none",
                                      teacher_server_urls='{"math": "http://m:1", "code": "http://c:2"}')  # fmt: skip
     assert parsed.teacher_server_urls == {"math": "http://m:1", "code": "http://c:2"}
     for bad, match in [(dict(lmbda=0.5), "lmbda=1.0"), (dict(use_vllm=False), "vllm_mode='server'"),
@@ -116,17 +118,17 @@ def test_config_has_trls_defaults_and_checks(tmp_path):
                        (dict(beta=1.5), "beta"), (dict(teacher_top_k=0), "teacher_top_k"),
                        (dict(teacher_server_urls={}), "at least one")]:  # fmt: skip
         with pytest.raises(ValueError, match=match):
-            AsyncDistillationConfig(output_dir=str(tmp_path), report_to="none", **bad)
+            _api().AsyncDistillationConfig(output_dir=str(tmp_path), report_to="none", **bad)
 
 
 def test_several_teachers_need_a_teacher_id_column(tiny_model_path, tmp_path):
     urls = {"math": "http://127.0.0.1:1", "code": "http://127.0.0.1:2"}
-    args = fast_config(AsyncDistillationConfig, tmp_path, teacher_server_urls=urls)
+    args = fast_config(_api().AsyncDistillationConfig, tmp_path, teacher_server_urls=urls)
     with pytest.raises(ValueError, match="teacher_id"):
-        AsyncDistillationTrainer(tiny_model_path, args, train_dataset=prompts())
+        _api().AsyncDistillationTrainer(tiny_model_path, args, train_dataset=prompts())
     rows = Dataset.from_list([{"prompt": "Q1:", "teacher_id": "math"}, {"prompt": "Q2:", "teacher_id": "poetry"}])
     with pytest.raises(ValueError, match="'poetry'"):
-        AsyncDistillationTrainer(tiny_model_path, args, train_dataset=rows)
+        _api().AsyncDistillationTrainer(tiny_model_path, args, train_dataset=rows)
 
 
 # -- teacher scores as row tensors (no servers) ------------------------------------------------------------------
@@ -153,11 +155,12 @@ def test_teacher_scores_route_rows_and_add_the_sampled_token():
     batch = {
         "prompt_ids": torch.tensor([[5, 6], [7, 8], [9, 9]]), "prompt_mask": torch.ones(3, 2, dtype=torch.long),
         "completion_ids": torch.tensor([[1, 4, 0], [2, 3, 0], [1, 1, 1]]),
-        "completion_mask": torch.tensor([[1, 1, 0], [1, 1, 0], [1, 1, 1]]), "completion_lengths": torch.tensor([2, 2, 3]),
+        "completion_mask": torch.tensor([[1, 1, 0], [1, 1, 0], [1, 1, 1]]),
+        "completion_lengths": torch.tensor([2, 2, 3]),
     }  # fmt: skip
     teachers = {"a": _FakeTeacher(1), "b": _FakeTeacher(3)}
-    rows = row_teacher_ids([{"teacher_id": "a"}, {"teacher_id": "b"}, {"teacher_id": "a"}], list(teachers))
-    out = score_with_teachers(batch, rows, teachers, top_k=2, temperature=1.0)
+    rows = _api().worker.row_teacher_ids([{"teacher_id": t} for t in "aba"], list(teachers))
+    out = _api().worker.score_with_teachers(batch, rows, teachers, top_k=2, temperature=1.0)
     assert teachers["a"].calls == teachers["b"].calls == 1 and out["teacher_index"].tolist() == [0, 1, 0]
     assert out["teacher_topk_token_ids"].shape == (3, 3, 3)
     # row 0 (teacher a: top {1, 2}): token 1 is in the top-k (masked), token 4 is added
@@ -170,12 +173,12 @@ def test_teacher_scores_route_rows_and_add_the_sampled_token():
     assert torch.isinf(lp[0, 2]).all()  # off the loss mask
     trimmed = {**batch, **out, "completion_mask": batch["completion_mask"][:2, :2]}  # the buffer trims columns
     trimmed.update({k: v[:2] for k, v in out.items()})
-    flat = flat_teacher_scores(trimmed)
+    flat = _api().worker.flat_teacher_scores(trimmed)
     assert flat["topk_token_ids"].shape == (4, 3) and flat["actual_logprobs"].tolist() == pytest.approx(
         [-1.1, -1.4, -3.2, -3.3]
     )
     with pytest.raises(ValueError, match="teacher_id"):
-        row_teacher_ids([{"prompt": "Q"}], ["a", "b"])
+        _api().worker.row_teacher_ids([{"prompt": "Q"}], ["a", "b"])
 
 
 # -- the loss on a fixed batch -------------------------------------------------------------------------------------
@@ -194,10 +197,10 @@ def test_served_loss_on_a_fixed_batch(tiny_model_path, abc_teacher_path, student
 
     args = _args(tmp_path / "a", student_url, teacher_url, beta=beta, teacher_top_k=2, temperature=0.6,
                  teacher_temperature=1.3)  # fmt: skip
-    trainer = AsyncDistillationTrainer(tiny_model_path, args, train_dataset=prompts())
+    trainer = _api().AsyncDistillationTrainer(tiny_model_path, args, train_dataset=prompts())
     batch = _batch(trainer.processing_class)
     served = ServedTeacher(teacher_url, trainer.vocab_rows)
-    scored = {**batch, **score_with_teachers(batch, ["default"] * 2, {"default": served}, 2, 1.3)}
+    scored = {**batch, **_api().worker.score_with_teachers(batch, ["default"] * 2, {"default": served}, 2, 1.3)}
     served.close()
     trainer.model.train()
     loss = trainer._compute_loss(trainer.model, scored)
@@ -237,7 +240,8 @@ def test_local_teacher_loss_equals_distillation_trainer(tiny_model_path, abc_tea
     from posttrain.trainers.distillation import DistillationConfig, DistillationTrainer
 
     args = _args(tmp_path / "a", student_url, beta=0.5, temperature=0.6, teacher_temperature=1.3)
-    trainer = AsyncDistillationTrainer(tiny_model_path, args, train_dataset=prompts(), teacher_model=abc_teacher_path)
+    trainer = _api().AsyncDistillationTrainer(tiny_model_path, args, train_dataset=prompts(),
+                                              teacher_model=abc_teacher_path)  # fmt: skip
     sync = DistillationTrainer(tiny_model_path, abc_teacher_path, fast_config(DistillationConfig, tmp_path / "s",
                                beta=0.5, temperature=1.3), train_dataset=prompts())  # fmt: skip
     batch = _batch(trainer.processing_class)
@@ -265,9 +269,9 @@ def test_max_staleness_0_equals_sync_distillation_and_resume(tiny_model_path, ab
     expected = _params(sync)
 
     out = tmp_path / "full"
-    full = AsyncDistillationTrainer(tiny_model_path, _args(out, student_url, max_staleness=0, max_steps=2, beta=0.5,
-                                    save_strategy="steps", save_steps=1), train_dataset=prompts(),
-                                    teacher_model=abc_teacher_path)  # fmt: skip
+    args = _args(out, student_url, max_staleness=0, max_steps=2, beta=0.5, save_strategy="steps", save_steps=1)
+    full = _api().AsyncDistillationTrainer(tiny_model_path, args, train_dataset=prompts(),
+                                           teacher_model=abc_teacher_path)  # fmt: skip
     full.train()
     assert [(r["round"], r["staleness"]) for r in full.trained_rounds] == [(0, 0), (1, 0)]
     for name, value in full.model.named_parameters():
@@ -279,9 +283,9 @@ def test_max_staleness_0_equals_sync_distillation_and_resume(tiny_model_path, ab
 
     state = json.loads((out / "checkpoint-1" / "rollout_state.json").read_text())
     assert state == {"next_round": 1, "weight_version": 1, "dropped_stale_total": 0}
-    resumed = AsyncDistillationTrainer(tiny_model_path, _args(tmp_path / "resumed", student_url, max_staleness=0,
-                                       max_steps=2, beta=0.5), train_dataset=prompts(),
-                                       teacher_model=abc_teacher_path)  # fmt: skip
+    args = _args(tmp_path / "resumed", student_url, max_staleness=0, max_steps=2, beta=0.5)
+    resumed = _api().AsyncDistillationTrainer(tiny_model_path, args, train_dataset=prompts(),
+                                              teacher_model=abc_teacher_path)  # fmt: skip
     resumed.train(resume_from_checkpoint=str(out / "checkpoint-1"))
     assert [r["round"] for r in resumed.trained_rounds] == [1]
     for name, value in resumed.model.named_parameters():
@@ -302,9 +306,9 @@ def test_max_staleness_0_served_teacher_matches_server_distillation(tiny_model_p
                             teacher_model_server_url=teacher_url, gradient_accumulation_steps=2)  # fmt: skip
     sync = ServerDistillationTrainer(tiny_model_path, args=sync_args, train_dataset=prompts(16))
     sync.train()
-    trainer = AsyncDistillationTrainer(tiny_model_path, _args(tmp_path / "async", student_url, teacher_url,
-                                       max_staleness=0, max_steps=2, beta=0.5, teacher_top_k=1,
-                                       gradient_accumulation_steps=2), train_dataset=prompts(16))  # fmt: skip
+    args = _args(tmp_path / "async", student_url, teacher_url, max_staleness=0, max_steps=2, beta=0.5,
+                 teacher_top_k=1, gradient_accumulation_steps=2)  # fmt: skip
+    trainer = _api().AsyncDistillationTrainer(tiny_model_path, args, train_dataset=prompts(16))
     trainer.train()
     expected = _params(sync)
     for name, value in trainer.model.named_parameters():
@@ -322,7 +326,7 @@ def test_staleness_k_never_trains_on_older_samples(tiny_model_path, student_url,
     rows = Dataset.from_list([{"prompt": f"Q{i}:", "teacher_id": "math" if i % 4 else "code"} for i in range(16)])
     args = _args(tmp_path, student_url, max_staleness=1, max_inflight_tasks=3 * 4, max_steps=4,
                  teacher_server_urls={"math": teacher_url, "code": teacher_url})  # fmt: skip
-    trainer = AsyncDistillationTrainer(tiny_model_path, args, train_dataset=rows)
+    trainer = _api().AsyncDistillationTrainer(tiny_model_path, args, train_dataset=rows)
     trainer.train()
     rounds = trainer.trained_rounds
     assert len(rounds) == 4 and [r["step"] for r in rounds] == [0, 1, 2, 3]
@@ -345,9 +349,9 @@ def test_staleness_k_never_trains_on_older_samples(tiny_model_path, student_url,
 def test_worker_error_is_raised_in_the_trainer(tiny_model_path, student_url, tmp_path):
     """The worker cannot reach its teacher: the trainer raises RolloutWorkerError with the worker's exception and
     traceback, and joins the worker."""
-    trainer = AsyncDistillationTrainer(tiny_model_path, _args(tmp_path, student_url, "http://127.0.0.1:1"),
+    trainer = _api().AsyncDistillationTrainer(tiny_model_path, _args(tmp_path, student_url, "http://127.0.0.1:1"),
                                        train_dataset=prompts())  # fmt: skip
-    with pytest.raises(RolloutWorkerError, match="(?s)ServerUnavailableError.*Worker traceback"):
+    with pytest.raises(_api().RolloutWorkerError, match="(?s)ServerUnavailableError.*Worker traceback"):
         trainer.train()
     assert trainer._worker is None and trainer.state.global_step == 0
 
@@ -361,7 +365,7 @@ def test_student_moves_toward_the_served_teacher(tiny_model_path, abc_teacher_pa
 
     args = _args(tmp_path, student_url, teacher_url, max_steps=30, learning_rate=3e-3, max_completion_length=8,
                  max_staleness=2, beta=0.0, teacher_top_k=8, temperature=1.0, teacher_temperature=1.0)  # fmt: skip
-    trainer = AsyncDistillationTrainer(tiny_model_path, args, train_dataset=prompts(16))
+    trainer = _api().AsyncDistillationTrainer(tiny_model_path, args, train_dataset=prompts(16))
     teacher = AutoModelForCausalLM.from_pretrained(abc_teacher_path)
     start = sampled_reverse_kl(trainer.model, teacher, trainer.processing_class)
     trainer.train()
