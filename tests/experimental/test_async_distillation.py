@@ -343,6 +343,10 @@ def test_staleness_k_never_trains_on_older_samples(tiny_model_path, student_url,
     assert both and all(min(e["teacher_jsd/math"], e["teacher_jsd/code"]) <= e["jsd"] + 1e-5 for e in both)
     assert all(max(e["teacher_jsd/math"], e["teacher_jsd/code"]) >= e["jsd"] - 1e-5 for e in both)
     assert all("teacher_entropy/math" in e for e in logs)
+    for e in logs:  # rounds of 4 prompt-only samples of at most 6 completion tokens
+        assert e["batch/samples_per_step"] == 4 and 0 < e["sample/trained_tokens_mean"] <= 6
+        assert e["batch/trained_tokens_per_step"] == 4 * e["sample/trained_tokens_mean"]
+        assert e["sample/forwarded_tokens_max"] > e["sample/trained_tokens_mean"] and "sample/rollout_queue_size" in e
 
 
 @pytest.mark.slow

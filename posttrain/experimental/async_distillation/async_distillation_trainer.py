@@ -29,9 +29,10 @@ tests' CPU runs but not by construction: the worker scores a whole round per tea
 trainer each micro-batch, so the teacher's padded forward runs at other batch shapes.
 
 Metrics (TRL's names): ``jsd`` (the divergence per token; also ``distillation_loss``), ``entropy``,
-``teacher_entropy`` (served teacher: of its sparse distribution on the loss's support), ``sample/*``,
-``perf/rollout_wait_s``, ``perf/weight_sync_s``, ``rollout/*`` (``rollout/score_s``: teacher scoring),
-``completions/*``, ``num_tokens``; with several teachers (MOPD: each row's ``teacher_id`` picks its server)
+``teacher_entropy`` (served teacher: of its sparse distribution on the loss's support), ``sample/*`` (staleness,
+version, time in queue, queue size, forwarded/trained tokens), ``batch/samples_per_step``,
+``batch/{forwarded,trained}_tokens_per_step``, ``perf/rollout_wait_s``, ``perf/weight_sync_s``, ``rollout/*``
+(``rollout/score_s``: teacher scoring), ``completions/*``, ``num_tokens``; with several teachers (MOPD: each row's ``teacher_id`` picks its server)
 ``teacher_jsd/{id}``, ``teacher_entropy/{id}``, ``teacher_token_frac/{id}`` and ``teacher_score_s/{id}``.
 
 Resume (``rollout_state.json``: ``next_round``, ``weight_version``, ``dropped_stale_total``) as AsyncGRPO. Not
@@ -173,6 +174,20 @@ class AsyncDistillationTrainer(AsyncRolloutMixin, SparseDistillationMixin, Disti
             teacher_server_urls=None if self._local_teacher else dict(args.teacher_server_urls),
             teacher_top_k=args.teacher_top_k, teacher_temperature=args.teacher_temperature, vocab_rows=self.vocab_rows,
         )  # fmt: skip
+
+    def _score_with_current_policy(self, batch: dict[str, Any], record: Any) -> dict[str, Any]:
+        """A consumed round needs nothing more here (teacher scores came with it); logs TRL's sample/batch sizes."""
+        forwarded = (batch["prompt_mask"].sum(1) + batch["completion_lengths"]).float()
+        trained = batch["completion_mask"].sum(1).float()
+        with contextlib.suppress(NotImplementedError, OSError, ValueError):  # qsize is not available everywhere
+            record("sample/rollout_queue_size", float(self._queue.qsize() * self._round_rows()))
+        record("sample/forwarded_tokens_mean", forwarded.mean().item())
+        record("sample/forwarded_tokens_max", forwarded.max().item())
+        record("sample/trained_tokens_mean", trained.mean().item())
+        record("batch/samples_per_step", float(forwarded.numel()))
+        record("batch/forwarded_tokens_per_step", forwarded.sum().item())
+        record("batch/trained_tokens_per_step", trained.sum().item())
+        return super()._score_with_current_policy(batch, record)
 
     # -- loss --------------------------------------------------------------------------------------------------
     def _compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
