@@ -32,8 +32,9 @@ Metrics (TRL's names): ``jsd`` (the divergence per token; also ``distillation_lo
 ``teacher_entropy`` (served teacher: of its sparse distribution on the loss's support), ``sample/*`` (staleness,
 version, time in queue, queue size, forwarded/trained tokens), ``batch/samples_per_step``,
 ``batch/{forwarded,trained}_tokens_per_step``, ``perf/rollout_wait_s``, ``perf/weight_sync_s``, ``rollout/*``
-(``rollout/score_s``: teacher scoring), ``completions/*``, ``num_tokens``; with several teachers (MOPD: each row's ``teacher_id`` picks its server)
-``teacher_jsd/{id}``, ``teacher_entropy/{id}``, ``teacher_token_frac/{id}`` and ``teacher_score_s/{id}``.
+(``rollout/score_s``: teacher scoring), ``completions/*``, ``num_tokens``; with several teachers (MOPD: each row's
+``teacher_id`` picks its server) ``teacher_jsd/{id}``, ``teacher_entropy/{id}``, ``teacher_token_frac/{id}`` and
+``teacher_score_s/{id}``.
 
 Resume (``rollout_state.json``: ``next_round``, ``weight_version``, ``dropped_stale_total``) as AsyncGRPO. Not
 supported: multi-process training, tools, streaming datasets, LoRA adapter sync (a PEFT student is pushed merged),
