@@ -6,8 +6,9 @@ Submodules: ``cpo`` (CPO, SimPO, AlphaPO), ``orpo``, ``tpo``, ``prm`` (process r
 ``merge_model_callback`` (mergekit, optional extra) and ``utils`` (TRL's experimental collators); online trainers on
 the shared rollout: ``gmpo``, ``grpo_with_replay_buffer``, ``online_dpo``, ``a2po``, ``ppo``, ``sdpo``, ``async_grpo``
 (generation through ``posttrain serve`` in a separate rollout worker); the distillation family: ``gkd``, ``gold``
-(cross-tokenizer ULD), ``iw_opd``, ``server_distillation`` (teacher behind a server) and ``sdft``
-(self-distillation: the student, given privileged context, is its own teacher).
+(cross-tokenizer ULD), ``iw_opd``, ``server_distillation`` (teacher behind a server), ``async_distillation``
+(AsyncGRPO's rollout worker with teacher servers) and ``sdft`` (self-distillation: the student, given privileged
+context, is its own teacher).
 
 Anything here may change or be removed in any release without deprecation, as in TRL; importing this package warns
 ``TRLExperimentalWarning`` once, unless the environment variable ``TRL_EXPERIMENTAL_SILENCE`` is set (TRL's switch).

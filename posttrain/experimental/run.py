@@ -17,6 +17,7 @@ ones (TRL has no CLI verbs for these, so neither has ``posttrain``)::
     python -m posttrain.experimental.run iw_opd --config examples/iw_opd.yaml
     python -m posttrain.experimental.run server_distillation --config examples/server_distillation.yaml
     python -m posttrain.experimental.run sdft --config examples/sdft.yaml
+    python -m posttrain.experimental.run async_distillation --config examples/async_distillation.yaml
 
 Each method parses ``(ScriptArguments, <X>Config, ModelConfig, DatasetMixtureConfig)`` with ``TrlParser`` (YAML
 keys and ``--flags``; flags win), trains in this process and saves to ``output_dir``. ``bema_dpo`` is
@@ -26,8 +27,10 @@ keys and ``--flags``; flags win), trains in this process and saves to ``output_d
 paragraph (``--debug`` for the traceback). The distillation methods (``gkd``, ``gold``, ``iw_opd``) load the teacher
 from ``--teacher_model_name_or_path`` like the student (dtype, attention; never quantized) unless
 ``teacher_model_init_kwargs`` says otherwise; ``server_distillation`` (and ``iw_opd`` with ``use_teacher_server``)
-reads it from ``--teacher_model_server_url`` (a running ``posttrain serve --model TEACHER``). ``sdft`` has no
-separate teacher: the student is its own (``teacher_model_kind``).
+reads it from ``--teacher_model_server_url`` (a running ``posttrain serve --model TEACHER``); ``async_distillation``
+from ``--teacher_server_urls`` (and samples the student on ``--vllm_server_base_url``, a running ``posttrain serve
+--model STUDENT``) unless ``--teacher_model_name_or_path`` is given. ``sdft`` has no separate teacher: the student is
+its own (``teacher_model_kind``).
 """
 
 from __future__ import annotations
@@ -101,11 +104,15 @@ METHODS: dict[str, tuple[str, str]] = {
         "posttrain.experimental.server_distillation:ServerDistillationTrainer",
     ),
     "sdft": ("posttrain.experimental.sdft:SDFTConfig", "posttrain.experimental.sdft:SDFTTrainer"),
+    "async_distillation": (
+        "posttrain.experimental.async_distillation:AsyncDistillationConfig",
+        "posttrain.experimental.async_distillation:AsyncDistillationTrainer",
+    ),
 }
 # Online methods: GRPO's script arguments (reward_funcs, reward_model_name_or_path) and a reward_funcs argument.
 REWARD_METHODS = {"gmpo", "grpo_with_replay_buffer", "online_dpo", "a2po", "ppo", "sdpo"}
 # Methods distilling a teacher: loaded locally from teacher_model_name_or_path unless it is served.
-_DISTILLATION = ("gkd", "gold", "iw_opd", "server_distillation")
+_DISTILLATION = ("gkd", "gold", "iw_opd", "server_distillation", "async_distillation")
 
 
 def _teacher_kwargs(method: str, training_args: Any, model_args: Any) -> dict[str, Any]:
@@ -114,6 +121,8 @@ def _teacher_kwargs(method: str, training_args: Any, model_args: Any) -> dict[st
 
     if method == "server_distillation" or getattr(training_args, "use_teacher_server", False):
         return {}
+    if method == "async_distillation" and not getattr(training_args, "teacher_model_name_or_path", None):
+        return {}  # the teachers of teacher_server_urls
     teacher = getattr(training_args, "teacher_model_name_or_path", None)
     if not teacher:
         raise ConfigError("--teacher_model_name_or_path is required: a hub id or a local model folder.")

@@ -34,6 +34,13 @@ def test_recipe_runs(method, tmp_path, tiny_model_path, monkeypatch, capsys):
 
             url = stack.enter_context(serve_in_thread(PosttrainEngine.from_pretrained(tiny_model_path, device="cpu")))
             argv += ["--teacher_model_server_url", url]
+        elif method == "async_distillation":  # the student's and the teacher's `posttrain serve` over loopback
+            from posttrain.serving.app import serve_in_thread
+            from posttrain.serving.engine import PosttrainEngine
+
+            student, teacher = (stack.enter_context(serve_in_thread(PosttrainEngine.from_pretrained(
+                tiny_model_path, device="cpu"))) for _ in range(2))  # fmt: skip
+            argv += ["--vllm_server_base_url", student, "--teacher_server_urls", json.dumps({"default": teacher})]
         elif method in ("gkd", "gold", "iw_opd"):
             argv += ["--teacher_model_name_or_path", tiny_model_path]
         code = main(argv)

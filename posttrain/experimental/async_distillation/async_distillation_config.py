@@ -1,0 +1,186 @@
+"""``AsyncDistillationConfig``: TRL's ``trl.experimental.async_distillation.AsyncDistillationConfig`` fields and
+defaults over posttrain's ``DistillationConfig``.
+
+TRL's fields and defaults: ``dtype`` "float32", ``learning_rate`` 1e-6, ``logging_steps`` 1, ``ignore_data_skip``
+True, ``max_completion_length`` 2048, sampling ``temperature`` 1.0 / ``top_p`` 1.0 / ``top_k`` 0 / ``min_p`` None /
+``repetition_penalty`` 1.0, ``vllm_server_base_url`` "http://localhost:8000" (the student's server, generation and
+weight pushes), ``vllm_server_timeout`` 240, ``teacher_server_urls`` ``{"default": "http://localhost:8001"}``,
+``request_timeout`` 600, ``weight_sync_timeout`` 1800, ``beta`` 0.0, ``teacher_temperature`` 1.0 (the divergence's
+temperature, on both sides; ``temperature`` only samples), ``teacher_top_k`` 8, ``add_tail_bucket`` True,
+``max_inflight_tasks`` −1 (auto), ``max_staleness`` 4, ``queue_maxsize`` 1024, ``weight_sync_steps`` 1,
+``heartbeat_stale_after_s`` 300, ``log_completions`` False, ``log_completions_steps`` 100,
+``num_completions_to_print`` None.
+
+posttrain: generation always goes through a ``posttrain serve`` server (``use_vllm=True, vllm_mode="server"``);
+every sample is on-policy (``lmbda`` 1.0, no ``seq_kd``, as TRL); ``max_length`` defaults to None (no prompt cut;
+TRL has no such field); ``seed_requests`` seeds each generation request from ``(seed, round)``. Accepted but without
+effect here (TRL's vLLM/FSDP-specific knobs): ``token_budget`` (posttrain packs ``per_device_train_batch_size`` rows
+per micro-batch, as ``token_budget <= 0`` does in TRL), ``heartbeat_stale_after_s`` (a dead worker is detected from
+its exit at once) and ``weight_sync_timeout`` (pushes use ``request_timeout`` per request). ``log_completions_steps``
+counts optimizer steps (as in ``DistillationTrainer``; TRL counts scored samples).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from posttrain.trainers.distillation import DistillationConfig
+
+
+@dataclass
+class AsyncDistillationConfig(DistillationConfig):
+    """Configuration of :class:`AsyncDistillationTrainer` (TRL's experimental ``AsyncDistillationConfig``; see the
+    module docstring)."""
+
+    # -- model -------------------------------------------------------------------------------------------------
+    dtype: str = field(
+        default="float32",
+        metadata={
+            "help": "Dtype to load the student under ('auto', 'bfloat16', 'float16', 'float32'); a dtype in "
+            "model_init_kwargs takes precedence.",
+            "choices": ["auto", "bfloat16", "float16", "float32"],
+        },
+    )
+    max_length: int | None = field(
+        default=None, metadata={"help": "Maximum prompt + completion tokens (prompts cut to leave room); None = off."}
+    )
+    # -- defaults overridden from TrainingArguments / DistillationConfig ---------------------------------------
+    learning_rate: float = field(default=1e-6, metadata={"help": "The initial learning rate for AdamW."})
+    logging_steps: float = field(default=1, metadata={"help": "Log every X optimizer steps."})
+    ignore_data_skip: bool = field(
+        default=True,
+        metadata={
+            "help": "Always True: on resume the rollout worker restarts at the first round not yet trained on "
+            "(rollout_state.json) instead of HF Trainer replaying the dataloader."
+        },
+    )
+    max_completion_length: int | None = field(
+        default=2048, metadata={"help": "Maximum number of tokens to generate per completion."}
+    )
+    beta: float = field(
+        default=0.0,
+        metadata={
+            "help": "Generalized JSD interpolation: 0.0 = forward KL on the teacher's top-k support (+ the sampled "
+            "token, + tail), > 0 = support {teacher top-1, sampled token} (just the sampled token at 1.0)."
+        },
+    )
+    use_vllm: bool = field(
+        default=True, metadata={"help": "Always True: generation runs on a server (`posttrain serve` / vLLM)."}
+    )
+    vllm_mode: str = field(default="server", metadata={"help": "Always 'server'."})
+    vllm_server_base_url: str | None = field(
+        default="http://localhost:8000",
+        metadata={"help": "Base URL of the student's generation server (generation and weight pushes)."},
+    )
+    # -- teacher servers ---------------------------------------------------------------------------------------
+    teacher_server_urls: dict[str, str] | str | None = field(
+        default=None,
+        metadata={
+            "help": "Teacher server(s) (`posttrain serve --model TEACHER`), never updated. Defaults to "
+            "{'default': 'http://localhost:8001'}. Several entries: MOPD, each row's `teacher_id` column picks its "
+            "teacher. Ignored when a local teacher_model is passed to the trainer."
+        },
+    )
+    request_timeout: int = field(
+        default=600, metadata={"help": "Timeout in seconds for individual HTTP requests to any server."}
+    )
+    weight_sync_timeout: int = field(
+        default=1800, metadata={"help": "TRL's weight-transfer timeout; posttrain uses request_timeout per request."}
+    )
+    # -- the distillation loss ---------------------------------------------------------------------------------
+    teacher_temperature: float = field(
+        default=1.0,
+        metadata={
+            "help": "Softmax temperature of the divergence, on both the teacher's log-probs (server-side) and the "
+            "student's logits. Unrelated to `temperature`, which only samples."
+        },
+    )
+    teacher_top_k: int = field(
+        default=8, metadata={"help": "Candidate tokens per position requested from the teacher server."}
+    )
+    add_tail_bucket: bool = field(
+        default=True,
+        metadata={"help": "Append a tail bucket with the probability mass outside the teacher's candidates."},
+    )
+    token_budget: int | None = field(
+        default=None,
+        metadata={"help": "TRL's token-budgeted micro-batching; accepted, no effect in posttrain (fixed row count)."},
+    )
+    # -- the async rollout pipeline ----------------------------------------------------------------------------
+    max_inflight_tasks: int = field(
+        default=-1,
+        metadata={
+            "help": "Most samples generated ahead of the server's weight version. -1 (auto) = max_staleness × "
+            "per_device_train_batch_size × gradient_accumulation_steps (at least one round)."
+        },
+    )
+    max_staleness: int = field(
+        default=4,
+        metadata={
+            "help": "Maximum number of weight updates a rollout sample can lag behind the current model version "
+            "before being discarded (counted in sample/dropped_stale_total)."
+        },
+    )
+    queue_maxsize: int = field(
+        default=1024, metadata={"help": "Maximum number of rollout samples buffered in the rollout queue."}
+    )
+    weight_sync_steps: int = field(
+        default=1, metadata={"help": "Number of training steps between weight synchronizations to the server."}
+    )
+    heartbeat_stale_after_s: float = field(
+        default=300.0,
+        metadata={"help": "TRL's worker-heartbeat timeout; posttrain detects a dead worker from its exit at once."},
+    )
+    seed_requests: bool = field(
+        default=True,
+        metadata={"help": "posttrain: seed each generation request from (seed, round), so rounds are reproducible."},
+    )
+
+    _trainer_name = "AsyncDistillation"
+    _VALID_DICT_FIELDS = [*DistillationConfig._VALID_DICT_FIELDS, "teacher_server_urls"]
+
+    def __post_init__(self):
+        if self.teacher_server_urls is None:
+            self.teacher_server_urls = {"default": "http://localhost:8001"}
+        super().__post_init__()
+        if not self.teacher_server_urls:
+            raise ValueError("teacher_server_urls must have at least one entry.")
+        if not self.use_vllm or self.vllm_mode != "server":
+            raise ValueError(
+                "AsyncDistillation generates on a server only: keep use_vllm=True and vllm_mode='server' and start "
+                "`posttrain serve --model STUDENT`."
+            )
+        if self.lmbda != 1.0 or self.seq_kd:
+            raise ValueError("AsyncDistillation trains on the student's own samples only: lmbda=1.0, seq_kd=False.")
+        if self.teacher_top_k < 1:
+            raise ValueError(f"teacher_top_k must be >= 1, got {self.teacher_top_k}.")
+        if not self.teacher_temperature > 0.0:
+            raise ValueError(f"teacher_temperature must be > 0, got {self.teacher_temperature}.")
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}.")
+        if self.weight_sync_steps < 1:
+            raise ValueError(f"weight_sync_steps must be >= 1, got {self.weight_sync_steps}.")
+        if self.max_staleness < self.weight_sync_steps - 1:
+            raise ValueError(
+                f"max_staleness={self.max_staleness} < weight_sync_steps - 1 = {self.weight_sync_steps - 1}: the "
+                "server's weights lag the trainer by up to weight_sync_steps - 1 versions, so every sample would be "
+                "dropped. Raise max_staleness or lower weight_sync_steps."
+            )
+        if self.num_iterations != 1:
+            raise ValueError("AsyncDistillation trains each sample once: num_iterations must be 1.")
+        if self.world_size != 1:
+            raise ValueError("AsyncDistillation in posttrain runs on a single training process (world_size 1).")
+        self.ignore_data_skip = True
+
+    # The served-teacher loss of posttrain.experimental._sparse_trainer reads these names (ServerDistillation's).
+    @property
+    def loss_top_k(self) -> int:
+        return self.teacher_top_k
+
+    @property
+    def loss_add_tail(self) -> bool:
+        return self.add_tail_bucket
+
+    @property
+    def reverse_kl_top_1_mode(self) -> str:
+        return "sampled"

@@ -1,0 +1,435 @@
+"""Asynchronous rollouts: a spawned worker process streams generation rounds from a server while the trainer trains.
+
+Shared by the experimental async trainers (``async_grpo``, ``async_distillation``); what differs between them is
+only what one round *is* (the worker's :meth:`AsyncWorkerSpec.make_producer`) and what the trainer does with a round
+when it consumes it (:meth:`AsyncRolloutMixin._score_with_current_policy`).
+
+Worker side (:func:`run_worker`, in a ``spawn`` child process, CPU only): round ``r`` is chunk ``r`` of the
+trainer's ``RepeatSampler`` order (:class:`RoundSource`: the same prompts in the same order as the synchronous
+trainer); it is generated through the ``vllm_server`` backend against ``posttrain serve`` and put, tagged with the
+weight ``version`` the server reported, into a bounded queue. Admission: round ``r`` is only sent when ``r -
+server_version <= ahead``, so nothing is generated that would already be too stale when the trainer reaches it.
+Request seeds follow the round index (``request_seed(seed, 0, r)``), so a round has the same tokens whenever it is
+generated from the same weights (resume, ``max_staleness=0``). Everything in the spec is pickled into the child;
+rounds cross the process boundary as ``pickle`` bytes; errors go back as ``("error", type, message, traceback)``;
+the worker exits when the trainer sets ``stop`` or dies.
+
+Trainer side (:class:`AsyncRolloutMixin`, before the synchronous trainer in the MRO): at the first micro-step of
+each optimizer step it takes the next round from the queue, drops it when ``global_step - version >
+max_staleness`` (``sample/dropped_stale_total``), and fills the usual ``RolloutBuffer`` with it. After every
+``weight_sync_steps`` optimizer steps it snapshots its weights and uploads them on a thread with ``version =
+global_step``. Resume state (``rollout_state.json`` in each checkpoint): ``next_round`` (first round not yet consumed;
+dropped rounds count as consumed), ``weight_version``, ``dropped_stale_total``; on resume the checkpoint weights are
+pushed and a fresh worker starts at ``next_round`` (rounds in flight when the run stopped are regenerated).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import pickle
+import queue as queue_module
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from transformers import TrainerCallback
+
+ROLLOUT_STATE = "rollout_state.json"
+POLL_MIN_S, POLL_MAX_S = 0.005, 0.2
+_QUEUE_POLL_S = 0.2
+
+# (rows of the round, metric sink) -> (batch on CPU, completions table or None)
+Producer = Callable[[list, Callable[[str, float], None]], tuple[Any, Any]]
+
+
+class RolloutWorkerError(RuntimeError):
+    """The rollout worker process failed (its exception type, message and traceback are in the message)."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Worker side
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class AsyncWorkerSpec:
+    """What every rollout worker needs (pickled into the child): the prompt order, the server, admission.
+
+    Subclasses add what their rounds need and implement :meth:`make_producer`.
+    """
+
+    dataset: Any
+    tokenizer: Any
+    sampling: Any
+    base_url: str
+    num_generations: int
+    prompts_per_round: int
+    shuffle: bool
+    seed: int
+    start_round: int
+    ahead: int
+    request_timeout: float
+    server_timeout: float
+    seed_requests: bool = True
+    max_rounds: int | None = None
+    client_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def make_producer(self, backend: Any) -> Producer:
+        """Build (in the child) the function turning a round's rows into its batch, generating with ``backend``."""
+        raise NotImplementedError(f"{type(self).__name__} must define make_producer().")
+
+
+class RoundSource:
+    """Rows of round ``r``: chunk ``r`` of ``RepeatSampler``'s order (the same prompts, in the same order, as the
+    synchronous trainer; epoch ``e`` is shuffled with ``seed + e``)."""
+
+    def __init__(self, dataset: Any, num_generations: int, prompts_per_round: int, shuffle: bool, seed: int):
+        from posttrain.rollout.sampler import RepeatSampler
+
+        self.dataset = dataset
+        self.sampler = RepeatSampler(
+            dataset, mini_repeat_count=num_generations, batch_size=prompts_per_round, shuffle=shuffle, seed=seed
+        )
+        self.rows_per_round = num_generations * prompts_per_round
+        self.rounds_per_epoch = len(dataset) // prompts_per_round
+        if self.rounds_per_epoch < 1:
+            raise ValueError(f"The dataset has {len(dataset)} prompts; one round needs {prompts_per_round}.")
+        self._epoch: int | None = None
+        self._order: list[int] = []
+
+    def rows(self, round_index: int) -> list[dict[str, Any]]:
+        epoch, k = divmod(round_index, self.rounds_per_epoch)
+        if epoch != self._epoch:
+            self.sampler.set_epoch(epoch)
+            self._order, self._epoch = list(self.sampler), epoch
+        indices = self._order[k * self.rows_per_round : (k + 1) * self.rows_per_round]
+        return [self.dataset[int(i)] for i in indices]
+
+
+def _put(out: Any, payload: Any, stop: Any, parent: int) -> float:
+    """Put with backpressure; returns the seconds spent blocked on a full queue (or exits when stopping)."""
+    start = time.perf_counter()
+    while not stop.is_set() and os.getppid() == parent:
+        try:
+            out.put(payload, timeout=0.2)
+            return time.perf_counter() - start
+        except queue_module.Full:
+            continue
+    raise SystemExit(0)
+
+
+def run_worker(spec: AsyncWorkerSpec, out: Any, stop: Any, parent: int) -> None:
+    """Process entry point: generate rounds ``spec.start_round, ...`` until ``stop`` is set (see the module doc)."""
+    try:
+        _loop(spec, out, stop, parent)
+    except SystemExit:
+        pass
+    except BaseException as err:  # reported to the trainer, which raises it
+        with contextlib.suppress(Exception):
+            out.put(("error", type(err).__name__, str(err), traceback.format_exc()), timeout=5)
+
+
+def _loop(spec: AsyncWorkerSpec, out: Any, stop: Any, parent: int) -> None:
+    import torch
+
+    from posttrain.generation.vllm_server import VLLMServerBackend
+
+    torch.set_num_threads(1)  # the worker mostly waits on HTTP; leave the cores to server and trainer
+    source = RoundSource(spec.dataset, spec.num_generations, spec.prompts_per_round, spec.shuffle, spec.seed)
+    backend = VLLMServerBackend(
+        tokenizer=spec.tokenizer, base_url=spec.base_url, protocol="posttrain", timeout=spec.server_timeout,
+        seed=spec.seed, seed_requests=spec.seed_requests,
+        client_kwargs={"request_timeout": spec.request_timeout, **spec.client_kwargs},
+    )  # fmt: skip
+    produce = spec.make_producer(backend)
+    backpressure = 0.0
+    r = spec.start_round
+    while spec.max_rounds is None or r < spec.max_rounds:
+        wait = POLL_MIN_S
+        while not stop.is_set():  # admission: do not run further ahead of the weights than `ahead` rounds
+            if os.getppid() != parent:
+                return
+            version = int(backend.client.health().get("version") or 0)
+            if r - version <= spec.ahead:
+                break
+            time.sleep(wait)
+            wait = min(2 * wait, POLL_MAX_S)  # back off: each poll costs the server a request
+        if stop.is_set():
+            return
+        backend._requests = r  # request seed of round r: the same tokens whenever generated from the same weights
+        metrics: list[tuple[str, float]] = []
+        start, cpu = time.perf_counter(), time.process_time()
+        batch, table = produce(source.rows(r), lambda name, value, sink=metrics: sink.append((name, float(value))))
+        metrics.append(("rollout/duration_s", time.perf_counter() - start))
+        metrics.append(("rollout/cpu_s", time.process_time() - cpu))
+        metrics.append(("rollout/backpressure_s", backpressure))
+        item = {"round": r, "version": int(backend.version or 0), "batch": batch, "metrics": metrics,
+                "table": table, "put_time": time.time()}  # fmt: skip
+        backpressure = _put(out, ("round", pickle.dumps(item)), stop, parent)
+        r += 1
+    _put(out, ("done", r), stop, parent)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Trainer side
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class _WeightSyncCallback(TrainerCallback):
+    """Push the weights after every ``weight_sync_steps`` optimizer steps (on_step_end runs after optimizer.step)."""
+
+    def __init__(self, trainer: AsyncRolloutMixin):
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step % args.weight_sync_steps == 0:
+            self.trainer._push_weights()
+
+
+class AsyncRolloutMixin:
+    """The trainer side of the async trainers (see the module docstring), over an ``OnlineTrainerBase`` subclass
+    whose ``self.backend`` is the ``vllm_server`` backend of a ``posttrain serve`` server.
+
+    Subclasses call :meth:`_init_async_rollout` at the end of ``__init__`` and define :meth:`_worker_spec` (the
+    round producer's spec, built with :meth:`_worker_spec_fields`) and, when a round needs work under the trainer's
+    current weights, :meth:`_score_with_current_policy`.
+    """
+
+    _trainer_name = "Async"
+    # Appended to the "must be picklable" error: what the user passed that the worker receives pickled.
+    _picklable_hint = "the dataset and processing class"
+
+    def _init_async_rollout(self) -> None:
+        self._worker: Any = None
+        self._queue: Any = None
+        self._stop: Any = None
+        self._next_round = 0  # first round not yet consumed (the trained position; saved in rollout_state.json)
+        self.dropped_stale_total = 0
+        self.trained_rounds: list[dict[str, int]] = []  # {"step", "round", "version", "staleness"} per trained round
+        self._push_thread: threading.Thread | None = None
+        self._push_error: BaseException | None = None
+        self._push_client: Any = None
+        self.add_callback(_WeightSyncCallback(self))
+
+    # -- worker lifecycle --------------------------------------------------------------------------------------
+    def _round_rows(self) -> int:
+        """Rows (completions) per round: one optimizer step's worth."""
+        return self.args.per_device_train_batch_size * self.args.steps_per_generation
+
+    def _worker_spec(self) -> AsyncWorkerSpec:
+        raise NotImplementedError(f"{type(self).__name__} must define _worker_spec().")
+
+    def _worker_spec_fields(self) -> dict[str, Any]:
+        """The :class:`AsyncWorkerSpec` fields every worker shares, from the trainer's config and sampler."""
+        args = self.args
+        rows = self._round_rows()
+        inflight = args.max_inflight_tasks
+        if inflight is None or inflight < 0:
+            inflight = args.max_staleness * args.per_device_train_batch_size * args.gradient_accumulation_steps
+        return dict(
+            dataset=self.train_dataset, tokenizer=self.processing_class, sampling=self.sampling,
+            base_url=self.backend.base_url, num_generations=self.num_generations,
+            prompts_per_round=self._prompts_per_round(), shuffle=bool(args.shuffle_dataset), seed=int(args.seed),
+            start_round=self._next_round, ahead=max(0, inflight // rows), request_timeout=float(args.request_timeout),
+            server_timeout=float(args.vllm_server_timeout), seed_requests=bool(args.seed_requests),
+        )  # fmt: skip
+
+    def _checked_worker_spec(self) -> AsyncWorkerSpec:
+        spec = self._worker_spec()
+        try:
+            pickle.dumps(spec)
+        except Exception as err:
+            raise TypeError(
+                f"{type(self).__name__} runs rollouts in a separate process, so {self._picklable_hint} must be "
+                "picklable: use module-level functions, functools.partial or callable class instances, not lambdas "
+                f"or closures ({type(err).__name__}: {err})."
+            ) from err
+        return spec
+
+    def _start_worker(self) -> None:
+        """Push the current weights (version = global_step) and wait, then spawn the worker at ``self._next_round``."""
+        from posttrain.serving.client import GenerationClient
+
+        if self.backend.protocol != "posttrain":
+            raise ValueError(
+                f"{self._trainer_name} needs a `posttrain serve` / `posttrain vllm-serve` server; "
+                f"{self.backend.base_url} speaks the {self.backend.protocol!r} protocol."
+            )
+        self._push_client = GenerationClient(self.backend.base_url, request_timeout=float(self.args.request_timeout))
+        self._push_weights(wait=True)  # the server must hold this step's weights before the worker reads its version
+        spec = self._checked_worker_spec()
+        context = multiprocessing.get_context("spawn")
+        rounds = max(1, self.args.queue_maxsize // self._round_rows())
+        self._queue = context.Queue(maxsize=rounds)
+        self._stop = context.Event()
+        self._worker = context.Process(
+            target=run_worker, args=(spec, self._queue, self._stop, os.getpid()), name="posttrain-rollout-worker",
+            daemon=True,
+        )  # fmt: skip
+        self._worker.start()
+
+    def _stop_worker(self) -> None:
+        """Stop, join (terminate, then kill if needed) and release the worker and its queue. Idempotent."""
+        worker, self._worker = self._worker, None
+        if worker is None:
+            return
+        self._stop.set()
+        deadline = time.monotonic() + 10.0
+        while worker.is_alive() and time.monotonic() < deadline:
+            with contextlib.suppress(queue_module.Empty, OSError, ValueError):  # drain: a put() must not block
+                self._queue.get(timeout=0.05)
+        if worker.is_alive():
+            worker.terminate()
+            worker.join(timeout=5)
+        if worker.is_alive():
+            worker.kill()
+        worker.join(timeout=5)
+        self._queue.cancel_join_thread()
+        self._queue.close()
+        self._queue = None
+
+    def train(self, *args, **kwargs):
+        try:
+            result = super().train(*args, **kwargs)
+            self._join_push()  # the last push has landed (or its error is raised)
+            return result
+        finally:
+            self._stop_worker()
+            if self._push_thread is not None:
+                self._push_thread.join(timeout=60)
+            self._push_thread, self._push_error = None, None
+
+    # -- weights -----------------------------------------------------------------------------------------------
+    def _push_weights(self, wait: bool = False) -> None:
+        """Snapshot the weights now (safetensors bytes) and upload them on a thread with ``version = global_step``.
+
+        The server applies a weight load between generation requests, so a synchronous push would block training
+        until the round being generated finishes; the upload thread lets the next step start at once. Pushes stay
+        in order (each waits for the previous one) and an upload error is raised at the next push or queue read.
+        """
+        from posttrain.serving.weights import policy_weights, serialize_chunks
+
+        self._join_push()
+        start = time.perf_counter()
+        step = self.state.global_step
+        with policy_weights(self.accelerator.unwrap_model(self.model)) as items:
+            chunks = list(serialize_chunks(items, self.backend.chunk_bytes))
+        self.record_metric("perf/weight_sync_s", time.perf_counter() - start, mode="train")
+        self._push_thread = threading.Thread(
+            target=self._upload, args=(chunks, step), name="posttrain-weight-push", daemon=True
+        )
+        self._push_thread.start()
+        self._last_synced_step = step
+        if wait:
+            self._join_push()
+
+    def _upload(self, chunks: list[bytes], version: int) -> None:
+        try:
+            self.backend.version = self._push_client.load_weights(chunks, version=version)
+        except BaseException as err:  # raised in the training thread by _join_push
+            self._push_error = err
+
+    def _join_push(self, check_only: bool = False) -> None:
+        """Wait for the upload in flight (or, ``check_only``, just look whether it failed) and raise its error."""
+        thread = self._push_thread
+        if thread is not None and not check_only:
+            thread.join()
+        if thread is not None and not thread.is_alive():
+            self._push_thread = None
+        error, self._push_error = self._push_error, None
+        if error is not None:
+            raise error
+
+    # -- data path ---------------------------------------------------------------------------------------------
+    def _prepare_inputs(self, inputs: list[dict[str, Any]]) -> Any:
+        # The HF dataloader's rows only pace the epochs/steps; the data comes from the worker's rounds.
+        if self._mode() == "eval":
+            self._last_synced_step = self.state.global_step  # evaluate on the server's current weights, no push
+            return super()._prepare_inputs(inputs)
+        if self.buffer.needs_generation():
+            self.buffer.fill(self._next_trainable_round())
+        return self.buffer.next()
+
+    def _get_item(self) -> tuple:
+        """The next message from the worker; raises ``RolloutWorkerError`` if it failed or died."""
+        if self._worker is None:
+            self._start_worker()
+        while True:
+            try:
+                message = self._queue.get(timeout=_QUEUE_POLL_S)
+            except queue_module.Empty:
+                self._join_push(check_only=True)
+                if not self._worker.is_alive():
+                    code = self._worker.exitcode
+                    self._stop_worker()
+                    raise RolloutWorkerError(f"The rollout worker exited unexpectedly (exit code {code}).") from None
+                continue
+            if message[0] == "error":
+                _, kind, text, trace = message
+                self._stop_worker()
+                raise RolloutWorkerError(f"The rollout worker failed: {kind}: {text}\n\nWorker traceback:\n{trace}")
+            if message[0] == "done":
+                self._stop_worker()
+                raise RolloutWorkerError(f"The rollout worker ran out of rounds at round {message[1]}.")
+            return message
+
+    def _next_trainable_round(self) -> Any:
+        """Take rounds from the queue, dropping stale ones, and prepare the first fresh one for the loss."""
+        from posttrain.rollout.buffer import batch_size_of
+
+        wait_start = time.perf_counter()
+        step = self.state.global_step
+        while True:
+            item = pickle.loads(self._get_item()[1])
+            staleness = step - item["version"]
+            if staleness < 0:
+                raise RolloutWorkerError(
+                    f"A round was generated with weight version {item['version']}, ahead of the trainer's step "
+                    f"{step}: is another trainer pushing weights to {self.backend.base_url}?"
+                )
+            self._next_round = item["round"] + 1
+            if staleness <= self.args.max_staleness:
+                break
+            self.dropped_stale_total += batch_size_of(item["batch"])
+        record = self._record("train")
+        record("perf/rollout_wait_s", time.perf_counter() - wait_start)
+        record("sample/time_in_queue_s", max(0.0, time.time() - item["put_time"]))
+        record("sample/staleness_mean", float(staleness))  # one version per round: mean = max
+        record("sample/staleness_max", float(staleness))
+        record("sample/version", float(item["version"]))
+        record("sample/dropped_stale_total", float(self.dropped_stale_total))
+        for name, value in item["metrics"]:
+            record(name, value)
+        self.trained_rounds.append(
+            {"step": step, "round": item["round"], "version": item["version"], "staleness": staleness}
+        )
+        if item["table"] is not None:
+            self._pending_completions = item["table"]
+        return self._score_with_current_policy(item["batch"], record)
+
+    def _score_with_current_policy(self, batch: Any, record: Callable[[str, float], None]) -> Any:
+        """What a consumed round needs under the weights trained now (default: nothing); moves it to the device."""
+        import torch
+
+        device = self.accelerator.device
+        return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+
+    # -- checkpoints -------------------------------------------------------------------------------------------
+    def _extra_checkpoint_state(self) -> dict[str, Any]:
+        state = {
+            "next_round": self._next_round,
+            "weight_version": int(self._last_synced_step or 0),
+            "dropped_stale_total": self.dropped_stale_total,
+        }
+        return {**super()._extra_checkpoint_state(), ROLLOUT_STATE: state}
+
+    def _load_extra_checkpoint_state(self, states: dict[str, Any]) -> None:
+        super()._load_extra_checkpoint_state(states)
+        if ROLLOUT_STATE in states:
+            self._next_round = int(states[ROLLOUT_STATE]["next_round"])
+            self.dropped_stale_total = int(states[ROLLOUT_STATE]["dropped_stale_total"])
