@@ -682,11 +682,37 @@ KNOWN_DIFFERENCES: dict[str, str] = {
 }
 
 
+# Understood differences limited to some keys: a scenario (name prefix) whose differing keys all fall in the set
+# is marked known; any other differing key (e.g. the loss) still shows as an unexplained difference.
+_LOGITS_MEAN = (
+    "deliberate: logits/* are the mean logit over the completion tokens (computed from the scored hidden states, "
+    "no (B, T, V) logits); TRL averages its full logits tensor over every position, prompt and padding included"
+)
+_LEGACY_DOUBLE_EOS = (
+    "TRL's legacy CPO/ORPO tokenizer appends EOS after a conversational completion that the chat template already "
+    "closed (`<|im_end|>\\n<|im_end|>`); posttrain, like TRL's own DPO, does not add a second end-of-turn token"
+)
+KNOWN_KEY_DIFFERENCES: dict[str, tuple[frozenset[str] | None, str]] = {
+    "cpo/conversational": (None, _LEGACY_DOUBLE_EOS),
+    "orpo/conversational": (None, _LEGACY_DOUBLE_EOS),
+    "cpo/": (frozenset({"logits/chosen", "logits/rejected"}), _LOGITS_MEAN),
+    "orpo/": (frozenset({"logits/chosen", "logits/rejected"}), _LOGITS_MEAN),
+}
+
+
 def known_difference(comparison: Comparison) -> str | None:
-    """Why a non-equal scenario differs, when that is understood (see :data:`KNOWN_DIFFERENCES`)."""
+    """Why a non-equal scenario differs, when that is understood (see :data:`KNOWN_DIFFERENCES` and
+    :data:`KNOWN_KEY_DIFFERENCES`)."""
     if comparison.status == "equal":
         return None
-    return KNOWN_DIFFERENCES.get(comparison.name)
+    if comparison.name in KNOWN_DIFFERENCES:
+        return KNOWN_DIFFERENCES[comparison.name]
+    if comparison.status != "differs":
+        return None
+    for prefix, (keys, reason) in KNOWN_KEY_DIFFERENCES.items():
+        if comparison.name.startswith(prefix) and (keys is None or set(comparison.differing_keys) <= keys):
+            return reason
+    return None
 
 
 def _table_rows(text: str) -> dict[str, str]:
