@@ -178,6 +178,8 @@ EXPERIMENTAL: dict[str, tuple[str, str, str]] = {
 ROLLOUT_FUNC_TRAINERS = frozenset({"grpo", "gmpo"})
 # ... and those whose generation step is replaced by ``patch_generation`` (same completions, both libraries).
 PATCHED_TRAINERS = frozenset({"rloo"})
+# Trainers given the tokenizer explicitly (TRL's GKD does not load it from a model path).
+TOKENIZER_TRAINERS = frozenset({"gkd", "distillation"})
 # Trainers that take a reward_funcs argument.
 REWARD_TRAINERS = frozenset({"grpo", "rloo", "gmpo", "online_dpo", "a2po"})
 
@@ -487,10 +489,15 @@ def _scenarios() -> list[Scenario]:
     for loss in ("sigmoid", "hinge", "ipo", "tpo-l"):
         add(f"tpo/{loss}", "tpo", {**pair, "loss_type": loss}, "triple")
     # GKD offline (lmbda=0, seq_kd=False: no sampling): the dataset's completions, student vs teacher
-    gkd = {"max_length": 64, "lmbda": 0.0, "seq_kd": False}
+    gkd = {"max_length": 256, "lmbda": 0.0, "seq_kd": False}
     for beta in (0.0, 0.5, 1.0):
         add(f"gkd/offline_beta{beta}", "gkd", {**gkd, "beta": beta}, "messages", teacher=True)
     add("gkd/offline_temperature_2", "gkd", {**gkd, "temperature": 2.0}, "messages", teacher=True)
+    # one row per batch: no padding (TRL's ChatML collator left-pads without position ids, which moves the
+    # positions of a padded row's tokens)
+    add("gkd/offline_batch1", "gkd", {**gkd, "per_device_train_batch_size": 1}, "messages", teacher=True)
+    add("gkd/offline_batch1_temperature_2", "gkd", {**gkd, "per_device_train_batch_size": 1, "temperature": 2.0},
+        "messages", teacher=True)  # fmt: skip
     return out
 
 
@@ -519,6 +526,10 @@ def run_scenario(scenario: Scenario, model_paths: dict[str, str], trainer_classe
     kwargs: dict[str, Any] = {"model": model_path, "args": config, "train_dataset": dataset}
     if scenario.teacher:
         kwargs["teacher_model"] = model_paths["teacher"]
+    if scenario.trainer in TOKENIZER_TRAINERS:
+        from transformers import AutoTokenizer
+
+        kwargs["processing_class"] = AutoTokenizer.from_pretrained(model_path)
     if scenario.trainer in REWARD_TRAINERS:
         kwargs["reward_funcs"] = [REWARD_FUNCS[name] for name in scenario.reward_funcs]
         if scenario.tools:
@@ -692,7 +703,15 @@ _LEGACY_DOUBLE_EOS = (
     "TRL's legacy CPO/ORPO tokenizer appends EOS after a conversational completion that the chat template already "
     "closed (`<|im_end|>\\n<|im_end|>`); posttrain, like TRL's own DPO, does not add a second end-of-turn token"
 )
+_GKD = (
+    "understood, not fixed: (1) data order: TRL's GKD is an SFTTrainer (RandomSampler), posttrain's GKD is the "
+    "distillation trainer on the online prompt sampler, so step 1 already sees other rows; (2) TRL's ChatML collator "
+    "also trains on the `\\n` after `<|im_end|>`, posttrain's completion ends at EOS; (3) TRL's GKD loss ignores "
+    "`temperature` (sampling only), posttrain divides the logits by it as TRL's DistillationTrainer does; (4) TRL "
+    "left-pads without position ids"
+)
 KNOWN_KEY_DIFFERENCES: dict[str, tuple[frozenset[str] | None, str]] = {
+    "gkd/offline": (None, _GKD),
     "cpo/conversational": (None, _LEGACY_DOUBLE_EOS),
     "orpo/conversational": (None, _LEGACY_DOUBLE_EOS),
     "cpo/": (frozenset({"logits/chosen", "logits/rejected"}), _LOGITS_MEAN),
