@@ -472,6 +472,13 @@ def _scenarios() -> list[Scenario]:
         reward_funcs=("vowels", "length"))  # fmt: skip
 
     # -- experimental trainers (posttrain.experimental.<name> vs trl.experimental.<name>) --
+    # GMPO (a GRPO subclass in both): completions from fixed_rollout_func; μ > 1 so the clipped geometric mean acts
+    for beta, mu in itertools.product((0.0, 0.04), (1, 2)):
+        add(f"gmpo/beta{beta}_mu{mu}", "gmpo", {**_ONLINE, "beta": beta, "num_iterations": mu}, "prompts",
+            reward_funcs=("vowels",))  # fmt: skip
+    add("gmpo/epsilon_high_0.6", "gmpo", {**_ONLINE, "beta": 0.0, "num_iterations": 2, "epsilon_high": 0.6},
+        "prompts", reward_funcs=("vowels",))  # fmt: skip
+
     # CPO: every loss type (simpo = CPO-SimPO with the default cpo_alpha; "simpo_pure" = SimPO, cpo_alpha 0; AlphaPO)
     pair = {"max_length": 64}
     for loss in ("sigmoid", "hinge", "ipo", "simpo"):
