@@ -146,7 +146,42 @@ DATASETS: dict[str, Callable[..., list[dict[str, Any]]]] = {
     "unpaired_blocks": lambda **kw: ds_unpaired(balance="blocks", **kw),
     "prompts": ds_prompts,
     "prompts_text": lambda **kw: ds_prompts(conversational=False, **kw),
+    "triple": lambda **kw: ds_triple(**kw),
 }
+
+
+def ds_triple(n: int = 16, seed: int = 0) -> list[dict[str, Any]]:
+    """TPO's triple preferences: ``ds_preference`` rows plus a ``reference`` (gold) completion."""
+    rows = ds_preference(n, seed)
+    rng = random.Random(seed + 1)
+    for row in rows:
+        row["reference"] = " " + _rng_text(rng, 2, 10)
+    return rows
+
+
+# Experimental trainers: scenario trainer name -> (submodule of ``<lib>.experimental``, config, trainer class).
+EXPERIMENTAL: dict[str, tuple[str, str, str]] = {
+    "cpo": ("cpo", "CPOConfig", "CPOTrainer"),
+    "orpo": ("orpo", "ORPOConfig", "ORPOTrainer"),
+    "tpo": ("tpo", "TPOConfig", "TPOTrainer"),
+    "gkd": ("gkd", "GKDConfig", "GKDTrainer"),
+    "distillation": ("distillation", "DistillationConfig", "DistillationTrainer"),
+    "online_dpo": ("online_dpo", "OnlineDPOConfig", "OnlineDPOTrainer"),
+    "gmpo": ("gmpo", "GMPOConfig", "GMPOTrainer"),
+    "a2po": ("a2po", "A2POConfig", "A2POTrainer"),
+    "gold": ("gold", "GOLDConfig", "GOLDTrainer"),
+    "iw_opd": ("iw_opd", "IWOPDConfig", "IWOPDTrainer"),
+    "sdft": ("sdft", "SDFTConfig", "SDFTTrainer"),
+    "sdpo": ("sdpo", "SDPOConfig", "SDPOTrainer"),
+}
+# Online trainers whose completions come from ``fixed_rollout_func`` (TRL's ``rollout_func`` contract) ...
+ROLLOUT_FUNC_TRAINERS = frozenset({"grpo", "gmpo"})
+# ... and those whose generation step is replaced by ``patch_generation`` (same completions, both libraries).
+PATCHED_TRAINERS = frozenset({"rloo"})
+# Trainers given the tokenizer explicitly (TRL's GKD does not load it from a model path).
+TOKENIZER_TRAINERS = frozenset({"gkd", "distillation"})
+# Trainers that take a reward_funcs argument.
+REWARD_TRAINERS = frozenset({"grpo", "rloo", "gmpo", "online_dpo", "a2po"})
 
 
 # -- GRPO/RLOO: fixed completions and rewards ----------------------------------------------------------------------
@@ -296,6 +331,7 @@ class Scenario:
     tools: tuple[str, ...] = ()  # names in TOOLS; the model then generates (no rollout_func)
     compare_keys: tuple[str, ...] | None = None  # compare only these keys (sampled runs: the tool metrics)
     model: str | None = None  # a key of the runner's model paths; default from the trainer
+    teacher: bool = False  # pass teacher_model= the saved teacher (a different tiny model: the warm-started one)
 
     @property
     def task(self) -> str:
@@ -434,6 +470,41 @@ def _scenarios() -> list[Scenario]:
         reward_funcs=("vowels",))  # fmt: skip
     add("rloo/two_rewards", "rloo", {**online, "reward_weights": [1.0, 0.5]}, "prompts",
         reward_funcs=("vowels", "length"))  # fmt: skip
+
+    # -- experimental trainers (posttrain.experimental.<name> vs trl.experimental.<name>) --
+    # GMPO (a GRPO subclass in both): completions from fixed_rollout_func; μ > 1 so the clipped geometric mean acts
+    for beta, mu in itertools.product((0.0, 0.04), (1, 2)):
+        add(f"gmpo/beta{beta}_mu{mu}", "gmpo", {**_ONLINE, "beta": beta, "num_iterations": mu}, "prompts",
+            reward_funcs=("vowels",))  # fmt: skip
+    add("gmpo/epsilon_high_0.6", "gmpo", {**_ONLINE, "beta": 0.0, "num_iterations": 2, "epsilon_high": 0.6},
+        "prompts", reward_funcs=("vowels",))  # fmt: skip
+
+    # CPO: every loss type (simpo = CPO-SimPO with the default cpo_alpha; "simpo_pure" = SimPO, cpo_alpha 0; AlphaPO)
+    pair = {"max_length": 64}
+    for loss in ("sigmoid", "hinge", "ipo", "simpo"):
+        add(f"cpo/{loss}", "cpo", {**pair, "loss_type": loss}, "preference")
+    add("cpo/simpo_pure", "cpo", {**pair, "loss_type": "simpo", "cpo_alpha": 0.0}, "preference")
+    add("cpo/alphapo", "cpo", {**pair, "loss_type": "alphapo", "alpha": 0.25}, "preference")
+    add("cpo/label_smoothing_0.1", "cpo", {**pair, "label_smoothing": 0.1}, "preference")
+    add("cpo/conversational", "cpo", pair, "preference_conv")
+    add("cpo/grad_accum_2", "cpo", {**pair, "gradient_accumulation_steps": 2}, "preference")
+    # ORPO
+    add("orpo/default", "orpo", pair, "preference")
+    add("orpo/beta_0.5", "orpo", {**pair, "beta": 0.5}, "preference")
+    add("orpo/conversational", "orpo", pair, "preference_conv")
+    # TPO: loss types on triple preferences (chosen, rejected, reference)
+    for loss in ("sigmoid", "hinge", "ipo", "tpo-l"):
+        add(f"tpo/{loss}", "tpo", {**pair, "loss_type": loss}, "triple")
+    # GKD offline (lmbda=0, seq_kd=False: no sampling): the dataset's completions, student vs teacher
+    gkd = {"max_length": 256, "lmbda": 0.0, "seq_kd": False}
+    for beta in (0.0, 0.5, 1.0):
+        add(f"gkd/offline_beta{beta}", "gkd", {**gkd, "beta": beta}, "messages", teacher=True)
+    add("gkd/offline_temperature_2", "gkd", {**gkd, "temperature": 2.0}, "messages", teacher=True)
+    # one row per batch: no padding (TRL's ChatML collator left-pads without position ids, which moves the
+    # positions of a padded row's tokens)
+    add("gkd/offline_batch1", "gkd", {**gkd, "per_device_train_batch_size": 1}, "messages", teacher=True)
+    add("gkd/offline_batch1_temperature_2", "gkd", {**gkd, "per_device_train_batch_size": 1, "temperature": 2.0},
+        "messages", teacher=True)  # fmt: skip
     return out
 
 
@@ -448,22 +519,29 @@ def select(patterns: list[str] | None) -> list[Scenario]:
 
 
 # -- running one scenario (inside either venv) -----------------------------------------------------------------------
-def run_scenario(scenario: Scenario, model_path: str, trainer_classes: dict[str, tuple[Any, Any]], output_dir: str):
+def run_scenario(scenario: Scenario, model_paths: dict[str, str], trainer_classes: Any, output_dir: str):
     """Train ``scenario`` and return its per-step logs ``[{"step": n, key: value, ...}, ...]``."""
     import torch
     from datasets import Dataset
     from transformers import TrainerCallback
 
+    model_path = model_paths[scenario.task]
     config_cls, trainer_cls = trainer_classes[scenario.trainer]
     rows = DATASETS[scenario.dataset](**scenario.dataset_kwargs)
     dataset = Dataset.from_list(rows)
     config = config_cls(output_dir=output_dir, max_steps=scenario.steps, **scenario.args)
     kwargs: dict[str, Any] = {"model": model_path, "args": config, "train_dataset": dataset}
-    if scenario.trainer in ("grpo", "rloo"):
+    if scenario.teacher:
+        kwargs["teacher_model"] = model_paths["teacher"]
+    if scenario.trainer in TOKENIZER_TRAINERS:
+        from transformers import AutoTokenizer
+
+        kwargs["processing_class"] = AutoTokenizer.from_pretrained(model_path)
+    if scenario.trainer in REWARD_TRAINERS:
         kwargs["reward_funcs"] = [REWARD_FUNCS[name] for name in scenario.reward_funcs]
         if scenario.tools:
             kwargs["tools"] = [TOOLS[name] for name in scenario.tools]
-        elif scenario.trainer == "grpo":
+        elif scenario.trainer in ROLLOUT_FUNC_TRAINERS:
             kwargs["rollout_func"] = fixed_rollout_func
     logs: list[dict[str, Any]] = []
 
@@ -477,7 +555,7 @@ def run_scenario(scenario: Scenario, model_path: str, trainer_classes: dict[str,
     record = logs
     torch.manual_seed(0)
     trainer = trainer_cls(**kwargs)
-    if scenario.trainer == "rloo":
+    if scenario.trainer in PATCHED_TRAINERS:
         patch_generation(trainer)
     trainer.add_callback(_Record())
     trainer.train()
@@ -504,7 +582,7 @@ def run_many(scenarios: list[Scenario], model_paths: dict[str, str], trainer_cla
         with tempfile.TemporaryDirectory(prefix="fidelity-") as tmp, warnings.catch_warnings():
             warnings.simplefilter("ignore")
             try:
-                out[scenario.name] = {"logs": run_scenario(scenario, model_paths[scenario.task], trainer_classes, tmp)}
+                out[scenario.name] = {"logs": run_scenario(scenario, model_paths, trainer_classes, tmp)}
             except Exception as error:  # noqa: BLE001 (recorded in the table)
                 tb = traceback.format_exc(limit=4)
                 out[scenario.name] = {"error": f"{type(error).__name__}: {error}"[:400], "traceback": tb[-1500:]}
@@ -622,27 +700,97 @@ KNOWN_DIFFERENCES: dict[str, str] = {
 }
 
 
+# Understood differences limited to some keys: a scenario (name prefix) whose differing keys all fall in the set
+# is marked known; any other differing key (e.g. the loss) still shows as an unexplained difference.
+_LOGITS_MEAN = (
+    "deliberate: logits/* are the mean logit over the completion tokens (computed from the scored hidden states, "
+    "no (B, T, V) logits); TRL averages its full logits tensor over every position, prompt and padding included"
+)
+_LEGACY_DOUBLE_EOS = (
+    "TRL's legacy CPO/ORPO tokenizer appends EOS after a conversational completion that the chat template already "
+    "closed (`<|im_end|>\\n<|im_end|>`); posttrain, like TRL's own DPO, does not add a second end-of-turn token"
+)
+_GKD = (
+    "understood, not fixed: (1) data order: TRL's GKD is an SFTTrainer (RandomSampler), posttrain's GKD is the "
+    "distillation trainer on the online prompt sampler, so step 1 already sees other rows; (2) TRL's ChatML collator "
+    "also trains on the `\\n` after `<|im_end|>`, posttrain's completion ends at EOS; (3) TRL's GKD loss ignores "
+    "`temperature` (sampling only), posttrain divides the logits by it as TRL's DistillationTrainer does; (4) TRL "
+    "left-pads without position ids"
+)
+KNOWN_KEY_DIFFERENCES: dict[str, tuple[frozenset[str] | None, str]] = {
+    "gkd/offline": (None, _GKD),
+    "cpo/conversational": (None, _LEGACY_DOUBLE_EOS),
+    "orpo/conversational": (None, _LEGACY_DOUBLE_EOS),
+    "cpo/": (frozenset({"logits/chosen", "logits/rejected"}), _LOGITS_MEAN),
+    "orpo/": (frozenset({"logits/chosen", "logits/rejected"}), _LOGITS_MEAN),
+}
+
+
 def known_difference(comparison: Comparison) -> str | None:
-    """Why a non-equal scenario differs, when that is understood (see :data:`KNOWN_DIFFERENCES`)."""
+    """Why a non-equal scenario differs, when that is understood (see :data:`KNOWN_DIFFERENCES` and
+    :data:`KNOWN_KEY_DIFFERENCES`)."""
     if comparison.status == "equal":
         return None
-    return KNOWN_DIFFERENCES.get(comparison.name)
+    if comparison.name in KNOWN_DIFFERENCES:
+        return KNOWN_DIFFERENCES[comparison.name]
+    if comparison.status != "differs":
+        return None
+    for prefix, (keys, reason) in KNOWN_KEY_DIFFERENCES.items():
+        if comparison.name.startswith(prefix) and (keys is None or set(comparison.differing_keys) <= keys):
+            return reason
+    return None
 
 
-def write_markdown(path: str, table: str, counts: dict[str, int], ours: Any, theirs: Any) -> None:
-    """Replace the generated part of ``path`` (between the markers) with ``table``; keep the hand-written text."""
+def _table_rows(text: str) -> dict[str, str]:
+    """``{scenario: row}`` of the result table between the markers of a FIDELITY.md text (header rows left out)."""
+    begin, end = "<!-- fidelity-table:begin -->", "<!-- fidelity-table:end -->"
+    if begin not in text or end not in text:
+        return {}
+    rows = {}
+    for line in text[text.index(begin) : text.index(end)].splitlines():
+        cells = line.split(" | ")
+        if line.startswith("| ") and len(cells) > 2 and cells[0] not in ("| scenario", "| ---"):
+            rows[cells[0][2:]] = line
+    return rows
+
+
+def write_markdown(
+    path: str, table: str, counts: dict[str, int], ours: Any, theirs: Any, rerun: list[str] | None = None
+) -> None:
+    """Replace the generated part of ``path`` (between the markers) with ``table``; keep the hand-written text.
+
+    With ``rerun`` (the ``--only`` patterns of a partial run) the rows of the scenarios not run are kept from the
+    existing table, the new rows replace theirs, and the counts are those of the merged table."""
     import os
 
     begin, end = "<!-- fidelity-table:begin -->", "<!-- fidelity-table:end -->"
+    text = open(path).read() if os.path.exists(path) else f"# Fidelity with TRL\n\n{begin}\n{end}\n"
+    note = ""
+    if rerun:
+        new_rows = _table_rows(f"{begin}\n{table}\n{end}")
+        merged = {**_table_rows(text), **new_rows}
+        order = [n for n in SCENARIOS if n in merged] + [n for n in merged if n not in SCENARIOS]
+        header = table.splitlines()[:2]
+        table = "\n".join([*header, *(merged[n] for n in order)])
+        cells = [merged[n].split(" | ")[1] for n in order]
+        counts = {
+            "equal": sum(c == "equal" for c in cells),
+            "differs": sum(c.startswith("**differs**") for c in cells),
+            "error": sum(c.startswith("**error**") for c in cells),
+            "known": sum("(known:" in c for c in cells),
+        }
+        note = (
+            f" This run re-ran the {len(new_rows)} scenarios matching `{' '.join(rerun)}`; the other rows are kept "
+            "from the previous run."
+        )
     body = (
         f"{begin}\n\nposttrain {(ours or {}).get('posttrain', '?')} vs TRL {(theirs or {}).get('trl', '?')} "
         f"(torch {(ours or {}).get('torch', '?')}, transformers {(ours or {}).get('transformers', '?')}): "
         f"**{counts['equal']} equal, {counts['differs']} differ, {counts['error']} errors** "
         f"({counts.get('known', 0)} of those understood: marked *known* below) of "
-        f"{counts['equal'] + counts['differs'] + counts['error']} scenarios, relative tolerance {REL_TOL}."
+        f"{counts['equal'] + counts['differs'] + counts['error']} scenarios, relative tolerance {REL_TOL}.{note}"
         f"\n\n{table}\n\n{end}"
     )
-    text = open(path).read() if os.path.exists(path) else f"# Fidelity with TRL\n\n{begin}\n{end}\n"
     if begin in text and end in text:
         text = text[: text.index(begin)] + body + text[text.index(end) + len(end) :]
     else:

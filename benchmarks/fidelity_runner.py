@@ -16,16 +16,35 @@ import sys
 from benchmarks import common, fidelity
 
 
+class _TrainerClasses(dict):
+    """``{trainer: (Config, Trainer)}``; an experimental trainer's module (``<impl>.experimental.<name>``) is imported
+    on first use only, so a run of the stable scenarios never imports it."""
+
+    def __init__(self, impl: str):
+        super().__init__()
+        self.impl = impl
+
+    def __missing__(self, name: str) -> tuple[type, type]:
+        import importlib
+
+        module, config, trainer = fidelity.EXPERIMENTAL[name]
+        mod = importlib.import_module(f"{self.impl}.experimental.{module}")
+        self[name] = (getattr(mod, config), getattr(mod, trainer))
+        return self[name]
+
+
 def trainer_classes(impl: str) -> dict[str, tuple[type, type]]:
     lib = __import__(impl)
-    return {
+    classes = _TrainerClasses(impl)
+    classes.update({
         "sft": (lib.SFTConfig, lib.SFTTrainer),
         "dpo": (lib.DPOConfig, lib.DPOTrainer),
         "kto": (lib.KTOConfig, lib.KTOTrainer),
         "reward": (lib.RewardConfig, lib.RewardTrainer),
         "grpo": (lib.GRPOConfig, lib.GRPOTrainer),
         "rloo": (lib.RLOOConfig, lib.RLOOTrainer),
-    }
+    })  # fmt: skip
+    return classes
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -35,6 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--causal", required=True, help="Saved tiny causal LM directory.")
     parser.add_argument("--seqcls", required=True, help="Saved tiny sequence classifier directory.")
     parser.add_argument("--qwen3", required=True, help="The tiny causal LM with a Qwen3 chat template.")
+    parser.add_argument("--teacher", required=True, help="A different tiny causal LM (same tokenizer): teachers.")
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=None, help="Override every scenario's optimizer steps.")
     args = parser.parse_args(argv)
@@ -45,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     scenarios = [fidelity.SCENARIOS[n] for n in names]
     if args.steps is not None:
         scenarios = [dataclasses.replace(s, steps=args.steps) for s in scenarios]
-    paths = {"causal-lm": args.causal, "sequence-classification": args.seqcls, "causal-lm-qwen3": args.qwen3}
+    paths = {"causal-lm": args.causal, "sequence-classification": args.seqcls, "causal-lm-qwen3": args.qwen3, "teacher": args.teacher}
     results = fidelity.run_many(scenarios, paths, trainer_classes(args.impl))
     other = "posttrain" if args.impl == "trl" else "trl"
     if other in sys.modules:

@@ -55,7 +55,10 @@ def test_loss_equals_formula_on_full_logits(tmp_path, tiny_model_path):
     mean = (sums / lengths).double()
     lc, lr = mean[:2], mean[2:]
     log_odds = (lc - lr) - (torch.log1p(-torch.exp(lc)) - torch.log1p(-torch.exp(lr)))
-    nll = -(logps[:2] * mask[:2]).sum() / mask[:2].sum()
+    # TRL's NLL term: every attended token of prompt+chosen (its cross-entropy over input_ids), not the completion
+    attended = batch["attention_mask"][:2, 1:].float()
+    assert attended.sum() > mask[:2].sum()  # the prompt tokens count
+    nll = -(logps[:2] * attended).sum() / attended.sum()
     expected = nll.double() - 0.25 * torch.nn.functional.logsigmoid(log_odds).mean()
     assert loss.item() == pytest.approx(expected.item(), abs=1e-5)
     assert math.isfinite(loss.item())

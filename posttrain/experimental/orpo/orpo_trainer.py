@@ -2,7 +2,7 @@
 reference model: SFT and preference alignment in one loss.
 
 Recipe per batch: one chunked forward over ``[prompt+chosen; prompt+rejected]`` → token-mean completion log-probs
-``l_c``, ``l_r`` and the token-mean NLL of the chosen completions →
+``l_c``, ``l_r`` and the token-mean NLL of the chosen sequences (prompt and completion, as TRL) →
 :func:`posttrain.core.reference_free.orpo_odds_ratio_loss` →
 ``loss = NLL(chosen) − mean(β · log σ(log-odds(chosen) − log-odds(rejected)))``.
 
@@ -13,6 +13,8 @@ them (+ ``aux_loss`` for MoE). ``logits/*`` are the mean logit over completion t
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from posttrain.core.reference_free import orpo_odds_ratio_loss
 from posttrain.distributed import gather_mean
@@ -48,8 +50,19 @@ class ORPOTrainer(ReferenceFreePairwiseTrainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         mode = "train" if model.training else "eval"
+        # TRL (as the ORPO reference code) takes the NLL term over the whole chosen sequence, prompt included, and
+        # the odds ratio over the completions: one scoring pass over every attended token, then split.
+        full = {**inputs, "completion_mask": inputs["attention_mask"]}
         with activation_offloading_context(getattr(self.args, "activation_offloading", False)):
-            pair = self._score_pairs(model, inputs, average=True, nll=True)
+            pair = self._score_pairs(model, full, average=False, nll=True)
+        completion = pair.scores.mask & inputs["completion_mask"].bool()
+        logps = (pair.scores.logps * completion).sum(-1) / completion.sum(-1).clamp(min=1).to(pair.scores.logps.dtype)
+        pair = dataclasses.replace(
+            pair,
+            chosen_logps=logps[pair.branch(0)],
+            rejected_logps=logps[pair.branch(1)],
+            scores=dataclasses.replace(pair.scores, mask=completion),
+        )
         odds_term, log_odds_ratio, log_odds = orpo_odds_ratio_loss(
             pair.chosen_logps, pair.rejected_logps, beta=self.args.beta
         )
