@@ -25,6 +25,7 @@ pushed and a fresh worker starts at ``next_round`` (rounds in flight when the ru
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import multiprocessing
 import os
@@ -47,6 +48,32 @@ _QUEUE_POLL_S = 0.2
 Producer = Callable[[list, Callable[[str, float], None]], tuple[Any, Any]]
 
 
+def check_async_rollout_options(config: Any, trainer_name: str, model_hint: str = "MODEL") -> None:
+    """The checks every async trainer's config shares: generation on a server only, a staleness bound the weight
+    sync can meet, one pass over each sample, one training process. Sets ``ignore_data_skip`` (the worker resumes
+    the prompt order itself, from ``rollout_state.json``)."""
+    if not config.use_vllm or config.vllm_mode != "server":
+        raise ValueError(
+            f"{trainer_name} generates on a server only: keep use_vllm=True and vllm_mode='server' and start "
+            f"`posttrain serve --model {model_hint}` (or `vllm serve`)."
+        )
+    if config.max_staleness < 0:
+        raise ValueError(f"max_staleness must be >= 0, got {config.max_staleness}.")
+    if config.weight_sync_steps < 1:
+        raise ValueError(f"weight_sync_steps must be >= 1, got {config.weight_sync_steps}.")
+    if config.max_staleness < config.weight_sync_steps - 1:
+        raise ValueError(
+            f"max_staleness={config.max_staleness} < weight_sync_steps - 1 = {config.weight_sync_steps - 1}: the "
+            "server's weights lag the trainer by up to weight_sync_steps - 1 versions, so every sample would be "
+            "dropped. Raise max_staleness or lower weight_sync_steps."
+        )
+    if config.num_iterations != 1:
+        raise ValueError(f"{trainer_name} trains each sample once: num_iterations must be 1.")
+    if config.world_size != 1:
+        raise ValueError(f"{trainer_name} in posttrain runs on a single training process (world_size 1).")
+    config.ignore_data_skip = True
+
+
 class RolloutWorkerError(RuntimeError):
     """The rollout worker process failed (its exception type, message and traceback are in the message)."""
 
@@ -57,7 +84,7 @@ class RolloutWorkerError(RuntimeError):
 
 
 @dataclass(kw_only=True)
-class AsyncWorkerSpec:
+class AsyncWorkerSpec(abc.ABC):
     """What every rollout worker needs (pickled into the child): the prompt order, the server, admission.
 
     Subclasses add what their rounds need and implement :meth:`make_producer`.
@@ -79,9 +106,9 @@ class AsyncWorkerSpec:
     max_rounds: int | None = None
     client_kwargs: dict[str, Any] = field(default_factory=dict)
 
+    @abc.abstractmethod
     def make_producer(self, backend: Any) -> Producer:
         """Build (in the child) the function turning a round's rows into its batch, generating with ``backend``."""
-        raise NotImplementedError(f"{type(self).__name__} must define make_producer().")
 
 
 class RoundSource:
@@ -191,7 +218,7 @@ class _WeightSyncCallback(TrainerCallback):
             self.trainer._push_weights()
 
 
-class AsyncRolloutMixin:
+class AsyncRolloutMixin(abc.ABC):
     """The trainer side of the async trainers (see the module docstring), over an ``OnlineTrainerBase`` subclass
     whose ``self.backend`` is the ``vllm_server`` backend of a ``posttrain serve`` server.
 
@@ -221,8 +248,9 @@ class AsyncRolloutMixin:
         """Rows (completions) per round: one optimizer step's worth."""
         return self.args.per_device_train_batch_size * self.args.steps_per_generation
 
+    @abc.abstractmethod
     def _worker_spec(self) -> AsyncWorkerSpec:
-        raise NotImplementedError(f"{type(self).__name__} must define _worker_spec().")
+        """The pickled spec of this trainer's round producer (built with :meth:`_worker_spec_fields`)."""
 
     def _worker_spec_fields(self) -> dict[str, Any]:
         """The :class:`AsyncWorkerSpec` fields every worker shares, from the trainer's config and sampler."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from posttrain.rollout.async_worker import check_async_rollout_options
 from posttrain.trainers.distillation import DistillationConfig
 
 
@@ -145,32 +146,13 @@ class AsyncDistillationConfig(DistillationConfig):
         super().__post_init__()
         if not self.teacher_server_urls:
             raise ValueError("teacher_server_urls must have at least one entry.")
-        if not self.use_vllm or self.vllm_mode != "server":
-            raise ValueError(
-                "AsyncDistillation generates on a server only: keep use_vllm=True and vllm_mode='server' and start "
-                "`posttrain serve --model STUDENT`."
-            )
+        check_async_rollout_options(self, "AsyncDistillation", "STUDENT")
         if self.lmbda != 1.0 or self.seq_kd:
             raise ValueError("AsyncDistillation trains on the student's own samples only: lmbda=1.0, seq_kd=False.")
         if self.teacher_top_k < 1:
             raise ValueError(f"teacher_top_k must be >= 1, got {self.teacher_top_k}.")
         if not self.teacher_temperature > 0.0:
             raise ValueError(f"teacher_temperature must be > 0, got {self.teacher_temperature}.")
-        if self.max_staleness < 0:
-            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}.")
-        if self.weight_sync_steps < 1:
-            raise ValueError(f"weight_sync_steps must be >= 1, got {self.weight_sync_steps}.")
-        if self.max_staleness < self.weight_sync_steps - 1:
-            raise ValueError(
-                f"max_staleness={self.max_staleness} < weight_sync_steps - 1 = {self.weight_sync_steps - 1}: the "
-                "server's weights lag the trainer by up to weight_sync_steps - 1 versions, so every sample would be "
-                "dropped. Raise max_staleness or lower weight_sync_steps."
-            )
-        if self.num_iterations != 1:
-            raise ValueError("AsyncDistillation trains each sample once: num_iterations must be 1.")
-        if self.world_size != 1:
-            raise ValueError("AsyncDistillation in posttrain runs on a single training process (world_size 1).")
-        self.ignore_data_skip = True
 
     # The served-teacher loss of posttrain.experimental._sparse_trainer reads these names (ServerDistillation's).
     @property

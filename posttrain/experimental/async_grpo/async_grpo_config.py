@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from posttrain.rollout.async_worker import check_async_rollout_options
 from posttrain.trainers.grpo import GRPOConfig
 
 
@@ -77,28 +78,9 @@ class AsyncGRPOConfig(GRPOConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if not self.use_vllm or self.vllm_mode != "server":
-            raise ValueError(
-                "AsyncGRPO generates on a server only: keep use_vllm=True and vllm_mode='server' and start "
-                "`posttrain serve --model MODEL` (or `vllm serve`)."
-            )
-        if self.max_staleness < 0:
-            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}.")
-        if self.weight_sync_steps < 1:
-            raise ValueError(f"weight_sync_steps must be >= 1, got {self.weight_sync_steps}.")
-        if self.max_staleness < self.weight_sync_steps - 1:
-            raise ValueError(
-                f"max_staleness={self.max_staleness} < weight_sync_steps - 1 = {self.weight_sync_steps - 1}: the "
-                "server's weights lag the trainer by up to weight_sync_steps - 1 versions, so every sample would be "
-                "dropped. Raise max_staleness or lower weight_sync_steps."
-            )
-        if self.num_iterations != 1:
-            raise ValueError("AsyncGRPO trains each sample once: num_iterations must be 1.")
+        check_async_rollout_options(self, "AsyncGRPO")
         if self.steps_per_generation != self.gradient_accumulation_steps:
             raise ValueError(
                 "AsyncGRPO generates one optimizer step's worth of samples per round: leave steps_per_generation / "
                 "generation_batch_size unset (steps_per_generation = gradient_accumulation_steps)."
             )
-        if self.world_size != 1:
-            raise ValueError("AsyncGRPO in posttrain runs on a single training process (world_size 1).")
-        self.ignore_data_skip = True
