@@ -3,6 +3,7 @@ with the experimental notice silenced (its own tests check it)."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import sys
 from pathlib import Path
@@ -27,3 +28,15 @@ def served_url(tiny_model_path):
 
     with serve_in_thread(PosttrainEngine.from_pretrained(tiny_model_path, device="cpu")) as url:
         yield url
+
+
+@pytest.fixture()
+def no_leaked_children():
+    """Fail a test that leaves a child process (the async trainers' rollout workers) behind, killing it first so
+    one bug does not cascade."""
+    yield
+    children = multiprocessing.active_children()
+    for child in children:
+        child.kill()
+        child.join(5)
+    assert not children, f"leaked processes: {children}"

@@ -105,3 +105,16 @@ class LogitsTracker:
 
     def __exit__(self, *exc) -> None:
         self._mode.__exit__(*exc)
+
+
+def served_loss_batch(tokenizer) -> dict:
+    """Two rows, left-padded prompts (pad 259), a masked last completion token: a fixed micro-batch for the served
+    teacher losses."""
+    prompt = torch.tensor([[259] + tokenizer("Q1:").input_ids, tokenizer("Q22:").input_ids])
+    prompt_mask = (prompt != 259).long()
+    completion = torch.tensor([tokenizer("abca").input_ids, tokenizer("xyz").input_ids + [259]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
+    return {
+        "prompt_ids": prompt, "prompt_mask": prompt_mask, "completion_ids": completion, "completion_mask": mask,
+        "completion_lengths": torch.tensor([4, 3]), "num_items_in_batch": mask.sum(),
+    }  # fmt: skip

@@ -6,15 +6,16 @@ Every test checks that no child process is left (the trainer joins its worker in
 from __future__ import annotations
 
 import json
-import multiprocessing
 
 import pytest
 import torch
 from datasets import Dataset
-from distill_helpers import prompts, sampled_reverse_kl
+from distill_helpers import prompts, sampled_reverse_kl, served_loss_batch
 from trainer_helpers import fast_config
 
 from posttrain.core.distill import sparse_support_divergence
+
+pytestmark = pytest.mark.usefixtures("no_leaked_children")
 
 pytest.importorskip("fastapi")
 
@@ -51,16 +52,6 @@ def student_url(tiny_model_path):
         yield url
 
 
-@pytest.fixture(autouse=True)
-def _no_leaked_children():
-    yield
-    children = multiprocessing.active_children()
-    for child in children:  # clean up before failing, so one bug does not cascade
-        child.kill()
-        child.join(5)
-    assert not children, f"leaked processes: {children}"
-
-
 def _args(path, student, teacher=None, **overrides):
     values = dict(COMMON, vllm_server_base_url=student, max_steps=3)
     if teacher is not None:
@@ -72,16 +63,6 @@ def _params(trainer):
     return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
 
 
-def _batch(tokenizer):
-    """Two rows, left-padded prompts, a masked last completion token: a fixed micro-batch for the loss."""
-    prompt = torch.tensor([[259] + tokenizer("Q1:").input_ids, tokenizer("Q22:").input_ids])
-    prompt_mask = (prompt != 259).long()
-    completion = torch.tensor([tokenizer("abca").input_ids, tokenizer("xyz").input_ids + [259]])
-    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
-    return {
-        "prompt_ids": prompt, "prompt_mask": prompt_mask, "completion_ids": completion, "completion_mask": mask,
-        "completion_lengths": torch.tensor([4, 3]), "num_items_in_batch": mask.sum(),
-    }  # fmt: skip
 
 
 def _local_log_probs(model, batch, vocab, temperature):
@@ -198,7 +179,7 @@ def test_served_loss_on_a_fixed_batch(tiny_model_path, abc_teacher_path, student
     args = _args(tmp_path / "a", student_url, teacher_url, beta=beta, teacher_top_k=2, temperature=0.6,
                  teacher_temperature=1.3)  # fmt: skip
     trainer = _api().AsyncDistillationTrainer(tiny_model_path, args, train_dataset=prompts())
-    batch = _batch(trainer.processing_class)
+    batch = served_loss_batch(trainer.processing_class)
     served = ServedTeacher(teacher_url, trainer.vocab_rows)
     scored = {**batch, **_api().worker.score_with_teachers(batch, ["default"] * 2, {"default": served}, 2, 1.3)}
     served.close()
@@ -244,7 +225,7 @@ def test_local_teacher_loss_equals_distillation_trainer(tiny_model_path, abc_tea
                                               teacher_model=abc_teacher_path)  # fmt: skip
     sync = DistillationTrainer(tiny_model_path, abc_teacher_path, fast_config(DistillationConfig, tmp_path / "s",
                                beta=0.5, temperature=1.3), train_dataset=prompts())  # fmt: skip
-    batch = _batch(trainer.processing_class)
+    batch = served_loss_batch(trainer.processing_class)
     trainer.model.train()
     sync.model.train()
     assert torch.equal(trainer._compute_loss(trainer.model, batch), sync._compute_loss(sync.model, batch))

@@ -6,7 +6,6 @@ Every test stops its server and checks that no child process is left (the traine
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import threading
 import warnings
@@ -18,6 +17,8 @@ from datasets import Dataset
 
 from posttrain.serving.app import serve_in_thread
 from posttrain.serving.engine import PosttrainEngine
+
+pytestmark = pytest.mark.usefixtures("no_leaked_children")
 
 
 def _dataset(n: int = 8) -> Dataset:
@@ -48,16 +49,6 @@ def engine(tiny_model_path):
 def server(engine):
     with serve_in_thread(engine) as url:
         yield url
-
-
-@pytest.fixture(autouse=True)
-def _no_leaked_children():
-    yield
-    children = multiprocessing.active_children()
-    for child in children:  # clean up before failing, so one bug does not cascade
-        child.kill()
-        child.join(5)
-    assert not children, f"leaked processes: {children}"
 
 
 def _params(trainer):

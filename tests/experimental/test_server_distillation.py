@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from distill_helpers import mean_reverse_kl, pairs, prompts
+from distill_helpers import mean_reverse_kl, pairs, prompts, served_loss_batch
 from trainer_helpers import fast_config, quiet_single_thread  # noqa: F401
 
 from posttrain.core.distill import sparse_support_divergence
@@ -30,15 +30,6 @@ def _config(tmp_path, url, **overrides):
     return fast_config(ServerDistillationConfig, tmp_path, **{**values, **overrides})
 
 
-def _batch(tokenizer):
-    prompt = torch.tensor([[259] + tokenizer("Q1:").input_ids, tokenizer("Q22:").input_ids])  # left padding
-    prompt_mask = (prompt != 259).long()
-    completion = torch.tensor([tokenizer("abca").input_ids, tokenizer("xyz").input_ids + [259]])
-    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
-    return {
-        "prompt_ids": prompt, "prompt_mask": prompt_mask, "completion_ids": completion, "completion_mask": mask,
-        "completion_lengths": torch.tensor([4, 3]), "num_items_in_batch": mask.sum(),
-    }  # fmt: skip
 
 
 def _local_log_probs(model, batch, vocab):
@@ -76,7 +67,7 @@ def test_served_loss_by_hand(tiny_model_path, abc_teacher_path, teacher_url, tmp
         tiny_model_path, args=_config(tmp_path, teacher_url, beta=beta, loss_top_k=top_k), train_dataset=prompts()
     )
     assert trainer.teacher_model is None
-    batch = _batch(trainer.processing_class)
+    batch = served_loss_batch(trainer.processing_class)
     trainer.model.train()
     loss = trainer._compute_loss(trainer.model, batch)
     teacher = AutoModelForCausalLM.from_pretrained(abc_teacher_path)
