@@ -118,3 +118,14 @@ def served_loss_batch(tokenizer) -> dict:
         "prompt_ids": prompt, "prompt_mask": prompt_mask, "completion_ids": completion, "completion_mask": mask,
         "completion_lengths": torch.tensor([4, 3]), "num_items_in_batch": mask.sum(),
     }  # fmt: skip
+
+
+def iw_opd_batch(tokenizer) -> dict:
+    """Two unpadded rows, the second's last completion token masked: the IW-OPD tests' fixed micro-batch."""
+    prompt = torch.tensor([tokenizer("Q1:").input_ids, tokenizer("Q2:").input_ids])
+    completion = torch.tensor([tokenizer("abca").input_ids, tokenizer("xyzw").input_ids])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
+    return {
+        "prompt_ids": prompt, "prompt_mask": torch.ones_like(prompt), "completion_ids": completion,
+        "completion_mask": mask, "completion_lengths": torch.tensor([4, 3]), "num_items_in_batch": mask.sum(),
+    }  # fmt: skip

@@ -119,6 +119,18 @@ def test_without_uld_a_different_vocabulary_is_refused(tiny_model_path, merged_t
                     train_dataset=pairs())  # fmt: skip
 
 
+def _loss_before_and_after_training(trainer, batch) -> tuple[float, float]:
+    """The eval-mode ULD loss on ``batch`` before and after ``trainer.train()``."""
+    losses = []
+    for run in (None, trainer.train):
+        if run is not None:
+            run()
+        trainer.model.eval()
+        with torch.no_grad():
+            losses.append(trainer._compute_loss(trainer.model, batch).item())
+    return losses[0], losses[1]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["observed", "bayesian"])
 def test_extended_uld_distance_falls(abc_teacher_path, merged_teacher_path, tmp_path, strategy):
@@ -132,14 +144,7 @@ def test_extended_uld_distance_falls(abc_teacher_path, merged_teacher_path, tmp_
                    learning_rate=1e-2, lmbda=0.0, logging_steps=10, uld_token_merge_strategy=strategy)  # fmt: skip
     assert args.use_extended_uld
     trainer = GOLDTrainer(student, merged_teacher_path, args=args, train_dataset=pairs(16))
-    batch = _batch(trainer.processing_class, "abcabc")
-    trainer.model.eval()
-    with torch.no_grad():
-        start = trainer._compute_loss(trainer.model, batch).item()
-    trainer.train()
-    trainer.model.eval()
-    with torch.no_grad():
-        end = trainer._compute_loss(trainer.model, batch).item()
+    start, end = _loss_before_and_after_training(trainer, _batch(trainer.processing_class, "abcabc"))
     assert start > 0.4 and end < 0.1 * start, (start, end)
 
 
@@ -150,12 +155,5 @@ def test_uld_distance_falls(tiny_model_path, merged_teacher_path, tmp_path):
     args = _config(tmp_path, per_device_train_batch_size=4, max_completion_length=8, max_steps=30,
                    learning_rate=1e-2, lmbda=0.0, logging_steps=10, use_extended_uld=False)  # fmt: skip
     trainer = GOLDTrainer(tiny_model_path, merged_teacher_path, args=args, train_dataset=pairs(16))
-    batch = _batch(trainer.processing_class, "abcabc")
-    trainer.model.eval()
-    with torch.no_grad():
-        start = trainer._compute_loss(trainer.model, batch).item()
-    trainer.train()
-    trainer.model.eval()
-    with torch.no_grad():
-        end = trainer._compute_loss(trainer.model, batch).item()
+    start, end = _loss_before_and_after_training(trainer, _batch(trainer.processing_class, "abcabc"))
     assert start > 1.0 and end < 0.1 * start, (start, end)

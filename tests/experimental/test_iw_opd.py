@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from distill_helpers import perturbed_copy, prompts, sampled_reverse_kl
+from distill_helpers import iw_opd_batch, perturbed_copy, prompts, sampled_reverse_kl
 from trainer_helpers import fast_config, quiet_single_thread  # noqa: F401
 
 from posttrain.core.distill import iw_opd_loss, sparse_support_divergence
@@ -16,16 +16,6 @@ from posttrain.experimental.iw_opd import IWOPDConfig, IWOPDTrainer
 def _config(tmp_path, **overrides):
     values = dict(per_device_train_batch_size=2, max_completion_length=6, max_steps=1, learning_rate=1e-3)
     return fast_config(IWOPDConfig, tmp_path, **{**values, **overrides})
-
-
-def _batch(tokenizer):
-    prompt = torch.tensor([tokenizer("Q1:").input_ids, tokenizer("Q2:").input_ids])
-    completion = torch.tensor([tokenizer("abca").input_ids, tokenizer("xyzw").input_ids])
-    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
-    return {
-        "prompt_ids": prompt, "prompt_mask": torch.ones_like(prompt), "completion_ids": completion,
-        "completion_mask": mask, "completion_lengths": torch.tensor([4, 3]), "num_items_in_batch": mask.sum(),
-    }  # fmt: skip
 
 
 def _log_probs(model, batch, vocab, temperature=1.0):
@@ -55,7 +45,7 @@ def test_trl_defaults_and_checks(tmp_path):
 def test_iw_opd_loss_matches_the_logits(tiny_model_path, abc_teacher_path, tmp_path):
     trainer = IWOPDTrainer(tiny_model_path, abc_teacher_path, args=_config(tmp_path, iw_opd_gamma=0.7),
                            train_dataset=prompts())  # fmt: skip
-    batch = _batch(trainer.processing_class)
+    batch = iw_opd_batch(trainer.processing_class)
     trainer.model.train()
     loss = trainer._compute_loss(trainer.model, batch)
     tokens = batch["completion_ids"][..., None]
@@ -72,7 +62,7 @@ def test_iw_opd_loss_matches_the_logits(tiny_model_path, abc_teacher_path, tmp_p
 def test_jsd_objective_sparse_top1_and_full(tiny_model_path, abc_teacher_path, tmp_path):
     args = _config(tmp_path, distillation_objective="jsd", beta=0.5)
     trainer = IWOPDTrainer(tiny_model_path, abc_teacher_path, args=args, train_dataset=prompts())
-    batch = _batch(trainer.processing_class)
+    batch = iw_opd_batch(trainer.processing_class)
     trainer.model.train()
     loss = trainer._compute_loss(trainer.model, batch)
     mask = batch["completion_mask"].bool()
@@ -94,7 +84,7 @@ def test_served_teacher_gives_the_local_loss(tiny_model_path, abc_teacher_path, 
     from posttrain.serving.engine import PosttrainEngine
 
     local = IWOPDTrainer(tiny_model_path, abc_teacher_path, args=_config(tmp_path / "a"), train_dataset=prompts())
-    batch = _batch(local.processing_class)
+    batch = iw_opd_batch(local.processing_class)
     local.model.train()
     expected = local._compute_loss(local.model, batch)
     engine = PosttrainEngine.from_pretrained(abc_teacher_path, device="cpu")

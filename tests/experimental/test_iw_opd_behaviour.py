@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from distill_helpers import prompts
+from distill_helpers import iw_opd_batch, prompts
 from trainer_helpers import fast_config, quiet_single_thread  # noqa: F401
 
 from posttrain.experimental.iw_opd import IWOPDConfig, IWOPDTrainer
@@ -45,23 +45,13 @@ def _hand_iw_opd(student, teacher, behaviour, mask, gamma):
     return total / count
 
 
-def _batch(tokenizer):
-    prompt = torch.tensor([tokenizer("Q1:").input_ids, tokenizer("Q2:").input_ids])
-    completion = torch.tensor([tokenizer("abca").input_ids, tokenizer("xyzw").input_ids])
-    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
-    return {
-        "prompt_ids": prompt, "prompt_mask": torch.ones_like(prompt), "completion_ids": completion,
-        "completion_mask": mask, "completion_lengths": torch.tensor([4, 3]), "num_items_in_batch": mask.sum(),
-    }  # fmt: skip
-
-
 def test_stale_sampler_log_probs_are_the_behaviour_policy(tiny_model_path, abc_teacher_path, tmp_path):
     """A rollout sampled by older weights (e.g. vllm_sync_frequency > 1): its recorded log-probs, not the current
     student's, give the advantages and weights."""
     trainer = IWOPDTrainer(tiny_model_path, abc_teacher_path, args=_config(tmp_path, iw_opd_gamma=0.5),
                            train_dataset=prompts())  # fmt: skip
     trainer.model.train()
-    batch = _batch(trainer.processing_class)
+    batch = iw_opd_batch(trainer.processing_class)
     student = _token_log_probs(trainer.model, batch, trainer.vocab_rows)
     with torch.no_grad():
         teacher = _token_log_probs(trainer.teacher_model, batch, trainer.vocab_rows)
