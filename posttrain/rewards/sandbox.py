@@ -88,13 +88,18 @@ _LAUNCHER = r"""
 import json, os, sys
 cfg = json.loads(sys.argv[1])
 try:
+    import ctypes
+    def die_with_caller():  # PR_SET_PDEATHSIG SIGKILL until bwrap's --die-with-parent (a uid change clears it)
+        ctypes.CDLL(None).prctl(1, 9)
+        if os.getppid() != cfg["caller"]:
+            os._exit(125)  # the trainer died before the line above
+    die_with_caller()
     for path in cfg["cgroup_procs"]:
         with open(path, "w") as f:
             f.write(str(os.getpid()))
     with open("/proc/self/oom_score_adj", "w") as f:
         f.write("1000")
     if cfg["binds"]:
-        import ctypes
         libc = ctypes.CDLL(None, use_errno=True)
         libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
         def check(ret, what):
@@ -110,6 +115,7 @@ try:
         os.setgroups([])
         os.setresgid(cfg["uid"], cfg["uid"], cfg["uid"])
         os.setresuid(cfg["uid"], cfg["uid"], cfg["uid"])
+        die_with_caller()
     os.execv(cfg["bwrap"], cfg["argv"])
 except BaseException as e:
     os.write(2, ("sandbox launcher: %s: %s\n" % (type(e).__name__, e)).encode())
@@ -578,6 +584,7 @@ def _run_bwrap(
             "uid": uid,
             "bwrap": _bwrap(),
             "argv": argv,
+            "caller": os.getpid(),
         }
         proc = subprocess.Popen(
             _launcher_argv(python, cfg),
@@ -630,16 +637,19 @@ def _launcher_argv(python: str, cfg: dict) -> list[str]:
     """The launcher command: a POSIX shell with util-linux's ``setpriv`` (and ``unshare``/``mount`` when the Python
     installation must be bound into reach), i.e. no extra interpreter start-up; else the Python launcher."""
     tools = {name: shutil.which(name) for name in ("setpriv", "unshare", "mount")}
-    needed = (["setpriv"] if cfg["uid"] is not None else []) + (["unshare", "mount"] if cfg["binds"] else [])
+    needed = ["setpriv"] + (["unshare", "mount"] if cfg["binds"] else [])  # setpriv: uid drop and --pdeathsig
     if not os.path.exists("/bin/sh") or any(tools[name] is None for name in needed):
         return [python, "-I", "-S", "-B", "-c", _LAUNCHER, json.dumps(cfg)]
     fail = "|| { echo 'sandbox launcher: setup failed' >&2; exit 125; }"
-    lines = [f"echo $$ > {shlex.quote(path)} {fail}" for path in cfg["cgroup_procs"]]
+    # started under setpriv --pdeathsig (below): is the trainer still our parent, i.e. did it not die before that?
+    lines = [f'read -r _ _ _ ppid _ < /proc/$$/stat; [ "$ppid" = {int(cfg["caller"])} ] || exit 125']
+    lines += [f"echo $$ > {shlex.quote(path)} {fail}" for path in cfg["cgroup_procs"]]
     lines.append(f"echo 1000 > /proc/self/oom_score_adj {fail}")
     argv = [cfg["bwrap"], *cfg["argv"][1:]]
-    if cfg["uid"] is not None:
-        uid = str(cfg["uid"])
-        argv = [tools["setpriv"], f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--", *argv]
+    # SIGKILL when the trainer dies before bubblewrap's own --die-with-parent is in place (kept across exec; set
+    # again after the uid change, which clears it)
+    ids = [] if cfg["uid"] is None else [f"--reuid={cfg['uid']}", f"--regid={cfg['uid']}", "--clear-groups"]
+    argv = [tools["setpriv"], "--pdeathsig", "KILL", *ids, "--", *argv]
     if cfg["binds"]:  # root with an unreadable interpreter: bind it into reach in a private mount namespace
         inner = [
             f"mkdir -m 755 {shlex.quote(dst)} && {shlex.quote(tools['mount'])} -n --bind {shlex.quote(src)} "
@@ -650,7 +660,8 @@ def _launcher_argv(python: str, cfg: dict) -> list[str]:
         unshare = [tools["unshare"], "--mount", "--propagation", "private", "--", "/bin/sh", "-c", "\n".join(inner)]
         argv = [*unshare, "sandbox-launcher", *argv]
     lines.append('exec "$@"')
-    return ["/bin/sh", "-c", "\n".join(lines), "sandbox-launcher", *argv]
+    shell = ["/bin/sh", "-c", "\n".join(lines), "sandbox-launcher"]
+    return [tools["setpriv"], "--pdeathsig", "KILL", "--", *shell, *argv]
 
 
 def _remove_tree(path: str) -> None:

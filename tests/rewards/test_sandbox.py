@@ -86,6 +86,68 @@ def test_attack_is_contained_with_the_python_launcher(monkeypatch, name):
     attacks.ATTACKS[name]()
 
 
+_HELD_TRAINER = r"""
+import json, subprocess, sys, time
+argv = json.loads(sys.argv[1])
+cfg = json.loads(argv.pop())
+cfg["caller"] = __import__("os").getpid()
+from posttrain.rewards import sandbox
+if argv[0] == "python":
+    sandbox.shutil.which = lambda name: None
+launcher = subprocess.Popen(sandbox._launcher_argv(sys.executable, cfg), start_new_session=True)
+print(launcher.pid, flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("launcher", ["shell", "python"])
+def test_launcher_dies_with_a_trainer_killed_before_bubblewrap_starts(tmp_path, launcher):
+    """A trainer SIGKILLed while the launcher is still setting up (here: blocked joining its cgroup, a FIFO nobody
+    reads yet) takes the launcher with it: it never goes on to start an orphaned sandbox (setpriv --pdeathsig)."""
+    if launcher == "shell" and shutil.which("setpriv") is None:
+        pytest.skip("util-linux setpriv not installed")
+    fifo = str(tmp_path / "cgroup.procs")
+    os.mkfifo(fifo)
+    marker = tmp_path / "started"
+    cfg = {
+        "cgroup_procs": [fifo],
+        "binds": [],
+        "uid": None,
+        "bwrap": "/bin/sh",
+        "argv": ["x", "-c", f"touch {marker}"],
+    }
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", _HELD_TRAINER, json.dumps([launcher, json.dumps(cfg)])],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(_HERE))},
+    )
+    try:
+        pid = int(trainer.stdout.readline())
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # the launcher is blocked opening the FIFO for writing
+            with open(f"/proc/{pid}/wchan") as f:
+                if f.read() not in ("", "0"):
+                    break
+            time.sleep(0.05)
+    finally:
+        trainer.kill()
+        trainer.wait()
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().split(") ")[1].startswith("Z"):
+                break  # dead, waiting to be reaped by init
+        time.sleep(0.05)
+    fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # would let a surviving launcher go on
+    time.sleep(0.5)
+    os.close(fd)
+    assert not marker.exists(), "the launcher outlived its trainer and started the program"
+    if os.path.exists(f"/proc/{pid}"):
+        with open(f"/proc/{pid}/stat") as f:
+            assert f.read().split(") ")[1].startswith("Z"), "the launcher outlived its trainer"
+
+
 def _delegate_cgroup(uid: int, gid: int) -> tuple[list[str], dict[str, str], list[str]]:
     """Directories (and env) giving ``uid`` its own cgroup, as systemd's Delegate=yes would; ([], {}, []) if impossible.
 
