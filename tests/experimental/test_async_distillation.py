@@ -6,6 +6,7 @@ Every test checks that no child process is left (the trainer joins its worker in
 from __future__ import annotations
 
 import json
+import queue
 
 import pytest
 import torch
@@ -63,8 +64,6 @@ def _params(trainer):
     return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
 
 
-
-
 def _local_log_probs(model, batch, vocab, temperature):
     rows = []
     for i in range(batch["prompt_ids"].shape[0]):
@@ -97,7 +96,9 @@ def test_config_has_trls_defaults_and_checks(tmp_path):
     for bad, match in [(dict(lmbda=0.5), "lmbda=1.0"), (dict(use_vllm=False), "vllm_mode='server'"),
                        (dict(max_staleness=0, weight_sync_steps=2), "weight_sync_steps - 1"),
                        (dict(beta=1.5), "beta"), (dict(teacher_top_k=0), "teacher_top_k"),
-                       (dict(teacher_server_urls={}), "at least one")]:  # fmt: skip
+                       (dict(teacher_server_urls={}), "at least one"),
+                       (dict(heartbeat_stale_after_s=0), "heartbeat_stale_after_s"),
+                       (dict(weight_sync_timeout=0), "weight_sync_timeout")]:  # fmt: skip
         with pytest.raises(ValueError, match=match):
             _api().AsyncDistillationConfig(output_dir=str(tmp_path), report_to="none", **bad)
 
@@ -231,6 +232,128 @@ def test_local_teacher_loss_equals_distillation_trainer(tiny_model_path, abc_tea
     assert torch.equal(trainer._compute_loss(trainer.model, batch), sync._compute_loss(sync.model, batch))
 
 
+# -- token budget, weight-sync timeout, PEFT push ---------------------------------------------------------------
+
+
+def _budget_grads(model_path, out, student_url, teacher_path, batch, **overrides):
+    """The gradient of one training micro-step on ``batch`` (a round of 2 rows, local teacher), and the trainer."""
+    args = _args(out, student_url, per_device_train_batch_size=2, beta=0.5, **overrides)
+    trainer = _api().AsyncDistillationTrainer(model_path, args, train_dataset=prompts(), teacher_model=teacher_path)
+    trainer._queue = queue.Queue()  # no worker: the round is ``batch``
+    trainer._next_trainable_round = lambda: trainer._score_with_current_policy(dict(batch), trainer._record("train"))
+    trainer.training_step(trainer.model, [])
+    return {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}, trainer
+
+
+def test_token_budget_packs_forwards_and_drops_oversize(tiny_model_path, abc_teacher_path, student_url, tmp_path):
+    """token_budget: rows of 7 and 6 real tokens under a budget of 7 run as two forwards whose gradients add up to
+    the unbudgeted micro-batch's; under a budget of 6 the 7-token row is dropped (counted, and the gradient is that
+    of the batch without it); None takes the student server's max_model_len."""
+    from posttrain.models.tiny import build_tiny_tokenizer
+    from posttrain.serving.client import GenerationClient
+
+    batch = served_loss_batch(build_tiny_tokenizer())
+    batch["completion_mask"] = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
+    batch["completion_lengths"] = torch.tensor([4, 2])
+    batch["num_items_in_batch"] = batch["completion_mask"].sum()
+    assert (batch["prompt_mask"].sum(1) + batch["completion_lengths"]).tolist() == [7, 6]
+
+    def grads(name, batch, budget):
+        return _budget_grads(tiny_model_path, tmp_path / name, student_url, abc_teacher_path, batch,
+                             token_budget=budget)  # fmt: skip
+
+    full, _ = grads("full", batch, 0)
+    packed, trainer = grads("packed", batch, 7)
+    assert trainer._metrics["train"]["batch/packs_per_micro_batch"] == [2.0]
+    assert full.keys() == packed.keys() and len(full) > 0
+    for name in full:
+        torch.testing.assert_close(packed[name], full[name], rtol=1e-5, atol=1e-7)
+    without = {**batch, "completion_mask": batch["completion_mask"] * torch.tensor([[0], [1]])}
+    without["num_items_in_batch"] = without["completion_mask"].sum()
+    expected, _ = grads("without", without, 0)
+    dropped, trainer = grads("dropped", batch, 6)
+    assert trainer.dropped_oversize_total == 1 and trainer._metrics["train"]["batch/dropped_oversize_total"] == [1.0]
+    assert not all(torch.allclose(dropped[n], full[n]) for n in full)
+    for name in expected:
+        torch.testing.assert_close(dropped[name], expected[name], rtol=1e-5, atol=1e-7)
+    auto = _api().AsyncDistillationTrainer(tiny_model_path, _args(tmp_path / "auto", student_url),
+                                           train_dataset=prompts(), teacher_model=abc_teacher_path)  # fmt: skip
+    card = GenerationClient(student_url).request("GET", "/v1/models").json()["data"][0]
+    assert card["max_model_len"] and auto._resolve_token_budget() == card["max_model_len"]
+
+
+@pytest.fixture()
+def slow_push_url(tiny_model_path):
+    """A student `posttrain serve` whose weight loads take 3 s (a stuck or very slow weight transfer)."""
+    import time
+
+    from posttrain.serving.app import serve_in_thread
+    from posttrain.serving.engine import PosttrainEngine
+
+    engine = PosttrainEngine.from_pretrained(tiny_model_path, device="cpu")
+    load = engine.load_weights
+
+    def slow_load(*args, **kwargs):
+        time.sleep(3.0)
+        return load(*args, **kwargs)
+
+    engine.load_weights = slow_load
+    with serve_in_thread(engine) as url:
+        yield url
+
+
+def test_weight_sync_timeout_raises_naming_the_option(tiny_model_path, slow_push_url, tmp_path):
+    """The first push (before the worker starts) does not land within weight_sync_timeout=1: train() raises a
+    TimeoutError naming the option after about a second, and no worker was started."""
+    import time
+
+    args = _args(tmp_path, slow_push_url, "http://127.0.0.1:1", weight_sync_timeout=1)
+    trainer = _api().AsyncDistillationTrainer(tiny_model_path, args, train_dataset=prompts())
+    start = time.perf_counter()
+    with pytest.raises(TimeoutError, match="weight_sync_timeout=1 s"):
+        trainer.train()
+    assert time.perf_counter() - start < 2.9 and trainer._worker is None
+
+
+def test_peft_student_is_pushed_merged(tiny_model_path, student_url, tmp_path):
+    """A LoRA student (the seed document's LoRA example): a push sends the merged weights (GRPO's server-mode
+    ``policy_weights``), so the server samples from the merged model — its sampling log-probs are the merged
+    model's, not the base's — while the trainer's adapter stays unmerged."""
+    import copy
+
+    peft = pytest.importorskip("peft")
+    from posttrain.serving.client import GenerationClient
+
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
+    trainer = _api().AsyncDistillationTrainer(tiny_model_path, _args(tmp_path, student_url, "http://127.0.0.1:1"),
+                                              train_dataset=prompts(), peft_config=lora)  # fmt: skip
+    model = trainer.model
+    with torch.no_grad():  # a non-zero adapter (lora_B starts at zero)
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(0)) * 0.5)
+    base = {n: p.detach().clone() for n, p in model.named_parameters() if "lora" not in n}
+    client = GenerationClient(student_url)
+    trainer._push_client = client
+    trainer._push_weights(wait=True)
+    prompt = trainer.processing_class("Q3:").input_ids
+    choice = client.completions([prompt], max_tokens=6, seed=0).choices[0][0]
+    ids = torch.tensor([prompt + choice.token_ids])
+    n = len(choice.token_ids)
+
+    def logprobs(net):
+        with torch.no_grad():
+            lp = torch.log_softmax(net(ids).logits[0, -n - 1 : -1].float(), -1)
+        return lp.gather(-1, ids[0, -n:, None]).squeeze(-1)
+
+    merged = copy.deepcopy(model).merge_and_unload()
+    torch.testing.assert_close(torch.tensor(choice.logprobs), logprobs(merged), rtol=1e-4, atol=1e-4)
+    with model.disable_adapter():
+        assert not torch.allclose(torch.tensor(choice.logprobs), logprobs(model), atol=1e-2)
+    assert all(torch.equal(p, base[n]) for n, p in model.named_parameters() if "lora" not in n)
+    assert trainer.backend.version == 0 and any("lora_B" in n for n, _ in model.named_parameters())
+
+
 # -- end to end ----------------------------------------------------------------------------------------------------
 
 
@@ -359,4 +482,3 @@ def test_student_moves_toward_the_served_teacher(tiny_model_path, abc_teacher_pa
     assert len(jsd) == 30 and sum(jsd[-5:]) < 0.5 * sum(jsd[:5]), jsd
     assert end < 0.7 * start, (start, end)
     assert max(r["staleness"] for r in trainer.trained_rounds) <= 2
-
