@@ -340,6 +340,7 @@ class AsyncRolloutMixin(abc.ABC):
         else:
             age, limit = time.time() - self._worker_started, float(stale_after) + float(self.args.vllm_server_timeout)
         if age > limit:
+            self._worker.terminate()  # hung: it would not see the stop event
             self._stop_worker()
             raise RolloutWorkerError(
                 f"The rollout worker made no progress for {age:.1f} s (heartbeat_stale_after_s={stale_after:g}): it "

@@ -354,6 +354,64 @@ def test_peft_student_is_pushed_merged(tiny_model_path, student_url, tmp_path):
     assert trainer.backend.version == 0 and any("lora_B" in n for n, _ in model.named_parameters())
 
 
+class _SilentWorker:
+    """A rollout worker process that is alive and never answers (until stopped)."""
+
+    exitcode = None
+
+    def __init__(self, stop):
+        self.stop, self.terminated = stop, False
+
+    def is_alive(self):
+        return not (self.stop.is_set() or self.terminated)
+
+    def terminate(self):
+        self.terminated = True
+
+    kill = terminate
+
+    def join(self, timeout=None):
+        pass
+
+
+def test_stale_heartbeat_raises_naming_the_option(tiny_model_path, student_url, tmp_path):
+    """A live worker whose heartbeat is older than heartbeat_stale_after_s: the trainer's wait for a round raises
+    RolloutWorkerError naming the option and stops the worker; a worker that has not beaten yet (starting) gets
+    vllm_server_timeout more."""
+    import multiprocessing
+    import time
+
+    args = _args(tmp_path, student_url, "http://127.0.0.1:1", heartbeat_stale_after_s=0.5)
+    trainer = _api().AsyncDistillationTrainer(tiny_model_path, args, train_dataset=prompts())
+    context = multiprocessing.get_context("spawn")
+    trainer._stop, trainer._queue, trainer._heartbeat = context.Event(), context.Queue(), context.Value("d", 0.0)
+    trainer._worker = worker = _SilentWorker(trainer._stop)
+    trainer._worker_started = time.time() - 1.0  # starting for 1 s: within 0.5 s + vllm_server_timeout
+    trainer._check_heartbeat()
+    trainer._heartbeat.value = time.time()
+    with pytest.raises(_api().RolloutWorkerError, match=r"no progress for 0\.[5-9].*heartbeat_stale_after_s=0\.5"):
+        trainer._get_item()
+    assert worker.terminated and trainer._worker is None
+
+
+@pytest.mark.slow
+def test_worker_hung_on_a_silent_teacher_is_detected(tiny_model_path, student_url, tmp_path):
+    """End to end over loopback: the teacher server accepts connections and never answers (request_timeout 600 s);
+    the worker's heartbeat goes stale after its generation, so train() raises RolloutWorkerError naming
+    heartbeat_stale_after_s within seconds, and the hung worker is terminated (no leaked process)."""
+    import socket
+    import time
+
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # listens, never accepts: requests hang
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        args = _args(tmp_path, student_url, url, heartbeat_stale_after_s=2)
+        trainer = _api().AsyncDistillationTrainer(tiny_model_path, args, train_dataset=prompts())
+        start = time.perf_counter()
+        with pytest.raises(_api().RolloutWorkerError, match="heartbeat_stale_after_s=2"):
+            trainer.train()
+    assert time.perf_counter() - start < 120 and trainer._worker is None and trainer.state.global_step == 0
+
+
 # -- end to end ----------------------------------------------------------------------------------------------------
 
 
