@@ -98,7 +98,8 @@ def test_config_has_trls_defaults_and_checks(tmp_path):
                        (dict(beta=1.5), "beta"), (dict(teacher_top_k=0), "teacher_top_k"),
                        (dict(teacher_server_urls={}), "at least one"),
                        (dict(heartbeat_stale_after_s=0), "heartbeat_stale_after_s"),
-                       (dict(weight_sync_timeout=0), "weight_sync_timeout")]:  # fmt: skip
+                       (dict(weight_sync_timeout=0), "weight_sync_timeout"),
+                       (dict(max_tool_calling_iterations=2), "does not run tools")]:  # fmt: skip
         with pytest.raises(ValueError, match=match):
             _api().AsyncDistillationConfig(output_dir=str(tmp_path), report_to="none", **bad)
 
@@ -413,6 +414,31 @@ def test_worker_hung_on_a_silent_teacher_is_detected(tiny_model_path, student_ur
 
 
 # -- end to end ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_seed_doc_lora_example_runs(tiny_model_path, student_url, teacher_url, tmp_path):
+    """The Async Distillation page's quick start with its LoRA variant, after s/trl/posttrain/, on the tiny model
+    with conversational prompts (DeepMath's layout) and the two servers on loopback: it trains the adapter only,
+    pushes merged weights every step, and the server ends on the final step's version."""
+    peft = pytest.importorskip("peft")
+    from peft import LoraConfig
+
+    from posttrain.experimental.async_distillation import AsyncDistillationTrainer
+
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": f"What is {i} + 1?"}]} for i in range(8)])
+    trainer = AsyncDistillationTrainer(
+        model=tiny_model_path,
+        train_dataset=dataset,
+        peft_config=LoraConfig(r=32, lora_alpha=64, target_modules="all-linear"),
+        args=_args(tmp_path, student_url, teacher_url, max_steps=2),
+    )
+    assert isinstance(trainer.model, peft.PeftModel)
+    frozen = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if not p.requires_grad}
+    trainer.train()
+    assert all(torch.equal(p, frozen[n]) for n, p in trainer.model.named_parameters() if not p.requires_grad)
+    assert trainer.state.global_step == 2 and trainer.backend.version == 2
+    assert all(e["jsd"] >= 0 for e in trainer.state.log_history if "jsd" in e)
 
 
 @pytest.mark.slow

@@ -169,6 +169,11 @@ class AsyncDistillationConfig(DistillationConfig):
             raise ValueError(f"teacher_top_k must be >= 1, got {self.teacher_top_k}.")
         if not self.teacher_temperature > 0.0:
             raise ValueError(f"teacher_temperature must be > 0, got {self.teacher_temperature}.")
+        if self.max_tool_calling_iterations is not None:
+            raise ValueError(
+                "AsyncDistillation does not run tools (as TRL's): leave max_tool_calling_iterations=None, or use "
+                "DistillationTrainer / ServerDistillationTrainer with tools=."
+            )
         for name in ("heartbeat_stale_after_s", "weight_sync_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}.")
