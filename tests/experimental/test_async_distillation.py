@@ -470,7 +470,7 @@ def test_max_staleness_0_equals_sync_distillation_and_resume(tiny_model_path, ab
         assert key in logs, key
 
     state = json.loads((out / "checkpoint-1" / "rollout_state.json").read_text())
-    assert state == {"next_round": 1, "weight_version": 1, "dropped_stale_total": 0}
+    assert state == {"next_round": 1, "weight_version": 1, "dropped_stale_total": 0, "dropped_oversize_total": 0}
     args = _args(tmp_path / "resumed", student_url, max_staleness=0, max_steps=2, beta=0.5)
     resumed = _api().AsyncDistillationTrainer(tiny_model_path, args, train_dataset=prompts(),
                                               teacher_model=abc_teacher_path)  # fmt: skip

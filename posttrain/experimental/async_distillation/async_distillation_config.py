@@ -165,18 +165,16 @@ class AsyncDistillationConfig(DistillationConfig):
         check_async_rollout_options(self, "AsyncDistillation", "STUDENT")
         if self.lmbda != 1.0 or self.seq_kd:
             raise ValueError("AsyncDistillation trains on the student's own samples only: lmbda=1.0, seq_kd=False.")
-        if self.teacher_top_k < 1:
-            raise ValueError(f"teacher_top_k must be >= 1, got {self.teacher_top_k}.")
-        if not self.teacher_temperature > 0.0:
-            raise ValueError(f"teacher_temperature must be > 0, got {self.teacher_temperature}.")
         if self.max_tool_calling_iterations is not None:
             raise ValueError(
                 "AsyncDistillation does not run tools (as TRL's): leave max_tool_calling_iterations=None, or use "
                 "DistillationTrainer / ServerDistillationTrainer with tools=."
             )
-        for name in ("heartbeat_stale_after_s", "weight_sync_timeout"):
+        if self.teacher_top_k < 1:
+            raise ValueError(f"teacher_top_k must be >= 1, got {self.teacher_top_k}.")
+        for name in ("teacher_temperature", "heartbeat_stale_after_s", "weight_sync_timeout"):
             if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}.")
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}.")
 
     # The served-teacher loss of posttrain.experimental._sparse_trainer reads these names (ServerDistillation's).
     @property

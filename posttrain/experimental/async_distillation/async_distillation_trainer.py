@@ -42,9 +42,9 @@ version, time in queue, queue size, forwarded/trained tokens), ``batch/samples_p
 A PEFT student (``peft_config``) is pushed as its merged weights (``posttrain.serving.weights.policy_weights``, as
 GRPO's server mode; TRL's merged-sync fallback).
 
-Resume (``rollout_state.json``: ``next_round``, ``weight_version``, ``dropped_stale_total``) as AsyncGRPO. Not
-supported: multi-process training, tools (as TRL), streaming datasets, LoRA adapter-only sync (``--enable-lora``
-servers), injected ``rollout_worker`` / ``weight_transfer`` objects.
+Resume (``rollout_state.json``: ``next_round``, ``weight_version``, ``dropped_stale_total``, here also
+``dropped_oversize_total``) as AsyncGRPO. Not supported: multi-process training, tools (as TRL), streaming datasets,
+LoRA adapter-only sync (``--enable-lora`` servers), injected ``rollout_worker`` / ``weight_transfer`` objects.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ from posttrain.experimental.async_distillation.rollout_worker import (
     score_with_teachers,
 )
 from posttrain.models.distillation_scoring import score_distillation_completions
-from posttrain.rollout.async_worker import AsyncRolloutMixin, RolloutWorkerError
+from posttrain.rollout.async_worker import ROLLOUT_STATE, AsyncRolloutMixin, RolloutWorkerError
 from posttrain.rollout.buffer import select_rows, token_budget_packs, trim_padding
 from posttrain.trainers.distillation import DistillationTrainer
 
@@ -219,6 +219,15 @@ class AsyncDistillationTrainer(AsyncRolloutMixin, SparseDistillationMixin, Disti
             batch = {**batch, "completion_mask": mask, "num_items_in_batch": mask.sum()}
         record("batch/dropped_oversize_total", float(self.dropped_oversize_total))
         return batch
+
+    def _extra_checkpoint_state(self) -> dict[str, Any]:
+        states = super()._extra_checkpoint_state()
+        states[ROLLOUT_STATE] = {**states[ROLLOUT_STATE], "dropped_oversize_total": self.dropped_oversize_total}
+        return states
+
+    def _load_extra_checkpoint_state(self, states: dict[str, Any]) -> None:
+        super()._load_extra_checkpoint_state(states)
+        self.dropped_oversize_total = int(states.get(ROLLOUT_STATE, {}).get("dropped_oversize_total", 0))
 
     def _prepare_inputs(self, inputs: Any) -> Any:
         if self._packed_inputs is not None:  # one token-budget pack of the micro-batch (training_step)
