@@ -391,7 +391,6 @@ class AsyncRolloutMixin(abc.ABC):
 
         self._join_push()
         start = time.perf_counter()
-        self._push_started = start
         step = self.state.global_step
         with policy_weights(self.accelerator.unwrap_model(self.model)) as items:
             chunks = list(serialize_chunks(items, self.backend.chunk_bytes))
@@ -399,6 +398,7 @@ class AsyncRolloutMixin(abc.ABC):
         self._push_thread = threading.Thread(
             target=self._upload, args=(chunks, step), name="posttrain-weight-push", daemon=True
         )
+        self._push_started = time.perf_counter()  # weight_sync_timeout counts the upload, not the snapshot
         self._push_thread.start()
         self._last_synced_step = step
         if wait:
