@@ -237,7 +237,8 @@ def test_local_teacher_loss_equals_distillation_trainer(tiny_model_path, abc_tea
 
 
 def _budget_grads(model_path, out, student_url, teacher_path, batch, **overrides):
-    """The gradient of one training micro-step on ``batch`` (a round of 2 rows, local teacher), and the trainer."""
+    """The gradient of one training micro-step on ``batch`` (a round of 2 rows; ``teacher_path`` None: the served
+    teacher of ``overrides``, scores in the batch), and the trainer."""
     args = _args(out, student_url, per_device_train_batch_size=2, beta=0.5, **overrides)
     trainer = _api().AsyncDistillationTrainer(model_path, args, train_dataset=prompts(), teacher_model=teacher_path)
     trainer._queue = queue.Queue()  # no worker: the round is ``batch``
@@ -246,10 +247,11 @@ def _budget_grads(model_path, out, student_url, teacher_path, batch, **overrides
     return {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}, trainer
 
 
-def test_token_budget_packs_forwards_and_drops_oversize(tiny_model_path, abc_teacher_path, student_url, tmp_path):
+def test_token_budget_packs_forwards_and_drops_oversize(tiny_model_path, abc_teacher_path, student_url, teacher_url,
+                                                        tmp_path):  # fmt: skip
     """token_budget: rows of 7 and 6 real tokens under a budget of 7 run as two forwards whose gradients add up to
-    the unbudgeted micro-batch's; under a budget of 6 the 7-token row is dropped (counted, and the gradient is that
-    of the batch without it); None takes the student server's max_model_len."""
+    the unbudgeted micro-batch's (local and served teacher); under a budget of 6 the 7-token row is dropped
+    (counted, and the gradient is that of the batch without it); None takes the student server's max_model_len."""
     from posttrain.models.tiny import build_tiny_tokenizer
     from posttrain.serving.client import GenerationClient
 
@@ -277,6 +279,16 @@ def test_token_budget_packs_forwards_and_drops_oversize(tiny_model_path, abc_tea
     assert not all(torch.allclose(dropped[n], full[n]) for n in full)
     for name in expected:
         torch.testing.assert_close(dropped[name], expected[name], rtol=1e-5, atol=1e-7)
+    from posttrain.experimental._distill_support import ServedTeacher
+
+    served = ServedTeacher(teacher_url, trainer.vocab_rows)
+    scored = {**batch, **_api().worker.score_with_teachers(batch, ["default"] * 2, {"default": served}, 2, 0.9)}
+    served.close()
+    teacher = dict(teacher_server_urls={"default": teacher_url}, teacher_top_k=2)
+    full = _budget_grads(tiny_model_path, tmp_path / "sf", student_url, None, scored, token_budget=0, **teacher)[0]
+    packed = _budget_grads(tiny_model_path, tmp_path / "sp", student_url, None, scored, token_budget=7, **teacher)[0]
+    for name in full:
+        torch.testing.assert_close(packed[name], full[name], rtol=1e-5, atol=1e-7)
     auto = _api().AsyncDistillationTrainer(tiny_model_path, _args(tmp_path / "auto", student_url),
                                            train_dataset=prompts(), teacher_model=abc_teacher_path)  # fmt: skip
     card = GenerationClient(student_url).request("GET", "/v1/models").json()["data"][0]
