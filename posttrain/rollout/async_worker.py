@@ -12,7 +12,10 @@ server_version <= ahead``, so nothing is generated that would already be too sta
 Request seeds follow the round index (``request_seed(seed, 0, r)``), so a round has the same tokens whenever it is
 generated from the same weights (resume, ``max_staleness=0``). Everything in the spec is pickled into the child;
 rounds cross the process boundary as ``pickle`` bytes; errors go back as ``("error", type, message, traceback)``;
-the worker exits when the trainer sets ``stop`` or dies.
+the worker exits when the trainer sets ``stop`` or dies. Heartbeat: the worker stamps a shared clock whenever it makes
+progress (a server answer, an admission poll, a queued round); with ``heartbeat_stale_after_s`` in the trainer's config
+the trainer raises when the stamp gets older than that while it waits for a round (a worker hung on a server that
+accepts requests but never answers), allowing a starting worker (spawn, imports) ``vllm_server_timeout`` more.
 
 Trainer side (:class:`AsyncRolloutMixin`, before the synchronous trainer in the MRO): at the first micro-step of
 each optimizer step it takes the next round from the queue, drops it when ``global_step - version >
@@ -20,7 +23,9 @@ max_staleness`` (``sample/dropped_stale_total``), and fills the usual ``RolloutB
 ``weight_sync_steps`` optimizer steps it snapshots its weights and uploads them on a thread with ``version =
 global_step``. Resume state (``rollout_state.json`` in each checkpoint): ``next_round`` (first round not yet consumed;
 dropped rounds count as consumed), ``weight_version``, ``dropped_stale_total``; on resume the checkpoint weights are
-pushed and a fresh worker starts at ``next_round`` (rounds in flight when the run stopped are regenerated).
+pushed and a fresh worker starts at ``next_round`` (rounds in flight when the run stopped are regenerated). With
+``weight_sync_timeout`` in the trainer's config a push that has not landed within that many seconds raises
+``TimeoutError`` naming the option (pushes otherwise use ``request_timeout`` per request).
 """
 
 from __future__ import annotations
@@ -138,10 +143,17 @@ class RoundSource:
         return [self.dataset[int(i)] for i in indices]
 
 
-def _put(out: Any, payload: Any, stop: Any, parent: int) -> float:
+def _beat(heartbeat: Any) -> None:
+    """Stamp the shared heartbeat clock (wall-clock seconds) the trainer watches; ``None``: no heartbeat."""
+    if heartbeat is not None:
+        heartbeat.value = time.time()
+
+
+def _put(out: Any, payload: Any, stop: Any, parent: int, heartbeat: Any = None) -> float:
     """Put with backpressure; returns the seconds spent blocked on a full queue (or exits when stopping)."""
     start = time.perf_counter()
     while not stop.is_set() and os.getppid() == parent:
+        _beat(heartbeat)  # blocked on a full queue is waiting on the trainer, not hung
         try:
             out.put(payload, timeout=0.2)
             return time.perf_counter() - start
@@ -150,10 +162,11 @@ def _put(out: Any, payload: Any, stop: Any, parent: int) -> float:
     raise SystemExit(0)
 
 
-def run_worker(spec: AsyncWorkerSpec, out: Any, stop: Any, parent: int) -> None:
-    """Process entry point: generate rounds ``spec.start_round, ...`` until ``stop`` is set (see the module doc)."""
+def run_worker(spec: AsyncWorkerSpec, out: Any, stop: Any, parent: int, heartbeat: Any = None) -> None:
+    """Process entry point: generate rounds ``spec.start_round, ...`` until ``stop`` is set (see the module doc).
+    ``heartbeat``: a shared ``multiprocessing.Value("d")`` stamped on progress (None: none)."""
     try:
-        _loop(spec, out, stop, parent)
+        _loop(spec, out, stop, parent, heartbeat)
     except SystemExit:
         pass
     except BaseException as err:  # reported to the trainer, which raises it
@@ -161,7 +174,7 @@ def run_worker(spec: AsyncWorkerSpec, out: Any, stop: Any, parent: int) -> None:
             out.put(("error", type(err).__name__, str(err), traceback.format_exc()), timeout=5)
 
 
-def _loop(spec: AsyncWorkerSpec, out: Any, stop: Any, parent: int) -> None:
+def _loop(spec: AsyncWorkerSpec, out: Any, stop: Any, parent: int, heartbeat: Any = None) -> None:
     import torch
 
     from posttrain.generation.vllm_server import VLLMServerBackend
@@ -174,6 +187,7 @@ def _loop(spec: AsyncWorkerSpec, out: Any, stop: Any, parent: int) -> None:
         client_kwargs={"request_timeout": spec.request_timeout, **spec.client_kwargs},
     )  # fmt: skip
     produce = spec.make_producer(backend)
+    _beat(heartbeat)  # started
     backpressure = 0.0
     r = spec.start_round
     while spec.max_rounds is None or r < spec.max_rounds:
@@ -182,6 +196,7 @@ def _loop(spec: AsyncWorkerSpec, out: Any, stop: Any, parent: int) -> None:
             if os.getppid() != parent:
                 return
             version = int(backend.client.health().get("version") or 0)
+            _beat(heartbeat)
             if r - version <= spec.ahead:
                 break
             time.sleep(wait)
@@ -190,16 +205,21 @@ def _loop(spec: AsyncWorkerSpec, out: Any, stop: Any, parent: int) -> None:
             return
         backend._requests = r  # request seed of round r: the same tokens whenever generated from the same weights
         metrics: list[tuple[str, float]] = []
+
+        def record(name: str, value: float, sink: list = metrics) -> None:  # producers record after each server answer
+            _beat(heartbeat)
+            sink.append((name, float(value)))
+
         start, cpu = time.perf_counter(), time.process_time()
-        batch, table = produce(source.rows(r), lambda name, value, sink=metrics: sink.append((name, float(value))))
+        batch, table = produce(source.rows(r), record)
         metrics.append(("rollout/duration_s", time.perf_counter() - start))
         metrics.append(("rollout/cpu_s", time.process_time() - cpu))
         metrics.append(("rollout/backpressure_s", backpressure))
         item = {"round": r, "version": int(backend.version or 0), "batch": batch, "metrics": metrics,
                 "table": table, "put_time": time.time()}  # fmt: skip
-        backpressure = _put(out, ("round", pickle.dumps(item)), stop, parent)
+        backpressure = _put(out, ("round", pickle.dumps(item)), stop, parent, heartbeat)
         r += 1
-    _put(out, ("done", r), stop, parent)
+    _put(out, ("done", r), stop, parent, heartbeat)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -241,6 +261,9 @@ class AsyncRolloutMixin(abc.ABC):
         self._push_thread: threading.Thread | None = None
         self._push_error: BaseException | None = None
         self._push_client: Any = None
+        self._push_started = self._push_finished = 0.0  # perf_counter of the last push's start / end
+        self._heartbeat: Any = None  # the worker's shared heartbeat clock
+        self._worker_started = 0.0  # time.time() of the spawn (a starting worker has not beaten yet)
         self.add_callback(_WeightSyncCallback(self))
 
     # -- worker lifecycle --------------------------------------------------------------------------------------
@@ -288,18 +311,42 @@ class AsyncRolloutMixin(abc.ABC):
                 f"{self._trainer_name} needs a `posttrain serve` / `posttrain vllm-serve` server; "
                 f"{self.backend.base_url} speaks the {self.backend.protocol!r} protocol."
             )
-        self._push_client = GenerationClient(self.backend.base_url, request_timeout=float(self.args.request_timeout))
+        sync_timeout = getattr(self.args, "weight_sync_timeout", None)
+        push_timeout = float(sync_timeout if sync_timeout is not None else self.args.request_timeout)
+        self._push_client = GenerationClient(self.backend.base_url, request_timeout=push_timeout)
         self._push_weights(wait=True)  # the server must hold this step's weights before the worker reads its version
         spec = self._checked_worker_spec()
         context = multiprocessing.get_context("spawn")
         rounds = max(1, self.args.queue_maxsize // self._round_rows())
         self._queue = context.Queue(maxsize=rounds)
         self._stop = context.Event()
+        self._heartbeat = context.Value("d", 0.0)
         self._worker = context.Process(
-            target=run_worker, args=(spec, self._queue, self._stop, os.getpid()), name="posttrain-rollout-worker",
-            daemon=True,
+            target=run_worker, args=(spec, self._queue, self._stop, os.getpid(), self._heartbeat),
+            name="posttrain-rollout-worker", daemon=True,
         )  # fmt: skip
+        self._worker_started = time.time()
         self._worker.start()
+
+    def _check_heartbeat(self) -> None:
+        """Raise ``RolloutWorkerError`` when the worker's heartbeat is older than ``heartbeat_stale_after_s`` (a
+        starting worker, not yet beating, gets ``vllm_server_timeout`` more for spawn and imports)."""
+        stale_after = getattr(self.args, "heartbeat_stale_after_s", None)
+        if stale_after is None or self._heartbeat is None:
+            return
+        last = self._heartbeat.value
+        if last:
+            age, limit = time.time() - last, float(stale_after)
+        else:
+            age, limit = time.time() - self._worker_started, float(stale_after) + float(self.args.vllm_server_timeout)
+        if age > limit:
+            self._worker.terminate()  # hung: it would not see the stop event
+            self._stop_worker()
+            raise RolloutWorkerError(
+                f"The rollout worker made no progress for {age:.1f} s (heartbeat_stale_after_s={stale_after:g}): it "
+                "is hung, e.g. on a generation or teacher server that accepts requests but never answers. Check the "
+                "servers, or raise heartbeat_stale_after_s if one round legitimately takes longer."
+            )
 
     def _stop_worker(self) -> None:
         """Stop, join (terminate, then kill if needed) and release the worker and its queue. Idempotent."""
@@ -351,6 +398,7 @@ class AsyncRolloutMixin(abc.ABC):
         self._push_thread = threading.Thread(
             target=self._upload, args=(chunks, step), name="posttrain-weight-push", daemon=True
         )
+        self._push_started = time.perf_counter()  # weight_sync_timeout counts the upload, not the snapshot
         self._push_thread.start()
         self._last_synced_step = step
         if wait:
@@ -361,15 +409,35 @@ class AsyncRolloutMixin(abc.ABC):
             self.backend.version = self._push_client.load_weights(chunks, version=version)
         except BaseException as err:  # raised in the training thread by _join_push
             self._push_error = err
+        finally:
+            self._push_finished = time.perf_counter()
 
     def _join_push(self, check_only: bool = False) -> None:
-        """Wait for the upload in flight (or, ``check_only``, just look whether it failed) and raise its error."""
+        """Wait for the upload in flight (or, ``check_only``, just look whether it failed) and raise its error; past
+        ``weight_sync_timeout`` (when the config has one) raise ``TimeoutError`` naming it."""
         thread = self._push_thread
+        sync_timeout = getattr(self.args, "weight_sync_timeout", None)
         if thread is not None and not check_only:
-            thread.join()
+            remaining = None
+            if sync_timeout is not None:
+                remaining = max(0.0, self._push_started + float(sync_timeout) - time.perf_counter())
+            thread.join(remaining)
         if thread is not None and not thread.is_alive():
             self._push_thread = None
         error, self._push_error = self._push_error, None
+        if sync_timeout is not None:
+            running = self._push_thread is not None
+            end = time.perf_counter() if running else self._push_finished
+            late = (running or error is not None) and end - self._push_started >= float(sync_timeout)
+        else:
+            late = False
+        if late:
+            self._push_thread = None  # a daemon thread; its request times out on its own (weight_sync_timeout)
+            raise TimeoutError(
+                f"The weight push to {self.backend.base_url} did not complete within weight_sync_timeout="
+                f"{sync_timeout:g} s. Check that the server is up and not stuck, or raise weight_sync_timeout for "
+                "a large model or a slow link."
+            ) from error
         if error is not None:
             raise error
 
@@ -396,6 +464,7 @@ class AsyncRolloutMixin(abc.ABC):
                     code = self._worker.exitcode
                     self._stop_worker()
                     raise RolloutWorkerError(f"The rollout worker exited unexpectedly (exit code {code}).") from None
+                self._check_heartbeat()
                 continue
             if message[0] == "error":
                 _, kind, text, trace = message

@@ -51,11 +51,36 @@ def _index_rows(value: Any, index: torch.Tensor) -> Any:
     return [value[i] for i in index.tolist()]
 
 
+def select_rows(batch: RolloutBatch, index: torch.Tensor) -> RolloutBatch:
+    """The rows ``index`` of every row-aligned value of ``batch`` (scalars, e.g. ``num_items_in_batch``, copied)."""
+    n = batch_size_of(batch)
+    return {k: (_index_rows(v, index) if _is_row_aligned(v, n) else v) for k, v in batch.items()}
+
+
+def token_budget_packs(lengths: list[int], budget: int) -> tuple[list[list[int]], list[int]]:
+    """Rows in order, cut into consecutive packs of at most ``budget`` tokens each (TRL's token-budget planner on
+    one process); returns ``(packs of row indices, rows longer than budget, which fit in none)``."""
+    packs: list[list[int]] = []
+    oversize: list[int] = []
+    current: list[int] = []
+    tokens = 0
+    for i, n in enumerate(lengths):
+        if n > budget:
+            oversize.append(i)
+            continue
+        if current and tokens + n > budget:
+            packs.append(current)
+            current, tokens = [], 0
+        current.append(i)
+        tokens += n
+    if current:
+        packs.append(current)
+    return packs, oversize
+
+
 def shuffle_sequence_dict(batch: RolloutBatch, generator: torch.Generator | None = None) -> RolloutBatch:
     """Permute every row-aligned value of ``batch`` with the same random permutation (scalars untouched)."""
-    n = batch_size_of(batch)
-    perm = torch.randperm(n, generator=generator)
-    return {k: (_index_rows(v, perm) if _is_row_aligned(v, n) else v) for k, v in batch.items()}
+    return select_rows(batch, torch.randperm(batch_size_of(batch), generator=generator))
 
 
 def split_tensor_dict(batch: RolloutBatch, num_chunks: int) -> list[RolloutBatch]:
@@ -67,11 +92,7 @@ def split_tensor_dict(batch: RolloutBatch, num_chunks: int) -> list[RolloutBatch
     if n % num_chunks != 0:
         raise ValueError(f"Cannot split a rollout batch of {n} rows into {num_chunks} equal micro-batches.")
     size = n // num_chunks
-    chunks = []
-    for i in range(num_chunks):
-        index = torch.arange(i * size, (i + 1) * size)
-        chunks.append({k: (_index_rows(v, index) if _is_row_aligned(v, n) else v) for k, v in batch.items()})
-    return chunks
+    return [select_rows(batch, torch.arange(i * size, (i + 1) * size)) for i in range(num_chunks)]
 
 
 def trim_padding(batch: RolloutBatch) -> RolloutBatch:

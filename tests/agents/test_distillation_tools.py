@@ -3,6 +3,7 @@ tests); tool-result tokens stay in context but leave the loss mask; tool metrics
 
 from __future__ import annotations
 
+import pytest
 import torch
 from agent_helpers import call, last_user, scripted_sampler, tool_responses
 from datasets import Dataset
@@ -53,4 +54,35 @@ def test_distillation_with_tools_masks_tool_tokens_and_trains(tiny_model_path, t
     trainer.train()
     logs = trainer.state.log_history[0]
     assert logs["tools/call_frequency"] == 1.0 and logs["tools/failure_frequency"] == 0.0
+    assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
+
+
+def test_server_distillation_with_tools_scores_the_tool_loop_against_the_served_teacher(tiny_model_path, tmp_path,
+                                                                                        monkeypatch):  # fmt: skip
+    """ServerDistillationTrainer takes DistillationTrainer's tools= / max_tool_calling_iterations: the on-policy
+    samples run the tool loop, the teacher behind `posttrain serve` (loopback) scores the whole sequence, tool-result
+    tokens stay out of the loss, tool metrics are logged and training runs."""
+    pytest.importorskip("fastapi")
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    from posttrain.experimental.server_distillation import ServerDistillationConfig, ServerDistillationTrainer
+    from posttrain.serving.app import serve_in_thread
+    from posttrain.serving.engine import PosttrainEngine
+
+    rows = [{"prompt": [{"role": "user", "content": f"{a}+3"}]} for a in (2, 3)]
+    with serve_in_thread(PosttrainEngine.from_pretrained(tiny_model_path, device="cpu")) as url:
+        args = ServerDistillationConfig(
+            output_dir=str(tmp_path), per_device_train_batch_size=2, max_completion_length=128, max_steps=1,
+            learning_rate=1e-3, report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True,
+            write_report=False, gradient_checkpointing=False, max_tool_calling_iterations=2,
+            teacher_model_server_url=url,
+        )  # fmt: skip
+        trainer = ServerDistillationTrainer(tiny_model_path, args=args, train_dataset=Dataset.from_list(rows),
+                                            tools=[add])  # fmt: skip
+        sampler, _, _ = scripted_sampler(_script, tokenizer=trainer.processing_class)
+        trainer.backend.inner = sampler
+        before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        trainer.train()
+    logs = trainer.state.log_history[0]
+    assert logs["tools/call_frequency"] == 1.0 and logs["tools/failure_frequency"] == 0.0
+    assert logs["distillation_loss"] > 0
     assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())

@@ -6,6 +6,7 @@ Every test checks that no child process is left (the trainer joins its worker in
 from __future__ import annotations
 
 import json
+import queue
 
 import pytest
 import torch
@@ -63,8 +64,6 @@ def _params(trainer):
     return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
 
 
-
-
 def _local_log_probs(model, batch, vocab, temperature):
     rows = []
     for i in range(batch["prompt_ids"].shape[0]):
@@ -97,7 +96,10 @@ def test_config_has_trls_defaults_and_checks(tmp_path):
     for bad, match in [(dict(lmbda=0.5), "lmbda=1.0"), (dict(use_vllm=False), "vllm_mode='server'"),
                        (dict(max_staleness=0, weight_sync_steps=2), "weight_sync_steps - 1"),
                        (dict(beta=1.5), "beta"), (dict(teacher_top_k=0), "teacher_top_k"),
-                       (dict(teacher_server_urls={}), "at least one")]:  # fmt: skip
+                       (dict(teacher_server_urls={}), "at least one"),
+                       (dict(heartbeat_stale_after_s=0), "heartbeat_stale_after_s"),
+                       (dict(weight_sync_timeout=0), "weight_sync_timeout"),
+                       (dict(max_tool_calling_iterations=2), "does not run tools")]:  # fmt: skip
         with pytest.raises(ValueError, match=match):
             _api().AsyncDistillationConfig(output_dir=str(tmp_path), report_to="none", **bad)
 
@@ -231,7 +233,225 @@ def test_local_teacher_loss_equals_distillation_trainer(tiny_model_path, abc_tea
     assert torch.equal(trainer._compute_loss(trainer.model, batch), sync._compute_loss(sync.model, batch))
 
 
+# -- token budget, weight-sync timeout, PEFT push ---------------------------------------------------------------
+
+
+def _budget_grads(model_path, out, student_url, teacher_path, batch, **overrides):
+    """The gradient of one training micro-step on ``batch`` (a round of 2 rows; ``teacher_path`` None: the served
+    teacher of ``overrides``, scores in the batch), and the trainer."""
+    args = _args(out, student_url, per_device_train_batch_size=2, beta=0.5, **overrides)
+    trainer = _api().AsyncDistillationTrainer(model_path, args, train_dataset=prompts(), teacher_model=teacher_path)
+    trainer._queue = queue.Queue()  # no worker: the round is ``batch``
+    trainer._next_trainable_round = lambda: trainer._score_with_current_policy(dict(batch), trainer._record("train"))
+    trainer.training_step(trainer.model, [])
+    return {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}, trainer
+
+
+def test_token_budget_packs_forwards_and_drops_oversize(tiny_model_path, abc_teacher_path, student_url, teacher_url,
+                                                        tmp_path):  # fmt: skip
+    """token_budget: rows of 7 and 6 real tokens under a budget of 7 run as two forwards whose gradients add up to
+    the unbudgeted micro-batch's (local and served teacher); under a budget of 6 the 7-token row is dropped
+    (counted, and the gradient is that of the batch without it); None takes the student server's max_model_len."""
+    from posttrain.models.tiny import build_tiny_tokenizer
+    from posttrain.serving.client import GenerationClient
+
+    batch = served_loss_batch(build_tiny_tokenizer())
+    batch["completion_mask"] = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
+    batch["completion_lengths"] = torch.tensor([4, 2])
+    batch["num_items_in_batch"] = batch["completion_mask"].sum()
+    assert (batch["prompt_mask"].sum(1) + batch["completion_lengths"]).tolist() == [7, 6]
+
+    def grads(name, batch, budget):
+        return _budget_grads(tiny_model_path, tmp_path / name, student_url, abc_teacher_path, batch,
+                             token_budget=budget)  # fmt: skip
+
+    full, _ = grads("full", batch, 0)
+    packed, trainer = grads("packed", batch, 7)
+    assert trainer._metrics["train"]["batch/packs_per_micro_batch"] == [2.0]
+    assert full.keys() == packed.keys() and len(full) > 0
+    for name in full:
+        torch.testing.assert_close(packed[name], full[name], rtol=1e-5, atol=1e-7)
+    without = {**batch, "completion_mask": batch["completion_mask"] * torch.tensor([[0], [1]])}
+    without["num_items_in_batch"] = without["completion_mask"].sum()
+    expected, _ = grads("without", without, 0)
+    dropped, trainer = grads("dropped", batch, 6)
+    assert trainer.dropped_oversize_total == 1 and trainer._metrics["train"]["batch/dropped_oversize_total"] == [1.0]
+    assert not all(torch.allclose(dropped[n], full[n]) for n in full)
+    for name in expected:
+        torch.testing.assert_close(dropped[name], expected[name], rtol=1e-5, atol=1e-7)
+    from posttrain.experimental._distill_support import ServedTeacher
+
+    served = ServedTeacher(teacher_url, trainer.vocab_rows)
+    scored = {**batch, **_api().worker.score_with_teachers(batch, ["default"] * 2, {"default": served}, 2, 0.9)}
+    served.close()
+    teacher = dict(teacher_server_urls={"default": teacher_url}, teacher_top_k=2)
+    full = _budget_grads(tiny_model_path, tmp_path / "sf", student_url, None, scored, token_budget=0, **teacher)[0]
+    packed = _budget_grads(tiny_model_path, tmp_path / "sp", student_url, None, scored, token_budget=7, **teacher)[0]
+    for name in full:
+        torch.testing.assert_close(packed[name], full[name], rtol=1e-5, atol=1e-7)
+    auto = _api().AsyncDistillationTrainer(tiny_model_path, _args(tmp_path / "auto", student_url),
+                                           train_dataset=prompts(), teacher_model=abc_teacher_path)  # fmt: skip
+    card = GenerationClient(student_url).request("GET", "/v1/models").json()["data"][0]
+    assert card["max_model_len"] and auto._resolve_token_budget() == card["max_model_len"]
+
+
+@pytest.fixture()
+def slow_push_url(tiny_model_path):
+    """A student `posttrain serve` whose weight loads hang (up to 60 s, released at teardown): a stuck transfer."""
+    import threading
+
+    from posttrain.serving.app import serve_in_thread
+    from posttrain.serving.engine import PosttrainEngine
+
+    engine = PosttrainEngine.from_pretrained(tiny_model_path, device="cpu")
+    load, release = engine.load_weights, threading.Event()
+
+    def stuck_load(*args, **kwargs):
+        release.wait(60.0)
+        return load(*args, **kwargs)
+
+    engine.load_weights = stuck_load
+    with serve_in_thread(engine) as url:
+        yield url
+        release.set()
+
+
+def test_weight_sync_timeout_raises_naming_the_option(tiny_model_path, slow_push_url, tmp_path):
+    """The first push (before the worker starts) does not land within weight_sync_timeout=1: train() raises a
+    TimeoutError naming the option (seconds, not the server's 60 s hang), and no worker was started."""
+    import time
+
+    args = _args(tmp_path, slow_push_url, "http://127.0.0.1:1", weight_sync_timeout=1)
+    trainer = _api().AsyncDistillationTrainer(tiny_model_path, args, train_dataset=prompts())
+    start = time.perf_counter()
+    with pytest.raises(TimeoutError, match="weight_sync_timeout=1 s"):
+        trainer.train()
+    assert time.perf_counter() - start < 30 and trainer._worker is None
+
+
+def test_peft_student_is_pushed_merged(tiny_model_path, student_url, tmp_path):
+    """A LoRA student (the seed document's LoRA example): a push sends the merged weights (GRPO's server-mode
+    ``policy_weights``), so the server samples from the merged model — its sampling log-probs are the merged
+    model's, not the base's — while the trainer's adapter stays unmerged."""
+    import copy
+
+    peft = pytest.importorskip("peft")
+    from posttrain.serving.client import GenerationClient
+
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
+    trainer = _api().AsyncDistillationTrainer(tiny_model_path, _args(tmp_path, student_url, "http://127.0.0.1:1"),
+                                              train_dataset=prompts(), peft_config=lora)  # fmt: skip
+    model = trainer.model
+    with torch.no_grad():  # a non-zero adapter (lora_B starts at zero)
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(0)) * 0.5)
+    base = {n: p.detach().clone() for n, p in model.named_parameters() if "lora" not in n}
+    client = GenerationClient(student_url)
+    trainer._push_client = client
+    trainer._push_weights(wait=True)
+    prompt = trainer.processing_class("Q3:").input_ids
+    choice = client.completions([prompt], max_tokens=6, seed=0).choices[0][0]
+    ids = torch.tensor([prompt + choice.token_ids])
+    n = len(choice.token_ids)
+
+    def logprobs(net):
+        with torch.no_grad():
+            lp = torch.log_softmax(net(ids).logits[0, -n - 1 : -1].float(), -1)
+        return lp.gather(-1, ids[0, -n:, None]).squeeze(-1)
+
+    merged = copy.deepcopy(model).merge_and_unload()
+    torch.testing.assert_close(torch.tensor(choice.logprobs), logprobs(merged), rtol=1e-4, atol=1e-4)
+    with model.disable_adapter():
+        assert not torch.allclose(torch.tensor(choice.logprobs), logprobs(model), atol=1e-2)
+    assert all(torch.equal(p, base[n]) for n, p in model.named_parameters() if "lora" not in n)
+    assert trainer.backend.version == 0 and any("lora_B" in n for n, _ in model.named_parameters())
+
+
+class _SilentWorker:
+    """A rollout worker process that is alive and never answers (until stopped)."""
+
+    exitcode = None
+
+    def __init__(self, stop):
+        self.stop, self.terminated = stop, False
+
+    def is_alive(self):
+        return not (self.stop.is_set() or self.terminated)
+
+    def terminate(self):
+        self.terminated = True
+
+    kill = terminate
+
+    def join(self, timeout=None):
+        pass
+
+
+def test_stale_heartbeat_raises_naming_the_option(tiny_model_path, student_url, tmp_path):
+    """A live worker whose heartbeat is older than heartbeat_stale_after_s: the trainer's wait for a round raises
+    RolloutWorkerError naming the option and stops the worker; a worker that has not beaten yet (starting) gets
+    vllm_server_timeout more."""
+    import multiprocessing
+    import time
+
+    args = _args(tmp_path, student_url, "http://127.0.0.1:1", heartbeat_stale_after_s=0.5)
+    trainer = _api().AsyncDistillationTrainer(tiny_model_path, args, train_dataset=prompts())
+    context = multiprocessing.get_context("spawn")
+    trainer._stop, trainer._queue, trainer._heartbeat = context.Event(), context.Queue(), context.Value("d", 0.0)
+    trainer._worker = worker = _SilentWorker(trainer._stop)
+    trainer._worker_started = time.time() - 1.0  # starting for 1 s: within 0.5 s + vllm_server_timeout
+    trainer._check_heartbeat()
+    trainer._heartbeat.value = time.time()
+    with pytest.raises(_api().RolloutWorkerError, match=r"no progress for 0\.[5-9].*heartbeat_stale_after_s=0\.5"):
+        trainer._get_item()
+    assert worker.terminated and trainer._worker is None
+
+
+@pytest.mark.slow
+def test_worker_hung_on_a_silent_teacher_is_detected(tiny_model_path, student_url, tmp_path):
+    """End to end over loopback: the teacher server accepts connections and never answers (request_timeout 600 s);
+    the worker's heartbeat goes stale after its generation, so train() raises RolloutWorkerError naming
+    heartbeat_stale_after_s within seconds, and the hung worker is terminated (no leaked process)."""
+    import socket
+    import time
+
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # listens, never accepts: requests hang
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        args = _args(tmp_path, student_url, url, heartbeat_stale_after_s=2)
+        trainer = _api().AsyncDistillationTrainer(tiny_model_path, args, train_dataset=prompts())
+        start = time.perf_counter()
+        with pytest.raises(_api().RolloutWorkerError, match="heartbeat_stale_after_s=2"):
+            trainer.train()
+    assert time.perf_counter() - start < 120 and trainer._worker is None and trainer.state.global_step == 0
+
+
 # -- end to end ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_seed_doc_lora_example_runs(tiny_model_path, student_url, teacher_url, tmp_path):
+    """The Async Distillation page's quick start with its LoRA variant, after s/trl/posttrain/, on the tiny model
+    with conversational prompts (DeepMath's layout) and the two servers on loopback: it trains the adapter only,
+    pushes merged weights every step, and the server ends on the final step's version."""
+    peft = pytest.importorskip("peft")
+    from peft import LoraConfig
+
+    from posttrain.experimental.async_distillation import AsyncDistillationTrainer
+
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": f"What is {i} + 1?"}]} for i in range(8)])
+    trainer = AsyncDistillationTrainer(
+        model=tiny_model_path,
+        train_dataset=dataset,
+        peft_config=LoraConfig(r=32, lora_alpha=64, target_modules="all-linear"),
+        args=_args(tmp_path, student_url, teacher_url, max_steps=2),
+    )
+    assert isinstance(trainer.model, peft.PeftModel)
+    frozen = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if not p.requires_grad}
+    trainer.train()
+    assert all(torch.equal(p, frozen[n]) for n, p in trainer.model.named_parameters() if not p.requires_grad)
+    assert trainer.state.global_step == 2 and trainer.backend.version == 2
+    assert all(e["jsd"] >= 0 for e in trainer.state.log_history if "jsd" in e)
 
 
 @pytest.mark.slow
@@ -263,7 +483,7 @@ def test_max_staleness_0_equals_sync_distillation_and_resume(tiny_model_path, ab
         assert key in logs, key
 
     state = json.loads((out / "checkpoint-1" / "rollout_state.json").read_text())
-    assert state == {"next_round": 1, "weight_version": 1, "dropped_stale_total": 0}
+    assert state == {"next_round": 1, "weight_version": 1, "dropped_stale_total": 0, "dropped_oversize_total": 0}
     args = _args(tmp_path / "resumed", student_url, max_staleness=0, max_steps=2, beta=0.5)
     resumed = _api().AsyncDistillationTrainer(tiny_model_path, args, train_dataset=prompts(),
                                               teacher_model=abc_teacher_path)  # fmt: skip
@@ -359,4 +579,3 @@ def test_student_moves_toward_the_served_teacher(tiny_model_path, abc_teacher_pa
     assert len(jsd) == 30 and sum(jsd[-5:]) < 0.5 * sum(jsd[:5]), jsd
     assert end < 0.7 * start, (start, end)
     assert max(r["staleness"] for r in trainer.trained_rounds) <= 2
-

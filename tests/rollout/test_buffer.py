@@ -69,3 +69,19 @@ def test_buffer_state_round_trip_mid_round(tmp_path):
     # At a round boundary only the step and the RNG are stored: the next micro-step regenerates.
     buffer.save(tmp_path / "boundary.pt")
     assert torch.load(tmp_path / "boundary.pt", weights_only=True)["micro_batches"] is None
+
+
+def test_token_budget_packs_cut_in_order_and_set_oversize_rows_apart():
+    from posttrain.rollout.buffer import token_budget_packs
+
+    assert token_budget_packs([3, 4, 2, 9, 5, 1], 7) == ([[0, 1], [2, 4], [5]], [3])
+    assert token_budget_packs([7, 7], 7) == ([[0], [1]], [])
+    assert token_budget_packs([8], 7) == ([], [0])
+
+
+def test_select_rows_keeps_scalars():
+    from posttrain.rollout.buffer import select_rows
+
+    out = select_rows(_batch(), torch.tensor([2, 0]))
+    assert out["texts"] == ["row2", "row0"] and out["advantages"].tolist() == [2.0, 0.0]
+    assert int(out["num_items_in_batch"]) == 10

@@ -13,11 +13,16 @@ temperature, on both sides; ``temperature`` only samples), ``teacher_top_k`` 8, 
 
 posttrain: generation always goes through a ``posttrain serve`` server (``use_vllm=True, vllm_mode="server"``);
 every sample is on-policy (``lmbda`` 1.0, no ``seq_kd``, as TRL); ``max_length`` defaults to None (no prompt cut;
-TRL has no such field); ``seed_requests`` seeds each generation request from ``(seed, round)``. Accepted but without
-effect here (TRL's vLLM/FSDP-specific knobs): ``token_budget`` (posttrain packs ``per_device_train_batch_size`` rows
-per micro-batch, as ``token_budget <= 0`` does in TRL), ``heartbeat_stale_after_s`` (a dead worker is detected from
-its exit at once) and ``weight_sync_timeout`` (pushes use ``request_timeout`` per request). ``log_completions_steps``
-counts optimizer steps (as in ``DistillationTrainer``; TRL counts scored samples).
+TRL has no such field); ``seed_requests`` seeds each generation request from ``(seed, round)``.
+``token_budget`` (None → the student server's ``max_model_len``; ≤ 0 off) caps the real tokens of one forward: each
+micro-batch of ``per_device_train_batch_size`` rows is forwarded and backpropagated in consecutive packs of at most
+that many tokens (the step's gradient is unchanged), and a sample longer than it is dropped with a warning
+(``batch/dropped_oversize_total``) — TRL's budget bounds peak memory the same way, but also lets the number of
+samples per micro-batch vary, which posttrain's fixed rounds do not. ``heartbeat_stale_after_s``: the trainer raises
+``RolloutWorkerError`` when the worker has made no progress (no server answer) for that long while the trainer waits
+(a dead worker is detected from its exit at once). ``weight_sync_timeout``: a weight push that has not landed within
+it raises ``TimeoutError`` naming it. ``log_completions_steps`` counts optimizer steps (as in
+``DistillationTrainer``; TRL counts scored samples).
 """
 
 from __future__ import annotations
@@ -86,7 +91,11 @@ class AsyncDistillationConfig(DistillationConfig):
         default=600, metadata={"help": "Timeout in seconds for individual HTTP requests to any server."}
     )
     weight_sync_timeout: int = field(
-        default=1800, metadata={"help": "TRL's weight-transfer timeout; posttrain uses request_timeout per request."}
+        default=1800,
+        metadata={
+            "help": "Timeout in seconds for a weight push to the student's server. A push that does not complete "
+            "within this time raises instead of hanging the run."
+        },
     )
     # -- the distillation loss ---------------------------------------------------------------------------------
     teacher_temperature: float = field(
@@ -105,7 +114,11 @@ class AsyncDistillationConfig(DistillationConfig):
     )
     token_budget: int | None = field(
         default=None,
-        metadata={"help": "TRL's token-budgeted micro-batching; accepted, no effect in posttrain (fixed row count)."},
+        metadata={
+            "help": "Most real (prompt + completion) tokens per forward: micro-batches are forwarded in packs of at "
+            "most this many tokens, bounding peak memory. None = the student server's max_model_len. A sample "
+            "longer than token_budget is dropped with a warning (batch/dropped_oversize_total). <= 0 = off."
+        },
     )
     # -- the async rollout pipeline ----------------------------------------------------------------------------
     max_inflight_tasks: int = field(
@@ -130,7 +143,10 @@ class AsyncDistillationConfig(DistillationConfig):
     )
     heartbeat_stale_after_s: float = field(
         default=300.0,
-        metadata={"help": "TRL's worker-heartbeat timeout; posttrain detects a dead worker from its exit at once."},
+        metadata={
+            "help": "Seconds since the rollout worker's last progress (a server answer) after which the trainer "
+            "treats it as hung and aborts."
+        },
     )
     seed_requests: bool = field(
         default=True,
@@ -149,10 +165,16 @@ class AsyncDistillationConfig(DistillationConfig):
         check_async_rollout_options(self, "AsyncDistillation", "STUDENT")
         if self.lmbda != 1.0 or self.seq_kd:
             raise ValueError("AsyncDistillation trains on the student's own samples only: lmbda=1.0, seq_kd=False.")
+        if self.max_tool_calling_iterations is not None:
+            raise ValueError(
+                "AsyncDistillation does not run tools (as TRL's): leave max_tool_calling_iterations=None, or use "
+                "DistillationTrainer / ServerDistillationTrainer with tools=."
+            )
         if self.teacher_top_k < 1:
             raise ValueError(f"teacher_top_k must be >= 1, got {self.teacher_top_k}.")
-        if not self.teacher_temperature > 0.0:
-            raise ValueError(f"teacher_temperature must be > 0, got {self.teacher_temperature}.")
+        for name in ("teacher_temperature", "heartbeat_stale_after_s", "weight_sync_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}.")
 
     # The served-teacher loss of posttrain.experimental._sparse_trainer reads these names (ServerDistillation's).
     @property

@@ -34,16 +34,23 @@ version, time in queue, queue size, forwarded/trained tokens), ``batch/samples_p
 ``batch/{forwarded,trained}_tokens_per_step``, ``perf/rollout_wait_s``, ``perf/weight_sync_s``, ``rollout/*``
 (``rollout/score_s``: teacher scoring), ``completions/*``, ``num_tokens``; with several teachers (MOPD: each row's
 ``teacher_id`` picks its server) ``teacher_jsd/{id}``, ``teacher_entropy/{id}``, ``teacher_token_frac/{id}`` and
-``teacher_score_s/{id}``.
+``teacher_score_s/{id}``; with a ``token_budget`` ``batch/dropped_oversize_total`` and
+``batch/packs_per_micro_batch`` (forwards per micro-batch).
 
-Resume (``rollout_state.json``: ``next_round``, ``weight_version``, ``dropped_stale_total``) as AsyncGRPO. Not
-supported: multi-process training, tools, streaming datasets, LoRA adapter sync (a PEFT student is pushed merged),
-injected ``rollout_worker`` / ``weight_transfer`` objects, token-budget packing.
+``token_budget`` packs each micro-batch's rows into forwards of at most that many tokens (see the config);
+``heartbeat_stale_after_s`` and ``weight_sync_timeout`` bound a hung worker and a hung weight push (shared worker).
+A PEFT student (``peft_config``) is pushed as its merged weights (``posttrain.serving.weights.policy_weights``, as
+GRPO's server mode; TRL's merged-sync fallback).
+
+Resume (``rollout_state.json``: ``next_round``, ``weight_version``, ``dropped_stale_total``, here also
+``dropped_oversize_total``) as AsyncGRPO. Not supported: multi-process training, tools (as TRL), streaming datasets,
+LoRA adapter-only sync (``--enable-lora`` servers), injected ``rollout_worker`` / ``weight_transfer`` objects.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any
 
 import torch
@@ -59,8 +66,11 @@ from posttrain.experimental.async_distillation.rollout_worker import (
     score_with_teachers,
 )
 from posttrain.models.distillation_scoring import score_distillation_completions
-from posttrain.rollout.async_worker import AsyncRolloutMixin, RolloutWorkerError
+from posttrain.rollout.async_worker import ROLLOUT_STATE, AsyncRolloutMixin, RolloutWorkerError
+from posttrain.rollout.buffer import select_rows, token_budget_packs, trim_padding
 from posttrain.trainers.distillation import DistillationTrainer
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["AsyncDistillationTrainer", "RolloutWorkerError"]
 
@@ -151,6 +161,9 @@ class AsyncDistillationTrainer(AsyncRolloutMixin, SparseDistillationMixin, Disti
             processing_class=processing_class, callbacks=callbacks, optimizers=optimizers, peft_config=peft_config,
         )  # fmt: skip
         self._init_async_rollout()
+        self._token_budget: int | None = None  # resolved at the first round (the server's max_model_len when None)
+        self._packed_inputs: dict[str, Any] | None = None  # the pack training_step is running
+        self.dropped_oversize_total = 0
 
     # -- teacher -----------------------------------------------------------------------------------------------
     def _uses_teacher_server(self, args: Any) -> bool:
@@ -176,8 +189,80 @@ class AsyncDistillationTrainer(AsyncRolloutMixin, SparseDistillationMixin, Disti
             teacher_top_k=args.teacher_top_k, teacher_temperature=args.teacher_temperature, vocab_rows=self.vocab_rows,
         )  # fmt: skip
 
+    # -- token budget ----------------------------------------------------------------------------------------
+    def _resolve_token_budget(self) -> int:
+        """TRL's ``token_budget``: None → the student server's ``max_model_len`` (off when it reports none), ≤ 0 →
+        off (0 here)."""
+        if self._token_budget is None:
+            budget = self.args.token_budget
+            if budget is None:
+                with contextlib.suppress(Exception):  # a server without /v1/models or max_model_len: no budget
+                    budget = self.backend.client.request("GET", "/v1/models").json()["data"][0].get("max_model_len")
+            self._token_budget = max(int(budget or 0), 0)
+        return self._token_budget
+
+    def _drop_oversize(self, batch: dict[str, Any], record: Any) -> dict[str, Any]:
+        """Rows longer than ``token_budget`` (prompt + completion tokens) fit in no forward: TRL drops them with a
+        warning (``batch/dropped_oversize_total``); here their loss mask is cleared and ``num_items_in_batch``
+        recounted, and ``training_step`` never forwards them."""
+        budget = self._resolve_token_budget()
+        if not budget:
+            return batch
+        over = (batch["prompt_mask"].sum(1) + batch["completion_lengths"]) > budget
+        if over.any():
+            logger.warning(
+                f"Dropping {int(over.sum())} rollout sample(s) longer than token_budget={budget} tokens. Raise "
+                "token_budget to avoid dropping samples."
+            )
+            self.dropped_oversize_total += int(over.sum())
+            mask = batch["completion_mask"] * (~over)[:, None].to(batch["completion_mask"].dtype)
+            batch = {**batch, "completion_mask": mask, "num_items_in_batch": mask.sum()}
+        record("batch/dropped_oversize_total", float(self.dropped_oversize_total))
+        return batch
+
+    def _extra_checkpoint_state(self) -> dict[str, Any]:
+        states = super()._extra_checkpoint_state()
+        states[ROLLOUT_STATE] = {**states[ROLLOUT_STATE], "dropped_oversize_total": self.dropped_oversize_total}
+        return states
+
+    def _load_extra_checkpoint_state(self, states: dict[str, Any]) -> None:
+        super()._load_extra_checkpoint_state(states)
+        self.dropped_oversize_total = int(states.get(ROLLOUT_STATE, {}).get("dropped_oversize_total", 0))
+
+    def _prepare_inputs(self, inputs: Any) -> Any:
+        if self._packed_inputs is not None:  # one token-budget pack of the micro-batch (training_step)
+            return self._packed_inputs
+        return super()._prepare_inputs(inputs)
+
+    def training_step(self, model: torch.nn.Module, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
+        """With a ``token_budget``: the micro-batch's rows, in order, are forwarded and backpropagated in packs of at
+        most ``token_budget`` real tokens (peak memory bounded independently of the row count); the gradients add
+        up to the whole micro-batch's, as every pack's loss is normalised by the optimizer step's tokens."""
+        budget = self._resolve_token_budget()
+        if not budget:
+            return super().training_step(model, inputs, num_items_in_batch)
+        model.train()  # as HF's training_step does first: _prepare_inputs reads the mode from it
+        batch = self._prepare_inputs(inputs)
+        lengths = (batch["prompt_mask"].sum(1) + batch["completion_lengths"]).tolist()
+        packs, _ = token_budget_packs([int(n) for n in lengths], budget)
+        if not packs:  # every row dropped as oversize: nothing to forward
+            return torch.zeros((), device=self.accelerator.device)
+        total = None
+        for pack in packs:
+            whole = len(packs) == 1 and len(pack) == len(lengths)
+            self._packed_inputs = batch if whole else trim_padding(select_rows(batch, torch.tensor(pack)))
+            try:
+                loss = super().training_step(model, inputs, num_items_in_batch)
+            finally:
+                self._packed_inputs = None
+            total = loss if total is None else total + loss
+        self.record_metric("batch/packs_per_micro_batch", float(len(packs)), mode="train")
+        return total
+
     def _score_with_current_policy(self, batch: dict[str, Any], record: Any) -> dict[str, Any]:
-        """A consumed round needs nothing more here (teacher scores came with it); logs TRL's sample/batch sizes."""
+        """A consumed round needs nothing more here (teacher scores came with it); drops oversize rows
+        (``token_budget``) and logs TRL's sample/batch sizes."""
+        batch = self._drop_oversize(batch, record)
         forwarded = (batch["prompt_mask"].sum(1) + batch["completion_lengths"]).float()
         trained = batch["completion_mask"].sum(1).float()
         with contextlib.suppress(NotImplementedError, OSError, ValueError):  # qsize is not available everywhere
