@@ -89,6 +89,7 @@ class OnlineDPOTrainer(OnlineTrainerBase):
     config_class = OnlineDPOConfig
     _trainer_name = "OnlineDPO"
     _tag_names = ["posttrain", "online-dpo"]
+    scores_at_sampling_temperature = False  # TRL: log-probs of the raw logits, not logits / temperature
 
     def __init__(
         self,
@@ -161,12 +162,20 @@ class OnlineDPOTrainer(OnlineTrainerBase):
         first = self.accelerator.process_index * n
         batch["scores"] = self.pipeline.estimator.last_scores[first : first + n].to(device)
         batch["pair_index"] = torch.arange(n, device=device) // 2  # pairs are consecutive rows before the shuffle
+        return self._fit_max_length(batch)
+
+    def _fit_max_length(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """Cut the prompt columns from the left so prompt + completion fit ``max_length`` (in place; returned)."""
         keep = self.args.max_length - batch["completion_ids"].shape[1]
-        if batch["prompt_ids"].shape[1] > keep:  # cut the prompt from the left so the sequence fits max_length
+        if batch["prompt_ids"].shape[1] > keep:
             keep = max(keep, 1)
             batch["prompt_ids"] = batch["prompt_ids"][:, -keep:]
             batch["prompt_mask"] = batch["prompt_mask"][:, -keep:]
         return batch
+
+    def _ref_logps(self, batch: RolloutBatch) -> torch.Tensor:
+        """π_ref log-probs on the same ``max_length`` cut as the policy's (TRL truncates both forwards)."""
+        return super()._ref_logps(self._fit_max_length(dict(batch)))
 
     # -- loss --------------------------------------------------------------------------------------------------
     def _compute_loss(self, model: torch.nn.Module, inputs: RolloutBatch) -> torch.Tensor:
