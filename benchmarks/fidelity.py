@@ -134,9 +134,7 @@ def ds_prompts(n: int = 16, seed: int = 0, conversational: bool = True) -> list[
 
 def ds_prompts_equal_length(n: int = 16, seed: int = 0, conversational: bool = True) -> list[dict[str, Any]]:
     """Prompts of three 3-letter words: the same number of tokens (the tiny tokenizer is byte-level), so a batch of
-    prompts needs no padding. For trainers whose TRL implementation left-pads prompts and runs the model without
-    position ids (Online DPO, A2PO, GOLD, GKD): a left-padded row's positions shift there, which is not what the
-    scenario compares."""
+    prompts needs no padding (the ``*/varied_prompts`` scenarios use :func:`ds_prompts`, left-padded batches)."""
     rng = random.Random(seed)
     words = ("red", "two", "cat", "sun", "ant", "sky")
     rows = []

@@ -164,3 +164,19 @@ def test_scores_under_the_raw_logits_and_cuts_the_reference_prompt_too(tmp_path,
     assert torch.allclose(ref, cut, atol=1e-5)
     assert not torch.allclose(ref, _raw_logps(trainer.ref_model, prompt, completion), atol=1e-3)
     assert batch["prompt_ids"].shape[1] == 4  # the rollout batch itself is cut later, for the loss
+
+
+def test_a2po_also_scores_under_the_raw_logits(tmp_path, tiny_model_path):
+    # The same TRL rule (A2PO's _get_sequence_logps: log_softmax of the raw logits) through the same switch.
+    from posttrain.experimental.a2po import A2POConfig, A2POTrainer
+
+    args = fast_config(A2POConfig, tmp_path, per_device_train_batch_size=2, max_completion_length=4, max_steps=1,
+                       temperature=0.5, num_value_samples=2)  # fmt: skip
+    trainer = A2POTrainer(tiny_model_path, reward_funcs=varied_reward, args=args, train_dataset=_dataset())
+    prompt, completion = torch.tensor([[40, 41]]), torch.tensor([[50, 51, 52]])
+    batch = {
+        "prompt_ids": prompt, "prompt_mask": torch.ones_like(prompt), "completion_ids": completion,
+        "completion_mask": torch.ones_like(completion), "completion_lengths": torch.tensor([3]),
+    }  # fmt: skip
+    logps = trainer._token_stats(trainer.model, batch).logps.detach()
+    assert torch.allclose(logps, _raw_logps(trainer.model, prompt, completion), atol=1e-5)
