@@ -147,16 +147,22 @@ def _raw_logps(model, prompt_ids, completion_ids) -> torch.Tensor:
     return torch.log_softmax(logits, dim=-1).gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
 
 
+def _one_row_batch(prompt: torch.Tensor, completion: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A rollout batch of unpadded rows: ``prompt`` (B, P) and ``completion`` (B, C) ids."""
+    return {
+        "prompt_ids": prompt, "prompt_mask": torch.ones_like(prompt), "completion_ids": completion,
+        "completion_mask": torch.ones_like(completion),
+        "completion_lengths": torch.full((completion.shape[0],), completion.shape[1]),
+    }  # fmt: skip
+
+
 def test_scores_under_the_raw_logits_and_cuts_the_reference_prompt_too(tmp_path, tiny_model_path):
     # TRL's Online DPO takes log_softmax of the raw logits whatever the sampling temperature, and truncates the
     # prompt of the policy *and* the reference forward to max_length (the fidelity harness found both).
     args = _config(tmp_path, temperature=0.5, max_length=5)
     trainer = OnlineDPOTrainer(tiny_model_path, reward_funcs=varied_reward, args=args, train_dataset=_dataset())
     prompt, completion = torch.tensor([[40, 41, 42, 43]]), torch.tensor([[50, 51, 52]])
-    batch = {
-        "prompt_ids": prompt, "prompt_mask": torch.ones_like(prompt), "completion_ids": completion,
-        "completion_mask": torch.ones_like(completion), "completion_lengths": torch.tensor([3]),
-    }  # fmt: skip
+    batch = _one_row_batch(prompt, completion)
     policy = trainer._token_stats(trainer.model, batch).logps.detach()
     assert torch.allclose(policy, _raw_logps(trainer.model, prompt, completion), atol=1e-5)
     ref = trainer._ref_logps(batch)
@@ -174,9 +180,6 @@ def test_a2po_also_scores_under_the_raw_logits(tmp_path, tiny_model_path):
                        temperature=0.5, num_value_samples=2)  # fmt: skip
     trainer = A2POTrainer(tiny_model_path, reward_funcs=varied_reward, args=args, train_dataset=_dataset())
     prompt, completion = torch.tensor([[40, 41]]), torch.tensor([[50, 51, 52]])
-    batch = {
-        "prompt_ids": prompt, "prompt_mask": torch.ones_like(prompt), "completion_ids": completion,
-        "completion_mask": torch.ones_like(completion), "completion_lengths": torch.tensor([3]),
-    }  # fmt: skip
+    batch = _one_row_batch(prompt, completion)
     logps = trainer._token_stats(trainer.model, batch).logps.detach()
     assert torch.allclose(logps, _raw_logps(trainer.model, prompt, completion), atol=1e-5)
