@@ -55,7 +55,9 @@ def test_replayed_generate_and_backend_return_the_same_completions(model_paths):
     tok = AutoTokenizer.from_pretrained(model_paths["causal-lm"])
     eos, pad = tok.eos_token_id, tok.pad_token_id
     prompts = [[40, 41, 42], [43, 44]]
-    trl_like = SimpleNamespace(processing_class=tok, model=AutoModelForCausalLM.from_pretrained(model_paths["causal-lm"]))
+    trl_like = SimpleNamespace(
+        processing_class=tok, model=AutoModelForCausalLM.from_pretrained(model_paths["causal-lm"])
+    )
     fidelity.patch_model_generation(trl_like)
     ids = torch.tensor([[40, 41, 42], [pad, 43, 44]])
     out = trl_like.model.generate(input_ids=ids, attention_mask=(ids != pad).long(), return_dict_in_generate=True,
