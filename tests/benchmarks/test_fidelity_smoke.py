@@ -60,8 +60,11 @@ def test_replayed_generate_and_backend_return_the_same_completions(model_paths):
     )
     fidelity.patch_model_generation(trl_like)
     ids = torch.tensor([[40, 41, 42], [pad, 43, 44]])
-    out = trl_like.model.generate(input_ids=ids, attention_mask=(ids != pad).long(), return_dict_in_generate=True,
-                                  generation_config=GenerationConfig(max_new_tokens=6, do_sample=True, num_return_sequences=2))  # fmt: skip
+    config = GenerationConfig(max_new_tokens=6, do_sample=True, num_return_sequences=2)
+    mask = (ids != pad).long()
+    out = trl_like.model.generate(
+        input_ids=ids, attention_mask=mask, generation_config=config, return_dict_in_generate=True
+    )
     assert out.sequences[:, :3].tolist() == [[40, 41, 42]] * 2 + [[pad, 43, 44]] * 2
     trl_rows = []
     for row in out.sequences[:, 3:].tolist():
