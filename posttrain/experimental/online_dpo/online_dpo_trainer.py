@@ -9,8 +9,9 @@ One micro-step = one rollout of ``per_device_train_batch_size`` prompts × 2 com
   (IPO on sums, as TRL's Online DPO: unit lengths are passed), β of the current epoch (``beta`` may be a list),
   averaged over pairs and divided by the gradient-accumulation steps (``_finish_loss``).
 
-Before the loss, a pair's prompt is cut from the left so prompt + completion fit ``max_length`` (TRL truncates the
-log-prob forward the same way). Metrics are TRL's: ``objective/kl``, ``objective/entropy``,
+Before the policy's and the reference's forward, a pair's prompt is cut from the left so prompt + completion fit
+``max_length`` (TRL truncates both the same way); both score under the raw logits, not logits / ``temperature``
+(TRL). Metrics are TRL's: ``objective/kl``, ``objective/entropy``,
 ``objective/non_score_reward``, ``objective/rlhf_reward``, ``objective/scores``, ``objective/scores_margin``,
 ``rewards/chosen``, ``rewards/rejected``, ``rewards/accuracies``, ``rewards/margins``, ``logps/chosen``,
 ``logps/rejected``, ``val/contain_eos_token``, ``beta`` (plus the rollout's ``reward``, ``completions/*``,
