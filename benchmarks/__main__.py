@@ -322,6 +322,7 @@ def cmd_fidelity(args: argparse.Namespace) -> list[Any]:
     causal = common.ensure_model("tiny", "causal-lm", cache_dir=args.cache_dir)
     seqcls = common.ensure_model("tiny", "sequence-classification", cache_dir=args.cache_dir)
     qwen3 = fidelity.ensure_qwen3_copy(causal)
+    no_newline = fidelity.ensure_no_newline_copy(causal)
     # Teachers (GKD, distillation): the tiny causal LM after a few supervised steps, so teacher != student.
     teacher = common.ensure_model("tiny", "causal-lm", warm_start="varied_eos", cache_dir=args.cache_dir)
     results: dict[str, dict[str, Any]] = {}
@@ -333,7 +334,8 @@ def cmd_fidelity(args: argparse.Namespace) -> list[Any]:
         for impl, python in (("posttrain", sys.executable), ("trl", str(TRL_PYTHON))):
             out = os.path.join(tmp, f"{impl}.json")
             cmd = [python, "-m", "benchmarks.fidelity_runner", "--impl", impl, "--names-file", names]
-            cmd += ["--causal", causal, "--seqcls", seqcls, "--qwen3", qwen3, "--teacher", teacher, "--out", out, *steps_flag]
+            cmd += ["--causal", causal, "--seqcls", seqcls, "--qwen3", qwen3, "--no-newline", no_newline]
+            cmd += ["--teacher", teacher, "--out", out, *steps_flag]
             env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV",)}
             if impl == "trl":
                 env.pop("PYTHONPATH", None)

@@ -132,6 +132,28 @@ def ds_prompts(n: int = 16, seed: int = 0, conversational: bool = True) -> list[
     return rows
 
 
+def ds_prompts_equal_length(n: int = 16, seed: int = 0, conversational: bool = True) -> list[dict[str, Any]]:
+    """Prompts of three 3-letter words: the same number of tokens (the tiny tokenizer is byte-level), so a batch of
+    prompts needs no padding (the ``*/varied_prompts`` scenarios use :func:`ds_prompts`, left-padded batches)."""
+    rng = random.Random(seed)
+    words = ("red", "two", "cat", "sun", "ant", "sky")
+    rows = []
+    for _ in range(n):
+        text = " ".join(rng.choice(words) for _ in range(3))
+        rows.append({"prompt": [{"role": "user", "content": text}] if conversational else text})
+    return rows
+
+
+def ds_prompts_privileged(n: int = 16, seed: int = 0) -> list[dict[str, Any]]:
+    """:func:`ds_prompts_equal_length` plus a ``privileged_context`` (SDFT/SDPO's teacher-only text) of two 3-letter
+    words: every teacher prompt has one token length too."""
+    rows = ds_prompts_equal_length(n, seed)
+    rng = random.Random(seed + 1)
+    for row in rows:
+        row["privileged_context"] = " ".join(rng.choice(("red", "two", "cat", "sun", "ant", "sky")) for _ in range(2))
+    return rows
+
+
 DATASETS: dict[str, Callable[..., list[dict[str, Any]]]] = {
     "lm_text": ds_lm_text,
     "prompt_completion": ds_prompt_completion,
@@ -146,6 +168,9 @@ DATASETS: dict[str, Callable[..., list[dict[str, Any]]]] = {
     "unpaired_blocks": lambda **kw: ds_unpaired(balance="blocks", **kw),
     "prompts": ds_prompts,
     "prompts_text": lambda **kw: ds_prompts(conversational=False, **kw),
+    "prompts_equal": ds_prompts_equal_length,
+    "prompts_privileged": ds_prompts_privileged,
+    "prompts_equal_text": lambda **kw: ds_prompts_equal_length(conversational=False, **kw),
     "triple": lambda **kw: ds_triple(**kw),
 }
 
@@ -178,10 +203,13 @@ EXPERIMENTAL: dict[str, tuple[str, str, str]] = {
 ROLLOUT_FUNC_TRAINERS = frozenset({"grpo", "gmpo"})
 # ... and those whose generation step is replaced by ``patch_generation`` (same completions, both libraries).
 PATCHED_TRAINERS = frozenset({"rloo"})
-# Trainers given the tokenizer explicitly (TRL's GKD does not load it from a model path).
-TOKENIZER_TRAINERS = frozenset({"gkd", "distillation"})
+# ... and those that sample with model.generate (TRL) / a generation backend (posttrain): ``patch_model_generation``.
+GENERATE_PATCHED_TRAINERS = frozenset({"online_dpo", "a2po", "sdpo", "sdft", "gold", "iw_opd", "gkd"})
+# Trainers given the tokenizer explicitly (TRL's GKD and Online DPO do not load it from a model path; GOLD and
+# IW-OPD get the same one, the no-newline template's).
+TOKENIZER_TRAINERS = frozenset({"gkd", "distillation", "online_dpo", "gold", "iw_opd"})
 # Trainers that take a reward_funcs argument.
-REWARD_TRAINERS = frozenset({"grpo", "rloo", "gmpo", "online_dpo", "a2po"})
+REWARD_TRAINERS = frozenset({"grpo", "rloo", "gmpo", "online_dpo", "a2po", "sdpo"})
 
 
 # -- GRPO/RLOO: fixed completions and rewards ----------------------------------------------------------------------
@@ -229,6 +257,18 @@ def fixed_rollout_func(prompts: list[Any], trainer: Any) -> dict[str, list]:
     return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs}
 
 
+def fixed_completions(prompt_rows: list[list[int]], max_len: int, eos: int) -> list[list[int]]:
+    """:func:`fixed_completion` of each row of one generation call; ``k`` counts the earlier rows with the same prompt
+    in that call (a prompt repeated G times gets completions 0..G-1, whatever the row order)."""
+    seen: dict[tuple[int, ...], int] = {}
+    out = []
+    for ids in prompt_rows:
+        k = seen.get(tuple(ids), 0)
+        seen[tuple(ids)] = k + 1
+        out.append(fixed_completion(list(ids), k, max_len, eos)[0])
+    return out
+
+
 def patch_generation(trainer: Any) -> None:
     """RLOO has no ``rollout_func`` in TRL 1.16: replace each library's generation step by :func:`fixed_completion`
     (TRL: ``_generate_single_turn(prompt_ids, ...)``, one row per completion; posttrain: the pipeline's backend,
@@ -238,31 +278,78 @@ def patch_generation(trainer: Any) -> None:
     if hasattr(trainer, "_generate_single_turn"):  # TRL
 
         def generate_single_turn(prompt_ids, images=None, multimodal_fields=None, *rest):
-            seen: dict[tuple[int, ...], int] = {}
-            out = []
-            for ids in prompt_ids:
-                k = seen.get(tuple(ids), 0)
-                seen[tuple(ids)] = k + 1
-                out.append(fixed_completion(list(ids), k, max_len, eos)[0])
-            return out
+            return fixed_completions([list(ids) for ids in prompt_ids], max_len, eos)
 
         trainer._generate_single_turn = generate_single_turn
         return
+    backend = trainer.pipeline.backend
+    trainer.pipeline.backend = _fixed_backend(backend, lambda sampling: max_len, eos, fixed_completions)
+
+
+def generated_completions(prompt_rows: list[list[int]], max_len: int, eos: int) -> list[list[int]]:
+    """:func:`fixed_completions` as a sampler can return them: a completion that stopped short of ``max_len``
+    without EOS is continued (a pure function of its tokens) up to ``max_len``, i.e. it is truncated."""
+    out = []
+    for row in fixed_completions(prompt_rows, max_len, eos):
+        if row[-1] != eos and len(row) < max_len:
+            row = row + [32 + (sum(row) * 7 + i) % 95 for i in range(max_len - len(row))]
+        out.append(row)
+    return out
+
+
+def _fixed_backend(
+    backend: Any, max_len_of: Callable[[Any], int], eos: int, completions: Callable[..., list[list[int]]]
+) -> Any:
+    """posttrain's generation ``backend`` with ``generate`` replaced by ``completions`` (:func:`fixed_completions`
+    or :func:`generated_completions`) of the prompts repeated ``num_generations`` times (``[p0 g0, p0 g1, ..., p1
+    g0, ...]``); weight syncs still reach it."""
     from posttrain.generation.base import Completions
 
-    class _FixedBackend:
-        def sync_weights(self, model):
-            pass
+    def generate(prompt_ids, sampling=None, num_generations=1, **kwargs):
+        prompts = [list(ids) for ids in prompt_ids for _ in range(num_generations)]
+        rows = completions(prompts, max_len_of(sampling), eos)
+        return Completions(rows, None, [r[-1] == eos for r in rows], prompts)
 
-        def generate(self, prompt_ids, sampling=None, num_generations=1, **kwargs):
-            rows, prompts = [], []
-            for ids in prompt_ids:
-                for k in range(num_generations):
-                    rows.append(fixed_completion(list(ids), k, max_len, eos)[0])
-                    prompts.append(list(ids))
-            return Completions(rows, None, [r[-1] == eos for r in rows], prompts)
+    backend.generate = generate
+    return backend
 
-    trainer.pipeline.backend = _FixedBackend()
+
+def patch_model_generation(trainer: Any) -> None:
+    """Online trainers that sample with ``model.generate`` (TRL) or a generation backend (posttrain): both libraries
+    get :func:`generated_completions` of the prompts they actually built, ``max_new_tokens`` from their own generation
+    settings. TRL: ``generate`` of the policy and the reference model (A2PO samples its V* estimates from it) is
+    replaced by a function with ``generate``'s contract (left-padded ``input_ids`` + ``attention_mask``, each row
+    repeated ``num_return_sequences`` times, prompt + completion padded with the pad id, a ``.sequences`` object
+    with ``return_dict_in_generate``); posttrain: the generation backend's ``generate``."""
+    tok = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
+    eos = tok.eos_token_id
+    if type(trainer).__module__.startswith("posttrain"):
+        _fixed_backend(trainer.backend, lambda sampling: sampling.max_new_tokens, eos, generated_completions)
+        return
+    import torch
+
+    pad = tok.pad_token_id if tok.pad_token_id is not None else eos
+
+    def generate(input_ids=None, attention_mask=None, generation_config=None, return_dict_in_generate=False, **kw):
+        n = getattr(generation_config, "num_return_sequences", None) or 1
+        max_len = kw.get("max_new_tokens") or generation_config.max_new_tokens
+        ids = input_ids.repeat_interleave(n, dim=0)
+        mask = torch.ones_like(ids) if attention_mask is None else attention_mask.repeat_interleave(n, dim=0)
+        prompts = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
+        rows = generated_completions(prompts, max_len, eos)
+        width = max(len(r) for r in rows)
+        completion = torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=ids.dtype, device=ids.device)
+        sequences = torch.cat([ids, completion], dim=1)
+        if return_dict_in_generate:
+            from types import SimpleNamespace
+
+            return SimpleNamespace(sequences=sequences)
+        return sequences
+
+    for name in ("model", "ref_model"):
+        model = getattr(trainer, name, None)
+        if model is not None and hasattr(model, "generate"):
+            model.generate = generate
 
 
 def reward_vowels(completions: list[Any], **kwargs) -> list[float]:
@@ -283,7 +370,16 @@ def reward_length(completions: list[Any], **kwargs) -> list[float]:
     return out
 
 
-REWARD_FUNCS = {"vowels": reward_vowels, "length": reward_length}
+def reward_has_vowel(completions: list[Any], **kwargs) -> list[float]:
+    """1.0 when the completion text has a lowercase vowel, else 0.0 (A*-PO assumes binary rewards)."""
+    out = []
+    for completion in completions:
+        text = completion[-1]["content"] if isinstance(completion, list) else str(completion)
+        out.append(float(any(c in "aeiou" for c in text)))
+    return out
+
+
+REWARD_FUNCS = {"vowels": reward_vowels, "length": reward_length, "has_vowel": reward_has_vowel}
 
 
 # The tool functions of the GRPO "Agent Training" example in TRL's docs.
@@ -495,16 +591,92 @@ def _scenarios() -> list[Scenario]:
     # TPO: loss types on triple preferences (chosen, rejected, reference)
     for loss in ("sigmoid", "hinge", "ipo", "tpo-l"):
         add(f"tpo/{loss}", "tpo", {**pair, "loss_type": loss}, "triple")
-    # GKD offline (lmbda=0, seq_kd=False: no sampling): the dataset's completions, student vs teacher
+    # -- online experimental trainers: both libraries train on fixed_completions of the prompts each one built
+    # (patch_model_generation: TRL's model.generate, posttrain's generation backend) --
+    odpo = {"max_new_tokens": 12, "max_length": 64, "per_device_train_batch_size": 4}
+    add("online_dpo/sigmoid", "online_dpo", odpo, "prompts_equal", reward_funcs=("vowels",))
+    add("online_dpo/ipo", "online_dpo", {**odpo, "loss_type": "ipo"}, "prompts_equal", reward_funcs=("vowels",))
+    add("online_dpo/missing_eos_penalty", "online_dpo", {**odpo, "missing_eos_penalty": 1.0}, "prompts_equal",
+        reward_funcs=("vowels",))  # fmt: skip
+    add("online_dpo/beta_list", "online_dpo", {**odpo, "beta": [0.5, 0.1]}, "prompts_equal", reward_funcs=("vowels",))
+    add("online_dpo/varied_prompts", "online_dpo", odpo, "prompts", reward_funcs=("vowels",))
+    add("online_dpo/text_prompts", "online_dpo", odpo, "prompts_equal_text", reward_funcs=("vowels",))
+    add("online_dpo/max_length_16", "online_dpo", {**odpo, "max_length": 16}, "prompts_equal",
+        reward_funcs=("vowels",))  # fmt: skip
+    add("online_dpo/grad_accum_2", "online_dpo", {**odpo, "gradient_accumulation_steps": 2,
+        "per_device_train_batch_size": 2}, "prompts", reward_funcs=("vowels",))  # fmt: skip
+    # A2PO: stage 1 samples num_value_samples completions per prompt (V*), stage 2 one per prompt; binary reward
+    a2po = {"max_completion_length": 12, "per_device_train_batch_size": 4}
+    add("a2po/default", "a2po", a2po, "prompts_equal", reward_funcs=("has_vowel",))
+    add("a2po/beta2_0.1", "a2po", {**a2po, "beta2": 0.1, "beta1": 1.0}, "prompts_equal", reward_funcs=("has_vowel",))
+    add("a2po/no_filter_4_samples", "a2po", {**a2po, "filter_all_incorrect": False, "num_value_samples": 4},
+        "prompts_equal", reward_funcs=("has_vowel",))  # fmt: skip
+    add("a2po/temperature_0.7", "a2po", {**a2po, "temperature": 0.7, "beta2": 0.1}, "prompts_equal",
+        reward_funcs=("has_vowel",))  # fmt: skip
+    add("a2po/varied_prompts", "a2po", {**a2po, "beta2": 0.1}, "prompts", reward_funcs=("has_vowel",))
+    add("a2po/text_prompts", "a2po", {**a2po, "beta2": 0.1}, "prompts_equal_text", reward_funcs=("has_vowel",))
+    # SDFT: the student samples, the teacher (the same network) scores those completions with the privileged context
+    sdft = {"max_completion_length": 12, "num_generations": 4, "per_device_train_batch_size": 8}
+    add("sdft/default_topk", "sdft", sdft, "prompts_privileged")
+    add("sdft/full_logits", "sdft", {**sdft, "distillation_mode": "full_logits"}, "prompts_privileged")
+    add("sdft/sampled_token", "sdft", {**sdft, "distillation_mode": "sampled_token", "distillation_alpha": 1.0},
+        "prompts_privileged")  # fmt: skip
+    add("sdft/topk_add_tail", "sdft", {**sdft, "distillation_topk": 5, "distillation_add_tail": True},
+        "prompts_privileged")  # fmt: skip
+    add("sdft/teacher_live", "sdft", {**sdft, "teacher_model_kind": "live"}, "prompts_privileged")
+    add("sdft/teacher_ema", "sdft", {**sdft, "teacher_model_kind": "ema", "teacher_update_rate": 0.5},
+        "prompts_privileged")  # fmt: skip
+    add("sdft/skip_2_loss_tokens", "sdft", {**sdft, "num_loss_tokens_to_skip": 2}, "prompts_privileged")
+    add("sdft/mu2_is_clip", "sdft", {**sdft, "num_iterations": 2, "distillation_mode": "full_logits"},
+        "prompts_privileged")  # fmt: skip
+    # SDPO: GRPO plus self-distillation toward the policy re-prompted with a successful completion of its group
+    sdpo = {k: v for k, v in _ONLINE.items() if k != "use_bias_correction_kl"}  # not an SDPOConfig field in TRL
+    add("sdpo/default", "sdpo", sdpo, "prompts_equal", reward_funcs=("has_vowel",))
+    add("sdpo/weight_0.5", "sdpo", {**sdpo, "distillation_weight": 0.5}, "prompts_equal", reward_funcs=("has_vowel",))
+    add("sdpo/full_logits_alpha_0.5", "sdpo", {**sdpo, "distillation_mode": "full_logits", "distillation_alpha": 0.5},
+        "prompts_equal", reward_funcs=("has_vowel",))  # fmt: skip
+    add("sdpo/topk_5", "sdpo", {**sdpo, "distillation_mode": "topk_logits", "distillation_topk": 5}, "prompts_equal",
+        reward_funcs=("has_vowel",))  # fmt: skip
+    add("sdpo/reprompt_on_self_success", "sdpo", {**sdpo, "dont_reprompt_on_self_success": False}, "prompts_equal",
+        reward_funcs=("has_vowel",))  # fmt: skip
+    add("sdpo/privileged_feedback", "sdpo", {**sdpo, "include_environment_feedback": True}, "prompts_privileged",
+        reward_funcs=("has_vowel",))  # fmt: skip
+    add("sdpo/mu2", "sdpo", {**sdpo, "num_iterations": 2}, "prompts_equal", reward_funcs=("has_vowel",))
+    # GKD offline (lmbda=0, seq_kd=False: no sampling): the dataset's completions, student vs teacher; with the chat
+    # template that ends an assistant turn at <|im_end|> (TRL's ChatML collator also trains on the newline after it:
+    # gkd/offline_turn_newline keeps that template)
     gkd = {"max_length": 256, "lmbda": 0.0, "seq_kd": False}
+    nl = {"teacher": True, "model": "causal-lm-no-newline"}
     for beta in (0.0, 0.5, 1.0):
-        add(f"gkd/offline_beta{beta}", "gkd", {**gkd, "beta": beta}, "messages", teacher=True)
-    add("gkd/offline_temperature_2", "gkd", {**gkd, "temperature": 2.0}, "messages", teacher=True)
-    # one row per batch: no padding (TRL's ChatML collator left-pads without position ids, which moves the
-    # positions of a padded row's tokens)
-    add("gkd/offline_batch1", "gkd", {**gkd, "per_device_train_batch_size": 1}, "messages", teacher=True)
+        add(f"gkd/offline_beta{beta}", "gkd", {**gkd, "beta": beta}, "messages", **nl)
+    add("gkd/offline_temperature_2", "gkd", {**gkd, "temperature": 2.0}, "messages", **nl)
+    add("gkd/offline_batch1", "gkd", {**gkd, "per_device_train_batch_size": 1}, "messages", **nl)
     add("gkd/offline_batch1_temperature_2", "gkd", {**gkd, "per_device_train_batch_size": 1, "temperature": 2.0},
-        "messages", teacher=True)  # fmt: skip
+        "messages", **nl)  # fmt: skip
+    add("gkd/offline_turn_newline", "gkd", gkd, "messages", teacher=True)
+    add("gkd/on_policy", "gkd", {**gkd, "lmbda": 1.0, "max_new_tokens": 12}, "messages", **nl)
+    add("gkd/on_policy_beta1.0", "gkd", {**gkd, "lmbda": 1.0, "max_new_tokens": 12, "beta": 1.0}, "messages",
+        **nl)  # fmt: skip
+    # GOLD (same tokenizer: the generalized JSD at `temperature`), offline and on-policy
+    gold = {**gkd, "learning_rate": 1e-3}
+    add("gold/offline", "gold", {**gold, "lmbda": 0.0}, "messages", **nl)
+    add("gold/offline_beta0.0", "gold", {**gold, "lmbda": 0.0, "beta": 0.0}, "messages", **nl)
+    add("gold/offline_temperature_2", "gold", {**gold, "lmbda": 0.0, "temperature": 2.0}, "messages", **nl)
+    # posttrain cuts a dataset completion to max_completion_length, TRL's GOLD/GKD only to max_length
+    add("gold/offline_completion_cut_12", "gold", {**gold, "lmbda": 0.0, "max_completion_length": 12}, "messages",
+        **nl)  # fmt: skip
+    add("gold/on_policy", "gold", {**gold, "lmbda": 1.0, "max_completion_length": 12}, "messages", **nl)
+    add("gold/on_policy_beta1.0", "gold", {**gold, "lmbda": 1.0, "beta": 1.0, "max_completion_length": 12},
+        "messages", **nl)  # fmt: skip
+    # IW-OPD: on-policy; the sampled-token IW-OPD objective and the sparse/full JSD
+    iw = {"max_length": 256, "max_completion_length": 12}
+    add("iw_opd/default", "iw_opd", iw, "messages", **nl)
+    add("iw_opd/gamma_0", "iw_opd", {**iw, "iw_opd_gamma": 0.0}, "messages", **nl)
+    add("iw_opd/jsd_top1", "iw_opd", {**iw, "distillation_objective": "jsd"}, "messages", **nl)
+    add("iw_opd/jsd_full_beta0.5", "iw_opd", {**iw, "distillation_objective": "jsd", "loss_top_k": 0, "beta": 0.5},
+        "messages", **nl)  # fmt: skip
+    add("iw_opd/jsd_top5_forward", "iw_opd", {**iw, "distillation_objective": "jsd", "loss_top_k": 5, "beta": 0.0},
+        "messages", **nl)  # fmt: skip
     return out
 
 
@@ -557,6 +729,8 @@ def run_scenario(scenario: Scenario, model_paths: dict[str, str], trainer_classe
     trainer = trainer_cls(**kwargs)
     if scenario.trainer in PATCHED_TRAINERS:
         patch_generation(trainer)
+    if scenario.trainer in GENERATE_PATCHED_TRAINERS:
+        patch_model_generation(trainer)
     trainer.add_callback(_Record())
     trainer.train()
     return logs
@@ -697,6 +871,8 @@ KNOWN_DIFFERENCES: dict[str, str] = {
     "grpo/steps_per_generation_2": "deliberate: the generation batch is shuffled before it is split over steps with "
     "a dedicated seeded generator (saved in checkpoints, so a resumed run replays it); TRL draws the permutation from "
     "the global torch RNG",
+    "online_dpo/beta_list": "deliberate (TRL bug): TRL's Online DPO indexes `beta` with the float `state.epoch` "
+    "(TypeError: list indices must be integers); posttrain uses the epoch's integer part (TRL's documented meaning)",
 }
 
 
@@ -710,15 +886,42 @@ _LEGACY_DOUBLE_EOS = (
     "TRL's legacy CPO/ORPO tokenizer appends EOS after a conversational completion that the chat template already "
     "closed (`<|im_end|>\\n<|im_end|>`); posttrain, like TRL's own DPO, does not add a second end-of-turn token"
 )
-_GKD = (
-    "understood, not fixed: (1) data order: TRL's GKD is an SFTTrainer (RandomSampler), posttrain's GKD is the "
-    "distillation trainer on the online prompt sampler, so step 1 already sees other rows; (2) TRL's ChatML collator "
-    "also trains on the `\\n` after `<|im_end|>`, posttrain's completion ends at EOS; (3) TRL's GKD loss ignores "
-    "`temperature` (sampling only), posttrain divides the logits by it as TRL's DistillationTrainer does; (4) TRL "
-    "left-pads without position ids"
+_GKD_NEWLINE = (
+    "deliberate: TRL's ChatML collator (GKD) trains on everything after the prompt, so also on the `\\n` the chat "
+    "template puts after `<|im_end|>`; posttrain's completion ends at EOS, as TRL's SFT with assistant-only loss"
+)
+_ONLINE_DPO_UNMASKED = (
+    "deliberate (TRL bug): TRL's Online DPO sums `objective/kl`, `objective/entropy` (and so `non_score_reward`, "
+    "`rlhf_reward`) over every completion column, the padding after EOS included; posttrain sums the completion "
+    "tokens. `rewards/accuracies` at step 1 (π = π_ref): posttrain's margins are ±1e-7 of float rounding between "
+    "its training forward and its no-grad reference pass, TRL's are exactly 0 (one forward code path)"
+)
+_ONLINE_DPO_GA = (
+    "deliberate (TRL bug): TRL's Online DPO `training_step` backpropagates each micro-batch's mean loss without "
+    "dividing by the accumulation steps, so its gradient (and grad_norm) is the sum over micro-batches (Adam makes "
+    "the updates nearly equal); posttrain averages, as transformers' Trainer. Plus: " + _ONLINE_DPO_UNMASKED
+)
+_ON_POLICY_NORMALISER = (
+    "deliberate (TRL bug): on an on-policy batch TRL divides the summed token loss by `num_items_in_batch`, which "
+    "the Trainer counted on the dataset completions the student's samples replaced (step 1: 134 dataset tokens "
+    "vs 38 sampled; posttrain/TRL loss and grad_norm = 3.5263 = 134/38 in every on-policy GKD/GOLD/IW-OPD "
+    "scenario, so the loss math itself agrees); posttrain divides by the tokens it trains on"
+)
+_COMPLETION_CUT = (
+    "understood, not fixed: posttrain's distillation rollout cuts a dataset completion to `max_completion_length` "
+    "(12 here); TRL's GOLD/GKD collator keeps it whole (only `max_length` applies), so TRL trains on more tokens"
+)
+_ONLINE_DPO_KEYS = frozenset(
+    {"objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward", "rewards/accuracies"}
 )
 KNOWN_KEY_DIFFERENCES: dict[str, tuple[frozenset[str] | None, str]] = {
-    "gkd/offline": (None, _GKD),
+    "gkd/offline_turn_newline": (frozenset({"loss", "grad_norm"}), _GKD_NEWLINE),
+    "online_dpo/grad_accum_2": (_ONLINE_DPO_KEYS | {"grad_norm"}, _ONLINE_DPO_GA),
+    "gkd/on_policy": (frozenset({"loss", "grad_norm"}), _ON_POLICY_NORMALISER),
+    "gold/on_policy": (frozenset({"loss", "grad_norm"}), _ON_POLICY_NORMALISER),
+    "iw_opd/": (frozenset({"loss", "grad_norm"}), _ON_POLICY_NORMALISER),
+    "gold/offline_completion_cut_12": (frozenset({"loss", "grad_norm"}), _COMPLETION_CUT),
+    "online_dpo/": (_ONLINE_DPO_KEYS, _ONLINE_DPO_UNMASKED),
     "cpo/conversational": (None, _LEGACY_DOUBLE_EOS),
     "orpo/conversational": (None, _LEGACY_DOUBLE_EOS),
     "cpo/": (frozenset({"logits/chosen", "logits/rejected"}), _LOGITS_MEAN),
@@ -803,24 +1006,49 @@ def dumps(obj: Any) -> str:
     return json.dumps(obj, default=str)
 
 
-def ensure_qwen3_copy(causal_dir: str) -> str:
-    """A copy of the saved tiny causal LM whose tokenizer has posttrain's bundled Qwen3 chat template (tool calls
-    in ``<tool_call>`` tags; both libraries know its training template). posttrain's venv only."""
+def _template_copy(causal_dir: str, suffix: str, template: Callable[[str], str]) -> str:
+    """A copy of the saved tiny causal LM (``<dir>-<suffix>``) whose tokenizer's chat template is
+    ``template(current template)``; made once. posttrain's venv only."""
     import shutil
     from pathlib import Path
 
-    target = Path(causal_dir).with_name(Path(causal_dir).name + "-qwen3")
+    target = Path(causal_dir).with_name(Path(causal_dir).name + "-" + suffix)
     if (target / "config.json").is_file():
         return str(target)
     from transformers import AutoTokenizer
-
-    import posttrain.data.chat_templates as templates
 
     tmp = target.with_name(target.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(causal_dir, tmp)
     tok = AutoTokenizer.from_pretrained(tmp)
-    tok.chat_template = (Path(templates.__file__).parent / "templates" / "qwen3.jinja").read_text()
+    tok.chat_template = template(tok.chat_template)
     tok.save_pretrained(tmp)
     tmp.rename(target)
     return str(target)
+
+
+def ensure_qwen3_copy(causal_dir: str) -> str:
+    """The tiny causal LM with posttrain's bundled Qwen3 chat template (tool calls in ``<tool_call>`` tags; both
+    libraries know its training template). posttrain's venv only."""
+    from pathlib import Path
+
+    import posttrain.data.chat_templates as templates
+
+    qwen3 = (Path(templates.__file__).parent / "templates" / "qwen3.jinja").read_text()
+    return _template_copy(causal_dir, "qwen3", lambda _: qwen3)
+
+
+_TURN_NEWLINE = "{%- endgeneration %}\n{{- '\\n' }}"
+
+
+def ensure_no_newline_copy(causal_dir: str) -> str:
+    """The tiny causal LM whose ChatML template ends an assistant turn at ``<|im_end|>`` (no ``\\n`` after it):
+    TRL's GKD collator trains on everything after the prompt, that newline included, posttrain's completion ends
+    at EOS; with this template both train the same tokens (see the ``gkd/`` scenarios). posttrain's venv only."""
+
+    def drop_newline(template: str) -> str:
+        if _TURN_NEWLINE not in template:
+            raise ValueError("The tiny model's chat template changed: no newline after the assistant turn to drop.")
+        return template.replace(_TURN_NEWLINE, "{%- endgeneration %}")
+
+    return _template_copy(causal_dir, "no-newline", drop_newline)

@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--causal", required=True, help="Saved tiny causal LM directory.")
     parser.add_argument("--seqcls", required=True, help="Saved tiny sequence classifier directory.")
     parser.add_argument("--qwen3", required=True, help="The tiny causal LM with a Qwen3 chat template.")
+    parser.add_argument("--no-newline", required=True, help="The tiny causal LM, no newline after an assistant turn.")
     parser.add_argument("--teacher", required=True, help="A different tiny causal LM (same tokenizer): teachers.")
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=None, help="Override every scenario's optimizer steps.")
@@ -65,7 +66,13 @@ def main(argv: list[str] | None = None) -> None:
     scenarios = [fidelity.SCENARIOS[n] for n in names]
     if args.steps is not None:
         scenarios = [dataclasses.replace(s, steps=args.steps) for s in scenarios]
-    paths = {"causal-lm": args.causal, "sequence-classification": args.seqcls, "causal-lm-qwen3": args.qwen3, "teacher": args.teacher}
+    paths = {
+        "causal-lm": args.causal,
+        "sequence-classification": args.seqcls,
+        "causal-lm-qwen3": args.qwen3,
+        "causal-lm-no-newline": args.no_newline,
+        "teacher": args.teacher,
+    }
     results = fidelity.run_many(scenarios, paths, trainer_classes(args.impl))
     other = "posttrain" if args.impl == "trl" else "trl"
     if other in sys.modules:

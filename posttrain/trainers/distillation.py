@@ -458,7 +458,7 @@ class DistillationTrainer(OnlineTrainerBase):
             teacher,
             vocab_rows=self.vocab_rows,
             beta=args.beta,
-            temperature=args.temperature,
+            temperature=self._loss_temperature(),
             chunk_size=self._loss_chunk_size(),
         )  # (N,) each
         n_tokens = divergence.new_tensor(float(divergence.numel()))
@@ -479,6 +479,10 @@ class DistillationTrainer(OnlineTrainerBase):
         entropy_mean = entropy.mean() if entropy.numel() else entropy.new_tensor(float("nan"))
         self.record_metric("entropy", self._gather_mean(entropy_mean), mode=mode)
         return loss
+
+    def _loss_temperature(self) -> float:
+        """Divides both models' logits in the divergence: the sampling ``temperature`` (TRL's DistillationTrainer)."""
+        return self.args.temperature
 
     def _loss_chunk_size(self) -> int:
         """Tokens per chunk: about 2**24 logits (64 MiB in float32) per chunk, between 16 and 1024 tokens.

@@ -309,6 +309,9 @@ class OnlineTrainerBase(BaseTrainer):
     config_class: type[OnlineRLConfig] = OnlineRLConfig
     _trainer_name = "GRPO"
     loss_is_scaled_for_ga = True
+    # Score completions under π / temperature (GRPO/RLOO: the sampling distribution); False scores under π itself
+    # (TRL's Online DPO and A2PO take log_softmax of the raw logits whatever the sampling temperature).
+    scores_at_sampling_temperature = True
 
     def __init__(
         self,
@@ -670,7 +673,7 @@ class OnlineTrainerBase(BaseTrainer):
         return completion_token_stats(
             model,
             batch,
-            temperature=self.sampling.temperature,
+            temperature=self.sampling.temperature if self.scores_at_sampling_temperature else 1.0,
             compute_entropy=compute_entropy,
             entropy_requires_grad=entropy_requires_grad,
             share_prompts=bool(self.args.shared_prompt_forward),

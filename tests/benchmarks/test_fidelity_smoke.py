@@ -1,12 +1,14 @@
-"""Smoke tests of the fidelity harness (``python -m benchmarks fidelity``) without TRL: the posttrain half of two
-scenarios (a preference trainer and GRPO/RLOO with fixed completions) and the step-by-step comparison on synthetic
-logs."""
+"""Smoke tests of the fidelity harness (``python -m benchmarks fidelity``) without TRL: the posttrain half of three
+scenarios (a preference trainer, RLOO and Online DPO with fixed completions), that the replayed ``model.generate``
+(TRL's side) and the replayed generation backend (posttrain's) return the same completions, and the step-by-step
+comparison on synthetic logs."""
 
 from __future__ import annotations
 
 import dataclasses
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -27,7 +29,7 @@ def model_paths(tmp_path_factory) -> dict[str, str]:
     return {"causal-lm": save_tiny_model(str(root / "lm"))}
 
 
-@pytest.mark.parametrize("name", ["kto/kto", "rloo/default"])
+@pytest.mark.parametrize("name", ["kto/kto", "rloo/default", "online_dpo/sigmoid"])
 def test_posttrain_half_of_a_scenario_logs_every_step(name, model_paths, tmp_path):
     scenario = dataclasses.replace(fidelity.SCENARIOS[name], steps=2)
     logs = fidelity.run_scenario(scenario, model_paths, trainer_classes("posttrain"), str(tmp_path))
@@ -42,6 +44,39 @@ def test_fixed_completions_are_a_pure_function_of_the_prompt():
     assert a == fidelity.fixed_completion([1, 2, 3], 0, 12, 258)
     assert a != fidelity.fixed_completion([1, 2, 3], 1, 12, 258)
     assert 2 <= len(a[0]) <= 12 and len(a[0]) == len(a[1])
+
+
+def test_replayed_generate_and_backend_return_the_same_completions(model_paths):
+    """TRL's side: ``model.generate`` on left-padded prompts, each row repeated ``num_return_sequences`` times;
+    posttrain's: ``backend.generate(unique prompts, sampling, num_generations)``; both must see the same rows."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    tok = AutoTokenizer.from_pretrained(model_paths["causal-lm"])
+    eos, pad = tok.eos_token_id, tok.pad_token_id
+    prompts = [[40, 41, 42], [43, 44]]
+    trl_like = SimpleNamespace(
+        processing_class=tok, model=AutoModelForCausalLM.from_pretrained(model_paths["causal-lm"])
+    )
+    fidelity.patch_model_generation(trl_like)
+    ids = torch.tensor([[40, 41, 42], [pad, 43, 44]])
+    config = GenerationConfig(max_new_tokens=6, do_sample=True, num_return_sequences=2)
+    mask = (ids != pad).long()
+    out = trl_like.model.generate(
+        input_ids=ids, attention_mask=mask, generation_config=config, return_dict_in_generate=True
+    )
+    assert out.sequences[:, :3].tolist() == [[40, 41, 42]] * 2 + [[pad, 43, 44]] * 2
+    trl_rows = []
+    for row in out.sequences[:, 3:].tolist():
+        trl_rows.append(row[: row.index(eos) + 1] if eos in row else row)
+    backend = SimpleNamespace(sync_weights=lambda model: None)
+    fidelity._fixed_backend(backend, lambda sampling: sampling.max_new_tokens, eos, fidelity.generated_completions)
+    done = backend.generate(prompts, SimpleNamespace(max_new_tokens=6), 2)
+    assert done.completion_ids == trl_rows and done.prompt_ids == [prompts[0]] * 2 + [prompts[1]] * 2
+    assert done.completion_ids[0] != done.completion_ids[1]  # the group's completions differ
+    # as a sampler returns them: ended by EOS, or truncated at max_new_tokens
+    assert all(row[-1] == eos or len(row) == 6 for row in done.completion_ids)
+    assert done.finished == [row[-1] == eos for row in done.completion_ids]
 
 
 def test_compare_reports_first_differing_step_and_one_sided_keys():

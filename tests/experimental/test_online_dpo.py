@@ -137,3 +137,49 @@ def test_learns_a_cheap_reward(tmp_path, tiny_model_path):
     rewards = [h["objective/scores"] for h in trainer.state.log_history if "objective/scores" in h]
     assert rewards[0] < 0.05
     assert sum(rewards[-5:]) / 5 > 0.5
+
+
+def _raw_logps(model, prompt_ids, completion_ids) -> torch.Tensor:
+    """(B, C) log-probs of the completion tokens under the raw logits (no temperature), unpadded rows."""
+    ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    with torch.no_grad():
+        logits = model(ids).logits[:, prompt_ids.shape[1] - 1 : -1].float()
+    return torch.log_softmax(logits, dim=-1).gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
+
+
+def _one_row_batch(prompt: torch.Tensor, completion: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A rollout batch of unpadded rows: ``prompt`` (B, P) and ``completion`` (B, C) ids."""
+    return {
+        "prompt_ids": prompt, "prompt_mask": torch.ones_like(prompt), "completion_ids": completion,
+        "completion_mask": torch.ones_like(completion),
+        "completion_lengths": torch.full((completion.shape[0],), completion.shape[1]),
+    }  # fmt: skip
+
+
+def test_scores_under_the_raw_logits_and_cuts_the_reference_prompt_too(tmp_path, tiny_model_path):
+    # TRL's Online DPO takes log_softmax of the raw logits whatever the sampling temperature, and truncates the
+    # prompt of the policy *and* the reference forward to max_length (the fidelity harness found both).
+    args = _config(tmp_path, temperature=0.5, max_length=5)
+    trainer = OnlineDPOTrainer(tiny_model_path, reward_funcs=varied_reward, args=args, train_dataset=_dataset())
+    prompt, completion = torch.tensor([[40, 41, 42, 43]]), torch.tensor([[50, 51, 52]])
+    batch = _one_row_batch(prompt, completion)
+    policy = trainer._token_stats(trainer.model, batch).logps.detach()
+    assert torch.allclose(policy, _raw_logps(trainer.model, prompt, completion), atol=1e-5)
+    ref = trainer._ref_logps(batch)
+    cut = _raw_logps(trainer.ref_model, prompt[:, -2:], completion)  # max_length 5 - 3 completion tokens
+    assert torch.allclose(ref, cut, atol=1e-5)
+    assert not torch.allclose(ref, _raw_logps(trainer.ref_model, prompt, completion), atol=1e-3)
+    assert batch["prompt_ids"].shape[1] == 4  # the rollout batch itself is cut later, for the loss
+
+
+def test_a2po_also_scores_under_the_raw_logits(tmp_path, tiny_model_path):
+    # The same TRL rule (A2PO's _get_sequence_logps: log_softmax of the raw logits) through the same switch.
+    from posttrain.experimental.a2po import A2POConfig, A2POTrainer
+
+    args = fast_config(A2POConfig, tmp_path, per_device_train_batch_size=2, max_completion_length=4, max_steps=1,
+                       temperature=0.5, num_value_samples=2)  # fmt: skip
+    trainer = A2POTrainer(tiny_model_path, reward_funcs=varied_reward, args=args, train_dataset=_dataset())
+    prompt, completion = torch.tensor([[40, 41]]), torch.tensor([[50, 51, 52]])
+    batch = _one_row_batch(prompt, completion)
+    logps = trainer._token_stats(trainer.model, batch).logps.detach()
+    assert torch.allclose(logps, _raw_logps(trainer.model, prompt, completion), atol=1e-5)

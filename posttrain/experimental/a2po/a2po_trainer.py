@@ -41,6 +41,7 @@ class A2POTrainer(OnlineTrainerBase):
     config_class = A2POConfig
     _trainer_name = "A2PO"
     _tag_names = ["posttrain", "a2po"]
+    scores_at_sampling_temperature = False  # TRL: log-probs of the raw logits, not logits / temperature
 
     def _setup_loss(self) -> None:
         self._optimal_values: dict[str, float] | None = None

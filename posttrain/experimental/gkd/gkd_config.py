@@ -24,7 +24,7 @@ class GKDConfig(DistillationConfig):
     learning_rate: float = field(default=2e-5, metadata={"help": "The initial learning rate for AdamW."})
     temperature: float = field(
         default=0.9,
-        metadata={"help": "Temperature for sampling and for the loss. The higher, the more random the completions."},
+        metadata={"help": "Temperature for sampling; the JSD loss uses the raw logits (TRL). Higher: more random."},
     )
     lmbda: float = field(
         default=0.5,

@@ -3,7 +3,8 @@
 TRL's ``GKDTrainer`` wraps ``SFTTrainer``: each batch of SFT-style data (conversational ``"messages"``, or
 ``"prompt"`` / ``"completion"``) is replaced with probability ``lmbda`` by the student's own samples (on-policy),
 otherwise kept (or, with ``seq_kd``, replaced by teacher samples), and the loss is the generalized JSD between the
-student's and the teacher's token distributions over the completion. That is exactly
+student's and the teacher's token distributions over the completion (at temperature 1: TRL's GKD uses
+``temperature`` for sampling only, unlike its DistillationTrainer). That is exactly
 :class:`~posttrain.trainers.distillation.DistillationTrainer`'s round and loss, so this class only carries GKD's
 name, config and defaults (``GKDConfig``); data, metrics (``loss``, ``distillation_loss``, ``entropy``,
 ``completions/*``), checkpoints and generation backends are the distillation trainer's.
@@ -26,3 +27,7 @@ class GKDTrainer(DistillationTrainer):
     config_class = GKDConfig
     _trainer_name = "GKD"
     _tag_names = ["posttrain", "gkd"]
+
+    def _loss_temperature(self) -> float:
+        """1.0: TRL's GKD divides the logits by ``temperature`` when sampling only, never in the JSD loss."""
+        return 1.0

@@ -9,8 +9,9 @@ One micro-step = one rollout of ``per_device_train_batch_size`` prompts × 2 com
   (IPO on sums, as TRL's Online DPO: unit lengths are passed), β of the current epoch (``beta`` may be a list),
   averaged over pairs and divided by the gradient-accumulation steps (``_finish_loss``).
 
-Before the loss, a pair's prompt is cut from the left so prompt + completion fit ``max_length`` (TRL truncates the
-log-prob forward the same way). Metrics are TRL's: ``objective/kl``, ``objective/entropy``,
+Before the policy's and the reference's forward, a pair's prompt is cut from the left so prompt + completion fit
+``max_length`` (TRL truncates both the same way); both score under the raw logits, not logits / ``temperature``
+(TRL). Metrics are TRL's: ``objective/kl``, ``objective/entropy``,
 ``objective/non_score_reward``, ``objective/rlhf_reward``, ``objective/scores``, ``objective/scores_margin``,
 ``rewards/chosen``, ``rewards/rejected``, ``rewards/accuracies``, ``rewards/margins``, ``logps/chosen``,
 ``logps/rejected``, ``val/contain_eos_token``, ``beta`` (plus the rollout's ``reward``, ``completions/*``,
@@ -89,6 +90,7 @@ class OnlineDPOTrainer(OnlineTrainerBase):
     config_class = OnlineDPOConfig
     _trainer_name = "OnlineDPO"
     _tag_names = ["posttrain", "online-dpo"]
+    scores_at_sampling_temperature = False  # TRL: log-probs of the raw logits, not logits / temperature
 
     def __init__(
         self,
@@ -161,12 +163,20 @@ class OnlineDPOTrainer(OnlineTrainerBase):
         first = self.accelerator.process_index * n
         batch["scores"] = self.pipeline.estimator.last_scores[first : first + n].to(device)
         batch["pair_index"] = torch.arange(n, device=device) // 2  # pairs are consecutive rows before the shuffle
+        return self._fit_max_length(batch)
+
+    def _fit_max_length(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """Cut the prompt columns from the left so prompt + completion fit ``max_length`` (in place; returned)."""
         keep = self.args.max_length - batch["completion_ids"].shape[1]
-        if batch["prompt_ids"].shape[1] > keep:  # cut the prompt from the left so the sequence fits max_length
+        if batch["prompt_ids"].shape[1] > keep:
             keep = max(keep, 1)
             batch["prompt_ids"] = batch["prompt_ids"][:, -keep:]
             batch["prompt_mask"] = batch["prompt_mask"][:, -keep:]
         return batch
+
+    def _ref_logps(self, batch: RolloutBatch) -> torch.Tensor:
+        """π_ref log-probs on the same ``max_length`` cut as the policy's (TRL truncates both forwards)."""
+        return super()._ref_logps(self._fit_max_length(dict(batch)))
 
     # -- loss --------------------------------------------------------------------------------------------------
     def _compute_loss(self, model: torch.nn.Module, inputs: RolloutBatch) -> torch.Tensor:
