@@ -213,6 +213,9 @@ def token_divergence(
 # ----------------------------------------------------------------------------------------------------------------
 
 
+DATASET_TRUNCATIONS = ("completion_budget", "keep_end", "fill")
+
+
 class DistillationRollout:
     """Build the rollout batch of one round: choose each slice's source, get its completions, collate, log.
 
@@ -226,7 +229,13 @@ class DistillationRollout:
         seq_kd: Off-policy slices use teacher samples instead of dataset completions.
         max_prompt_length: Prompts are cut to this many tokens (keeping the end when the tokenizer truncates on
             the left), None = no limit.
-        max_completion_length: Dataset completions are cut to this many tokens.
+        max_completion_length: Sampled completions' budget; dataset completions are cut to it with the default
+            ``dataset_truncation``.
+        dataset_truncation / max_length: How a dataset row is cut, as each TRL trainer's collator does:
+            ``"completion_budget"`` (prompt to ``max_prompt_length``, completion to ``max_completion_length``),
+            ``"keep_end"`` (GKD/GOLD: prompt + completion keep their last ``max_length`` tokens, the prompt losing
+            its oldest first) or ``"fill"`` (IW-OPD: prompt to ``max_prompt_length``, completion to what is left
+            of ``max_length``).
         pad_to_multiple_of / mask_truncated_completions / chat_template_kwargs: As for the online-RL pipeline.
         keep_completions: Keep a table of (prompt, completion, source) for ``log_completions``.
         seed: Seed of the slice draws — the same on every process, so all processes take the same path (a vLLM
@@ -246,6 +255,8 @@ class DistillationRollout:
         seq_kd: bool = False,
         max_prompt_length: int | None = None,
         max_completion_length: int = 512,
+        dataset_truncation: str = "completion_budget",
+        max_length: int | None = None,
         pad_to_multiple_of: int | None = None,
         mask_truncated_completions: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
@@ -265,6 +276,12 @@ class DistillationRollout:
         self.seq_kd = seq_kd
         self.max_prompt_length = max_prompt_length
         self.max_completion_length = max_completion_length
+        if dataset_truncation not in DATASET_TRUNCATIONS:
+            raise ValueError(f"dataset_truncation must be one of {DATASET_TRUNCATIONS}, got {dataset_truncation!r}.")
+        if dataset_truncation != "completion_budget" and max_length is None:
+            raise ValueError(f"dataset_truncation={dataset_truncation!r} needs max_length.")
+        self.dataset_truncation = dataset_truncation
+        self.max_length = max_length
         self.pad_to_multiple_of = pad_to_multiple_of
         self.mask_truncated_completions = mask_truncated_completions
         self.chat_template_kwargs = chat_template_kwargs
@@ -334,7 +351,8 @@ class DistillationRollout:
         return backend.generate(prompt_ids, self.sampling, 1, **kwargs)
 
     def _dataset_completion(self, row: dict[str, Any], index: int) -> tuple[list[int], list[int], bool]:
-        """(prompt ids, completion ids cut after the first EOS and to max_completion_length, ended with EOS)."""
+        """(prompt ids, completion ids cut after the first EOS, ended with EOS), both cut as the class doc says:
+        by ``dataset_truncation``."""
         out = tokenize_prompt_completion(
             row, self.tokenizer, add_eos=True, chat_template_kwargs=self.chat_template_kwargs, row_index=index
         )
@@ -342,9 +360,20 @@ class DistillationRollout:
         ids = out["input_ids"]
         # Cut after the EOS, as a sampled completion would end (chat templates add text after <|im_end|>).
         completion, ended = truncate_at_eos(ids[n_prompt:], self.sampling.eos_token_ids)
-        if len(completion) > self.max_completion_length:
-            completion, ended = completion[: self.max_completion_length], False
-        return ids[:n_prompt], completion, ended
+        if self.dataset_truncation == "keep_end":
+            prompt = ids[:n_prompt]
+            overflow = len(prompt) + len(completion) - self.max_length
+            if overflow > 0:  # oldest tokens first: the prompt's start, then (no prompt left) the completion's
+                drop = min(overflow, len(prompt))
+                prompt, completion = prompt[drop:], completion[overflow - drop :]
+            return prompt, completion, ended
+        prompt = self._truncate_prompt(ids[:n_prompt])
+        budget = self.max_completion_length
+        if self.dataset_truncation == "fill":
+            budget = max(0, self.max_length - len(prompt))
+        if len(completion) > budget:
+            completion, ended = completion[:budget], False
+        return prompt, completion, ended
 
     # -- the round ---------------------------------------------------------------------------------------------
     def run(
@@ -394,7 +423,9 @@ class DistillationRollout:
             with stage("collate"):
                 extra = {}
                 if any(m is not None for m in tool_mask):  # tool-result tokens: context for both models, no loss
-                    extra["tool_mask"] = [m if m is not None else [1] * len(c) for m, c in zip(tool_mask, completion_ids)]
+                    extra["tool_mask"] = [
+                        m if m is not None else [1] * len(c) for m, c in zip(tool_mask, completion_ids)
+                    ]
                 # The student sampler's per-token log-probs (IW-OPD's behaviour policy), when every row has them.
                 sampled = logprobs if all(lp is not None for lp in logprobs) else None
                 batch = collate_completions(
@@ -477,8 +508,7 @@ class DistillationRollout:
         completion, as training on the pair renders it)."""
         for i in range(len(rows)):
             if sources[i] == "dataset":
-                ids, completion_ids[i], finished[i] = self._dataset_completion(rows[i], i)
-                prompt_ids[i] = self._truncate_prompt(ids)
+                prompt_ids[i], completion_ids[i], finished[i] = self._dataset_completion(rows[i], i)
 
     def record_metrics(
         self,

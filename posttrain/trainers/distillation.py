@@ -256,6 +256,8 @@ class DistillationTrainer(OnlineTrainerBase):
     config_class = DistillationConfig
     _trainer_name = "Distillation"
     _tag_names = ["posttrain", "distillation"]
+    # How dataset rows are cut (DistillationRollout's dataset_truncation): each TRL trainer's collator rule
+    dataset_truncation = "completion_budget"
     # Tokens per chunk of the divergence (None: chosen from the vocabulary, see `_loss_chunk_size`).
     loss_chunk_size: int | None = None
 
@@ -345,6 +347,8 @@ class DistillationTrainer(OnlineTrainerBase):
             seq_kd=args.seq_kd,
             max_prompt_length=args.max_prompt_length,
             max_completion_length=args.max_completion_length,
+            dataset_truncation=self.dataset_truncation if args.max_length is not None else "completion_budget",
+            max_length=args.max_length,
             pad_to_multiple_of=args.pad_to_multiple_of,
             mask_truncated_completions=args.mask_truncated_completions,
             chat_template_kwargs=args.chat_template_kwargs,

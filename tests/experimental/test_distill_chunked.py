@@ -112,7 +112,7 @@ def test_chunked_equals_naive_values_and_gradients(trainer, case, monkeypatch):
         loss = trainer._compute_loss(trainer.model, batch)
         torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
         for got, want in zip(_grads(trainer.model, loss), expected_grads):
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)  # float32 sums in another order
 
 
 @pytest.mark.parametrize("case", [CASES[0], CASES[2]], ids=["iw_opd", "jsd-top1"])

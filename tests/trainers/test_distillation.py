@@ -435,7 +435,12 @@ def test_config_defaults_are_trls(tmp_path):
     assert args.top_p == 1.0 and args.top_k == 0 and args.num_generations == 1 and not args.disable_dropout
     assert args.max_completion_length == 512 and args.max_length == 1024 and args.max_prompt_length == 512
     assert args.generation_batch_size == 8 and args.steps_per_generation == 1  # b × GA / G unique prompts
-    assert args.vllm_server_host == "0.0.0.0" and args.vllm_server_port == 8000 and args.vllm_sync_frequency == 1 and args.log_completions_steps == 100
+    assert (
+        args.vllm_server_host == "0.0.0.0"
+        and args.vllm_server_port == 8000
+        and args.vllm_sync_frequency == 1
+        and args.log_completions_steps == 100
+    )
     assert args.seq_kd is False and args.gradient_checkpointing and args.logging_steps == 10
     parsed = DistillationConfig(
         output_dir=str(tmp_path), report_to="none", teacher_model_init_kwargs='{"dtype": "float32"}'
@@ -498,6 +503,33 @@ def test_rollout_groups_prompts_truncates_and_counts_tokens():
         rollout.run(rows[:3], num_slices=2)
 
 
+@pytest.mark.parametrize(
+    "rule, max_length, expect_prompt, expect_completion, ended",
+    [
+        ("completion_budget", None, 4, 3, False),  # prompt to max_prompt_length, completion to max_completion_length
+        ("keep_end", 12, 12 - 8, 8, True),  # GKD/GOLD: the last 12 tokens, the prompt's oldest dropped first
+        ("keep_end", 5, 0, 5, True),  # ... then the completion's start
+        ("fill", 10, 4, 6, False),  # IW-OPD: prompt to max_prompt_length, completion to the rest of max_length
+    ],
+)
+def test_dataset_rows_are_cut_by_each_trainers_rule(rule, max_length, expect_prompt, expect_completion, ended):
+    tokenizer = build_tiny_tokenizer(padding_side="left")
+    tokenizer.truncation_side = "left"
+    sampling = SamplingConfig(max_new_tokens=4, eos_token_ids=[EOS], pad_token_id=259)
+    rollout = DistillationRollout(
+        tokenizer=tokenizer, student_backend=_EchoBackend(), sampling=sampling, lmbda=0.0, max_prompt_length=4,
+        max_completion_length=3, dataset_truncation=rule, max_length=max_length,
+    )  # fmt: skip
+    row = {"prompt": "a long prompt", "completion": "abcdefg"}  # 13 prompt bytes, 7 completion bytes + EOS
+    prompt, completion, finished = rollout._dataset_completion(row, 0)
+    assert (len(prompt), len(completion), finished) == (expect_prompt, expect_completion, ended)
+    full = list(b"a long prompt") + list(b"abcdefg") + [EOS]
+    assert prompt + completion == full[len(full) - len(prompt) - len(completion) :] or rule != "keep_end"
+    assert completion[0] in b"abcdefg" and prompt == list(b"a long prompt")[13 - len(prompt) :]
+    with pytest.raises(ValueError, match="needs max_length"):
+        DistillationRollout(tokenizer=tokenizer, student_backend=None, sampling=sampling, dataset_truncation="fill")
+
+
 def test_rollout_draws_are_reproducible_from_the_state():
     sampling = SamplingConfig(max_new_tokens=4, eos_token_ids=[EOS], pad_token_id=259)
     rollout = DistillationRollout(
@@ -532,6 +564,7 @@ def test_rollout_stages_are_timed():
     assert on_policy == {*STAGES, "rollout"} - {"dataset_completions", "completions_table"}
     off_policy = timed_run([{"prompt": "p", "completion": " c"}] * 4, lmbda=0.0, keep_completions=True)
     assert off_policy == {*STAGES, "rollout"} - {"generate"}
+
 
 @pytest.mark.invariance
 def test_shared_prompt_layout_gives_the_same_loss_and_gradients(tiny_model_path, teacher_path, tmp_path):

@@ -27,6 +27,7 @@ class GKDTrainer(DistillationTrainer):
     config_class = GKDConfig
     _trainer_name = "GKD"
     _tag_names = ["posttrain", "gkd"]
+    dataset_truncation = "keep_end"  # TRL's ChatML collator: a dataset row keeps its last max_length tokens
 
     def _loss_temperature(self) -> float:
         """1.0: TRL's GKD divides the logits by ``temperature`` when sampling only, never in the JSD loss."""

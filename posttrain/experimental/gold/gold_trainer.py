@@ -57,6 +57,7 @@ class GOLDTrainer(DistillationTrainer):
     config_class = GOLDConfig
     _trainer_name = "GOLD"
     _tag_names = ["posttrain", "gold", "distillation"]
+    dataset_truncation = "keep_end"  # TRL's ChatML collator: a dataset row keeps its last max_length tokens
     teacher_tokenizer: Any = None
 
     def _check_vocabulary(self, tokenizer: Any, teacher_tokenizer: Any, model: Any, teacher: Any) -> int:

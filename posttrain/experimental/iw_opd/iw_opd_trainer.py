@@ -39,6 +39,7 @@ class IWOPDTrainer(SparseDistillationMixin, DistillationTrainer):
     config_class = IWOPDConfig
     _trainer_name = "IWOPD"
     _tag_names = ["posttrain", "iw-opd", "distillation"]
+    dataset_truncation = "fill"  # TRL's IW-OPD collator: the completion fills what the prompt leaves of max_length
 
     def _wants_sampling_logprobs(self) -> bool:
         """The IW-OPD advantage's behaviour log-probs come from the sampler (TRL's ``rollout_logprobs``)."""
