@@ -907,10 +907,6 @@ _ON_POLICY_NORMALISER = (
     "vs 38 sampled; posttrain/TRL loss and grad_norm = 3.5263 = 134/38 in every on-policy GKD/GOLD/IW-OPD "
     "scenario, so the loss math itself agrees); posttrain divides by the tokens it trains on"
 )
-_COMPLETION_CUT = (
-    "understood, not fixed: posttrain's distillation rollout cuts a dataset completion to `max_completion_length` "
-    "(12 here); TRL's GOLD/GKD collator keeps it whole (only `max_length` applies), so TRL trains on more tokens"
-)
 _ONLINE_DPO_KEYS = frozenset(
     {"objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward", "rewards/accuracies"}
 )
@@ -920,7 +916,6 @@ KNOWN_KEY_DIFFERENCES: dict[str, tuple[frozenset[str] | None, str]] = {
     "gkd/on_policy": (frozenset({"loss", "grad_norm"}), _ON_POLICY_NORMALISER),
     "gold/on_policy": (frozenset({"loss", "grad_norm"}), _ON_POLICY_NORMALISER),
     "iw_opd/": (frozenset({"loss", "grad_norm"}), _ON_POLICY_NORMALISER),
-    "gold/offline_completion_cut_12": (frozenset({"loss", "grad_norm"}), _COMPLETION_CUT),
     "online_dpo/": (_ONLINE_DPO_KEYS, _ONLINE_DPO_UNMASKED),
     "cpo/conversational": (None, _LEGACY_DOUBLE_EOS),
     "orpo/conversational": (None, _LEGACY_DOUBLE_EOS),
