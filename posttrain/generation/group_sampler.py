@@ -29,6 +29,7 @@ import torch
 
 from posttrain.core.categorical import TWO_LEVEL_MIN_VOCAB, inverse_cdf, inverse_cdf_two_level
 from posttrain.generation.base import Completions, SamplingConfig
+from posttrain.generation.host_memory import release_freed_host_memory
 from posttrain.generation.transformers_backend import left_pad, model_device, sampling_mode
 from posttrain.models.unwrap import unwrap_parallel
 
@@ -169,6 +170,8 @@ class GroupSampler:
                     model, prompt_ids[start:stop], start * num_generations, s, num_generations,
                     completion_ids, logprobs, finished,
                 )  # fmt: skip
+        if model_device(model).type == "cpu":
+            release_freed_host_memory()  # the decode buffers' freed heap pages, before training allocates
         rows = [list(p) for p in prompt_ids for _ in range(num_generations)]
         return Completions(completion_ids, logprobs, finished, rows)
 
