@@ -64,6 +64,56 @@ def test_layout_splits_packs_and_pads():
     assert not mask[:3, 3:].any()  # real tokens never attend to padding
 
 
+def _dense_tree_mask(parents: list[int], segment_of: list[int], length: int) -> torch.Tensor:
+    """Reference: the full-matrix construction (ancestor closure gathered at every (query, key) pair, then causal)."""
+    num_segments = len(parents)
+    ancestors = torch.eye(num_segments + 1, dtype=torch.bool)
+    for seg, parent in enumerate(parents):
+        if parent >= 0:
+            ancestors[seg] |= ancestors[parent]
+    segment = torch.full((length,), num_segments, dtype=torch.long)
+    segment[: len(segment_of)] = torch.tensor(segment_of, dtype=torch.long)
+    allowed = ancestors[segment.unsqueeze(1), segment.unsqueeze(0)] & torch.ones(length, length).bool().tril()
+    pad = torch.arange(length) >= len(segment_of)
+    allowed[pad] = False
+    allowed[pad, pad] = True
+    return allowed
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_block_built_mask_equals_the_dense_construction(seed, monkeypatch):
+    import posttrain.models.prefix_sharing as ps
+
+    g = torch.Generator().manual_seed(seed)
+    system = torch.randint(1, 50, (int(torch.randint(0, 6, (1,), generator=g)),), generator=g).tolist()
+    prompts, completions = [], []
+    for _ in range(int(torch.randint(2, 5, (1,), generator=g))):  # groups with a common system prefix (or none)
+        prompt = system + torch.randint(1, 50, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(int(torch.randint(1, 4, (1,), generator=g))):
+            prompts.append(prompt)
+            completions.append(
+                torch.randint(1, 50, (int(torch.randint(1, 7, (1,), generator=g)),), generator=g).tolist()
+            )
+    built = []
+    original = ps._PackBuilder.mask
+    monkeypatch.setattr(
+        ps._PackBuilder, "mask", lambda self, length, out=None: built.append(self) or original(self, length, out)
+    )
+    batch = _batch(prompts, completions)
+    layout = build_shared_prompt_layout(
+        batch["prompt_ids"],
+        batch["prompt_mask"],
+        batch["completion_ids"],
+        batch["completion_lengths"],
+        max_pack_tokens=24,
+    )
+    length = layout.input_ids.shape[1]
+    assert len(built) == layout.attention_mask.shape[0]
+    for k, builder in enumerate(built):
+        expected = _dense_tree_mask(builder.parents, builder.segment_of, length)
+        assert torch.equal(layout.attention_mask[k, 0], expected)
+
+
 def test_empty_prompt_falls_back():
     batch = _batch([[], [3]], [[4], [5]])
     assert (
