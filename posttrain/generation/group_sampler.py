@@ -314,9 +314,13 @@ class DecodeMask:
 def _takes_boolean_4d_mask(model: Any) -> bool:
     """Whether decode steps may pass :class:`DecodeMask`'s boolean 4-D mask: SDPA, full attention in every layer.
 
-    Eager attention adds the mask to the scores (needs a float mask) and sliding-window or chunked layers need
-    their own masks, so those keep the 2-D mask and the model's own construction.
+    Eager attention adds the mask to the scores (needs a float mask), sliding-window or chunked layers need their
+    own masks, and PEFT prompt learning extends the 2-D mask with its virtual tokens, so those keep the 2-D mask and
+    the model's own construction.
     """
+    peft_config = getattr(model, "active_peft_config", None)
+    if peft_config is not None and getattr(peft_config, "is_prompt_learning", False):
+        return False
     config = model.config
     if getattr(config, "_attn_implementation", None) != "sdpa" or not getattr(config, "is_causal", True):
         return False

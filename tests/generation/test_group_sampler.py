@@ -217,10 +217,14 @@ def test_boolean_4d_decode_mask_gives_the_2d_masks_tokens_and_logprobs(request, 
         assert len({len(c) for c in fast.completion_ids}) > 2  # rows were dropped along the way
 
 
-def test_eager_attention_keeps_the_2d_mask(tokenizer):
+def test_eager_attention_and_prompt_learning_keep_the_2d_mask(tokenizer):
+    from types import SimpleNamespace
+
     import posttrain.generation.group_sampler as gs
 
     model = make_model(tokenizer, "llama")
+    prompt_learning = SimpleNamespace(config=model.config, active_peft_config=SimpleNamespace(is_prompt_learning=True))
+    assert gs._takes_boolean_4d_mask(model) and not gs._takes_boolean_4d_mask(prompt_learning)
     model.config._attn_implementation = "eager"
     assert not gs._takes_boolean_4d_mask(model)
 
