@@ -2,8 +2,9 @@
 
 GRPO-shaped workload: ``--num-prompts`` prompts (default 2) × ``--num-generations`` G (default 8) = 16 completions of
 at most ``--max-new-tokens`` (default 64), every prompt starting with the same ~256-token system prompt, on the tiny
-model and on the tiny model with Qwen's 151 936-row vocabulary. Prints one JSON line per timed run and one summary
-line per model with the GroupSampler / generate speed ratio (compare ratios, not absolute times, on shared machines).
+model and on the tiny model with Qwen's 151 936-row vocabulary. Prints one JSON line per timed run (wall and process
+CPU seconds) and one summary line per model with the GroupSampler / generate tokens/s ratios of the medians, by wall
+and by CPU time (compare ratios, not absolute times, on shared machines; CPU time is the steadier one there).
 
     .venv/bin/python benchmarks/bench_generation.py [--repeats 3] [--models tiny big_vocab] [--device cpu]
 """
@@ -50,12 +51,18 @@ def time_once(backend, prompts, sampling, g: int, seed: int, device: torch.devic
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     out = backend.generate(prompts, sampling, num_generations=g)
     if device.type == "cuda":
         torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
-    row = {"seconds": round(seconds, 4), "tokens": out.num_tokens, "tokens_per_s": round(out.num_tokens / seconds, 1)}
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+    row = {
+        "seconds": round(seconds, 4),
+        "cpu_seconds": round(cpu_seconds, 4),
+        "tokens": out.num_tokens,
+        "tokens_per_s": round(out.num_tokens / seconds, 1),
+        "tokens_per_cpu_s": round(out.num_tokens / max(cpu_seconds, 1e-9), 1),
+    }
     if device.type == "cuda":
         row["peak_mem_mib"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
     return row
@@ -86,6 +93,7 @@ def main() -> None:
         for backend in backends.values():  # warm-up (allocator, kernels)
             backend.generate(prompts, sampling, num_generations=args.num_generations)
         speeds: dict[str, list[float]] = {name: [] for name in backends}
+        cpu_speeds: dict[str, list[float]] = {name: [] for name in backends}
         # Interleave the backends so load changes on a shared machine hit both alike.
         for r in range(args.repeats):
             for backend_name, backend in backends.items():
@@ -103,12 +111,17 @@ def main() -> None:
                 }
                 print(json.dumps(record), flush=True)
                 speeds[backend_name].append(run["tokens_per_s"])
+                cpu_speeds[backend_name].append(run["tokens_per_cpu_s"])
         median = {name: statistics.median(v) for name, v in speeds.items()}
+        cpu_median = {name: statistics.median(v) for name, v in cpu_speeds.items()}
         summary = {
             "bench": "generation",
             "model": model_name,
             "summary": True,
             "tokens_per_s_ratio_posttrain_over_transformers": round(median["posttrain"] / median["transformers"], 3),
+            "tokens_per_cpu_s_ratio_posttrain_over_transformers": round(
+                cpu_median["posttrain"] / cpu_median["transformers"], 3
+            ),
         }
         print(json.dumps(summary), flush=True)
 

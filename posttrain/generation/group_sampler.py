@@ -27,7 +27,9 @@ from typing import Any
 
 import torch
 
+from posttrain.core.categorical import TWO_LEVEL_MIN_VOCAB, inverse_cdf, inverse_cdf_two_level
 from posttrain.generation.base import Completions, SamplingConfig
+from posttrain.generation.host_memory import release_freed_host_memory
 from posttrain.generation.transformers_backend import left_pad, model_device, sampling_mode
 from posttrain.models.unwrap import unwrap_parallel
 
@@ -76,16 +78,14 @@ def sample_categorical(
     """One draw per row from ``probs`` ``(R, V)`` by inverse CDF: ``token = min{i : CDF_i > u · CDF_V}``.
 
     Exact like ``torch.multinomial(probs, 1)``, but needs one uniform per row instead of one exponential per
-    vocabulary entry, which on CPU makes it ~3-4x faster at V = 152k. The CDF is accumulated in float64 so rounding
-    cannot move visible mass between tokens, ``rows_per_chunk`` rows at a time to bound that float64 copy; a
-    zero-probability token is never returned (its CDF step is flat).
+    vocabulary entry. Vocabularies above ``TWO_LEVEL_MIN_VOCAB`` search block sums first, then one block
+    (``posttrain.core.categorical``), so no ``(R, V)`` float64 cumulative sum is built; smaller ones cumulate
+    ``rows_per_chunk`` rows at a time. A zero-probability token is never returned.
     """
     u = torch.rand((probs.shape[0], 1), generator=generator, dtype=torch.float64, device=probs.device)  # (R, 1)
-    out = []
-    for i in range(0, probs.shape[0], rows_per_chunk):
-        cdf = probs[i : i + rows_per_chunk].double().cumsum(dim=-1)  # (r, V)
-        out.append(torch.searchsorted(cdf, u[i : i + rows_per_chunk] * cdf[:, -1:], right=True).squeeze(1))
-    return torch.cat(out).clamp_(max=probs.shape[1] - 1)  # (R,)
+    if probs.shape[1] > TWO_LEVEL_MIN_VOCAB:
+        return inverse_cdf_two_level(probs, u)
+    return inverse_cdf(probs, u, rows_per_chunk)
 
 
 class GroupSampler:
@@ -170,6 +170,8 @@ class GroupSampler:
                     model, prompt_ids[start:stop], start * num_generations, s, num_generations,
                     completion_ids, logprobs, finished,
                 )  # fmt: skip
+        if model_device(model).type == "cpu":
+            release_freed_host_memory()  # the decode buffers' freed heap pages, before training allocates
         rows = [list(p) for p in prompt_ids for _ in range(num_generations)]
         return Completions(completion_ids, logprobs, finished, rows)
 
@@ -230,12 +232,14 @@ class GroupSampler:
             cache.batch_select_indices(index)
         logits, attention_mask, history = logits[index], attention_mask[index], input_ids[index]  # (R, ·)
         positions = attention_mask.sum(-1)  # (R,) position of the next token
-        rows = torch.arange(len(source), device=device) + row_offset  # (R,) output row of each decode-batch row
+        rows = list(range(row_offset, row_offset + len(source)))  # output row of each decode-batch row
+        mask = DecodeMask(attention_mask, s.max_new_tokens, four_d=_takes_boolean_4d_mask(model))
 
         repetition, processors = build_logits_processors(s)
         if repetition is not None:
             pad_lens = attention_mask.shape[1] - positions  # (R,) left padding the penalty must not see
-        eos = torch.as_tensor(s.eos_token_ids, device=device)
+        eos = set(s.eos_token_ids)
+        step_logprobs: list[tuple[list[int], torch.Tensor]] = []  # (rows, (R,) log-probs) per step, on device
         for step in range(s.max_new_tokens):
             if repetition is not None:
                 repetition.prompt_ignore_length = pad_lens
@@ -244,34 +248,86 @@ class GroupSampler:
                 tokens = sample_categorical(torch.softmax(scores, dim=-1), self.generator)  # (R,)
             else:
                 tokens = scores.argmax(dim=-1)  # (R,)
-            row_list, token_list = rows.tolist(), tokens.tolist()
-            for r, t in zip(row_list, token_list):
-                completion_ids[r].append(t)
             if logprobs is not None:
                 token_lp = scores.gather(-1, tokens[:, None]).squeeze(1) - torch.logsumexp(scores, dim=-1)  # (R,)
-                for r, lp in zip(row_list, token_lp.tolist()):
-                    logprobs[r].append(lp)
-            done = torch.isin(tokens, eos)  # (R,)
-            for r in rows[done].tolist():
-                finished[r] = True
-            if step + 1 == s.max_new_tokens:
+                step_logprobs.append((rows, token_lp))
+            # The one host transfer per step: finished rows and the next decode batch are decided on the host.
+            keep = []
+            for i, (r, t) in enumerate(zip(rows, tokens.tolist())):
+                completion_ids[r].append(t)
+                if t in eos:
+                    finished[r] = True
+                else:
+                    keep.append(i)
+            if step + 1 == s.max_new_tokens or not keep:
                 break
-            keep = (~done).nonzero().squeeze(1)  # (R',)
-            if keep.numel() == 0:
-                break
-            if keep.numel() < done.numel():
+            if len(keep) < len(rows):
                 # Drop finished rows everywhere so the next forward runs only on live ones.
-                cache.batch_select_indices(keep)
-                rows, tokens, positions = rows[keep], tokens[keep], positions[keep]
-                attention_mask, history = attention_mask[keep], history[keep]
+                kept = torch.tensor(keep, device=device)
+                cache.batch_select_indices(kept)
+                tokens, positions, history = tokens[kept], positions[kept], history[kept]
+                rows = [rows[i] for i in keep]
+                mask.select(kept)
                 if repetition is not None:
-                    pad_lens = pad_lens[keep]
-            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(rows), 1)], dim=1)
+                    pad_lens = pad_lens[kept]
             if repetition is not None:
                 history = torch.cat([history, tokens[:, None]], dim=1)
             self.last_stats["decode_batch_sizes"].append(len(rows))
-            logits = _forward_last(model, tokens[:, None], attention_mask, positions[:, None], cache, cache_kw)
+            logits = _forward_last(model, tokens[:, None], mask.extend(), positions[:, None], cache, cache_kw)
             positions = positions + 1
+        if logprobs is not None and step_logprobs:
+            values = torch.cat([lp for _, lp in step_logprobs]).tolist()  # one transfer for the whole batch
+            it = iter(values)
+            for step_rows, _ in step_logprobs:
+                for r in step_rows:
+                    logprobs[r].append(next(it))
+
+
+class DecodeMask:
+    """The decode steps' attention mask, preallocated for ``max_new_tokens`` and handed out as growing views.
+
+    ``four_d=False``: a ``(R, P + max_new_tokens)`` 2-D padding mask (the model builds its 4-D mask from it at each
+    step). ``four_d=True``: a ``(R, 1, 1, P + max_new_tokens)`` boolean mask used as is by SDPA (True = attend): for a
+    single query token at the end of the sequence the causal constraint is void, so the padding mask *is* the 4-D
+    mask, and the per-step mask construction is skipped.
+    """
+
+    def __init__(self, prompt_mask: torch.Tensor, max_new_tokens: int, four_d: bool):
+        rows, width = prompt_mask.shape
+        dtype = torch.bool if four_d else prompt_mask.dtype
+        self.buffer = torch.ones((rows, width + max_new_tokens), dtype=dtype, device=prompt_mask.device)
+        self.buffer[:, :width] = prompt_mask
+        if four_d:
+            self.buffer = self.buffer[:, None, None, :]  # (R, 1, 1, P + N)
+        self.length = width
+
+    def extend(self) -> torch.Tensor:
+        """Mask covering one more position (the token about to be fed): ``(R, L)`` or ``(R, 1, 1, L)``."""
+        self.length += 1
+        return self.buffer[..., : self.length]
+
+    def select(self, keep: torch.Tensor) -> None:
+        """Keep only the decode-batch rows ``keep`` ``(R',)``."""
+        self.buffer = self.buffer[keep]
+
+
+def _takes_boolean_4d_mask(model: Any) -> bool:
+    """Whether decode steps may pass :class:`DecodeMask`'s boolean 4-D mask: SDPA, full attention in every layer.
+
+    Eager attention adds the mask to the scores (needs a float mask), sliding-window or chunked layers need their
+    own masks, and PEFT prompt learning extends the 2-D mask with its virtual tokens, so those keep the 2-D mask and
+    the model's own construction.
+    """
+    peft_config = getattr(model, "active_peft_config", None)
+    if peft_config is not None and getattr(peft_config, "is_prompt_learning", False):
+        return False
+    config = model.config
+    if getattr(config, "_attn_implementation", None) != "sdpa" or not getattr(config, "is_causal", True):
+        return False
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return set(layer_types) <= {"full_attention"}
+    return getattr(config, "sliding_window", None) is None and getattr(config, "attention_chunk_size", None) is None
 
 
 def _cache_kwarg(model: Any) -> str:

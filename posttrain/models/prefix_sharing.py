@@ -101,34 +101,38 @@ class _PackBuilder:
         self.labels: list[int] = []
         self.segment_of: list[int] = []
         self.parents: list[int] = []  # parent segment id of each segment (-1: root)
+        self.spans: list[tuple[int, int]] = []  # [start, end) of each segment in the pack
 
     def add_segment(self, tokens: list[int], start_position: int, parent: int, labels: list[int] | None = None) -> int:
         seg = len(self.parents)
         self.parents.append(parent)
         offset = len(self.tokens)
+        self.spans.append((offset, offset + len(tokens)))
         self.tokens.extend(tokens)
         self.positions.extend(range(start_position, start_position + len(tokens)))
         self.labels.extend(labels if labels is not None else [IGNORE_INDEX] * len(tokens))
         self.segment_of.extend([seg] * len(tokens))
         return offset
 
-    def mask(self, length: int) -> torch.Tensor:
-        """``(length, length)`` bool: token i attends to token j ≤ i when j's segment is i's segment or an ancestor.
+    def mask(self, length: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``(length, length)`` bool (written into ``out`` when given, which must be all False): token i attends to token j ≤ i when j's segment is i's segment or an ancestor.
 
+        Built block by block: each segment's rows get its ancestors' column ranges (all earlier in the pack, so
+        wholly visible) and a lower triangle over its own range; nothing of size ``length²`` besides the mask itself.
         Padding positions (beyond the real tokens) attend only to themselves, so no softmax row is empty.
         """
-        num_segments = len(self.parents)
-        ancestors = torch.eye(num_segments + 1, dtype=torch.bool)  # the extra segment is padding
-        for seg, parent in enumerate(self.parents):  # parents precede children, so their rows are complete
-            if parent >= 0:
-                ancestors[seg] |= ancestors[parent]
-        segment = torch.full((length,), num_segments, dtype=torch.long)
-        segment[: len(self.segment_of)] = torch.tensor(self.segment_of, dtype=torch.long)
-        allowed = ancestors[segment.unsqueeze(1), segment.unsqueeze(0)]  # (L, L)
-        causal = torch.ones(length, length, dtype=torch.bool).tril_()
-        pad = torch.arange(length) >= len(self.tokens)
-        allowed &= causal
-        allowed[pad] = False
+        allowed = torch.zeros(length, length, dtype=torch.bool) if out is None else out
+        widest = max((end - start for start, end in self.spans), default=0)
+        triangle = torch.ones(widest, widest, dtype=torch.bool).tril_()
+        for seg, (start, end) in enumerate(self.spans):
+            rows = allowed[start:end]
+            ancestor = self.parents[seg]
+            while ancestor >= 0:  # parents precede children: every ancestor's range lies before this segment
+                a_start, a_end = self.spans[ancestor]
+                rows[:, a_start:a_end] = True
+                ancestor = self.parents[ancestor]
+            rows[:, start:end] = triangle[: end - start, : end - start]
+        pad = torch.arange(len(self.tokens), length)
         allowed[pad, pad] = True  # padding rows see themselves only
         return allowed
 
@@ -203,19 +207,19 @@ def build_shared_prompt_layout(
     input_ids = torch.full((len(builders), length), pad_token_id, dtype=torch.long)
     position_ids = torch.zeros((len(builders), length), dtype=torch.long)
     labels = torch.full((len(builders), length), IGNORE_INDEX, dtype=torch.long)
-    masks = []
+    attention_mask = torch.zeros((len(builders), 1, length, length), dtype=torch.bool)
     for k, b in enumerate(builders):
         n = len(b.tokens)
         input_ids[k, :n] = torch.tensor(b.tokens, dtype=torch.long)
         position_ids[k, :n] = torch.tensor(b.positions, dtype=torch.long)
         labels[k, :n] = torch.tensor(b.labels, dtype=torch.long)
-        masks.append(b.mask(length))
+        b.mask(length, out=attention_mask[k, 0])
     index = torch.tensor(where, dtype=torch.long).reshape(-1, 4)
     device = completion_ids.device
     return SharedPromptLayout(
         input_ids=input_ids.to(device),
         position_ids=position_ids.to(device),
-        attention_mask=torch.stack(masks).unsqueeze(1).to(device),
+        attention_mask=attention_mask.to(device),
         labels=labels.to(device),
         pack_index=index[:, 0].to(device),
         pack_pos=index[:, 1].to(device),

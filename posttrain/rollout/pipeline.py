@@ -146,17 +146,33 @@ def render_prompts(
     Conversational prompts (message lists) go through the chat template with the generation prompt (or continuing
     a final assistant message), honouring per-row ``tools`` / ``chat_template_kwargs`` columns; standard prompts are
     used as they are. Text is tokenized without adding special tokens (the template has them). ``tools`` gives each
-    row's tool schemas (agent training); a row's own ``tools`` column wins.
+    row's tool schemas (agent training); a row's own ``tools`` column wins. A run of rows with the same rendering
+    inputs (a GRPO group: one prompt repeated G times) is rendered once.
     """
     texts, ids = [], []
+    previous: tuple | None = None
     for index, row in enumerate(rows):
         row_tools = tools[index] if tools is not None else None
+        key = (row.get("prompt"), row.get("tools"), row.get("chat_template_kwargs"), row_tools)
+        if previous is not None and _same_render_inputs(key, previous):
+            texts.append(texts[-1])
+            ids.append(list(ids[-1]))
+            continue
         out = tokenize_prompt(
             row, tokenizer, tools=row_tools, chat_template_kwargs=chat_template_kwargs, row_index=index
         )
         texts.append(out["prompt_text"])
         ids.append([int(t) for t in out["prompt_ids"]])
+        previous = key
     return texts, ids
+
+
+def _same_render_inputs(a: tuple, b: tuple) -> bool:
+    """Whether two rows' (prompt, tools, chat_template_kwargs, tool schemas) are equal, so one rendering serves both."""
+    try:
+        return all(x is y or (type(x) is type(y) and bool(x == y)) for x, y in zip(a, b))
+    except (TypeError, ValueError):  # values without a plain truth value (arrays): render again
+        return False
 
 
 def completions_as_messages(

@@ -196,3 +196,49 @@ def test_sample_categorical_chunking_does_not_change_draws():
     a = sample_categorical(probs, torch.Generator().manual_seed(3), rows_per_chunk=3)
     b = sample_categorical(probs, torch.Generator().manual_seed(3), rows_per_chunk=64)
     assert torch.equal(a, b)
+
+
+def test_boolean_4d_decode_mask_gives_the_2d_masks_tokens_and_logprobs(request, prompts, monkeypatch):
+    """The preallocated boolean SDPA mask changes no token and no log-prob against the model-built 4-D mask."""
+    import posttrain.generation.group_sampler as gs
+
+    sampling = SamplingConfig(16, temperature=1.0, repetition_penalty=1.2, eos_token_ids=[EOS], pad_token_id=PAD)
+    for arch in ("llama", "qwen"):
+        model = request.getfixturevalue(arch)
+        assert gs._takes_boolean_4d_mask(model)  # the sdpa tiny models take the fast path
+        fast = GroupSampler(model, generator=torch.Generator().manual_seed(5)).generate(prompts, sampling, 3)
+        monkeypatch.setattr(gs, "_takes_boolean_4d_mask", lambda model: False)
+        plain = GroupSampler(model, generator=torch.Generator().manual_seed(5)).generate(prompts, sampling, 3)
+        monkeypatch.undo()
+        assert fast.completion_ids == plain.completion_ids and fast.finished == plain.finished
+        torch.testing.assert_close(
+            [torch.tensor(x) for x in fast.logprobs], [torch.tensor(x) for x in plain.logprobs], rtol=0, atol=1e-5
+        )
+        assert len({len(c) for c in fast.completion_ids}) > 2  # rows were dropped along the way
+
+
+def test_eager_attention_and_prompt_learning_keep_the_2d_mask(tokenizer):
+    from types import SimpleNamespace
+
+    import posttrain.generation.group_sampler as gs
+
+    model = make_model(tokenizer, "llama")
+    prompt_learning = SimpleNamespace(config=model.config, active_peft_config=SimpleNamespace(is_prompt_learning=True))
+    assert gs._takes_boolean_4d_mask(model) and not gs._takes_boolean_4d_mask(prompt_learning)
+    model.config._attn_implementation = "eager"
+    assert not gs._takes_boolean_4d_mask(model)
+
+
+def test_large_vocabulary_two_level_sampling_gives_the_one_level_tokens(tokenizer, prompts, monkeypatch):
+    """V > 4096: the sampler's two-level draw equals the full-vocabulary inverse CDF for the same uniforms."""
+    import posttrain.generation.group_sampler as gs
+    from posttrain.core.categorical import inverse_cdf
+    from posttrain.models.tiny import build_tiny_model
+
+    model = build_tiny_model("qwen2", tokenizer=tokenizer, vocab_size=8192).eval()
+    sampling = SamplingConfig(12, temperature=1.0, eos_token_ids=[EOS], pad_token_id=PAD)
+    two = GroupSampler(model, generator=torch.Generator().manual_seed(2)).generate(prompts[:3], sampling, 4)
+    monkeypatch.setattr(gs, "inverse_cdf_two_level", lambda probs, u: inverse_cdf(probs, u))
+    one = GroupSampler(model, generator=torch.Generator().manual_seed(2)).generate(prompts[:3], sampling, 4)
+    assert two.completion_ids == one.completion_ids and two.logprobs == one.logprobs
+    assert len({t for c in two.completion_ids for t in c}) > 20  # the draws spread over the vocabulary

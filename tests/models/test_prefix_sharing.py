@@ -28,12 +28,17 @@ def _batch(prompts: list[list[int]], completions: list[list[int]], width: int | 
     }
 
 
+def _layout(batch: dict, **kwargs):
+    """build_shared_prompt_layout of a ``_batch`` micro-batch."""
+    return build_shared_prompt_layout(
+        batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["completion_lengths"], **kwargs
+    )
+
+
 def test_layout_by_hand():
     # Two prompts sharing the prefix [5, 6]; two completions of prompt A, one of prompt B.
     batch = _batch([[5, 6, 7], [5, 6, 7], [5, 6, 8, 9]], [[11, 12], [13], [14, 15]])
-    layout = build_shared_prompt_layout(
-        batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["completion_lengths"]
-    )
+    layout = _layout(batch)
     # root [5, 6] | A's completions, each led by A's last token 7 | B's middle [8] | B's completion led by 9
     assert layout.input_ids.tolist() == [[5, 6, 7, 11, 12, 7, 13, 8, 9, 14, 15]]
     assert layout.position_ids.tolist() == [[0, 1, 2, 3, 4, 2, 3, 2, 3, 4, 5]]
@@ -50,13 +55,7 @@ def test_layout_by_hand():
 
 def test_layout_splits_packs_and_pads():
     batch = _batch([[1, 2, 3], [4, 5]], [[6, 7, 8], [9]])
-    layout = build_shared_prompt_layout(
-        batch["prompt_ids"],
-        batch["prompt_mask"],
-        batch["completion_ids"],
-        batch["completion_lengths"],
-        max_pack_tokens=4,
-    )
+    layout = _layout(batch, max_pack_tokens=4)
     assert layout.input_ids.shape == (2, 6)
     assert layout.input_ids.tolist() == [[1, 2, 3, 6, 7, 8], [4, 5, 9, 0, 0, 0]]
     mask = layout.attention_mask[1, 0]
@@ -64,14 +63,53 @@ def test_layout_splits_packs_and_pads():
     assert not mask[:3, 3:].any()  # real tokens never attend to padding
 
 
+def _dense_tree_mask(parents: list[int], segment_of: list[int], length: int) -> torch.Tensor:
+    """Reference: the full-matrix construction (ancestor closure gathered at every (query, key) pair, then causal)."""
+    num_segments = len(parents)
+    ancestors = torch.eye(num_segments + 1, dtype=torch.bool)
+    for seg, parent in enumerate(parents):
+        if parent >= 0:
+            ancestors[seg] |= ancestors[parent]
+    segment = torch.full((length,), num_segments, dtype=torch.long)
+    segment[: len(segment_of)] = torch.tensor(segment_of, dtype=torch.long)
+    allowed = ancestors[segment.unsqueeze(1), segment.unsqueeze(0)] & torch.ones(length, length).bool().tril()
+    pad = torch.arange(length) >= len(segment_of)
+    allowed[pad] = False
+    allowed[pad, pad] = True
+    return allowed
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_block_built_mask_equals_the_dense_construction(seed, monkeypatch):
+    import posttrain.models.prefix_sharing as ps
+
+    g = torch.Generator().manual_seed(seed)
+    system = torch.randint(1, 50, (int(torch.randint(0, 6, (1,), generator=g)),), generator=g).tolist()
+    prompts, completions = [], []
+    for _ in range(int(torch.randint(2, 5, (1,), generator=g))):  # groups with a common system prefix (or none)
+        prompt = system + torch.randint(1, 50, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(int(torch.randint(1, 4, (1,), generator=g))):
+            prompts.append(prompt)
+            completions.append(
+                torch.randint(1, 50, (int(torch.randint(1, 7, (1,), generator=g)),), generator=g).tolist()
+            )
+    built = []
+    original = ps._PackBuilder.mask
+    monkeypatch.setattr(
+        ps._PackBuilder, "mask", lambda self, length, out=None: built.append(self) or original(self, length, out)
+    )
+    batch = _batch(prompts, completions)
+    layout = _layout(batch, max_pack_tokens=24)
+    length = layout.input_ids.shape[1]
+    assert len(built) == layout.attention_mask.shape[0]
+    for k, builder in enumerate(built):
+        expected = _dense_tree_mask(builder.parents, builder.segment_of, length)
+        assert torch.equal(layout.attention_mask[k, 0], expected)
+
+
 def test_empty_prompt_falls_back():
     batch = _batch([[], [3]], [[4], [5]])
-    assert (
-        build_shared_prompt_layout(
-            batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["completion_lengths"]
-        )
-        is None
-    )
+    assert _layout(batch) is None
 
 
 def _grouped_batch(seed: int, vocab: int) -> dict:

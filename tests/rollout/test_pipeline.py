@@ -206,3 +206,26 @@ def test_each_stage_is_timed(tiny_tokenizer):
     assert timed == {*STAGES, "rollout"} - {"ref_logps", "completions_table"}
     assert all(metrics[f"timing/{name}"] >= 0.0 for name in timed)
     assert metrics["timing/rollout"] >= sum(metrics[f"timing/{name}"] for name in STAGES if name in timed)
+
+
+def test_render_prompts_renders_each_run_of_equal_prompts_once(tiny_tokenizer, monkeypatch):
+    import posttrain.rollout.pipeline as pipeline_module
+    from posttrain.data.tokenization import tokenize_prompt
+
+    calls = []
+
+    def counting(row, *args, **kwargs):
+        calls.append(kwargs["row_index"])
+        return tokenize_prompt(row, *args, **kwargs)
+
+    a = [{"role": "user", "content": "2+2?"}]
+    b = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}]
+    rows = [{"prompt": list(a)} for _ in range(3)] + [{"prompt": list(b)} for _ in range(3)] + [{"prompt": list(a)}]
+    rows[2]["chat_template_kwargs"] = {"enable_thinking": False}  # other rendering inputs break the run
+    expected = [tokenize_prompt(r, tiny_tokenizer, row_index=i) for i, r in enumerate(rows)]
+    monkeypatch.setattr(pipeline_module, "tokenize_prompt", counting)
+    texts, ids = pipeline_module.render_prompts(rows, tiny_tokenizer)
+    assert calls == [0, 2, 3, 6]  # a, a+kwargs, b, a again: once per run, not per row
+    assert texts == [e["prompt_text"] for e in expected]
+    assert ids == [e["prompt_ids"] for e in expected]
+    assert ids[0] is not ids[1]  # each row owns its list (later stages may truncate in place)
