@@ -4,7 +4,9 @@
 - :func:`mean_over_processes`: the NaN-aware mean of one scalar per process (online trainers' metrics);
 - :func:`gather_rows` / :func:`gather_objects`: tensors concatenated along dim 0, or Python lists, over processes
   (the rollout's rewards, lengths, completions table);
-- :func:`gather_variable_length`: 1-D tensors of different lengths per process, concatenated (NaN-padded first).
+- :func:`gather_variable_length`: 1-D tensors of different lengths per process, concatenated (NaN-padded first);
+- :func:`sum_over_processes`: a tensor summed elementwise over processes (global token counts, moments, numerators
+  and denominators of token means).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ __all__ = [
     "gather_rows",
     "gather_variable_length",
     "mean_over_processes",
+    "sum_over_processes",
 ]
 
 
@@ -76,3 +79,14 @@ def gather_objects(accelerator: Any, values: list) -> list:
     from accelerate.utils import gather_object
 
     return gather_object(values)
+
+
+def sum_over_processes(accelerator: Any, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` summed elementwise over processes, same shape and device (identity on one process).
+
+    Every process must call it (a collective). The sum is not differentiable: pass detached counts and moments.
+    """
+    if _num_processes(accelerator) == 1:
+        return tensor
+    device = getattr(accelerator, "device", tensor.device)
+    return accelerator.reduce(tensor.detach().to(device), reduction="sum").to(tensor.device)
