@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from posttrain.core.reference_free import contrastive_loss, masked_token_mean_nll
+from posttrain.core.reference_free import contrastive_loss
 from posttrain.data.collators import _cat_truncate, _PairedPadding, _to_list
 from posttrain.data.formats import DataFormatError, column_names
 from posttrain.distributed import gather_masked_mean
@@ -206,7 +206,7 @@ class TPOTrainer(ReferenceFreePairwiseTrainer):
         scores = pair.scores
         if n_branches == 3:
             gold = pair.branch(2)
-            loss = loss + args.tpo_alpha * masked_token_mean_nll(scores.logps[gold], scores.mask[gold])
+            loss = loss + args.tpo_alpha * self._token_mean_nll(scores.logps[gold], scores.mask[gold])
         loss = self._add_router_aux_loss(loss, model, scores.aux_loss, mode)
         chosen_rewards, rejected_rewards = (
             args.beta * pair.chosen_logps.detach(),
