@@ -32,6 +32,9 @@ KINDS = ("cpo", "orpo", "tpo", "bema", "prm", "gkd", "gold", "iw_opd", "online_d
 # own buffer with its own seed, as TRL's does) — from then on only the buffer's counts are comparable.
 VOLATILE = ("timing/", "step_time", "train_")
 REPLAY_COUNTS = ("replay_buffer/size", "replay_buffer/replaced_groups")
+# Online DPO's first step scores with the policy equal to its reference: every margin is float noise around 0
+# (~1e-7, from the reference forward's batch shape), so the fraction of positive margins is not comparable there.
+NOISE = {("online_dpo", 1, "rewards/accuracies")}
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +64,8 @@ def _assert_logs_match(kind: str, logs1: list, logs2: list) -> None:
         one, two = _comparable(entry1), _comparable(entry2)
         assert one.keys() == two.keys(), f"{kind} step {step}: {sorted(one.keys() ^ two.keys())}"
         for name, value in one.items():
+            if (kind, step, name) in NOISE:
+                continue
             assert two[name] == pytest.approx(value, rel=1e-4, abs=1e-5, nan_ok=True), f"{kind} step {step}: {name}"
 
 
