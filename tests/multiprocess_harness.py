@@ -20,18 +20,8 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 # Plain SGD with a constant rate: parameter differences stay proportional to gradient differences (Adam's first step
 # is ~lr·sign(g), which turns float noise in tiny gradients into lr-sized differences).
-SGD_ARGS = dict(
-    max_steps=2,
-    logging_steps=1,
-    report_to="none",
-    save_strategy="no",
-    gradient_checkpointing=False,
-    disable_tqdm=True,
-    optim="sgd",
-    learning_rate=0.5,
-    lr_scheduler_type="constant",
-    seed=7,
-)
+SGD_ARGS = dict(max_steps=2, logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True, seed=7)
+SGD_ARGS.update(optim="sgd", learning_rate=0.5, lr_scheduler_type="constant", gradient_checkpointing=False)
 # position k of a prompt's group → completion text (different lengths and rewards)
 COMPLETIONS = ["a", "bb bb", "ccc ccc ccc", "d"]
 
