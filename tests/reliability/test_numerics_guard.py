@@ -67,10 +67,7 @@ def test_default_policy_skips_and_training_goes_on(tmp_path, tiny_model_path):
 
 def test_stop_reports_step_microbatch_and_saves_the_batch(tmp_path, tiny_model_path):
     trainer = make_toy(
-        tmp_path,
-        tiny_model_path,
-        trainer_cls=_with_hook(_nan_loss_on_step(2, micro=1)),
-        gradient_accumulation_steps=2,
+        tmp_path, tiny_model_path, trainer_cls=_with_hook(_nan_loss_on_step(2, micro=1)), gradient_accumulation_steps=2,
         nan_policy="stop",
     )
     snapshots = _Snapshots()
