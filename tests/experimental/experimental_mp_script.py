@@ -160,10 +160,29 @@ def _single_process_configs(out: str) -> None:
             json.dump(errors, f)
 
 
+def _run_a2po_stage_one(trainer, out: str) -> None:
+    """A2PO's V* estimation alone, recording the prompts this process sampled; writes
+    ``OUT/a2po_stage1_<rank>.json``: those prompts (one entry per sample) and the V* table this process holds."""
+    backend, sampled = trainer.pipeline.backend, []
+    rollout = backend.rollout_func
+
+    def recording(prompts, trainer):
+        sampled.extend(prompts)
+        return rollout(prompts, trainer)
+
+    backend.rollout_func = recording
+    trainer._estimate_optimal_values()
+    backend.rollout_func = rollout
+    with open(os.path.join(out, f"a2po_stage1_{trainer.accelerator.process_index}.json"), "w") as f:
+        json.dump({"sampled": sampled, "values": trainer._optimal_values}, f)
+
+
 def run(kind: str, paths: dict, out: str, per_device: int) -> None:
     if kind == "single_process":
         return _single_process_configs(out)
     trainer = _build(kind, paths, out, per_device)
+    if kind == "a2po":
+        _run_a2po_stage_one(trainer, out)
     trainer.train()
     if trainer.accelerator.is_main_process:
         logs = [r for r in trainer.state.log_history if "train_runtime" not in r]

@@ -95,6 +95,22 @@ def test_replay_buffer_counts_are_summed_over_processes(runs):
         assert {k: entry2[k] for k in REPLAY_COUNTS} == {k: entry1[k] for k in REPLAY_COUNTS}
 
 
+def test_a2po_stage_one_is_sharded_and_shared(runs):
+    """V* estimation: each process samples its own half of the prompts (not all of them), then both hold the whole
+    table, equal to the 1-process one."""
+    one, two = runs
+    reference = json.load(open(one / "a2po_stage1_0.json"))
+    ranks = [json.load(open(two / f"a2po_stage1_{r}.json")) for r in (0, 1)]
+    assert len(reference["values"]) == 8 and len(reference["sampled"]) == 8 * 4
+    halves = [set(r["sampled"]) for r in ranks]
+    assert len(ranks[0]["sampled"]) == len(ranks[1]["sampled"]) == 4 * 4
+    assert not halves[0] & halves[1] and halves[0] | halves[1] == set(reference["sampled"])
+    for rank in ranks:
+        assert rank["values"].keys() == reference["values"].keys()
+        for key, value in reference["values"].items():
+            assert rank["values"][key] == pytest.approx(value, rel=1e-6)
+
+
 def test_async_trainers_refuse_two_processes(runs):
     _, two = runs
     errors = json.load(open(two / "single_process.json"))
