@@ -66,6 +66,13 @@ def _distill_pairs(n: int = ROWS) -> Dataset:
     return Dataset.from_list([{"prompt": f"Q{i}:", "completion": answers[(i + i // 4) % 4]} for i in range(n)])
 
 
+def _distill_pairs_uneven(n: int = ROWS) -> Dataset:
+    """Rows 2-3 of every 4 have empty completions (nothing to align): unshuffled on 2 processes × 2 rows, process 1
+    has no ULD rows at all while process 0 has two."""
+    answers = ["abc", "abcabcab", "", ""]
+    return Dataset.from_list([{"prompt": f"Q{i}:", "completion": answers[i % 4]} for i in range(n)])
+
+
 def _prompts(n: int = ROWS) -> Dataset:
     return Dataset.from_list([{"prompt": f"Question {i}:"} for i in range(n)])
 
@@ -95,9 +102,11 @@ def _distillation(kind: str, model: str, teachers: dict, args: dict):
     if kind == "gkd":
         config = gkd.GKDConfig(**args, lmbda=0.0, beta=0.5)
         return gkd.GKDTrainer(model, teachers["abc"], args=config, train_dataset=_distill_pairs())
-    if kind == "gold":
-        config = gold.GOLDConfig(**args, lmbda=0.0, use_uld_loss=True)
-        return gold.GOLDTrainer(model, teachers["merged"], args=config, train_dataset=_distill_pairs())
+    if kind in ("gold", "gold_uneven"):
+        uneven = kind == "gold_uneven"
+        config = gold.GOLDConfig(**args, lmbda=0.0, use_uld_loss=True, shuffle_dataset=not uneven)
+        data = _distill_pairs_uneven() if uneven else _distill_pairs()
+        return gold.GOLDTrainer(model, teachers["merged"], args=config, train_dataset=data)
     config = iw_opd.IWOPDConfig(**args)
     trainer = iw_opd.IWOPDTrainer(model, teachers["abc"], args=config, train_dataset=_distill_pairs())
     trainer.backend = trainer.rollout.student_backend = PromptKeyedBackend(trainer.processing_class)
@@ -136,7 +145,7 @@ def _online(kind: str, model: str, args: dict, per_device: int):
 
 def _build(kind: str, paths: dict, out: str, per_device: int):
     args = dict(SGD_ARGS, output_dir=os.path.join(out, kind), per_device_train_batch_size=per_device)
-    if kind in ("gkd", "gold", "iw_opd"):
+    if kind in ("gkd", "gold", "gold_uneven", "iw_opd"):
         return _distillation(kind, paths["model"], paths, args)
     if kind in ONLINE:
         return _online(kind, paths["model"], args, per_device)

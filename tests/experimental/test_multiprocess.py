@@ -12,6 +12,12 @@ the SGD update (lr 0.5). ``rtol=1e-4, atol=1e-5`` sits two orders above that and
 gives (a per-process instead of a global normaliser moves these losses and metrics by 1e-2 and more). Parameters
 get ``atol=1e-5``: after 2 SGD steps a per-process normalisation moves them by ~1e-3.
 
+What the scenarios guard (each failed before its fix): per-process NLL / step-label normalisers (CPO, ORPO, TPO,
+PRM), PPO under DDP (the value head outside the DDP forward, local advantage whitening, local token means, an
+unseeded value head), per-process token-mean metrics (GKD, IW-OPD), replay-buffer counts averaged instead of summed,
+A2PO's V* estimation repeated on every process, and GOLD's ULD with one process holding no alignable row
+(``gold_uneven``: a hang in a collective, and the row mean taken per process).
+
 The async trainers (``async_grpo``, ``async_distillation``) run one training process by design: their configs must
 refuse a multi-process launch with an error saying so (checked inside the launch).
 """
@@ -27,7 +33,22 @@ from experimental_mp_script import run_all
 from multiprocess_harness import launch_two_processes, single_thread
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-KINDS = ("cpo", "orpo", "tpo", "bema", "prm", "gkd", "gold", "iw_opd", "online_dpo", "gmpo", "a2po", "replay", "ppo")
+KINDS = (
+    "cpo",
+    "orpo",
+    "tpo",
+    "bema",
+    "prm",
+    "gkd",
+    "gold",
+    "gold_uneven",
+    "iw_opd",
+    "online_dpo",
+    "gmpo",
+    "a2po",
+    "replay",
+    "ppo",
+)
 # What differs by design: wall-clock timings, and the replay buffer's draws after step 2 (each process samples its
 # own buffer with its own seed, as TRL's does) — from then on only the buffer's counts are comparable.
 VOLATILE = ("timing/", "step_time", "train_")
