@@ -24,7 +24,7 @@ from posttrain.generation.rollout_func import RolloutFuncBackend
 
 ROWS = 16
 SCENARIOS = ("cpo", "orpo", "tpo", "bema", "prm", "gkd", "gold", "iw_opd")
-ONLINE = ("online_dpo", "gmpo", "a2po", "replay", "ppo")
+ONLINE = ("online_dpo", "gmpo", "a2po", "replay", "ppo", "sdpo", "sdft")
 
 
 def _reward(completions, **kwargs):
@@ -73,8 +73,9 @@ def _distill_pairs_uneven(n: int = ROWS) -> Dataset:
     return Dataset.from_list([{"prompt": f"Q{i}:", "completion": answers[i % 4]} for i in range(n)])
 
 
-def _prompts(n: int = ROWS) -> Dataset:
-    return Dataset.from_list([{"prompt": f"Question {i}:"} for i in range(n)])
+def _prompts(n: int = ROWS, context: bool = False) -> Dataset:
+    extra = lambda i: {"privileged_context": "ab" * (1 + i % 3)} if context else {}  # noqa: E731
+    return Dataset.from_list([{"prompt": f"Question {i}:", **extra(i)} for i in range(n)])
 
 
 def _offline(kind: str, model: str, args: dict):
@@ -114,7 +115,7 @@ def _distillation(kind: str, model: str, teachers: dict, args: dict):
 
 
 def _online(kind: str, model: str, args: dict, per_device: int):
-    from posttrain.experimental import a2po, gmpo, grpo_with_replay_buffer, online_dpo, ppo
+    from posttrain.experimental import a2po, gmpo, grpo_with_replay_buffer, online_dpo, ppo, sdft, sdpo
 
     rollout = group_position_rollout
     if kind == "gmpo":
@@ -128,6 +129,14 @@ def _online(kind: str, model: str, args: dict, per_device: int):
         return grpo_with_replay_buffer.GRPOWithReplayBufferTrainer(
             model, _reward_constant_after_four, config, train_dataset=_prompts(), rollout_func=rollout
         )
+    if kind == "sdpo":
+        config = sdpo.SDPOConfig(**args, num_generations=4, max_completion_length=8, shuffle_dataset=False)
+        return sdpo.SDPOTrainer(model, _reward, config, train_dataset=_prompts(context=True), rollout_func=rollout)
+    if kind == "sdft":
+        config = sdft.SDFTConfig(**args, num_generations=2, max_completion_length=8, shuffle_dataset=False)
+        trainer = sdft.SDFTTrainer(model, args=config, train_dataset=_prompts(context=True))
+        trainer.backend = trainer.rollout.student_backend = PromptKeyedBackend(trainer.processing_class)
+        return trainer
     rollout = functools.partial(group_position_rollout, vary_by_prompt=True)
     if kind == "a2po":
         config = a2po.A2POConfig(**args, max_completion_length=8, num_value_samples=4, filter_all_incorrect=False)

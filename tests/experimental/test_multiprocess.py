@@ -15,7 +15,8 @@ get ``atol=1e-5``: after 2 SGD steps a per-process normalisation moves them by ~
 What the scenarios guard (each failed before its fix): per-process NLL / step-label normalisers (CPO, ORPO, TPO,
 PRM), PPO under DDP (the value head outside the DDP forward, local advantage whitening, local token means, an
 unseeded value head), per-process token-mean metrics (GKD, IW-OPD), replay-buffer counts averaged instead of summed,
-A2PO's V* estimation repeated on every process, and GOLD's ULD with one process holding no alignable row
+A2PO's V* estimation repeated on every process, SDPO / SDFT distillation-loss metrics as means of per-process
+means, and GOLD's ULD with one process holding no alignable row
 (``gold_uneven``: a hang in a collective, and the row mean taken per process).
 
 The async trainers (``async_grpo``, ``async_distillation``) run one training process by design: their configs must
@@ -48,6 +49,8 @@ KINDS = (
     "a2po",
     "replay",
     "ppo",
+    "sdpo",
+    "sdft",
 )
 # What differs by design: wall-clock timings, and the replay buffer's draws after step 2 (each process samples its
 # own buffer with its own seed, as TRL's does) — from then on only the buffer's counts are comparable.
