@@ -24,7 +24,7 @@ from posttrain.data.dataset_ops import (
     prepare_splits,
     tokenize_dataset,
 )
-from posttrain.distributed import gather_masked_mean, gather_mean, sum_over_processes
+from posttrain.distributed import gather_mean, gather_row_masked_mean, sum_over_processes
 from posttrain.models.loading import disable_dropout_in_model, resolve_model, resolve_processing_class
 from posttrain.models.preference_scoring import PreferenceScores, score_preference_completions
 from posttrain.reliability.validation import check_single_split, check_text_only
@@ -253,7 +253,9 @@ class ReferenceFreePairwiseTrainer(PreferenceTrainer):
         if scores.mean_logits is not None:
             for name, index in (("chosen", 0), ("rejected", 1)):
                 rows = pair.branch(index)
-                metrics[f"logits/{name}"].append(gather_masked_mean(acc, scores.mean_logits[rows], scores.mask[rows]))
+                metrics[f"logits/{name}"].append(
+                    gather_row_masked_mean(acc, scores.mean_logits[rows], scores.mask[rows])
+                )
 
 
 def _add_empty_prompt(row: Mapping[str, Any]) -> dict[str, Any]:

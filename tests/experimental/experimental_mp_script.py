@@ -84,6 +84,9 @@ def _offline(kind: str, model: str, args: dict):
 
     if kind == "cpo":
         return cpo.CPOTrainer(model, args=cpo.CPOConfig(**args), train_dataset=_preference())
+    if kind == "cpo_epoch":  # one epoch of 10 rows: on 2 processes × 2 rows the last global batch holds 2 rows
+        config = cpo.CPOConfig(**dict(args, max_steps=-1, num_train_epochs=1))
+        return cpo.CPOTrainer(model, args=config, train_dataset=_preference(10))
     if kind == "orpo":
         return orpo.ORPOTrainer(model, args=orpo.ORPOConfig(**args), train_dataset=_preference())
     if kind == "tpo":

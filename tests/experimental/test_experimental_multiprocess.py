@@ -13,11 +13,11 @@ gives (a per-process instead of a global normaliser moves these losses and metri
 get ``atol=1e-5``: after 2 SGD steps a per-process normalisation moves them by ~1e-3.
 
 What the scenarios guard (each failed before its fix): per-process NLL / step-label normalisers (CPO, ORPO, TPO,
-PRM), PPO under DDP (the value head outside the DDP forward, local advantage whitening, local token means, an
-unseeded value head), per-process token-mean metrics (GKD, IW-OPD), replay-buffer counts averaged instead of summed,
-A2PO's V* estimation repeated on every process, SDPO / SDFT distillation-loss metrics as means of per-process
-means, and GOLD's ULD with one process holding no alignable row
-(``gold_uneven``: a hang in a collective, and the row mean taken per process).
+PRM); PPO under DDP (the value head outside the DDP forward, local advantage whitening, local token means, an
+unseeded value head); per-process token-mean metrics (GKD, IW-OPD, SDPO, SDFT); replay-buffer counts averaged
+instead of summed; A2PO's V* estimation repeated on every process; GOLD's ULD with one process holding no alignable
+row (``gold_uneven``: a hang in a collective, and the row mean taken per process); mean-logit / entropy / token
+accuracy metrics counting the rows accelerate repeats to even out a short last batch (``cpo_epoch``).
 
 The async trainers (``async_grpo``, ``async_distillation``) run one training process by design: their configs must
 refuse a multi-process launch with an error saying so (checked inside the launch).
@@ -51,6 +51,7 @@ KINDS = (
     "ppo",
     "sdpo",
     "sdft",
+    "cpo_epoch",
 )
 # What differs by design: wall-clock timings, and the replay buffer's draws after step 2 (each process samples its
 # own buffer with its own seed, as TRL's does) — from then on only the buffer's counts are comparable.
@@ -94,7 +95,7 @@ def _assert_logs_match(kind: str, logs1: list, logs2: list) -> None:
 
 
 @pytest.mark.invariance
-@pytest.mark.parametrize("kind", [k for k in KINDS if k != "replay"])
+@pytest.mark.parametrize("kind", [k for k in KINDS if k not in ("replay", "cpo_epoch")])
 def test_two_processes_match_one_process(runs, kind):
     one, two = runs
     (log1, params1), (log2, params2) = _load(one, kind), _load(two, kind)
@@ -117,6 +118,21 @@ def test_replay_buffer_counts_are_summed_over_processes(runs):
     assert [e["replay_buffer/replaced_groups"] for e in logs1] == [0, 0, 2, 2]
     for entry1, entry2 in zip(logs1, logs2):
         assert {k: entry2[k] for k in REPLAY_COUNTS} == {k: entry1[k] for k in REPLAY_COUNTS}
+
+
+def test_a_short_last_batch_keeps_its_metrics_to_the_real_rows(runs):
+    """One CPO epoch of 10 rows: 4 + 4 + 2. On 2 processes × 2 rows accelerate evens out the last batch by repeating
+    2 rows on process 1; they are trained on (as by transformers.Trainer), so the last step's loss, gradient and
+    NLL differ from the 1-process run, but every per-row metric (rewards, log-probs, mean logits) must leave them
+    out and equal the 1-process value."""
+    one, two = runs
+    logs1, logs2 = _load(one, "cpo_epoch")[0]["logs"], _load(two, "cpo_epoch")[0]["logs"]
+    assert len(logs1) == len(logs2) == 3
+    _assert_logs_match("cpo_epoch", logs1[:2], logs2[:2])
+    trained_on_repeats = ("loss", "grad_norm", "nll_loss")
+    last1 = {k: v for k, v in logs1[2].items() if k not in trained_on_repeats}
+    _assert_logs_match("cpo_epoch last", [last1], [{k: v for k, v in logs2[2].items() if k in last1}])
+    assert {"logits/chosen", "logps/chosen", "rewards/accuracies"} <= last1.keys()
 
 
 def test_a2po_stage_one_is_sharded_and_shared(runs):

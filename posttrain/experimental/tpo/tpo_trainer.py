@@ -25,7 +25,7 @@ import torch
 from posttrain.core.reference_free import contrastive_loss
 from posttrain.data.collators import _cat_truncate, _PairedPadding, _to_list
 from posttrain.data.formats import DataFormatError, column_names
-from posttrain.distributed import gather_masked_mean
+from posttrain.distributed import gather_row_masked_mean
 from posttrain.experimental._pairwise import ReferenceFreePairwiseTrainer
 from posttrain.experimental.tpo.tpo_config import TPOConfig
 
@@ -213,11 +213,13 @@ class TPOTrainer(ReferenceFreePairwiseTrainer):
             args.beta * pair.rejected_logps.detach(),
         )
         acc, metrics = self.accelerator, self._metrics[mode]
-        metrics["entropy"].append(gather_masked_mean(acc, scores.entropy, scores.mask))
+        # per batch row (its branches side by side), so the rows repeated to even out a last batch are left out
+        by_row = lambda x: x.reshape(n_branches, pair.batch_size, -1).transpose(0, 1).flatten(1)  # noqa: E731
+        metrics["entropy"].append(gather_row_masked_mean(acc, by_row(scores.entropy), by_row(scores.mask)))
         self._count_train_tokens(inputs, mode)
         chosen = pair.branch(0)
         metrics["mean_token_accuracy"].append(
-            gather_masked_mean(acc, scores.correct.float()[chosen], scores.mask[chosen])
+            gather_row_masked_mean(acc, scores.correct.float()[chosen], scores.mask[chosen])
         )
         self._log_pair_metrics(mode, pair, chosen_rewards, rejected_rewards)
         if return_outputs:
