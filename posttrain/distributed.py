@@ -1,10 +1,14 @@
 """Reductions and gathers over data-parallel processes, in one place (each is the identity on one process).
 
 - :func:`gather_mean` / :func:`gather_masked_mean`: a metric over every process's values (offline trainers);
+  :func:`gather_row_masked_mean` for ``(B, T)`` values of the batch rows (the rows a process repeats to even out
+  the last batch left out);
 - :func:`mean_over_processes`: the NaN-aware mean of one scalar per process (online trainers' metrics);
 - :func:`gather_rows` / :func:`gather_objects`: tensors concatenated along dim 0, or Python lists, over processes
   (the rollout's rewards, lengths, completions table);
-- :func:`gather_variable_length`: 1-D tensors of different lengths per process, concatenated (NaN-padded first).
+- :func:`gather_variable_length`: 1-D tensors of different lengths per process, concatenated (NaN-padded first);
+- :func:`sum_over_processes`: a tensor summed elementwise over processes (global token counts, moments, numerators
+  and denominators of token means).
 """
 
 from __future__ import annotations
@@ -17,9 +21,11 @@ __all__ = [
     "gather_masked_mean",
     "gather_mean",
     "gather_objects",
+    "gather_row_masked_mean",
     "gather_rows",
     "gather_variable_length",
     "mean_over_processes",
+    "sum_over_processes",
 ]
 
 
@@ -42,6 +48,18 @@ def gather_masked_mean(accelerator: Any, values: torch.Tensor, mask: torch.Tenso
     mask = mask.float()
     totals = torch.stack([(values.detach().float() * mask).sum(), mask.sum()])
     totals = accelerator.gather(totals.unsqueeze(0)).sum(dim=0)
+    return (totals[0] / totals[1]).item() if totals[1] > 0 else float("nan")
+
+
+def gather_row_masked_mean(accelerator: Any, values: torch.Tensor, mask: torch.Tensor) -> float:
+    """Σ values·mask / Σ mask over every process for ``(B, T)`` values whose rows are the batch's rows.
+
+    Row sums go through ``gather_for_metrics``, which drops the rows a process repeats to even out the last batch
+    (:func:`gather_masked_mean` counts them). NaN when the mask is empty everywhere.
+    """
+    mask = mask.float()
+    rows = torch.stack([(values.detach().float() * mask).sum(dim=-1), mask.sum(dim=-1)], dim=-1)  # (B, 2)
+    totals = accelerator.gather_for_metrics(rows).reshape(-1, 2).sum(dim=0)
     return (totals[0] / totals[1]).item() if totals[1] > 0 else float("nan")
 
 
@@ -76,3 +94,14 @@ def gather_objects(accelerator: Any, values: list) -> list:
     from accelerate.utils import gather_object
 
     return gather_object(values)
+
+
+def sum_over_processes(accelerator: Any, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` summed elementwise over processes, same shape and device (identity on one process).
+
+    Every process must call it (a collective). The sum is not differentiable: pass detached counts and moments.
+    """
+    if _num_processes(accelerator) == 1:
+        return tensor
+    device = getattr(accelerator, "device", tensor.device)
+    return accelerator.reduce(tensor.detach().to(device), reduction="sum").to(tensor.device)

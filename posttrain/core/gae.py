@@ -4,11 +4,14 @@ tensor math over completion tokens ``(B, T)`` with a completion mask m.
 * ``ppo_token_rewards``: r_t = −kl_coef · KL_t on every completion token, plus the sequence score on its last token.
 * ``gae``: generalised advantage estimation (Schulman et al. 2016) — δ_t = r_t + γ V_{t+1} − V_t (V past the last
   token is 0), A_t = δ_t + γλ A_{t+1}, returns R_t = A_t + V_t; masked-out positions hold 0 and do not propagate.
-* ``masked_whiten``: (x − mean) / sqrt(var + 1e-8) over masked positions (``shift_mean=False`` keeps the mean).
+* ``masked_whiten``: (x − mean) / sqrt(var + 1e-8) over masked positions (``shift_mean=False`` keeps the mean);
+  with ``reduce_sum`` the moments are those of every process's positions (data-parallel PPO whitens globally).
 * ``clipped_value_loss``: ½ · mean_m max((V − R)², (V_old + clip(V − V_old, ±ε_v) − R)²) and its clip fraction.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -62,9 +65,25 @@ def gae(
     return advantages, (advantages + values) * mask
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
-    """Whiten ``x`` over the masked positions (unbiased variance, as TRL); masked-out positions become 0."""
-    mean, var = masked_mean(x, mask), masked_var(x, mask)
+def masked_whiten(
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    shift_mean: bool = True,
+    reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Whiten ``x`` ``(B, T)`` over the masked positions (unbiased variance, as TRL); masked-out positions become 0.
+
+    ``reduce_sum``: sums a tensor over data-parallel processes (e.g. ``distributed.sum_over_processes``); the mean
+    and variance are then those of the masked positions of every process (two passes: Σm, Σxm, then Σ(x−μ)²m), so
+    the result equals whitening the concatenated batch on one process. None: this tensor's positions only.
+    """
+    if reduce_sum is None:
+        mean, var = masked_mean(x, mask), masked_var(x, mask)
+    else:
+        m = mask.to(x.dtype)
+        count, total = reduce_sum(torch.stack([m.sum(), (x * m).sum()]))
+        mean = total / count
+        var = reduce_sum(((x - mean) ** 2 * m).sum()) / (count - 1)
     whitened = (x - mean) * torch.rsqrt(var + 1e-8)
     if not shift_mean:
         whitened = whitened + mean

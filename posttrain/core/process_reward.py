@@ -16,12 +16,19 @@ __all__ = ["IGNORE_INDEX", "step_label_loss", "step_label_accuracy"]
 IGNORE_INDEX = -100
 
 
-def step_label_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+def step_label_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    ignore_index: int = IGNORE_INDEX,
+    num_labels: torch.Tensor | float | None = None,
+) -> torch.Tensor:
     """Mean cross-entropy over the labelled positions.
 
     Args:
         logits: ``(B, T, C)`` per-token class logits (C = 2 for correct / incorrect steps).
         labels: ``(B, T)`` class ids, ``ignore_index`` at unlabelled positions.
+        num_labels: Divide the summed cross-entropy by this instead of the local labelled count (data-parallel:
+            the global count / processes, so the processes' mean is the mean over all of them).
 
     Returns:
         Scalar loss (0 with a zero gradient when no position is labelled).
@@ -29,7 +36,10 @@ def step_label_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: in
     mask = labels != ignore_index
     if not bool(mask.any()):
         return logits.sum() * 0.0
-    return F.cross_entropy(logits[mask].float(), labels[mask])
+    if num_labels is None:
+        return F.cross_entropy(logits[mask].float(), labels[mask])
+    total = F.cross_entropy(logits[mask].float(), labels[mask], reduction="sum")
+    return total / torch.as_tensor(num_labels, dtype=total.dtype, device=total.device).clamp(min=1.0)
 
 
 @torch.no_grad()

@@ -160,8 +160,14 @@ def orpo_odds_ratio_loss(
     return beta * ratio, ratio, log_odds
 
 
-def masked_token_mean_nll(logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def masked_token_mean_nll(
+    logps: torch.Tensor, mask: torch.Tensor, num_tokens: torch.Tensor | float | None = None
+) -> torch.Tensor:
     """Token-mean negative log-likelihood ``−Σ logps·mask / Σ mask`` over a ``(B, T)`` batch (0 when empty) —
-    ``nn.CrossEntropyLoss`` over the masked tokens, as TRL's NLL terms."""
+    ``nn.CrossEntropyLoss`` over the masked tokens, as TRL's NLL terms.
+
+    ``num_tokens``: the divisor instead of ``Σ mask`` (data-parallel: the global token count / processes, so the
+    processes' mean is the token mean over all of them)."""
     mask = mask.to(logps.dtype)
-    return -(logps * mask).sum() / mask.sum().clamp(min=1.0)
+    divisor = mask.sum() if num_tokens is None else torch.as_tensor(num_tokens, dtype=logps.dtype, device=logps.device)
+    return -(logps * mask).sum() / divisor.clamp(min=1.0)

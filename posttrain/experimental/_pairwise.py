@@ -24,7 +24,7 @@ from posttrain.data.dataset_ops import (
     prepare_splits,
     tokenize_dataset,
 )
-from posttrain.distributed import gather_masked_mean, gather_mean
+from posttrain.distributed import gather_mean, gather_row_masked_mean, sum_over_processes
 from posttrain.models.loading import disable_dropout_in_model, resolve_model, resolve_processing_class
 from posttrain.models.preference_scoring import PreferenceScores, score_preference_completions
 from posttrain.reliability.validation import check_single_split, check_text_only
@@ -214,7 +214,7 @@ class ReferenceFreePairwiseTrainer(PreferenceTrainer):
             logps = logps / scores.mask.sum(dim=-1).clamp(min=1).to(logps.dtype)
         chosen = slice(0, batch_size)
         chosen_nll = (
-            masked_token_mean_nll(scores.logps[chosen], scores.mask[chosen])
+            self._token_mean_nll(scores.logps[chosen], scores.mask[chosen])
             if nll
             else torch.zeros((), device=input_ids.device)
         )
@@ -225,6 +225,16 @@ class ReferenceFreePairwiseTrainer(PreferenceTrainer):
             scores=scores,
             batch_size=batch_size,
         )
+
+    def _token_mean_nll(self, logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """NLL of ``(B, T)`` masked tokens as this process's share of the token mean over every process's batch:
+        Σ over local tokens / (global token count / processes), which DDP's gradient average turns into the
+        global token mean (a per-process mean would weight each process's tokens by its own count)."""
+        processes = self.accelerator.num_processes
+        if processes == 1:
+            return masked_token_mean_nll(logps, mask)
+        total = sum_over_processes(self.accelerator, mask.sum().float().reshape(1)).reshape(())
+        return masked_token_mean_nll(logps, mask, num_tokens=total / processes)
 
     # -- metrics -------------------------------------------------------------------------------------------------
     def _log_pair_metrics(
@@ -243,7 +253,9 @@ class ReferenceFreePairwiseTrainer(PreferenceTrainer):
         if scores.mean_logits is not None:
             for name, index in (("chosen", 0), ("rejected", 1)):
                 rows = pair.branch(index)
-                metrics[f"logits/{name}"].append(gather_masked_mean(acc, scores.mean_logits[rows], scores.mask[rows]))
+                metrics[f"logits/{name}"].append(
+                    gather_row_masked_mean(acc, scores.mean_logits[rows], scores.mask[rows])
+                )
 
 
 def _add_empty_prompt(row: Mapping[str, Any]) -> dict[str, Any]:

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from posttrain.core.distill import chunked_token_map, iw_opd_loss
+from posttrain.distributed import gather_rows
 from posttrain.experimental._distill_support import (
     ServedTeacher,
     local_sparse_divergence,
@@ -163,28 +164,25 @@ class SparseDistillationMixin:
                 rollout_logprobs=None if behaviour is None else to_rows(behaviour.to(student_actual.dtype), mask),
             )
             per_token = rows_loss[mask]
-            if mask.any():
-                adv, w = advantages[mask], weights[mask]
-                reference = student_actual if behaviour is None else behaviour.to(student_actual.dtype)
-                self.record_metric("iw_opd/mean_advantage", self._gather_mean(adv.mean()), mode=mode)
-                abs_adv = (teacher_actual - reference).detach().abs()
-                self.record_metric("iw_opd/mean_abs_advantage", self._gather_mean(abs_adv.mean()), mode=mode)
-                self.record_metric("iw_opd/mean_weight", self._gather_mean(w.mean()), mode=mode)
-                self.record_metric("iw_opd/min_weight", float(w.min()), mode=mode)
-                self.record_metric("iw_opd/max_weight", float(w.max()), mode=mode)
+            # Every process joins these collectives, with or without loss tokens (no hang on an empty batch).
+            adv, w = advantages[mask].detach(), weights[mask].detach()
+            reference = student_actual if behaviour is None else behaviour.to(student_actual.dtype)
+            abs_adv = (teacher_actual - reference).detach().abs()
+            self._record_token_means(
+                mode,
+                **{"iw_opd/mean_advantage": adv, "iw_opd/mean_abs_advantage": abs_adv, "iw_opd/mean_weight": w},
+            )
+            empty = w.new_full((1,), float("nan"))
+            lows = gather_rows(self.accelerator, (w.min() if w.numel() else empty).float().reshape(1))
+            highs = gather_rows(self.accelerator, (w.max() if w.numel() else empty).float().reshape(1))
+            if not torch.isnan(lows).all():
+                self.record_metric("iw_opd/min_weight", float(lows[~torch.isnan(lows)].min()), mode=mode)
+                self.record_metric("iw_opd/max_weight", float(highs[~torch.isnan(highs)].max()), mode=mode)
         else:
             per_token = outputs[0]
-        n_tokens = per_token.new_tensor(float(per_token.numel()))
-        if mode == "train":
-            normaliser = inputs["num_items_in_batch"].to(per_token) / self.accelerator.num_processes
-        else:
-            normaliser = n_tokens
-        loss = per_token.sum() / normaliser.clamp(min=1.0)
+        loss = per_token.sum() / self._token_normaliser(inputs, per_token, mode).clamp(min=1.0)
         if per_token.numel() == 0:
             loss = loss + 0.0 * sum(p.sum() for p in model.parameters() if p.requires_grad)
         loss = self._finish_loss(loss, student.aux_loss, divide_by_grad_accum=False)
-        mean = per_token.detach().sum() / n_tokens if per_token.numel() else per_token.new_tensor(float("nan"))
-        self.record_metric("distillation_loss", self._gather_mean(mean), mode=mode)
-        entropy_mean = entropy.mean() if entropy.numel() else entropy.new_tensor(float("nan"))
-        self.record_metric("entropy", self._gather_mean(entropy_mean), mode=mode)
+        self._record_token_means(mode, distillation_loss=per_token, entropy=entropy)
         return loss

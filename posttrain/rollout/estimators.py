@@ -164,7 +164,9 @@ class PairwisePreferenceEstimator:
 
     def __call__(self, rewards_per_func, weights, num_generations, *, batch, gather) -> AdvantageResult:
         if num_generations != 2:
-            raise ValueError(f"PairwisePreferenceEstimator ranks pairs: num_generations must be 2, got {num_generations}.")
+            raise ValueError(
+                f"PairwisePreferenceEstimator ranks pairs: num_generations must be 2, got {num_generations}."
+            )
         scores = combine_rewards(rewards_per_func, weights)
         finished = gather(batch["finished"].long()).bool().to(scores.device)
         if self.missing_eos_penalty is not None:
@@ -225,6 +227,8 @@ class GAEEstimator:
     whiten_rewards: bool = False
     missing_eos_penalty: float | None = None
     process_index: int = 0
+    # sums a tensor over processes (``distributed.sum_over_processes``): whitening then uses the global moments
+    reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
     needs_old_logps: bool = True
     needs_ref_logps: bool = True
 
@@ -250,11 +254,11 @@ class GAEEstimator:
         kl = kl * mask
         rewards, non_score = ppo_token_rewards(scores, kl, mask, self.kl_coef)
         if self.whiten_rewards:
-            rewards = masked_whiten(rewards, mask, shift_mean=False)
+            rewards = masked_whiten(rewards, mask, shift_mean=False, reduce_sum=self.reduce_sum)
         with torch.no_grad():
             values = self.values_fn(batch).float().cpu() * mask
         advantages, returns = gae(rewards, values, mask, gamma=self.gamma, lam=self.lam)
-        batch["token_advantages"] = masked_whiten(advantages, mask)
+        batch["token_advantages"] = masked_whiten(advantages, mask, reduce_sum=self.reduce_sum)
         batch["returns"] = returns
         batch["old_values"] = values
 

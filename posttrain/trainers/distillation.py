@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from posttrain.distributed import gather_masked_mean, sum_over_processes
 from posttrain.models.completion_scoring import choose_shared_prompt_layout, completion_inputs
 from posttrain.models.distillation_scoring import score_distillation_completions
 from posttrain.models.loading import (
@@ -456,7 +457,9 @@ class DistillationTrainer(OnlineTrainerBase):
         mode = self._mode()
         student = score_distillation_completions(model, *self._scoring_inputs(model, inputs))
         with torch.no_grad():
-            teacher = score_distillation_completions(self.teacher_model, *self._scoring_inputs(self.teacher_model, inputs))
+            teacher = score_distillation_completions(
+                self.teacher_model, *self._scoring_inputs(self.teacher_model, inputs)
+            )
         divergence, entropy = token_divergence(
             student,
             teacher,
@@ -465,28 +468,34 @@ class DistillationTrainer(OnlineTrainerBase):
             temperature=self._loss_temperature(),
             chunk_size=self._loss_chunk_size(),
         )  # (N,) each
-        n_tokens = divergence.new_tensor(float(divergence.numel()))
-        if mode == "train":
-            # DDP averages gradients over processes: dividing by the per-process share of the global token count
-            # makes the step's gradient that of the global mean (TRL's num_items_in_batch rule).
-            normaliser = inputs["num_items_in_batch"].to(divergence) / self.accelerator.num_processes
-        else:
-            normaliser = n_tokens
-        loss = divergence.sum() / normaliser.clamp(min=1.0)
+        # DDP averages gradients (and evaluation averages losses) over processes: dividing by the per-process share
+        # of the global token count makes them those of the global token mean (TRL's num_items_in_batch rule).
+        loss = divergence.sum() / self._token_normaliser(inputs, divergence, mode).clamp(min=1.0)
         if divergence.numel() == 0:
             # Every token masked (e.g. mask_truncated_completions): a zero loss that still reaches every parameter,
             # so backward and DDP's gradient hooks run as usual.
             loss = loss + 0.0 * sum(p.sum() for p in model.parameters() if p.requires_grad)
         loss = self._finish_loss(loss, student.aux_loss, divide_by_grad_accum=False)  # normalised over the step
-        mean = divergence.detach().sum() / n_tokens if divergence.numel() else divergence.new_tensor(float("nan"))
-        self.record_metric("distillation_loss", self._gather_mean(mean), mode=mode)
-        entropy_mean = entropy.mean() if entropy.numel() else entropy.new_tensor(float("nan"))
-        self.record_metric("entropy", self._gather_mean(entropy_mean), mode=mode)
+        self._record_token_means(mode, distillation_loss=divergence, entropy=entropy)
         return loss
 
     def _loss_temperature(self) -> float:
         """Divides both models' logits in the divergence: the sampling ``temperature`` (TRL's DistillationTrainer)."""
         return self.args.temperature
+
+    def _token_normaliser(self, inputs: RolloutBatch, per_token: torch.Tensor, mode: str) -> torch.Tensor:
+        """The loss divisor: the step's (training) or this micro-batch's (evaluation) loss tokens over every
+        process, divided by the process count."""
+        if mode == "train":
+            return inputs["num_items_in_batch"].to(per_token) / self.accelerator.num_processes
+        n_tokens = per_token.new_tensor(float(per_token.numel())).reshape(1)
+        return sum_over_processes(self.accelerator, n_tokens).reshape(()) / self.accelerator.num_processes
+
+    def _record_token_means(self, mode: str, **per_token: torch.Tensor) -> None:
+        """Record each ``(N,)`` per-token tensor's mean over every process's tokens (NaN when none anywhere)."""
+        for name, values in per_token.items():
+            values = values.detach().float()
+            self.record_metric(name, gather_masked_mean(self.accelerator, values, torch.ones_like(values)), mode=mode)
 
     def _loss_chunk_size(self) -> int:
         """Tokens per chunk: about 2**24 logits (64 MiB in float32) per chunk, between 16 and 1024 tokens.

@@ -48,6 +48,30 @@ def test_masked_whiten():
     torch.testing.assert_close(masked_whiten(x, mask, shift_mean=False)[1, 0], 2 + 1 / std, atol=1e-4, rtol=0)
 
 
+def test_masked_whiten_with_reduce_sum_uses_every_process_moments():
+    """Two "processes" holding rows [1, 2] and [3, 10]: each whitens with the moments of all four values."""
+    x = [torch.tensor([[1.0, 2.0, 7.0]]), torch.tensor([[3.0, 10.0, 0.0]])]
+    masks = [torch.tensor([[1, 1, 0]]), torch.tensor([[1, 1, 0]])]
+
+    def reduce_sum(local, other):
+        return local + other
+
+    mean, std = 4.0, torch.tensor([1.0, 2.0, 3.0, 10.0]).std()
+    for rank in (0, 1):
+        other_x, other_m = x[1 - rank], masks[1 - rank].float()
+        # the peer's contributions to each collective, in call order: (Σm, Σxm), then Σ(x−μ)²m
+        peers = iter(
+            [torch.stack([other_m.sum(), (other_x * other_m).sum()]), ((other_x - mean) ** 2 * other_m).sum()]
+        )
+        out = masked_whiten(x[rank], masks[rank], reduce_sum=lambda t, peers=peers: reduce_sum(t, next(peers)))
+        torch.testing.assert_close(out[0, :2], (x[rank][0, :2] - mean) / std, atol=1e-5, rtol=0)
+        assert out[0, 2] == 0
+    # the local whitening differs (rank 0 alone: values 1, 2)
+    assert not torch.allclose(masked_whiten(x[0], masks[0])[0, :2], (x[0][0, :2] - mean) / std, atol=1e-3)
+    # on one process the identity reduction gives the plain result
+    torch.testing.assert_close(masked_whiten(x[0], masks[0], reduce_sum=lambda t: t), masked_whiten(x[0], masks[0]))
+
+
 def test_clipped_value_loss():
     values = torch.tensor([[1.0, 0.0, 9.0]], requires_grad=True)
     old = torch.tensor([[0.5, 0.0, 0.0]])

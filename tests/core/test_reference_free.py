@@ -96,6 +96,8 @@ def test_masked_token_mean_nll():
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
     assert masked_token_mean_nll(logps, mask).item() == pytest.approx(2.0)
     assert masked_token_mean_nll(logps, torch.zeros_like(mask)).item() == 0.0
+    # a given divisor (global tokens / processes) replaces the local count: (1 + 2 + 3) / 4
+    assert masked_token_mean_nll(logps, mask, num_tokens=4.0).item() == pytest.approx(1.5)
 
 
 def test_step_label_loss_hand_computed():
@@ -103,6 +105,8 @@ def test_step_label_loss_hand_computed():
     labels = torch.tensor([[1, -100, 1]])
     # −log(3/4) = 0.287682 and −log(1/2) = 0.693147; the unlabelled position (which would cost 100) is ignored.
     assert step_label_loss(logits, labels).item() == pytest.approx((0.287682 + 0.693147) / 2, abs=1e-5)
+    # a given divisor (global labels / processes) replaces the local count
+    assert step_label_loss(logits, labels, num_labels=4.0).item() == pytest.approx((0.287682 + 0.693147) / 4, abs=1e-5)
     assert step_label_accuracy(logits, labels).item() == pytest.approx(
         0.5
     )  # [0, 0] argmaxes to class 0 ≠ 1: one hit of two

@@ -7,10 +7,9 @@ writes ``OUT/grpo_advantages_<rank>.json``: every (completion text, advantage) t
 resumes the ``sft`` run from its checkpoint-1 (written by all processes); ``nan_skip`` makes one process's loss NaN
 (with finite gradients) at step 1 under ``nan_policy="skip"`` and writes ``OUT/nan_skip_<rank>.json``.
 
-Plain SGD keeps parameter differences proportional to gradient differences (Adam's first step is ~lr·sign(g), which
-turns float noise in tiny gradients into lr-sized differences). GRPO uses a deterministic ``rollout_func`` whose
-completions depend only on the prompt and the completion's position in its group (this process's share of the
-group is ``rank * copies_here + k``), so both layouts train on identical completions and any difference comes from
+Plain SGD (``multiprocess_harness.SGD_ARGS``) keeps parameter differences proportional to gradient differences. GRPO uses a deterministic ``rollout_func``
+(``multiprocess_harness.group_position_rollout``: completions depend only on the prompt and the completion's position
+in its group), so both layouts train on identical completions and any difference comes from
 how groups, rewards and token counts are combined across processes.
 """
 
@@ -19,39 +18,10 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections import Counter
 
 import torch
 from datasets import Dataset
-
-COMMON = dict(
-    max_steps=2,
-    logging_steps=1,
-    report_to="none",
-    save_strategy="no",
-    gradient_checkpointing=False,
-    disable_tqdm=True,
-    optim="sgd",
-    learning_rate=0.5,
-    lr_scheduler_type="constant",
-    seed=7,
-)
-COMPLETIONS = ["a", "bb bb", "ccc ccc ccc", "d"]  # position k in a group → completion text (different lengths)
-
-
-def _rollout(prompts, trainer):
-    tokenizer = trainer.processing_class
-    rank = trainer.accelerator.process_index
-    copies, seen = Counter(prompts), Counter()
-    prompt_ids, completion_ids = [], []
-    for prompt in prompts:
-        k = rank * copies[prompt] + seen[prompt]  # this completion's position within its whole group
-        seen[prompt] += 1
-        prompt_ids.append(tokenizer(prompt, add_special_tokens=False)["input_ids"])
-        completion_ids.append(
-            tokenizer(COMPLETIONS[k], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        )
-    return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None}
+from multiprocess_harness import SGD_ARGS, group_position_rollout
 
 
 def _reward(completions, **kwargs):
@@ -84,7 +54,7 @@ def _no_model(args: dict) -> dict:
 
 
 def _build(kind: str, model_path: str, out: str, per_device: int):
-    args = dict(COMMON, output_dir=os.path.join(out, kind), per_device_train_batch_size=per_device)
+    args = dict(SGD_ARGS, output_dir=os.path.join(out, kind), per_device_train_batch_size=per_device)
     if kind.endswith("_epoch"):
         return _build_epoch(kind, {**args, "model": model_path})
     if kind in ("sft", "sft_resume", "nan_skip"):
@@ -113,7 +83,9 @@ def _build(kind: str, model_path: str, out: str, per_device: int):
 
     data = Dataset.from_dict({"prompt": [f"p{i}:" for i in range(8)]})
     config = GRPOConfig(**args, num_generations=4, max_completion_length=16, loss_type="dapo", shuffle_dataset=False)
-    return GRPOTrainer(model_path, reward_funcs=_reward, args=config, train_dataset=data, rollout_func=_rollout)
+    return GRPOTrainer(
+        model_path, reward_funcs=_reward, args=config, train_dataset=data, rollout_func=group_position_rollout
+    )
 
 
 def run(kind: str, model_path: str, out: str, per_device: int) -> None:

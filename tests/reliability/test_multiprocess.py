@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
 from collections import defaultdict
 
 import pytest
 import torch
+from multiprocess_harness import launch_two_processes, single_thread
 from reliability_mp_script import run_all
 
 from posttrain.models.loading import create_model_from_path
@@ -25,47 +23,14 @@ from posttrain.models.loading import create_model_from_path
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_model_path):
     two = tmp_path_factory.mktemp("two-proc")
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "POSTTRAIN_NO_REPORT": "1",
-        "HF_HUB_OFFLINE": "1",
-        "TRL_EXPERIMENTAL_SILENCE": "1",
-    }
-    env.pop("ACCELERATE_USE_CPU", None)  # BaseConfig must pick MULTI_CPU by itself under torchrun on CPU
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(_free_port()),
-        os.path.join(HERE, "reliability_mp_script.py"),
-        tiny_model_path,
-        str(two),
-        "2",
-        "sft,sft_resume,dpo,grpo,nan_skip,sft_epoch,dpo_epoch,reward_epoch",
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-
+    kinds = "sft,sft_resume,dpo,grpo,nan_skip,sft_epoch,dpo_epoch,reward_epoch"
+    launch_two_processes(os.path.join(HERE, "reliability_mp_script.py"), [tiny_model_path, str(two), "2", kinds])
     one = tmp_path_factory.mktemp("one-proc")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with single_thread():
         run_all(tiny_model_path, str(one), per_device=4, kinds=("sft", "dpo", "grpo"))
-    finally:
-        torch.set_num_threads(threads)
     return one, two
 
 

@@ -1,6 +1,7 @@
 """``A2POTrainer``: A*-PO (arXiv 2505.20686) on the shared online-RL rollout.
 
 Stage 1 (before training, and before an evaluation that precedes it): for every train (and eval) prompt,
+each process taking its shard of the prompts and every process then holding all estimates,
 ``num_value_samples`` completions are sampled with the rollout pipeline's own stages (render, generate, decode,
 calculate_rewards) and V*(x) = β₁ log mean exp(r/β₁) is cached per prompt (``core.optimal_value``); with
 ``filter_all_incorrect`` the train prompts whose samples all scored 0 are dropped. Stage 2: each micro-step the
@@ -22,6 +23,7 @@ import torch
 from posttrain.core.advantages import combine_rewards
 from posttrain.core.masking import masked_sum
 from posttrain.core.optimal_value import optimal_advantage_regression_loss, optimal_value
+from posttrain.distributed import gather_objects
 from posttrain.rollout.buffer import RolloutBatch
 from posttrain.rollout.estimators import OptimalAdvantageEstimator
 from posttrain.rollout.pipeline import RolloutSettings, render_prompts
@@ -32,6 +34,16 @@ from .a2po_config import A2POConfig
 
 def _prompt_key(prompt: Any) -> str:
     return json.dumps(prompt, sort_keys=True, default=str)
+
+
+def _shard(rows: list, rank: int, num_processes: int) -> list:
+    """Rows ``[rank·k, (rank+1)·k)`` with k = ⌈n / processes⌉, padded to k rows by repeating a row (a repeat
+    re-estimates that prompt's V*), so every process runs the same number of same-size chunks."""
+    if num_processes == 1 or not rows:
+        return rows
+    k = -(-len(rows) // num_processes)
+    shard = rows[rank * k : (rank + 1) * k]
+    return shard + [shard[-1] if shard else rows[-1]] * (k - len(shard))
 
 
 class A2POTrainer(OnlineTrainerBase):
@@ -64,9 +76,11 @@ class A2POTrainer(OnlineTrainerBase):
         all_incorrect: set[str] = set()
         self.backend.sync_weights(self.accelerator.unwrap_model(self.model))
         datasets = [d for d in (self.train_dataset, self.eval_dataset) if d is not None]
+        acc = self.accelerator
         for dataset in datasets:
-            for dataset_part in (dataset.values() if isinstance(dataset, dict) else [dataset]):
-                rows = list(dataset_part)
+            for dataset_part in dataset.values() if isinstance(dataset, dict) else [dataset]:
+                # This process's shard; every process gets as many rows (the reward gather is a collective)
+                rows = _shard(list(dataset_part), acc.process_index, acc.num_processes)
                 size = max(1, args.per_device_train_batch_size)
                 for start in range(0, len(rows), size):
                     chunk = rows[start : start + size]
@@ -80,7 +94,10 @@ class A2POTrainer(OnlineTrainerBase):
                     rewards_per_func, _ = pipeline.calculate_rewards(
                         repeated, prompts, completions, completion_objs, self.state, lambda *_: None, None
                     )
-                    local = slice(self.accelerator.process_index * len(repeated), (self.accelerator.process_index + 1) * len(repeated))
+                    local = slice(
+                        self.accelerator.process_index * len(repeated),
+                        (self.accelerator.process_index + 1) * len(repeated),
+                    )
                     rewards = combine_rewards(rewards_per_func[local].cpu(), weights)
                     rewards = torch.nan_to_num(rewards, nan=0.0).reshape(len(chunk), n)
                     v_star = optimal_value(rewards, args.beta1)
@@ -88,7 +105,9 @@ class A2POTrainer(OnlineTrainerBase):
                         values[_prompt_key(row["prompt"])] = value
                         if row_rewards.sum() == 0:
                             all_incorrect.add(_prompt_key(row["prompt"]))
-        self._optimal_values = values
+        # every process holds every prompt's V* (stage 2 may draw any prompt on any process)
+        self._optimal_values = dict(gather_objects(acc, sorted(values.items())))
+        all_incorrect = set(gather_objects(acc, sorted(all_incorrect)))
         if args.filter_all_incorrect and all_incorrect:
             kept = self.train_dataset.filter(lambda row: _prompt_key(row["prompt"]) not in all_incorrect)
             if len(kept) < self._prompts_per_round():

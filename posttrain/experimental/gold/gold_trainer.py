@@ -22,6 +22,7 @@ import torch
 
 from posttrain.core.distill import chunked_token_map
 from posttrain.core.uld import GroupPlan, align_by_byte_offsets, chunked_uld_loss, group_plan, vocabulary_mapping
+from posttrain.distributed import sum_over_processes
 from posttrain.experimental.gold.gold_config import GOLDConfig
 from posttrain.models.completion_scoring import completion_inputs
 from posttrain.models.distillation_scoring import forward_logits_fn
@@ -131,7 +132,7 @@ class GOLDTrainer(DistillationTrainer):
         return min(1024, max(16, 2**24 // width))
 
     def _compute_loss(self, model: torch.nn.Module, inputs: Any) -> torch.Tensor:
-        """ULD averaged over the micro-batch's completions, from both models' last hidden states a chunk of aligned
+        """ULD averaged over the completions of the micro-batch on every process, from both models' last hidden states a chunk of aligned
         groups at a time (``core.uld.chunked_uld_loss``): no ``(B, T, V)`` logits of either model are built."""
         args = self.args
         if not args.use_uld_loss:
@@ -141,10 +142,21 @@ class GOLDTrainer(DistillationTrainer):
         outputs, student_logits_fn = forward_logits_fn(model, input_ids, attention_mask, position_ids)
         aux_loss = getattr(outputs, "aux_loss", None)
         rows = self._uld_rows(inputs)
+        # Means over every process's kept rows (and completion tokens): each process contributes its sums scaled by
+        # P / global count, which DDP's gradient average and the metrics' mean over processes turn into global
+        # means. Every process joins every collective below, with or without rows of its own (no hang).
+        processes = self.accelerator.num_processes
+        local_counts = torch.tensor([float(len(rows)), float(inputs["completion_mask"].sum())])
+        total_rows, total_tokens = sum_over_processes(self.accelerator, local_counts).tolist()
+        row_share = processes / total_rows if total_rows else 0.0
+        chunk = self._uld_chunk_size(model)
+        token_share = processes / max(total_tokens, 1.0)
+        ce = self._uld_crossentropy(inputs, student_logits_fn, input_ids.shape[1], token_share, chunk)
         if not rows:
             zero = 0.0 * sum(p.sum() for p in model.parameters() if p.requires_grad)
-            self.record_metric("distillation_loss", float("nan"), mode=mode)
-            return self._finish_loss(zero, aux_loss)
+            nothing = torch.zeros((), device=self.accelerator.device)
+            self._record_uld_metrics(mode, total_rows, nothing, nothing, nothing, nothing)
+            return self._finish_loss(zero + args.uld_crossentropy_weight * ce, aux_loss)
 
         # the teacher scores its own tokenization of every kept row (one right-padded batch)
         sequences = [t_prompt + t_ids for _, _, _, t_prompt, t_ids, _ in rows]
@@ -175,10 +187,9 @@ class GOLDTrainer(DistillationTrainer):
             strategy = args.uld_token_merge_strategy
             s_plans.append(group_plan([a for a, _ in paired], ids, strategy, s_offset))
             t_plans.append(group_plan([b for _, b in paired], t_ids, strategy, t_offset))
-            weights += [1.0 / (len(paired) * len(rows))] * len(paired)
+            weights += [row_share / len(paired)] * len(paired)
             entropy_positions += range(s_offset, s_offset + len(ids))
             entropy_rows += [j] * len(ids)
-        chunk = self._uld_chunk_size(model)
         distillation, matched, unmatched = chunked_uld_loss(
             student_logits_fn,
             teacher_logits_fn,
@@ -205,22 +216,38 @@ class GOLDTrainer(DistillationTrainer):
                 0, torch.tensor(entropy_rows, device=device), entropy.float()
             )
             counts = torch.bincount(torch.tensor(entropy_rows, device=device), minlength=len(rows))
-            entropy_mean = (per_row / counts.clamp(min=1)).mean()
-        if args.uld_crossentropy_weight > 0:
-            mask = inputs["completion_mask"].bool()
-            b_idx, t_idx = mask.nonzero(as_tuple=True)
-            predictors = b_idx * s_len + width_p - 1 + t_idx
-            targets = inputs["completion_ids"][mask]
-            (token_logps,) = chunked_token_map(
-                lambda r: student_logits_fn(predictors[r]), predictors.numel(),
-                lambda lp, r: (lp.gather(-1, targets[r][:, None]).squeeze(-1),), chunk_size=chunk, device=device,
-            )  # fmt: skip
-            ce = -token_logps.sum() / max(targets.numel(), 1)
-            loss = loss + args.uld_crossentropy_weight * ce
+            entropy_share = (per_row / counts.clamp(min=1)).sum() * row_share
+        loss = loss + args.uld_crossentropy_weight * ce
         loss = self._finish_loss(loss, aux_loss)  # mean per micro-batch, / GA
-        self.record_metric("distillation_loss", self._gather_mean(distillation.detach()), mode=mode)
-        self.record_metric("entropy", self._gather_mean(entropy_mean), mode=mode)
-        if self._mapping is not None:
-            self.record_metric("uld/matched_loss", self._gather_mean(matched), mode=mode)
-            self.record_metric("uld/unmatched_loss", self._gather_mean(unmatched), mode=mode)
+        self._record_uld_metrics(mode, total_rows, distillation.detach(), entropy_share, matched, unmatched)
         return loss
+
+    def _uld_crossentropy(
+        self, inputs: Any, student_logits_fn: Any, s_len: int, token_share: float, chunk: int
+    ) -> torch.Tensor:
+        """This process's share (``token_share`` = P / global tokens) of the student's cross-entropy on the
+        completion tokens (0 when ``uld_crossentropy_weight`` is 0)."""
+        device = self.accelerator.device
+        if self.args.uld_crossentropy_weight <= 0:
+            return torch.zeros((), device=device)
+        mask = inputs["completion_mask"].bool()
+        b_idx, t_idx = mask.nonzero(as_tuple=True)
+        predictors = b_idx * s_len + inputs["prompt_ids"].shape[1] - 1 + t_idx
+        targets = inputs["completion_ids"][mask]
+        (token_logps,) = chunked_token_map(
+            lambda r: student_logits_fn(predictors[r]), predictors.numel(),
+            lambda lp, r: (lp.gather(-1, targets[r][:, None]).squeeze(-1),),
+            chunk_size=chunk, device=device,
+        )  # fmt: skip
+        return -token_logps.sum() * token_share
+
+    def _record_uld_metrics(self, mode: str, total_rows: float, *shares: torch.Tensor) -> None:
+        """``distillation_loss``, ``entropy`` (and with a hybrid mapping ``uld/matched_loss`` /
+        ``uld/unmatched_loss``) from each process's share of the mean over every process's rows; NaN (and no
+        collective, on every process alike) when no process kept a row."""
+        names = ["distillation_loss", "entropy"] + (
+            ["uld/matched_loss", "uld/unmatched_loss"] if self._mapping is not None else []
+        )
+        for name, share in zip(names, shares):
+            value = self._gather_mean(share) if total_rows else float("nan")
+            self.record_metric(name, value, mode=mode)

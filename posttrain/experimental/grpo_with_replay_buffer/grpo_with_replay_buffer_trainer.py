@@ -5,7 +5,7 @@ After the shared pipeline produced a training batch, groups with reward variance
 stored advantages and log-probs. π_old is therefore always computed (a replayed group is off-policy, as in TRL), and
 ``num_items_in_batch`` is recounted from the final masks. Evaluation batches are left alone. The loss is GRPO's.
 The number of replaced groups is logged as ``replay_buffer/replaced_groups`` (posttrain), the buffer's size as
-``replay_buffer/size``.
+``replay_buffer/size``, both summed over processes (each holds its own buffer).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from posttrain.distributed import sum_over_processes
 from posttrain.rollout.buffer import RolloutBatch
 from posttrain.rollout.estimators import GroupRelativeEstimator
 from posttrain.rollout.replay_buffer import ReplayBuffer, replace_zero_std_groups
@@ -67,6 +68,8 @@ class GRPOWithReplayBufferTrainer(GRPOTrainer):
         )
         mask = batch["completion_mask"]
         batch["num_items_in_batch"] = self.pipeline.gather(mask.sum().reshape(1)).sum().to(mask.device)
-        self.record_metric("replay_buffer/replaced_groups", float(replaced), mode=mode)
-        self.record_metric("replay_buffer/size", float(len(self.replay_buffer)), mode=mode)
+        # Each process holds its own buffer and replaces its own groups: the counts of the run are their sums.
+        counts = sum_over_processes(self.accelerator, torch.tensor([float(replaced), float(len(self.replay_buffer))]))
+        self.record_metric("replay_buffer/replaced_groups", float(counts[0]), mode=mode)
+        self.record_metric("replay_buffer/size", float(counts[1]), mode=mode)
         return batch

@@ -71,13 +71,20 @@ class PPOConfig(OnlineRLConfig):
         self.max_completion_length = self.response_length
         self.num_iterations = self.num_ppo_epochs
         self.beta = self.kl_coef
+        if self.ddp_find_unused_parameters is None:
+            # The value head runs on the trunk outside the DDP forward (values use a second, direct trunk call):
+            # DDP's unused-parameter search would mark v_head ready before its gradient arrives ("Expected to mark
+            # a variable ready only once"). Every parameter gets a gradient each step, so no search is needed.
+            self.ddp_find_unused_parameters = False
         super().__post_init__()
 
     def _resolve_batch_plan(self) -> None:
         """One completion per prompt; a rollout serves ``num_mini_batches × gradient_accumulation_steps``
         micro-batches, ``num_ppo_epochs`` times."""
         if self.num_generations != 1:
-            raise ValueError(f"PPO samples one completion per prompt: num_generations must be 1, got {self.num_generations}.")
+            raise ValueError(
+                f"PPO samples one completion per prompt: num_generations must be 1, got {self.num_generations}."
+            )
         steps = self.num_mini_batches * self.gradient_accumulation_steps
         if self.steps_per_generation not in (None, steps) or self.generation_batch_size not in (
             None,

@@ -24,6 +24,7 @@ model; ``value_model`` is therefore not accepted); rewards may also be reward fu
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ import torch
 from posttrain.core.gae import clipped_value_loss
 from posttrain.core.masking import masked_mean
 from posttrain.core.policy_objectives import clip_objective
+from posttrain.distributed import sum_over_processes
 from posttrain.experimental._online import reward_sources
 from posttrain.models.completion_scoring import completion_inputs
 from posttrain.models.unwrap import unwrap_base_model
@@ -109,7 +111,11 @@ class PPOTrainer(OnlineTrainerBase):
         base = unwrap_base_model(model)
         head = self._given_v_head
         if head is None:
-            head = ValueHead(_hidden_size(base), summary_dropout_prob=0.0 if args.disable_dropout else 0.1)
+            # Initialised from ``args.seed`` (this runs before the Trainer seeds the RNGs): the same seed gives the
+            # same head whatever ran before in the process, e.g. under 1 or several processes.
+            with torch.random.fork_rng():
+                torch.manual_seed(args.seed)
+                head = ValueHead(_hidden_size(base), summary_dropout_prob=0.0 if args.disable_dropout else 0.1)
         elif args.disable_dropout and isinstance(head.dropout, torch.nn.Dropout):
             head.dropout.p = 0.0
         parameter = next(base.parameters())
@@ -126,6 +132,7 @@ class PPOTrainer(OnlineTrainerBase):
             whiten_rewards=args.whiten_rewards,
             missing_eos_penalty=args.missing_eos_penalty,
             process_index=self.accelerator.process_index,
+            reduce_sum=functools.partial(sum_over_processes, self.accelerator),
         )
 
     @property
@@ -145,10 +152,21 @@ class PPOTrainer(OnlineTrainerBase):
 
     def _values_no_grad(self, batch: RolloutBatch) -> torch.Tensor:
         """Old values in no-grad passes of ``per_device_train_batch_size`` rows (the pipeline's chunking)."""
-        values = self.pipeline._logps_in_chunks(lambda chunk: self._values(self.model, chunk), batch, self.accelerator.device)
+        values = self.pipeline._logps_in_chunks(
+            lambda chunk: self._values(self.model, chunk), batch, self.accelerator.device
+        )
         return values.cpu()
 
     # -- loss --------------------------------------------------------------------------------------------------
+    def _global_token_share(self, mask: torch.Tensor) -> torch.Tensor:
+        """n_local · P / n_global (1 on one process): turns a local token mean into this process's share of the
+        token mean over every process's micro-batch."""
+        if self.accelerator.num_processes == 1:
+            return mask.new_ones(())
+        local = mask.sum().detach()
+        total = sum_over_processes(self.accelerator, local.reshape(1)).reshape(())
+        return local * self.accelerator.num_processes / total.clamp(min=1.0)
+
     def _compute_loss(self, model: torch.nn.Module, inputs: RolloutBatch) -> torch.Tensor:
         args, mode = self.args, self._mode()
         stats = self._token_stats(model, inputs, compute_entropy=True)
@@ -163,19 +181,23 @@ class PPOTrainer(OnlineTrainerBase):
         pg_losses, clip_stats = clip_objective(
             logps, old_logps, advantages, mask, epsilon_low=args.cliprange, epsilon_high=args.cliprange
         )
-        pg_loss = masked_mean(pg_losses, mask)
+        # Token means over the micro-batch of every process: each local mean × n_local · P / n_global, which DDP's
+        # gradient average (and the metrics' mean over processes) turns into Σ over all tokens / n_global.
+        scale = self._global_token_share(mask)
+        pg_loss = masked_mean(pg_losses, mask) * scale
         vf_loss, vf_clipfrac = clipped_value_loss(values, old_values, returns, mask, args.cliprange_value)
+        vf_loss = vf_loss * scale
         loss = pg_loss + args.vf_coef * vf_loss
         with torch.no_grad():
             log_ratio = logps.detach() - old_logps
             for name, value in (
-                ("policy/approxkl_avg", 0.5 * masked_mean(log_ratio**2, mask)),
-                ("policy/clipfrac_avg", masked_mean(clip_stats["is_region_clipped"], mask)),
+                ("policy/approxkl_avg", 0.5 * masked_mean(log_ratio**2, mask) * scale),
+                ("policy/clipfrac_avg", masked_mean(clip_stats["is_region_clipped"], mask) * scale),
                 ("loss/policy_avg", pg_loss.detach()),
                 ("loss/value_avg", vf_loss.detach()),
-                ("val/clipfrac_avg", vf_clipfrac),
-                ("policy/entropy_avg", masked_mean(stats.entropy.detach(), mask)),
-                ("val/ratio", masked_mean(torch.exp(log_ratio), mask)),
+                ("val/clipfrac_avg", vf_clipfrac * scale),
+                ("policy/entropy_avg", masked_mean(stats.entropy.detach(), mask) * scale),
+                ("val/ratio", masked_mean(torch.exp(log_ratio), mask) * scale),
             ):
                 self.record_metric(name, self._gather_mean(value), mode=mode)
         return self._finish_loss(loss, stats.aux_loss)

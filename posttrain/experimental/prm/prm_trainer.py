@@ -23,6 +23,7 @@ import torch
 from posttrain.core.process_reward import IGNORE_INDEX, step_label_loss
 from posttrain.data.dataset_ops import map_dataset, prepare_splits
 from posttrain.data.formats import STEPWISE_SUPERVISION, DataFormatError, column_names, validate_format
+from posttrain.distributed import sum_over_processes
 from posttrain.experimental.prm.prm_config import PRMConfig
 from posttrain.models.loading import disable_dropout_in_model, resolve_processing_class
 from posttrain.reliability.validation import check_single_split, check_text_only
@@ -209,7 +210,12 @@ class PRMTrainer(BaseTrainer):
         labels = inputs["labels"]
         model_inputs = {k: v for k, v in inputs.items() if k != "labels"}
         outputs = model(**model_inputs, use_cache=False)
-        loss = step_label_loss(outputs.logits, labels)
+        # The mean over the labelled positions of every process's batch (DDP averages the processes' losses).
+        num_labels = None
+        if self.accelerator.num_processes > 1:
+            local = (labels != IGNORE_INDEX).sum().float().reshape(1)
+            num_labels = sum_over_processes(self.accelerator, local).reshape(()) / self.accelerator.num_processes
+        loss = step_label_loss(outputs.logits, labels, num_labels=num_labels)
         return (loss, outputs) if return_outputs else loss
 
 

@@ -259,12 +259,11 @@ class SDFTTrainer(SelfDistillationMixin, OnlineTrainerBase):
         if per_token.numel() == 0:
             # No loss token anywhere: a zero that still reaches every parameter (backward and DDP hooks run).
             loss = 0.0 * sum(p.sum() for p in model.parameters() if p.requires_grad)
-            mean = per_token.new_zeros(())
         else:
             loss = self_distillation_loss(to_rows(per_token, loss_mask), loss_mask)
-            mean = per_token.detach().mean()
         loss = self._finish_loss(loss, student.aux_loss)
-        value = self._gather_mean(mean)
+        # the mean over the loss tokens of every process (0 when there are none anywhere)
+        value = self._global_masked_mean(per_token.detach(), torch.ones_like(per_token))
         self.record_metric("self_distillation/distillation_loss", value, mode=mode)
         self.record_metric(f"{self._trainer_name.lower()}/distillation_loss", value, mode=mode)
         return loss

@@ -387,7 +387,7 @@ class SDPOTrainer(SelfDistillationMixin, GRPOTrainer):
             student.logps.dtype
         ).unsqueeze(1)  # (B, C)
         if loss_mask.sum() == 0:
-            self._log_distillation_metric(mode, torch.zeros((), device=loss_mask.device))
+            self._log_distillation_metric(mode, loss_mask, loss_mask)  # joins the metric's reduction with nothing
             return student.logps.sum() * 0.0  # attached to the graph: backward gives zero gradients
         rows = inputs["self_distillation_mask"].bool().nonzero().squeeze(-1)
         teacher_batch = self._teacher_inputs(inputs, rows)
@@ -405,8 +405,7 @@ class SDPOTrainer(SelfDistillationMixin, GRPOTrainer):
             clip = args.distillation_is_clip
             per_token = apply_importance_sampling_clipping(per_token, student.logps, old_logps, clip)
         per_token = per_token * loss_mask  # rows without a teacher hold arbitrary values before this
-        mean = per_token.detach().sum() / loss_mask.sum().clamp(min=1.0)
-        self._log_distillation_metric(mode, mean)
+        self._log_distillation_metric(mode, per_token.detach(), loss_mask)
         return self_distillation_loss(per_token, loss_mask)
 
     def _logit_distillation(
@@ -440,7 +439,8 @@ class SDPOTrainer(SelfDistillationMixin, GRPOTrainer):
         per_token, _ = self._per_token_loss(student_scores, teacher_scores)  # (N_loss,)
         return to_rows(per_token, loss_mask)
 
-    def _log_distillation_metric(self, mode: str, value: torch.Tensor) -> None:
-        mean = self._gather_mean(value)
+    def _log_distillation_metric(self, mode: str, per_token: torch.Tensor, loss_mask: torch.Tensor) -> None:
+        """The distillation loss's mean over the loss tokens of every process (0 when there are none)."""
+        mean = self._global_masked_mean(per_token, loss_mask)
         self.record_metric("self_distillation/distillation_loss", mean, mode=mode)
         self.record_metric(f"{self._name.lower()}/distillation_loss", mean, mode=mode)

@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 
-from posttrain.core.reference_free import contrastive_loss, masked_token_mean_nll
+from posttrain.core.reference_free import contrastive_loss
 from posttrain.data.collators import _cat_truncate, _PairedPadding, _to_list
 from posttrain.data.formats import DataFormatError, column_names
-from posttrain.distributed import gather_masked_mean
+from posttrain.distributed import gather_row_masked_mean
 from posttrain.experimental._pairwise import ReferenceFreePairwiseTrainer
 from posttrain.experimental.tpo.tpo_config import TPOConfig
 
@@ -206,18 +206,20 @@ class TPOTrainer(ReferenceFreePairwiseTrainer):
         scores = pair.scores
         if n_branches == 3:
             gold = pair.branch(2)
-            loss = loss + args.tpo_alpha * masked_token_mean_nll(scores.logps[gold], scores.mask[gold])
+            loss = loss + args.tpo_alpha * self._token_mean_nll(scores.logps[gold], scores.mask[gold])
         loss = self._add_router_aux_loss(loss, model, scores.aux_loss, mode)
         chosen_rewards, rejected_rewards = (
             args.beta * pair.chosen_logps.detach(),
             args.beta * pair.rejected_logps.detach(),
         )
         acc, metrics = self.accelerator, self._metrics[mode]
-        metrics["entropy"].append(gather_masked_mean(acc, scores.entropy, scores.mask))
+        # per batch row (its branches side by side), so the rows repeated to even out a last batch are left out
+        by_row = lambda x: x.reshape(n_branches, pair.batch_size, -1).transpose(0, 1).flatten(1)  # noqa: E731
+        metrics["entropy"].append(gather_row_masked_mean(acc, by_row(scores.entropy), by_row(scores.mask)))
         self._count_train_tokens(inputs, mode)
         chosen = pair.branch(0)
         metrics["mean_token_accuracy"].append(
-            gather_masked_mean(acc, scores.correct.float()[chosen], scores.mask[chosen])
+            gather_row_masked_mean(acc, scores.correct.float()[chosen], scores.mask[chosen])
         )
         self._log_pair_metrics(mode, pair, chosen_rewards, rejected_rewards)
         if return_outputs:
