@@ -142,7 +142,8 @@ def test_grpo_server_mode_equals_in_process(tiny_model_path, tmp_path):
     """GRPO with use_vllm=True, vllm_mode='server' against posttrain serve reaches the in-process parameters.
 
     Both runs sample the same tokens (seeded per request) from the same weights (pushed before every generation),
-    and both apply the importance-sampling correction to the sampler's log-probs, so they must agree to rounding.
+    and both apply the importance-sampling correction to the sampler's log-probs (deferred to the loss, as server
+    mode does), so they must agree to rounding.
     """
     from posttrain.trainers.grpo import GRPOTrainer
 
@@ -150,6 +151,7 @@ def test_grpo_server_mode_equals_in_process(tiny_model_path, tmp_path):
                                                                    steps_per_generation=1),
                         train_dataset=_dataset())  # fmt: skip
     local.pipeline.backend = _SeededInProcess(local.backend, seed=7)
+    local.pipeline.settings.defer_importance_sampling = True  # as server mode: the ratio from the loss's forward
     local.train()
 
     engine = PosttrainEngine.from_pretrained(tiny_model_path, device="cpu")

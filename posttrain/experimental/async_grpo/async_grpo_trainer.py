@@ -84,10 +84,15 @@ class AsyncGRPOTrainer(AsyncRolloutMixin, GRPOTrainer):
 
     # -- data path ---------------------------------------------------------------------------------------------
     def _score_with_current_policy(self, batch: RolloutBatch, record) -> RolloutBatch:
-        """π_old (and π_ref) under the weights trained now, then the IS correction against the sampler (core/)."""
+        """π_old (and π_ref) under the weights trained now, then the IS correction against the sampler (core/).
+
+        On-policy (the default) the correction is deferred to the loss, whose forward pass under these same
+        weights gives π_old: no extra pass here (``RolloutSettings.defer_importance_sampling``)."""
         pipeline, device = self.pipeline, self.accelerator.device
         settings = pipeline.settings
         importance = settings.importance_sampling if "sampling_per_token_logps" in batch else None
+        if pipeline.defers_importance_sampling():
+            importance = None
         if settings.compute_old_logps or importance is not None:
             batch["old_per_token_logps"] = pipeline._logps_in_chunks(self._policy_logps_no_grad, batch, device).cpu()
         if settings.compute_ref_logps and pipeline.ref_logps is not None:
