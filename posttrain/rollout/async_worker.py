@@ -328,7 +328,8 @@ class _WeightSyncCallback(TrainerCallback):
 
 class AsyncRolloutMixin(abc.ABC):
     """The trainer side of the async trainers (see the module docstring), over an ``OnlineTrainerBase`` subclass
-    whose ``self.backend`` is the ``vllm_server`` backend of a ``posttrain serve`` server.
+    whose ``self.backend`` is the ``vllm_server`` backend of a ``posttrain serve`` server (possibly wrapped in the
+    tool-calling loop: the server backend is ``self._inner_backend()``).
 
     Subclasses call :meth:`_init_async_rollout` at the end of ``__init__`` and define :meth:`_worker_spec` (the
     round producer's spec, built with :meth:`_worker_spec_fields`) and, when a round needs work under the trainer's
@@ -370,7 +371,7 @@ class AsyncRolloutMixin(abc.ABC):
             inflight = args.max_staleness * args.per_device_train_batch_size * args.gradient_accumulation_steps
         return dict(
             dataset=self.train_dataset, tokenizer=self.processing_class, sampling=self.sampling,
-            base_url=self.backend.base_url, num_generations=self.num_generations,
+            base_url=self._inner_backend().base_url, num_generations=self.num_generations,
             prompts_per_round=self._prompts_per_round(), shuffle=bool(args.shuffle_dataset), seed=int(args.seed),
             start_round=self._next_round, ahead=max(0, inflight // rows), request_timeout=float(args.request_timeout),
             server_timeout=float(args.vllm_server_timeout), seed_requests=bool(args.seed_requests),
@@ -392,15 +393,15 @@ class AsyncRolloutMixin(abc.ABC):
         """Push the current weights (version = global_step) and wait, then spawn the worker at ``self._next_round``."""
         from posttrain.serving.client import GenerationClient
 
-        if self.backend.protocol != "posttrain":
+        if self._inner_backend().protocol != "posttrain":
             raise ValueError(
                 f"{self._trainer_name} needs a `posttrain serve` / `posttrain vllm-serve` server; "
-                f"{self.backend.base_url} speaks the {self.backend.protocol!r} protocol."
+                f"{self._inner_backend().base_url} speaks the {self._inner_backend().protocol!r} protocol."
             )
         if self._uploader is None:
             sync_timeout = getattr(self.args, "weight_sync_timeout", None)
             push_timeout = float(sync_timeout if sync_timeout is not None else self.args.request_timeout)
-            self._push_client = GenerationClient(self.backend.base_url, request_timeout=push_timeout)
+            self._push_client = GenerationClient(self._inner_backend().base_url, request_timeout=push_timeout)
             self._uploader = WeightUploader(self._push_client.load_weights)
         self._push_weights(wait=True)  # the server must hold this step's weights before the worker reads its version
         spec = self._checked_worker_spec()
@@ -494,7 +495,7 @@ class AsyncRolloutMixin(abc.ABC):
         start = time.perf_counter()
         step = self.state.global_step
         with policy_weights(self.accelerator.unwrap_model(self.model)) as items:
-            chunks = list(serialize_chunks(items, self.backend.chunk_bytes))
+            chunks = list(serialize_chunks(items, self._inner_backend().chunk_bytes))
         self._uploader.offer(chunks, step)
         self._last_synced_step = step
         self.record_metric("perf/weight_sync_s", time.perf_counter() - start, mode="train")
@@ -520,12 +521,12 @@ class AsyncRolloutMixin(abc.ABC):
             if sync_timeout is None or not late:
                 raise
             raise TimeoutError(
-                f"The weight push to {self.backend.base_url} did not complete within weight_sync_timeout="
+                f"The weight push to {self._inner_backend().base_url} did not complete within weight_sync_timeout="
                 f"{sync_timeout:g} s. Check that the server is up and not stuck, or raise weight_sync_timeout for "
                 "a large model or a slow link."
             ) from err
         if uploader.server_version is not None:
-            self.backend.version = uploader.server_version
+            self._inner_backend().version = uploader.server_version
 
     # -- data path ---------------------------------------------------------------------------------------------
     def _prepare_inputs(self, inputs: list[dict[str, Any]]) -> Any:
@@ -573,7 +574,7 @@ class AsyncRolloutMixin(abc.ABC):
             if staleness < 0:
                 raise RolloutWorkerError(
                     f"A round was generated with weight version {item['version']}, ahead of the trainer's step "
-                    f"{step}: is another trainer pushing weights to {self.backend.base_url}?"
+                    f"{step}: is another trainer pushing weights to {self._inner_backend().base_url}?"
                 )
             self._next_round = item["round"] + 1
             if staleness <= self.args.max_staleness:

@@ -936,9 +936,16 @@ class OnlineTrainerBase(BaseTrainer):
         if backend is not None and "generation_backend" in state:
             backend.load_state_dict(state["generation_backend"])
 
-    def _stateful_backend(self) -> Any:
-        """The generation backend with resume state (``state_dict``), under any tool-loop wrapper; None if none."""
+    def _inner_backend(self) -> Any:
+        """The generation backend under any tool-loop wrapper (``ToolCallingBackend.inner``)."""
         backend = getattr(self, "backend", None)
-        while backend is not None and not callable(getattr(backend, "state_dict", None)):
-            backend = getattr(backend, "inner", None)  # ToolCallingBackend wraps the real backend
-        return None if isinstance(backend, torch.nn.Module) else backend
+        while getattr(backend, "inner", None) is not None:
+            backend = backend.inner
+        return backend
+
+    def _stateful_backend(self) -> Any:
+        """The generation backend if it has resume state (``state_dict``, not a module's), else None."""
+        backend = self._inner_backend()
+        if isinstance(backend, torch.nn.Module) or not callable(getattr(backend, "state_dict", None)):
+            return None
+        return backend

@@ -215,6 +215,7 @@ class _QueueOnly:
         self.items, self.metrics, self.trained_rounds = list(items), {}, []
         self.state, self.args = SimpleNamespace(global_step=step), SimpleNamespace(max_staleness=max_staleness)
         self.backend = SimpleNamespace(base_url="http://127.0.0.1:1")
+        self._inner_backend = lambda: self.backend
         self.dropped_stale_total, self._next_round, self._pending_completions = 0, 0, None
 
     def _get_item(self):
