@@ -398,11 +398,10 @@ class AsyncRolloutMixin(abc.ABC):
                 f"{self._trainer_name} needs a `posttrain serve` / `posttrain vllm-serve` server; "
                 f"{self._inner_backend().base_url} speaks the {self._inner_backend().protocol!r} protocol."
             )
-        if self._uploader is None:
+        if self._push_client is None:
             sync_timeout = getattr(self.args, "weight_sync_timeout", None)
             push_timeout = float(sync_timeout if sync_timeout is not None else self.args.request_timeout)
             self._push_client = GenerationClient(self._inner_backend().base_url, request_timeout=push_timeout)
-            self._uploader = WeightUploader(self._push_client.load_weights)
         self._push_weights(wait=True)  # the server must hold this step's weights before the worker reads its version
         spec = self._checked_worker_spec()
         context = multiprocessing.get_context("spawn")
@@ -490,8 +489,10 @@ class AsyncRolloutMixin(abc.ABC):
         """
         from posttrain.serving.weights import policy_weights, serialize_chunks
 
-        if self._uploader is None:  # a push before the worker started (e.g. evaluate() first): it pushes then
+        if self._push_client is None:  # not connected yet: the worker's start pushes these weights
             return
+        if self._uploader is None:
+            self._uploader = WeightUploader(self._push_client.load_weights)
         start = time.perf_counter()
         step = self.state.global_step
         with policy_weights(self.accelerator.unwrap_model(self.model)) as items:
