@@ -25,7 +25,8 @@ takes part in gathering (FSDP2 ``full_tensor``), rank 0 sends, and all ranks wai
 Sampling seeds: unless ``generation_kwargs`` gives a ``seed``, each request carries ``request_seed(seed, rank,
 k)`` for the k-th request of this process, so a server-mode run is reproducible (the posttrain engine samples a
 seeded request exactly as ``GroupSampler`` with ``torch.Generator().manual_seed(that seed)`` in-process). TRL sends
-no seed (vLLM's own RNG decides).
+no seed (vLLM's own RNG decides). The request counter ``k`` is the backend's resume state (``state_dict``): the
+trainer saves it in ``posttrain_state_{process}.pt``, so a resumed run sends the same seeds as the uninterrupted one.
 """
 
 from __future__ import annotations
@@ -120,6 +121,14 @@ class VLLMServerBackend:
         self._nccl: Any = None  # the weight-transfer group (vllm / trl protocols)
         logger.info("Generation server at %s (%s protocol, weight version %s).", self.base_url, self.protocol,
                     self.version)  # fmt: skip
+
+    # -- resume state -------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, int]:
+        """What a resumed run needs to send the same request seeds: the number of requests sent so far."""
+        return {"requests": int(self._requests)}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._requests = int(state["requests"])
 
     def _detect(self, info: dict[str, Any]) -> str:
         if info.get("server") == "posttrain":

@@ -20,9 +20,12 @@ accepts requests but never answers), allowing a starting worker (spawn, imports)
 Trainer side (:class:`AsyncRolloutMixin`, before the synchronous trainer in the MRO): at the first micro-step of
 each optimizer step it takes the next round from the queue, drops it when ``global_step - version >
 max_staleness`` (``sample/dropped_stale_total``), and fills the usual ``RolloutBuffer`` with it. After every
-``weight_sync_steps`` optimizer steps it snapshots its weights and uploads them on a thread with ``version =
-global_step``. Resume state (``rollout_state.json`` in each checkpoint): ``next_round`` (first round not yet consumed;
-dropped rounds count as consumed), ``weight_version``, ``dropped_stale_total``; on resume the checkpoint weights are
+``weight_sync_steps`` optimizer steps it snapshots its weights and hands them, with ``version = global_step``, to a
+background uploader through a one-slot mailbox (:class:`WeightUploader`: the latest snapshot wins, an older one not yet
+sent is dropped), so the optimizer step never waits for an HTTP upload; evaluation, checkpoints and the end of
+training wait for the upload in flight. Staleness is always measured from the version the server reports with each
+round, so a dropped snapshot only means the server skips that version. Resume state (``rollout_state.json`` in each
+checkpoint): ``next_round`` (first round not yet consumed; dropped rounds count as consumed), ``weight_version``, ``dropped_stale_total``; on resume the checkpoint weights are
 pushed and a fresh worker starts at ``next_round`` (rounds in flight when the run stopped are regenerated). With
 ``weight_sync_timeout`` in the trainer's config a push that has not landed within that many seconds raises
 ``TimeoutError`` naming the option (pushes otherwise use ``request_timeout`` per request).
@@ -227,6 +230,91 @@ def _loop(spec: AsyncWorkerSpec, out: Any, stop: Any, parent: int, heartbeat: An
 # ----------------------------------------------------------------------------------------------------------------
 
 
+class WeightUploader:
+    """A background thread uploading weight snapshots to the server, fed through a one-slot mailbox.
+
+    :meth:`offer` puts ``(chunks, version)`` in the slot and returns at once; a snapshot still waiting there is
+    replaced (latest wins: the server only ever needs the newest weights), one already being uploaded finishes
+    first, so versions reach the server in increasing order. :meth:`wait` blocks until the slot is empty and no
+    upload is running. An upload error is kept and raised by the next :meth:`offer`, :meth:`wait` or
+    :meth:`check`; the thread stops at the first error.
+
+    Args:
+        upload: ``upload(chunks, version) -> server version`` (e.g. ``GenerationClient.load_weights``).
+    """
+
+    def __init__(self, upload: Callable[[list[bytes], int], Any]):
+        self._upload = upload
+        self._cond = threading.Condition()
+        self._slot: tuple[list[bytes], int] | None = None
+        self._busy = False
+        self._closed = False
+        self._error: BaseException | None = None
+        self.server_version: int | None = None  # what the server reported after the last finished upload
+        self.superseded = 0  # snapshots replaced in the slot before they were sent
+        self.upload_seconds = 0.0  # how long the last finished (or failed) upload took
+        self._thread = threading.Thread(target=self._run, name="posttrain-weight-upload", daemon=True)
+        self._thread.start()
+
+    def offer(self, chunks: list[bytes], version: int) -> None:
+        """Hand over a snapshot without waiting (replacing one not yet sent)."""
+        with self._cond:
+            self._raise_error()
+            if self._closed:
+                raise RuntimeError("The weight uploader is closed.")
+            self.superseded += self._slot is not None
+            self._slot = (chunks, int(version))
+            self._cond.notify_all()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every offered snapshot is uploaded (or superseded); raise an upload error."""
+        with self._cond:
+            done = self._cond.wait_for(lambda: self._error is not None or not (self._busy or self._slot), timeout)
+            self._raise_error()
+            if not done:
+                raise TimeoutError(f"The weight upload did not finish within {timeout} s.")
+
+    def check(self) -> None:
+        """Raise an upload error, if one happened, without waiting."""
+        with self._cond:
+            self._raise_error()
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Stop the thread after the upload in flight (a snapshot still in the slot is dropped). Idempotent."""
+        with self._cond:
+            self._closed, self._slot = True, None
+            self._cond.notify_all()
+        self._thread.join(timeout)
+
+    def _raise_error(self) -> None:
+        error, self._error = self._error, None
+        if error is not None:
+            self._closed = True
+            raise error
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._closed or self._slot is not None)
+                if self._closed:
+                    return
+                (chunks, version), self._slot = self._slot, None
+                self._busy = True
+            start = time.perf_counter()
+            try:
+                reported = self._upload(chunks, version)
+            except BaseException as err:  # raised in the training thread by offer / wait / check
+                with self._cond:
+                    self._error, self._busy, self._slot = err, False, None
+                    self.upload_seconds = time.perf_counter() - start
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                self.server_version, self._busy = reported, False
+                self.upload_seconds = time.perf_counter() - start
+                self._cond.notify_all()
+
+
 class _WeightSyncCallback(TrainerCallback):
     """Push the weights after every ``weight_sync_steps`` optimizer steps (on_step_end runs after optimizer.step)."""
 
@@ -240,7 +328,8 @@ class _WeightSyncCallback(TrainerCallback):
 
 class AsyncRolloutMixin(abc.ABC):
     """The trainer side of the async trainers (see the module docstring), over an ``OnlineTrainerBase`` subclass
-    whose ``self.backend`` is the ``vllm_server`` backend of a ``posttrain serve`` server.
+    whose ``self.backend`` is the ``vllm_server`` backend of a ``posttrain serve`` server (possibly wrapped in the
+    tool-calling loop: the server backend is ``self._inner_backend()``).
 
     Subclasses call :meth:`_init_async_rollout` at the end of ``__init__`` and define :meth:`_worker_spec` (the
     round producer's spec, built with :meth:`_worker_spec_fields`) and, when a round needs work under the trainer's
@@ -258,10 +347,8 @@ class AsyncRolloutMixin(abc.ABC):
         self._next_round = 0  # first round not yet consumed (the trained position; saved in rollout_state.json)
         self.dropped_stale_total = 0
         self.trained_rounds: list[dict[str, int]] = []  # {"step", "round", "version", "staleness"} per trained round
-        self._push_thread: threading.Thread | None = None
-        self._push_error: BaseException | None = None
+        self._uploader: WeightUploader | None = None
         self._push_client: Any = None
-        self._push_started = self._push_finished = 0.0  # perf_counter of the last push's start / end
         self._heartbeat: Any = None  # the worker's shared heartbeat clock
         self._worker_started = 0.0  # time.time() of the spawn (a starting worker has not beaten yet)
         self.add_callback(_WeightSyncCallback(self))
@@ -284,7 +371,7 @@ class AsyncRolloutMixin(abc.ABC):
             inflight = args.max_staleness * args.per_device_train_batch_size * args.gradient_accumulation_steps
         return dict(
             dataset=self.train_dataset, tokenizer=self.processing_class, sampling=self.sampling,
-            base_url=self.backend.base_url, num_generations=self.num_generations,
+            base_url=self._inner_backend().base_url, num_generations=self.num_generations,
             prompts_per_round=self._prompts_per_round(), shuffle=bool(args.shuffle_dataset), seed=int(args.seed),
             start_round=self._next_round, ahead=max(0, inflight // rows), request_timeout=float(args.request_timeout),
             server_timeout=float(args.vllm_server_timeout), seed_requests=bool(args.seed_requests),
@@ -306,14 +393,15 @@ class AsyncRolloutMixin(abc.ABC):
         """Push the current weights (version = global_step) and wait, then spawn the worker at ``self._next_round``."""
         from posttrain.serving.client import GenerationClient
 
-        if self.backend.protocol != "posttrain":
+        if self._inner_backend().protocol != "posttrain":
             raise ValueError(
                 f"{self._trainer_name} needs a `posttrain serve` / `posttrain vllm-serve` server; "
-                f"{self.backend.base_url} speaks the {self.backend.protocol!r} protocol."
+                f"{self._inner_backend().base_url} speaks the {self._inner_backend().protocol!r} protocol."
             )
-        sync_timeout = getattr(self.args, "weight_sync_timeout", None)
-        push_timeout = float(sync_timeout if sync_timeout is not None else self.args.request_timeout)
-        self._push_client = GenerationClient(self.backend.base_url, request_timeout=push_timeout)
+        if self._push_client is None:
+            sync_timeout = getattr(self.args, "weight_sync_timeout", None)
+            push_timeout = float(sync_timeout if sync_timeout is not None else self.args.request_timeout)
+            self._push_client = GenerationClient(self._inner_backend().base_url, request_timeout=push_timeout)
         self._push_weights(wait=True)  # the server must hold this step's weights before the worker reads its version
         spec = self._checked_worker_spec()
         context = multiprocessing.get_context("spawn")
@@ -375,71 +463,71 @@ class AsyncRolloutMixin(abc.ABC):
             return result
         finally:
             self._stop_worker()
-            if self._push_thread is not None:
-                self._push_thread.join(timeout=60)
-            self._push_thread, self._push_error = None, None
+            uploader, self._uploader = self._uploader, None
+            if uploader is not None:
+                uploader.close()
+            if self._push_client is not None:
+                self._push_client.close()
+                self._push_client = None
+
+    def evaluate(self, *args, **kwargs):
+        self._join_push()  # evaluate on the newest pushed weights, not on ones still being uploaded
+        return super().evaluate(*args, **kwargs)
+
+    def _save_checkpoint(self, *args, **kwargs):
+        self._join_push()  # the checkpoint's weight_version is on the server when it is written
+        return super()._save_checkpoint(*args, **kwargs)
 
     # -- weights -----------------------------------------------------------------------------------------------
     def _push_weights(self, wait: bool = False) -> None:
-        """Snapshot the weights now (safetensors bytes) and upload them on a thread with ``version = global_step``.
+        """Snapshot the weights now (safetensors bytes) and hand them to the uploader with ``version = global_step``.
 
         The server applies a weight load between generation requests, so a synchronous push would block training
-        until the round being generated finishes; the upload thread lets the next step start at once. Pushes stay
-        in order (each waits for the previous one) and an upload error is raised at the next push or queue read.
+        until the round being generated finishes; the uploader's one-slot mailbox lets the next step start at
+        once (a snapshot not yet sent when a newer one arrives is dropped, counted in
+        ``perf/weight_pushes_superseded_total``). ``wait`` blocks until it is on the server.
         """
         from posttrain.serving.weights import policy_weights, serialize_chunks
 
-        self._join_push()
+        if self._push_client is None:  # not connected yet: the worker's start pushes these weights
+            return
+        if self._uploader is None:
+            self._uploader = WeightUploader(self._push_client.load_weights)
         start = time.perf_counter()
         step = self.state.global_step
         with policy_weights(self.accelerator.unwrap_model(self.model)) as items:
-            chunks = list(serialize_chunks(items, self.backend.chunk_bytes))
-        self.record_metric("perf/weight_sync_s", time.perf_counter() - start, mode="train")
-        self._push_thread = threading.Thread(
-            target=self._upload, args=(chunks, step), name="posttrain-weight-push", daemon=True
-        )
-        self._push_started = time.perf_counter()  # weight_sync_timeout counts the upload, not the snapshot
-        self._push_thread.start()
+            chunks = list(serialize_chunks(items, self._inner_backend().chunk_bytes))
+        self._uploader.offer(chunks, step)
         self._last_synced_step = step
+        self.record_metric("perf/weight_sync_s", time.perf_counter() - start, mode="train")
+        self.record_metric("perf/weight_pushes_superseded_total", float(self._uploader.superseded), mode="train")
         if wait:
             self._join_push()
 
-    def _upload(self, chunks: list[bytes], version: int) -> None:
-        try:
-            self.backend.version = self._push_client.load_weights(chunks, version=version)
-        except BaseException as err:  # raised in the training thread by _join_push
-            self._push_error = err
-        finally:
-            self._push_finished = time.perf_counter()
-
     def _join_push(self, check_only: bool = False) -> None:
-        """Wait for the upload in flight (or, ``check_only``, just look whether it failed) and raise its error; past
-        ``weight_sync_timeout`` (when the config has one) raise ``TimeoutError`` naming it."""
-        thread = self._push_thread
+        """Wait for the upload in flight (or, ``check_only``, just look whether one failed) and raise its error; past
+        ``weight_sync_timeout`` (when the config has one; it counts the upload, not the snapshot) raise
+        ``TimeoutError`` naming it."""
+        uploader = self._uploader
+        if uploader is None:
+            return
+        if check_only:
+            uploader.check()
+            return
         sync_timeout = getattr(self.args, "weight_sync_timeout", None)
-        if thread is not None and not check_only:
-            remaining = None
-            if sync_timeout is not None:
-                remaining = max(0.0, self._push_started + float(sync_timeout) - time.perf_counter())
-            thread.join(remaining)
-        if thread is not None and not thread.is_alive():
-            self._push_thread = None
-        error, self._push_error = self._push_error, None
-        if sync_timeout is not None:
-            running = self._push_thread is not None
-            end = time.perf_counter() if running else self._push_finished
-            late = (running or error is not None) and end - self._push_started >= float(sync_timeout)
-        else:
-            late = False
-        if late:
-            self._push_thread = None  # a daemon thread; its request times out on its own (weight_sync_timeout)
+        try:
+            uploader.wait(timeout=None if sync_timeout is None else float(sync_timeout))
+        except BaseException as err:
+            late = isinstance(err, TimeoutError) or uploader.upload_seconds >= float(sync_timeout or "inf")
+            if sync_timeout is None or not late:
+                raise
             raise TimeoutError(
-                f"The weight push to {self.backend.base_url} did not complete within weight_sync_timeout="
+                f"The weight push to {self._inner_backend().base_url} did not complete within weight_sync_timeout="
                 f"{sync_timeout:g} s. Check that the server is up and not stuck, or raise weight_sync_timeout for "
                 "a large model or a slow link."
-            ) from error
-        if error is not None:
-            raise error
+            ) from err
+        if uploader.server_version is not None:
+            self._inner_backend().version = uploader.server_version
 
     # -- data path ---------------------------------------------------------------------------------------------
     def _prepare_inputs(self, inputs: list[dict[str, Any]]) -> Any:
@@ -487,7 +575,7 @@ class AsyncRolloutMixin(abc.ABC):
             if staleness < 0:
                 raise RolloutWorkerError(
                     f"A round was generated with weight version {item['version']}, ahead of the trainer's step "
-                    f"{step}: is another trainer pushing weights to {self.backend.base_url}?"
+                    f"{step}: is another trainer pushing weights to {self._inner_backend().base_url}?"
                 )
             self._next_round = item["round"] + 1
             if staleness <= self.args.max_staleness:

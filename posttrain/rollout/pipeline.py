@@ -17,6 +17,12 @@ loss reads the batch:
 7. advantages — the estimator on the gathered batch; this process keeps its slice.
 8. metrics (TRL's names), the sampling importance-sampling ratio, and the completions table for ``log_completions``.
 
+``defer_importance_sampling`` (server / async rollouts): when π_old is needed *only* for the sampler-vs-trainer
+correction (the batch is trained on-policy: no ``compute_old_logps``, an estimator without π_old), stages 5 and 8
+skip the π_old pass and the ratio; the loss computes the ratio from its own forward pass (its detached log-probs
+are π_old on-policy) with :meth:`RolloutPipeline.importance_sampling` — one no-grad forward fewer per batch, same
+ratio. Its ``sampling/*`` metrics are then per micro-batch, averaged over the logging window.
+
 ``run`` reads as these stages, one named method call each, timed into ``timing/<stage>`` metrics (``STAGES``).
 
 The returned batch holds ``prompt_ids``/``prompt_mask`` ``(B, P)``, ``completion_ids``/``completion_mask`` ``(B, C)``,
@@ -81,6 +87,8 @@ class StageTimer:
             yield
         finally:
             self.record(f"timing/{name}", time.perf_counter() - start)
+
+
 # Completions.extra fields that are the rollout's bookkeeping, not reward-function keyword arguments.
 _NOT_REWARD_KWARGS = ("env_mask", "tool_mask", "tool_call_count", "tool_failure_count", "completion_messages")
 LogpsFn = Callable[[RolloutBatch], torch.Tensor]
@@ -110,6 +118,9 @@ class RolloutSettings:
         importance_sampling: apply the sampling-log-prob correction when the backend returned log-probs.
         keep_completions: keep a table of prompts/completions/rewards/advantages for ``log_completions``.
         max_prompt_length: keep only the last this-many prompt tokens (left truncation); None = all.
+        defer_importance_sampling: leave the importance-sampling ratio to the loss when π_old is needed for nothing
+            else (see the module docstring); the batch then keeps ``sampling_per_token_logps`` and has no
+            ``importance_sampling_ratio`` / ``old_per_token_logps``.
     """
 
     num_generations: int
@@ -123,6 +134,7 @@ class RolloutSettings:
     importance_sampling: ImportanceSamplingSettings | None = None
     keep_completions: bool = False
     max_prompt_length: int | None = None  # left-truncate prompt tokens to this many (None = keep all)
+    defer_importance_sampling: bool = False
 
 
 @dataclass
@@ -427,6 +439,8 @@ class RolloutPipeline:
             with stage("decode"):
                 texts, completion_objs = self.decode(prompts, completions)
             importance = settings.importance_sampling if "sampling_per_token_logps" in batch else None
+            if importance is not None and self.defers_importance_sampling():
+                importance = None  # the loss computes the ratio from its own forward pass
             if settings.compute_old_logps or self.estimator.needs_old_logps or importance is not None:
                 with stage("old_logps"):
                     batch["old_per_token_logps"] = self._logps_in_chunks(self.policy_logps, batch, device).cpu()
@@ -452,6 +466,18 @@ class RolloutPipeline:
                     )
         batch.pop("finished")
         return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+
+    def defers_importance_sampling(self) -> bool:
+        """Whether the loss, not :meth:`run`, computes the importance-sampling ratio of this pipeline's batches:
+        deferral is asked for and π_old is needed for nothing but the correction (so it equals the loss's own
+        detached log-probs)."""
+        settings = self.settings
+        return (
+            settings.defer_importance_sampling
+            and settings.importance_sampling is not None
+            and not settings.compute_old_logps
+            and not self.estimator.needs_old_logps
+        )
 
     # -- the stages of run(), in order -------------------------------------------------------------------------
     def prepare_rows(self, rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], Any]:

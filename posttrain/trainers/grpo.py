@@ -46,7 +46,7 @@ from posttrain.models.unwrap import unwrap_base_model
 from posttrain.reliability.validation import ALLOW_NEGATIVE_BETA_HELP, check_beta
 from posttrain.rollout.buffer import RolloutBatch
 from posttrain.rollout.estimators import GroupRelativeEstimator
-from posttrain.rollout.pipeline import ImportanceSamplingSettings
+from posttrain.rollout.pipeline import ImportanceSamplingSettings, RolloutSettings
 from posttrain.trainers.online import OnlineRLConfig, OnlineTrainerBase
 
 ENTROPY_CTRL_STATE = "entropy_ctrl_state.json"
@@ -346,6 +346,13 @@ class GRPOTrainer(OnlineTrainerBase):
             clip_max=args.vllm_importance_sampling_clip_max,
         )
 
+    def _rollout_settings(self) -> RolloutSettings:
+        """Server rollouts (``vllm_mode="server"``, AsyncGRPO) defer the importance-sampling ratio to the loss
+        (``RolloutSettings.defer_importance_sampling``): the loss's forward pass gives π_old, so no extra pass."""
+        settings = super()._rollout_settings()
+        settings.defer_importance_sampling = bool(self.args.use_vllm and self.args.vllm_mode == "server")
+        return settings
+
     def _prepare_model(self, model: torch.nn.Module, args: GRPOConfig) -> None:
         if not args.cast_lm_head_to_fp32:
             return
@@ -390,6 +397,7 @@ class GRPOTrainer(OnlineTrainerBase):
         mask = inputs["completion_mask"].to(logps.dtype)  # (B, C) loss mask
         old_logps = inputs.get("old_per_token_logps")
         old_logps = logps.detach() if old_logps is None else old_logps  # on-policy: ratio ≡ 1
+        inputs = self._deferred_importance_sampling(inputs, old_logps, mode)
 
         entropy_mask = self._entropy_mask(entropies, mask)
         per_token_loss, objective_stats = self._policy_term(logps, old_logps, inputs, mask, entropy_mask)
@@ -408,6 +416,21 @@ class GRPOTrainer(OnlineTrainerBase):
         loss = self._finish_loss(loss, stats.aux_loss, divide_by_grad_accum=self.divide_by_grad_accum)
         self._record_loss_metrics(entropies, mask, objective_stats, mode)
         return loss
+
+    def _deferred_importance_sampling(self, inputs: RolloutBatch, old_logps: torch.Tensor, mode: str) -> RolloutBatch:
+        """The sampler-vs-trainer ratio the pipeline left to the loss (``defer_importance_sampling``), from this
+        forward pass's detached log-probs ``old_logps`` (B, C) = π_old on-policy; ``inputs`` itself is unchanged."""
+        if "importance_sampling_ratio" in inputs or "sampling_per_token_logps" not in inputs:
+            return inputs
+        if not self.pipeline.defers_importance_sampling():
+            return inputs
+        view = {
+            "old_per_token_logps": old_logps.float(),
+            "sampling_per_token_logps": inputs["sampling_per_token_logps"],
+            "completion_mask": inputs["completion_mask"],
+        }
+        self.pipeline.importance_sampling(view, self.pipeline.settings.importance_sampling, self._record(mode))
+        return {**inputs, "importance_sampling_ratio": view["importance_sampling_ratio"]}
 
     def _aggregate(self, per_token: torch.Tensor, mask: torch.Tensor, inputs: RolloutBatch) -> torch.Tensor:
         """``loss_type``'s aggregation of a per-token term (before the gradient-accumulation divisor)."""

@@ -920,10 +920,32 @@ class OnlineTrainerBase(BaseTrainer):
         self._load_extra_checkpoint_state(states)
 
     def resume_state_dict(self) -> dict[str, Any]:
-        """Adds the rollout buffer: its step counter, shuffle RNG and, mid-round, the remaining micro-batches."""
-        return {**super().resume_state_dict(), "rollout_buffer": self.buffer.state_dict()}
+        """Adds the rollout buffer (its step counter, shuffle RNG and, mid-round, the remaining micro-batches) and
+        the generation backend's own state when it has one (the ``vllm_server`` request-seed counter)."""
+        state = {**super().resume_state_dict(), "rollout_buffer": self.buffer.state_dict()}
+        backend = self._stateful_backend()
+        if backend is not None:
+            state["generation_backend"] = backend.state_dict()
+        return state
 
     def load_resume_state_dict(self, state: dict[str, Any]) -> None:
         super().load_resume_state_dict(state)
         if "rollout_buffer" in state:
             self.buffer.load_state_dict(state["rollout_buffer"], device=self.accelerator.device)
+        backend = self._stateful_backend()
+        if backend is not None and "generation_backend" in state:
+            backend.load_state_dict(state["generation_backend"])
+
+    def _inner_backend(self) -> Any:
+        """The generation backend under any tool-loop wrapper (``ToolCallingBackend.inner``)."""
+        backend = getattr(self, "backend", None)
+        while getattr(backend, "inner", None) is not None:
+            backend = backend.inner
+        return backend
+
+    def _stateful_backend(self) -> Any:
+        """The generation backend if it has resume state (``state_dict``, not a module's), else None."""
+        backend = self._inner_backend()
+        if isinstance(backend, torch.nn.Module) or not callable(getattr(backend, "state_dict", None)):
+            return None
+        return backend

@@ -215,6 +215,7 @@ class _QueueOnly:
         self.items, self.metrics, self.trained_rounds = list(items), {}, []
         self.state, self.args = SimpleNamespace(global_step=step), SimpleNamespace(max_staleness=max_staleness)
         self.backend = SimpleNamespace(base_url="http://127.0.0.1:1")
+        self._inner_backend = lambda: self.backend
         self.dropped_stale_total, self._next_round, self._pending_completions = 0, 0, None
 
     def _get_item(self):
@@ -245,3 +246,44 @@ def test_rounds_older_than_max_staleness_are_dropped_and_counted():
     ahead = _QueueOnly([_round(0, 5)], step=3, max_staleness=1)
     with pytest.raises(RolloutWorkerError, match="ahead of the trainer"):
         ahead._next_trainable_round()
+
+
+def test_weight_uploader_mailbox_latest_wins_and_never_blocks_the_offer():
+    """While version 1 is uploading, versions 2 and 3 are offered without waiting; 3 replaces 2 in the one-slot
+    mailbox, so the server gets 1 then 3. wait() returns once 3 is on the server; an upload error is raised by the
+    next call, and the thread stops."""
+    from posttrain.rollout.async_worker import WeightUploader
+
+    release, started, uploaded = threading.Event(), threading.Event(), []
+
+    def upload(chunks, version):
+        started.set()
+        assert release.wait(10)
+        uploaded.append((chunks, version))
+        return version
+
+    uploader = WeightUploader(upload)
+    uploader.offer([b"v1"], 1)
+    assert started.wait(10)
+    for version in (2, 3):
+        uploader.offer([f"v{version}".encode()], version)  # returns although the upload of 1 is blocked
+    assert uploaded == [] and uploader.superseded == 1
+    with pytest.raises(TimeoutError, match="did not finish"):
+        uploader.wait(timeout=0.05)
+    release.set()
+    uploader.wait(timeout=10)
+    assert uploaded == [([b"v1"], 1), ([b"v3"], 3)] and uploader.server_version == 3
+    uploader.close()
+    assert not uploader._thread.is_alive()
+
+    def broken(chunks, version):
+        raise ConnectionError("server gone")
+
+    failing = WeightUploader(broken)
+    failing.offer([b"x"], 1)
+    with pytest.raises(ConnectionError, match="server gone"):
+        failing.wait(timeout=10)
+    with pytest.raises(RuntimeError, match="closed"):
+        failing.offer([b"y"], 2)
+    failing.close()
+    assert not failing._thread.is_alive()

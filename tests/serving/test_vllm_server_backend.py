@@ -142,7 +142,8 @@ def test_grpo_server_mode_equals_in_process(tiny_model_path, tmp_path):
     """GRPO with use_vllm=True, vllm_mode='server' against posttrain serve reaches the in-process parameters.
 
     Both runs sample the same tokens (seeded per request) from the same weights (pushed before every generation),
-    and both apply the importance-sampling correction to the sampler's log-probs, so they must agree to rounding.
+    and both apply the importance-sampling correction to the sampler's log-probs (deferred to the loss, as server
+    mode does), so they must agree to rounding.
     """
     from posttrain.trainers.grpo import GRPOTrainer
 
@@ -150,6 +151,7 @@ def test_grpo_server_mode_equals_in_process(tiny_model_path, tmp_path):
                                                                    steps_per_generation=1),
                         train_dataset=_dataset())  # fmt: skip
     local.pipeline.backend = _SeededInProcess(local.backend, seed=7)
+    local.pipeline.settings.defer_importance_sampling = True  # as server mode: the ratio from the loss's forward
     local.train()
 
     engine = PosttrainEngine.from_pretrained(tiny_model_path, device="cpu")
@@ -170,6 +172,37 @@ def test_grpo_server_mode_equals_in_process(tiny_model_path, tmp_path):
     assert changed > 0  # the last optimizer step came after the last push
     logs = {k: v for entry in remote.state.log_history for k, v in entry.items()}
     assert "sampling/importance_sampling_ratio/mean" in logs
+
+
+@pytest.mark.slow
+@pytest.mark.invariance
+def test_grpo_server_mode_resume_equals_uninterrupted(server_url, tiny_model_path, tmp_path):
+    """A server-mode run stopped at step 1 and resumed sends the same request seeds as the uninterrupted run (the
+    backend's request counter is in posttrain's resume state), so it reaches the same parameters bitwise."""
+    import torch as _torch
+
+    from posttrain.trainers.grpo import GRPOTrainer
+
+    server = dict(use_vllm=True, vllm_mode="server", vllm_server_base_url=server_url, steps_per_generation=1,
+                  max_steps=3, lr_scheduler_type="constant")  # fmt: skip
+    full = GRPOTrainer(tiny_model_path, varied_reward, _grpo_args(tmp_path / "full", **server),
+                       train_dataset=_dataset())  # fmt: skip
+    full.train()
+    assert full.backend.state_dict() == {"requests": 3}
+
+    out = tmp_path / "resumed"
+    first = GRPOTrainer(tiny_model_path, varied_reward,
+                        _grpo_args(out, **{**server, "max_steps": 1}, save_strategy="steps", save_steps=1),
+                        train_dataset=_dataset())  # fmt: skip
+    first.train()
+    saved = _torch.load(out / "checkpoint-1" / "posttrain_state_0.pt", weights_only=True)
+    assert saved["generation_backend"] == {"requests": 1}
+    resumed = GRPOTrainer(tiny_model_path, varied_reward, _grpo_args(out, **server), train_dataset=_dataset())
+    resumed.train(resume_from_checkpoint=str(out / "checkpoint-1"))
+    assert resumed.backend.state_dict() == {"requests": 3}
+    expected = dict(full.model.named_parameters())
+    for name, value in resumed.model.named_parameters():
+        assert _torch.equal(value, expected[name]), name
 
 
 def test_server_killed_mid_run_is_a_clear_error(tiny_model_path, tmp_path):

@@ -27,8 +27,11 @@ consumed; rounds dropped as stale count as consumed), the weight version and the
 scheduler, RNG states and the micro-batch buffer's shuffle RNG are HF/posttrain's usual resume state. On resume
 the trainer pushes its checkpoint weights (``version = global_step``) and starts a fresh worker at ``next_round``;
 rounds that were in flight or queued when the run stopped are lost and regenerated (from the restored weights,
-with the same request seeds). Not supported: multi-process training, tools / environments / ``rollout_func``,
-streaming datasets, ``num_iterations > 1``.
+with the same request seeds). The vllm_server backend's request counter (evaluation requests) is in posttrain's
+resume state. Not supported: multi-process training, ``rollout_func``, streaming datasets, ``num_iterations > 1``.
+
+Agent training as in ``GRPOTrainer`` (TRL's ``tools=`` and ``environment_factory``): the tool-calling loop runs in
+the rollout worker around its server requests (see ``rollout_worker``), one environment per rollout.
 """
 
 from __future__ import annotations
@@ -48,19 +51,19 @@ __all__ = ["ROLLOUT_STATE", "AsyncGRPOTrainer", "RolloutWorkerError"]
 class AsyncGRPOTrainer(AsyncRolloutMixin, GRPOTrainer):
     """GRPO with a rollout worker streaming generation rounds from a server (see the module docstring).
 
-    The constructor is ``GRPOTrainer``'s; ``tools``, ``environment_factory`` and ``rollout_func`` are refused.
-    Reward functions (and their closures) must be picklable: the worker process receives them pickled.
+    The constructor is ``GRPOTrainer``'s (``tools`` and ``environment_factory`` included); ``rollout_func`` is
+    refused. Reward functions, tools and environment factories must be picklable: the worker process receives them
+    pickled.
     """
 
     config_class = AsyncGRPOConfig
     _trainer_name = "AsyncGRPO"
     _tag_names = ["posttrain", "async-grpo"]
-    _picklable_hint = "reward functions, their processing classes and the dataset"
+    _picklable_hint = "reward functions, tools, environment factories, their processing classes and the dataset"
 
     def __init__(self, model, reward_funcs=None, args=None, train_dataset=None, *a, **kwargs):
-        for name in ("tools", "environment_factory", "rollout_func"):
-            if kwargs.get(name) is not None:
-                raise ValueError(f"AsyncGRPOTrainer does not support {name} in posttrain; use GRPOTrainer.")
+        if kwargs.get("rollout_func") is not None:
+            raise ValueError("AsyncGRPOTrainer does not support rollout_func in posttrain; use GRPOTrainer.")
         if isinstance(train_dataset, torch.utils.data.IterableDataset):
             raise ValueError("AsyncGRPOTrainer needs a map-style train_dataset (the worker indexes prompts).")
         super().__init__(model, reward_funcs, args, train_dataset, *a, **kwargs)
@@ -79,15 +82,21 @@ class AsyncGRPOTrainer(AsyncRolloutMixin, GRPOTrainer):
         if estimator.needs_old_logps or estimator.needs_ref_logps:
             raise ValueError(f"{type(estimator).__name__} needs log-probs, which the rollout worker cannot compute.")
         return RolloutWorkerSpec(
-            **self._worker_spec_fields(), scorer=self.scorer, estimator=estimator, settings=self._worker_settings()
-        )
+            **self._worker_spec_fields(), scorer=self.scorer, estimator=estimator, settings=self._worker_settings(),
+            agent=self.agent,
+        )  # fmt: skip
 
     # -- data path ---------------------------------------------------------------------------------------------
     def _score_with_current_policy(self, batch: RolloutBatch, record) -> RolloutBatch:
-        """π_old (and π_ref) under the weights trained now, then the IS correction against the sampler (core/)."""
+        """π_old (and π_ref) under the weights trained now, then the IS correction against the sampler (core/).
+
+        On-policy (the default) the correction is deferred to the loss, whose forward pass under these same
+        weights gives π_old: no extra pass here (``RolloutSettings.defer_importance_sampling``)."""
         pipeline, device = self.pipeline, self.accelerator.device
         settings = pipeline.settings
         importance = settings.importance_sampling if "sampling_per_token_logps" in batch else None
+        if pipeline.defers_importance_sampling():
+            importance = None
         if settings.compute_old_logps or importance is not None:
             batch["old_per_token_logps"] = pipeline._logps_in_chunks(self._policy_logps_no_grad, batch, device).cpu()
         if settings.compute_ref_logps and pipeline.ref_logps is not None:

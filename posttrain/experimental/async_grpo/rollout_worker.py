@@ -8,6 +8,12 @@ group-relative advantages → metrics) with no policy in this process: π_old, �
 are computed by the trainer when it consumes the round, under the weights it trains with. Admission, request seeds,
 the queue protocol and error reporting are the shared worker's (see ``posttrain.rollout.async_worker``). Reward
 functions must be picklable, as in TRL.
+
+Agent training (``tools=`` / ``environment_factory``): the trainer's ``AgentRollout`` travels in the spec, so the
+worker wraps its server backend in the same tool-calling loop as ``GRPOTrainer`` (``posttrain.agents``): each
+rollout's tool calls run here, in the worker, and their results enter the completion (masked out of the loss by
+``tool_mask``); one environment per rollout is reset from its row before generation, and environments with
+``get_reward`` add their reward column. Tools, environment factories and reward functions must be picklable.
 """
 
 from __future__ import annotations
@@ -23,18 +29,21 @@ __all__ = ["RolloutWorkerSpec", "RoundSource", "run_worker"]
 
 @dataclass(kw_only=True)
 class RolloutWorkerSpec(AsyncWorkerSpec):
-    """The shared worker spec plus GRPO's scorer (reward functions), advantage estimator and pipeline settings."""
+    """The shared worker spec plus GRPO's scorer (reward functions), advantage estimator, pipeline settings and,
+    for agent training, the trainer's ``AgentRollout`` (tools and environments)."""
 
     scorer: Any
     estimator: Any
     settings: Any
+    agent: Any = None
 
     def make_producer(self, backend: Any) -> Producer:
         from posttrain.rollout.pipeline import RolloutPipeline
 
+        generator = self.agent.wrap(backend) if self.agent is not None else backend
         pipeline = RolloutPipeline(
-            tokenizer=self.tokenizer, backend=backend, scorer=self.scorer, sampling=self.sampling,
-            settings=self.settings, estimator=self.estimator, policy_logps=_no_policy,
+            tokenizer=self.tokenizer, backend=generator, scorer=self.scorer, sampling=self.sampling,
+            settings=self.settings, estimator=self.estimator, policy_logps=_no_policy, agent=self.agent,
         )  # fmt: skip
 
         def produce(rows: list, record: Any) -> tuple[Any, Any]:
