@@ -140,8 +140,9 @@ def test_extended_uld_distance_falls(abc_teacher_path, merged_teacher_path, tmp_
     of k student tokens is merged into p(base) · Π p(later tokens) ≈ V^-(k-1) mass, and the sorted L1 against the
     teacher's unit-mass row then pulls that mass down rather than up."""
     student = perturbed_copy(abc_teacher_path, str(tmp_path / "student"), scale=0.1)
+    # lr 3e-3: at 1e-2 Adam overshoots on some builds into a saturated student (loss 1, gradient 0)
     args = _config(tmp_path, per_device_train_batch_size=4, max_completion_length=8, max_steps=30,
-                   learning_rate=1e-2, lmbda=0.0, logging_steps=10, uld_token_merge_strategy=strategy)  # fmt: skip
+                   learning_rate=3e-3, lmbda=0.0, logging_steps=10, uld_token_merge_strategy=strategy)  # fmt: skip
     assert args.use_extended_uld
     trainer = GOLDTrainer(student, merged_teacher_path, args=args, train_dataset=pairs(16))
     start, end = _loss_before_and_after_training(trainer, _batch(trainer.processing_class, "abcabc"))
