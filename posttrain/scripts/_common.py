@@ -166,6 +166,18 @@ def train_and_save(verb: str, trainer: Any, training_args: Any, script_args: Any
         training_args,
         f"training finished after {trainer.state.global_step} steps; model saved to {training_args.output_dir}",
     )
+    release_process_group()
+
+
+def release_process_group() -> None:
+    """After a script's last collective: wait for every process, then destroy the process group, so its gloo/NCCL
+    threads are joined before the interpreter exits (left to exit-time destructors, a worker can abort with
+    "terminate called without an active exception" after training finished)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def build_and_train(
