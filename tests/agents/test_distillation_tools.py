@@ -3,7 +3,6 @@ tests); tool-result tokens stay in context but leave the loss mask; tool metrics
 
 from __future__ import annotations
 
-import pytest
 import torch
 from agent_helpers import call, last_user, scripted_sampler, tool_responses
 from datasets import Dataset
@@ -62,7 +61,6 @@ def test_server_distillation_with_tools_scores_the_tool_loop_against_the_served_
     """ServerDistillationTrainer takes DistillationTrainer's tools= / max_tool_calling_iterations: the on-policy
     samples run the tool loop, the teacher behind `posttrain serve` (loopback) scores the whole sequence, tool-result
     tokens stay out of the loss, tool metrics are logged and training runs."""
-    pytest.importorskip("fastapi")
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
     from posttrain.experimental.server_distillation import ServerDistillationConfig, ServerDistillationTrainer
     from posttrain.serving.app import serve_in_thread

@@ -335,7 +335,8 @@ def test_peft_student_is_pushed_merged(tiny_model_path, student_url, tmp_path):
     model's, not the base's — while the trainer's adapter stays unmerged."""
     import copy
 
-    peft = pytest.importorskip("peft")
+    import peft
+
     from posttrain.serving.client import GenerationClient
 
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
@@ -434,7 +435,7 @@ def test_seed_doc_lora_example_runs(tiny_model_path, student_url, teacher_url, t
     """The Async Distillation page's quick start with its LoRA variant, after s/trl/posttrain/, on the tiny model
     with conversational prompts (DeepMath's layout) and the two servers on loopback: it trains the adapter only,
     pushes merged weights every step, and the server ends on the final step's version."""
-    peft = pytest.importorskip("peft")
+    import peft
     from peft import LoraConfig
 
     from posttrain.experimental.async_distillation import AsyncDistillationTrainer

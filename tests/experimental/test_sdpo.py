@@ -440,7 +440,7 @@ def test_ema_teacher_is_checkpointed_and_restored(tmp_path, tiny_model_path):
 
 
 def test_lora_student_gets_an_ema_teacher_adapter(tmp_path, tiny_model_path):
-    peft = pytest.importorskip("peft")
+    import peft
     args = _config(tmp_path, include_environment_feedback=True)
     trainer = SDPOTrainer(tiny_model_path, even_sum, args, train_dataset=_dataset(),
                           peft_config=peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))  # fmt: skip

@@ -6,7 +6,6 @@ from __future__ import annotations
 import platform
 import sys
 
-import pytest
 import torch
 from generation_helpers import EOS, PAD
 
@@ -21,8 +20,10 @@ def _rss_mib() -> float:
         return int(f.read().split()[1]) * 4096 / 2**20
 
 
-@pytest.mark.skipif(not GLIBC, reason="glibc only")
 def test_freed_fragmented_heap_pages_go_back_to_the_os():
+    if not GLIBC:  # nothing to trim with: the call says so (the glibc path is what CI's Linux runs)
+        assert host_memory.release_freed_host_memory() is False
+        return
     keep, freed = [], []
     for i in range(2000):  # 100 KB blocks: below glibc's mmap threshold, so they live in the heap
         (keep if i % 10 == 0 else freed).append(torch.ones(25_000))

@@ -104,8 +104,7 @@ time.sleep(60)
 def test_launcher_dies_with_a_trainer_killed_before_bubblewrap_starts(tmp_path, launcher):
     """A trainer SIGKILLed while the launcher is still setting up (here: blocked joining its cgroup, a FIFO nobody
     reads yet) takes the launcher with it: it never goes on to start an orphaned sandbox (setpriv --pdeathsig)."""
-    if launcher == "shell" and shutil.which("setpriv") is None:
-        pytest.skip("util-linux setpriv not installed")
+    # (without util-linux's setpriv the "shell" case gets the Python launcher: the guarantee is the same)
     fifo = str(tmp_path / "cgroup.procs")
     os.mkfifo(fifo)
     marker = tmp_path / "started"
