@@ -411,7 +411,9 @@ def execute(
     start = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - start
-    peak = peak_rss_bytes()
+    # ru_maxrss is the kernel's lazily synced high-water mark (per-thread RSS counters fold in at intervals), so it can
+    # read a few pages below a /proc/self/statm sample taken earlier; the peak is at least every sample we took.
+    peak = max(peak_rss_bytes(), current_rss_bytes(), *after_model)
 
     import benchmarks
 
