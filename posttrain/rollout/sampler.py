@@ -30,10 +30,13 @@ class RepeatSampler(Sampler[int]):
     Args:
         data_source: Sized dataset to sample from.
         mini_repeat_count: Consecutive repeats of each index (the number of generations G).
-        batch_size: Unique indices per chunk (``generation_batch_size // G``); an incomplete last chunk is dropped.
+        batch_size: Unique indices per chunk (``generation_batch_size // G``).
         repeat_count: Times each whole chunk is replayed (``steps_per_generation × num_iterations``).
         shuffle: Shuffle the indices each epoch.
         seed: Seed of the shuffle (the permutation of epoch ``e`` uses ``seed + e``).
+        drop_last: Drop an incomplete last chunk (TRL's GRPO: it would break the group/batch arithmetic). False keeps
+            it, as the plain Trainer dataloader of TRL's Online DPO, A2PO and GKD does; only with ``repeat_count``
+            1, since replays of a short chunk would straddle the dataloader's fixed-size batches.
 
     Example (``mini_repeat_count=2, batch_size=3, repeat_count=2``, no shuffle, 6 rows)::
 
@@ -48,12 +51,15 @@ class RepeatSampler(Sampler[int]):
         repeat_count: int = 1,
         shuffle: bool = True,
         seed: int | None = None,
+        drop_last: bool = True,
     ):
         if mini_repeat_count < 1 or batch_size < 1 or repeat_count < 1:
             raise ValueError(
                 f"RepeatSampler needs positive counts, got mini_repeat_count={mini_repeat_count}, "
                 f"batch_size={batch_size}, repeat_count={repeat_count}."
             )
+        _check_drop_last(drop_last, repeat_count)
+        self.drop_last = drop_last
         self.data_source = data_source
         self.mini_repeat_count = mini_repeat_count
         self.batch_size = batch_size
@@ -77,7 +83,7 @@ class RepeatSampler(Sampler[int]):
         order = self._order()
         chunks = [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
         for chunk in chunks:
-            if len(chunk) < self.batch_size:  # incomplete chunk: would break the group/batch arithmetic
+            if len(chunk) < self.batch_size and self.drop_last:  # would break the group/batch arithmetic
                 continue
             for _ in range(self.repeat_count):
                 for index in chunk:
@@ -85,12 +91,21 @@ class RepeatSampler(Sampler[int]):
                         yield index
 
     def __len__(self) -> int:
-        return (self.num_samples // self.batch_size) * self.batch_size * self.mini_repeat_count * self.repeat_count
+        kept = (self.num_samples // self.batch_size) * self.batch_size if self.drop_last else self.num_samples
+        return kept * self.mini_repeat_count * self.repeat_count
+
+
+def _check_drop_last(drop_last: bool, repeat_count: int) -> None:
+    if not drop_last and repeat_count != 1:
+        raise ValueError(
+            f"Keeping a short last chunk (drop_last=False) needs repeat_count=1, got {repeat_count}: its replays would "
+            "straddle the dataloader's fixed-size batches."
+        )
 
 
 class RepeatIterableDataset(IterableDataset):
     """``RepeatSampler``'s order for a stream: read ``batch_size`` rows, replay them ``repeat_count`` times with
-    each row repeated ``mini_repeat_count`` times. An incomplete last chunk is dropped.
+    each row repeated ``mini_repeat_count`` times. An incomplete last chunk is dropped unless ``drop_last`` is False.
 
     ``datasets.IterableDataset`` streams are shuffled with their own buffered shuffle (``buffer_size`` rows) when
     ``shuffle`` is set. Use with ``dataloader_num_workers=0`` (several workers would each replay the stream).
@@ -105,7 +120,10 @@ class RepeatIterableDataset(IterableDataset):
         shuffle: bool = True,
         seed: int | None = None,
         buffer_size: int = 1000,
+        drop_last: bool = True,
     ):
+        _check_drop_last(drop_last, repeat_count)
+        self.drop_last = drop_last
         self.dataset = dataset
         self.mini_repeat_count = mini_repeat_count
         self.batch_size = batch_size
@@ -129,11 +147,16 @@ class RepeatIterableDataset(IterableDataset):
         for row in self._stream():
             chunk.append(row)
             if len(chunk) == self.batch_size:
-                for _ in range(self.repeat_count):
-                    for item in chunk:
-                        for _ in range(self.mini_repeat_count):
-                            yield item
+                yield from self._replay(chunk)
                 chunk = []
+        if chunk and not self.drop_last:
+            yield from self._replay(chunk)
+
+    def _replay(self, chunk: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        for _ in range(self.repeat_count):
+            for item in chunk:
+                for _ in range(self.mini_repeat_count):
+                    yield item
 
 
 def repeat_iterable_dataset(
@@ -144,10 +167,12 @@ def repeat_iterable_dataset(
     shuffle: bool = True,
     seed: int | None = None,
     buffer_size: int = 1000,
+    drop_last: bool = True,
 ) -> RepeatIterableDataset:
     """TRL's ``repeat_iterable_dataset``: a stream with ``RepeatSampler``'s grouping (see ``RepeatIterableDataset``)."""
     return RepeatIterableDataset(
-        dataset, mini_repeat_count, batch_size, repeat_count, shuffle=shuffle, seed=seed, buffer_size=buffer_size
+        dataset, mini_repeat_count, batch_size, repeat_count, shuffle=shuffle, seed=seed, buffer_size=buffer_size,
+        drop_last=drop_last,
     )
 
 

@@ -702,15 +702,22 @@ class OnlineTrainerBase(BaseTrainer):
         """Unique prompts per generation round over all processes (``generation_batch_size`` counts completions)."""
         return self.args.generation_batch_size // self.num_generations
 
+    # TRL's trainers on the plain Trainer dataloader (Online DPO, A2PO, GKD) keep an epoch's short last batch unless
+    # ``dataloader_drop_last``; the ones on ``RepeatSampler`` (GRPO, RLOO, distillation, GOLD, ...) drop it.
+    keeps_short_last_round: bool = False
+
     def _repeat_kwargs(self) -> dict[str, Any]:
         """TRL's prompt grouping for training, shared by the map-style sampler and the stream."""
         args = self.args
+        repeat_count = args.num_iterations * args.steps_per_generation
         return dict(
             mini_repeat_count=self.num_generations,
             batch_size=self._prompts_per_round(),
-            repeat_count=args.num_iterations * args.steps_per_generation,
+            repeat_count=repeat_count,
             shuffle=args.shuffle_dataset,
             seed=args.seed,
+            # a round replayed over several micro-steps cannot be short (see RepeatSampler's drop_last)
+            drop_last=not self.keeps_short_last_round or args.dataloader_drop_last or repeat_count != 1,
         )
 
     def _get_train_sampler(self, train_dataset=None) -> RepeatSampler:

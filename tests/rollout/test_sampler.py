@@ -20,6 +20,26 @@ def test_repeat_sampler_order_without_shuffle():
     assert len(sampler) == len(expected) == 24
 
 
+def test_drop_last_false_keeps_the_short_last_chunk_in_both_samplers():
+    # TRL's plain-Trainer dataloader (Online DPO, A2PO, GKD) keeps an epoch's short last batch: 7 rows at 3 per chunk.
+    sampler = RepeatSampler(list(range(7)), mini_repeat_count=2, batch_size=3, shuffle=False, drop_last=False)
+    expected = [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6]
+    assert list(sampler) == expected and len(sampler) == 14
+    rows = [{"prompt": str(i)} for i in range(7)]
+    stream = repeat_iterable_dataset(rows, 2, batch_size=3, shuffle=False, drop_last=False)
+    assert [r["prompt"] for r in stream] == [str(i) for i in expected]
+    shuffled = list(RepeatSampler(list(range(7)), mini_repeat_count=2, batch_size=3, seed=3, drop_last=False))
+    assert sorted(shuffled) == expected  # every row of the epoch, twice, still in consecutive pairs
+    assert all(shuffled[i] == shuffled[i + 1] for i in range(0, 14, 2))
+
+
+def test_drop_last_false_refuses_replayed_chunks():
+    with pytest.raises(ValueError, match="repeat_count=1"):
+        RepeatSampler(list(range(7)), mini_repeat_count=2, batch_size=3, repeat_count=2, drop_last=False)
+    with pytest.raises(ValueError, match="repeat_count=1"):
+        repeat_iterable_dataset([], 2, batch_size=3, repeat_count=2, drop_last=False)
+
+
 def test_repeat_sampler_shuffle_is_seeded_and_keeps_groups():
     data = list(range(10))
     a = list(RepeatSampler(data, mini_repeat_count=3, batch_size=2, shuffle=True, seed=7))

@@ -51,6 +51,7 @@ class A2POTrainer(OnlineTrainerBase):
     processing_class, callbacks, optimizers)`` (plus the shared ``reward_processing_classes`` / ``peft_config``)."""
 
     config_class = A2POConfig
+    keeps_short_last_round = True  # TRL's plain Trainer dataloader keeps an epoch's short last batch
     _trainer_name = "A2PO"
     _tag_names = ["posttrain", "a2po"]
     scores_at_sampling_temperature = False  # TRL: log-probs of the raw logits, not logits / temperature
