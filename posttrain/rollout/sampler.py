@@ -171,7 +171,13 @@ def repeat_iterable_dataset(
 ) -> RepeatIterableDataset:
     """TRL's ``repeat_iterable_dataset``: a stream with ``RepeatSampler``'s grouping (see ``RepeatIterableDataset``)."""
     return RepeatIterableDataset(
-        dataset, mini_repeat_count, batch_size, repeat_count, shuffle=shuffle, seed=seed, buffer_size=buffer_size,
+        dataset,
+        mini_repeat_count,
+        batch_size,
+        repeat_count,
+        shuffle=shuffle,
+        seed=seed,
+        buffer_size=buffer_size,
         drop_last=drop_last,
     )
 
