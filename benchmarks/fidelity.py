@@ -614,6 +614,12 @@ def _scenarios() -> list[Scenario]:
     add("a2po/temperature_0.7", "a2po", {**a2po, "temperature": 0.7, "beta2": 0.1}, "prompts_equal",
         reward_funcs=("has_vowel",))  # fmt: skip
     add("a2po/varied_prompts", "a2po", {**a2po, "beta2": 0.1}, "prompts", reward_funcs=("has_vowel",))
+    # an epoch's short last batch (7 prompts at batch 2: TRL's plain Trainer dataloader trains it as step 4)
+    short = {"per_device_train_batch_size": 2}
+    add("online_dpo/short_last_batch", "online_dpo", {**odpo, **short}, "prompts_equal", dataset_kwargs={"n": 7},
+        steps=4, reward_funcs=("vowels",))  # fmt: skip
+    add("a2po/short_last_batch", "a2po", {**a2po, **short}, "prompts_equal", dataset_kwargs={"n": 7}, steps=4,
+        reward_funcs=("has_vowel",))  # fmt: skip
     add("a2po/text_prompts", "a2po", {**a2po, "beta2": 0.1}, "prompts_equal_text", reward_funcs=("has_vowel",))
     # SDFT: the student samples, the teacher (the same network) scores those completions with the privileged context
     sdft = {"max_completion_length": 12, "num_generations": 4, "per_device_train_batch_size": 8}
@@ -654,6 +660,8 @@ def _scenarios() -> list[Scenario]:
     add("gkd/offline_batch1_temperature_2", "gkd", {**gkd, "per_device_train_batch_size": 1, "temperature": 2.0},
         "messages", **nl)  # fmt: skip
     add("gkd/offline_turn_newline", "gkd", gkd, "messages", teacher=True)
+    add("gkd/offline_short_last_batch", "gkd", {**gkd, "per_device_train_batch_size": 2}, "messages",
+        dataset_kwargs={"n": 7}, steps=4, **nl)  # fmt: skip
     add("gkd/on_policy", "gkd", {**gkd, "lmbda": 1.0, "max_new_tokens": 12}, "messages", **nl)
     add("gkd/on_policy_beta1.0", "gkd", {**gkd, "lmbda": 1.0, "max_new_tokens": 12, "beta": 1.0}, "messages",
         **nl)  # fmt: skip
