@@ -24,7 +24,7 @@ from posttrain.generation.rollout_func import RolloutFuncBackend
 
 ROWS = 16
 SCENARIOS = ("cpo", "orpo", "tpo", "bema", "prm", "gkd", "gold", "iw_opd")
-ONLINE = ("online_dpo", "gmpo", "a2po", "replay", "ppo", "sdpo", "sdft")
+ONLINE = ("online_dpo", "online_dpo_epoch", "gmpo", "a2po", "replay", "ppo", "sdpo", "sdft")
 
 
 def _reward(completions, **kwargs):
@@ -147,6 +147,9 @@ def _online(kind: str, model: str, args: dict, per_device: int):
     elif kind == "ppo":
         config = ppo.PPOConfig(**args, response_length=8, num_ppo_epochs=1)
         trainer = ppo.PPOTrainer(args=config, model=model, reward_funcs=_reward, train_dataset=_prompts())
+    elif kind == "online_dpo_epoch":  # one epoch of 6 prompts at 4 per round: the last round holds 2 (TRL keeps it)
+        config = online_dpo.OnlineDPOConfig(**dict(args, max_steps=-1, num_train_epochs=1), max_new_tokens=8)
+        trainer = online_dpo.OnlineDPOTrainer(model, reward_funcs=_reward, args=config, train_dataset=_prompts(6))
     else:
         config = online_dpo.OnlineDPOConfig(**args, max_new_tokens=8)
         trainer = online_dpo.OnlineDPOTrainer(model, reward_funcs=_reward, args=config, train_dataset=_prompts())

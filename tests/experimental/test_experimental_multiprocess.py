@@ -26,6 +26,7 @@ refuse a multi-process launch with an error saying so (checked inside the launch
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import pytest
@@ -52,6 +53,7 @@ KINDS = (
     "sdpo",
     "sdft",
     "cpo_epoch",
+    "online_dpo_epoch",
 )
 # What differs by design: wall-clock timings, and the replay buffer's draws after step 2 (each process samples its
 # own buffer with its own seed, as TRL's does) — from then on only the buffer's counts are comparable.
@@ -59,7 +61,7 @@ VOLATILE = ("timing/", "step_time", "train_")
 REPLAY_COUNTS = ("replay_buffer/size", "replay_buffer/replaced_groups")
 # Online DPO's first step scores with the policy equal to its reference: every margin is float noise around 0
 # (~1e-7, from the reference forward's batch shape), so the fraction of positive margins is not comparable there.
-NOISE = {("online_dpo", 1, "rewards/accuracies")}
+NOISE = {("online_dpo", 1, "rewards/accuracies"), ("online_dpo_epoch", 1, "rewards/accuracies")}
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +97,7 @@ def _assert_logs_match(kind: str, logs1: list, logs2: list) -> None:
 
 
 @pytest.mark.invariance
-@pytest.mark.parametrize("kind", [k for k in KINDS if k not in ("replay", "cpo_epoch")])
+@pytest.mark.parametrize("kind", [k for k in KINDS if k not in ("replay", "cpo_epoch", "online_dpo_epoch")])
 def test_two_processes_match_one_process(runs, kind):
     one, two = runs
     (log1, params1), (log2, params2) = _load(one, kind), _load(two, kind)
@@ -105,6 +107,16 @@ def test_two_processes_match_one_process(runs, kind):
     assert params1.keys() == params2.keys()
     for name, value in params1.items():
         torch.testing.assert_close(params2[name], value, rtol=1e-4, atol=1e-5, msg=f"{kind}: {name}")
+
+
+def test_online_dpo_trains_its_short_last_round_on_two_processes(runs):
+    """6 prompts, 4 per round: the last round's 2 prompts are 4 rows on process 0; accelerate evens process 1's empty
+    batch with repeated rows (trained on, as by transformers.Trainer), so both runs take 2 steps and agree on step 1."""
+    one, two = runs
+    logs1, logs2 = _load(one, "online_dpo_epoch")[0]["logs"], _load(two, "online_dpo_epoch")[0]["logs"]
+    assert len(logs1) == len(logs2) == 2
+    _assert_logs_match("online_dpo_epoch", logs1[:1], logs2[:1])
+    assert all(math.isfinite(entry["loss"]) for entry in logs1 + logs2)
 
 
 @pytest.mark.invariance
