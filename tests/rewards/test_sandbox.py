@@ -244,8 +244,10 @@ def unprivileged_results():
     try:
         pwd.getpwnam(TEST_USER)
     except KeyError:
+        # root's tools live in sbin, which a minimal PATH (env -i, cron, CI runners) leaves out
+        useradd = shutil.which("useradd") or shutil.which("useradd", path="/usr/sbin:/sbin") or "useradd"
         made = subprocess.run(
-            ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", TEST_USER],
+            [useradd, "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", TEST_USER],
             capture_output=True,
             text=True,
         )
