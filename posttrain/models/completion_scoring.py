@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from posttrain.models.forward import TokenStats, forward_token_stats
-from posttrain.models.prefix_sharing import SharedPromptLayout, build_shared_prompt_layout
+from posttrain.models.prefix_sharing import MicroBatchRows, SharedPromptLayout, plan_shared_prompt_layout
 from posttrain.models.unwrap import unwrap_base_model
 
 # A rollout micro-batch (``posttrain.rollout.buffer.RolloutBatch``: ``prompt_ids``, ``prompt_mask``,
@@ -113,25 +113,23 @@ def choose_shared_prompt_layout(model: torch.nn.Module, batch: RolloutBatch) -> 
         if longest > int(window):  # a custom 4-D mask replaces the model's sliding-window mask
             return None
     hidden_size = int(getattr(text_config, "hidden_size", 0) or 1024)
-    layout, best = None, SHARED_PROMPT_MIN_SAVING
-    num_prompts = len(set(map(tuple, batch["prompt_ids"].tolist())))
-    for max_pack_tokens in PACK_TOKEN_CANDIDATES:
-        candidate = build_shared_prompt_layout(
-            batch["prompt_ids"],
-            batch["prompt_mask"],
-            batch["completion_ids"],
-            batch["completion_lengths"],
-            pad_token_id=int(getattr(config, "pad_token_id", None) or 0),
-            max_pack_tokens=max_pack_tokens,
-        )
+    rows = MicroBatchRows.from_tensors(
+        batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["completion_lengths"]
+    )
+    plan, best = None, SHARED_PROMPT_MIN_SAVING
+    for max_pack_tokens in PACK_TOKEN_CANDIDATES:  # plans are host lists: only the winner is materialised
+        candidate = plan_shared_prompt_layout(rows, max_pack_tokens=max_pack_tokens)
         if candidate is None:
             return None
         ratio = candidate.cost_ratio(hidden_size)
         if ratio <= best:
-            layout, best = candidate, ratio
-        if candidate.input_ids.shape[0] == num_prompts:
+            plan, best = candidate, ratio
+        if candidate.num_packs == candidate.num_groups:
             break  # already one pack per group: smaller caps give the same layout
-    return layout
+    if plan is None:
+        return None
+    pad_token_id = int(getattr(config, "pad_token_id", None) or 0)
+    return plan.materialize(pad_token_id=pad_token_id, device=batch["completion_ids"].device)
 
 
 def shared_prompt_token_stats(

@@ -25,7 +25,13 @@ import torch
 
 IGNORE_INDEX = -100
 
-__all__ = ["SharedPromptLayout", "build_shared_prompt_layout"]
+__all__ = [
+    "MicroBatchRows",
+    "SharedPromptLayout",
+    "SharedPromptPlan",
+    "build_shared_prompt_layout",
+    "plan_shared_prompt_layout",
+]
 
 
 @dataclass
@@ -63,10 +69,9 @@ class SharedPromptLayout:
         and weighted sum over the keys it is computed against (the whole pack or plain row: dense kernels compute
         masked entries too).
         """
-        packed = self.input_ids.shape[0] * self.input_ids.shape[1] * (12 * hidden_size + 2 * self.input_ids.shape[1])
-        row = self.plain_tokens // max(self.batch_size, 1)
-        plain = self.plain_tokens * (12 * hidden_size + 2 * row)
-        return packed / max(plain, 1)
+        return _cost_ratio(
+            self.input_ids.shape[0], self.input_ids.shape[1], self.plain_tokens, self.batch_size, hidden_size
+        )
 
     def predictor_index(self, loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(pack, position)`` of the hidden state predicting each token where ``loss_mask`` ``(B, C)`` is set, in
@@ -80,6 +85,14 @@ class SharedPromptLayout:
         out = values.new_zeros(shape)
         out[self.row_index, self.col_index] = values[self.pack_index, self.pack_pos]
         return out
+
+
+def _cost_ratio(packs: int, length: int, plain_tokens: int, batch_size: int, hidden_size: int) -> float:
+    """``packs × length`` packed tokens against ``plain_tokens`` in ``batch_size`` rows (see ``cost_ratio``)."""
+    packed = packs * length * (12 * hidden_size + 2 * length)
+    row = plain_tokens // max(batch_size, 1)
+    plain = plain_tokens * (12 * hidden_size + 2 * row)
+    return packed / max(plain, 1)
 
 
 def _common_prefix_length(sequences: list[tuple[int, ...]]) -> int:
@@ -137,6 +150,151 @@ class _PackBuilder:
         return allowed
 
 
+@dataclass
+class _Segment:
+    """One segment of a planned pack: ``tokens`` at positions from ``start_position``, under segment ``parent``;
+    ``row`` is the completion row it scores (``None`` for prompt segments)."""
+
+    tokens: list[int]
+    start_position: int
+    parent: int
+    row: int | None = None
+
+
+@dataclass
+class SharedPromptPlan:
+    """The packs of a shared-prompt layout as host lists, before any tensor is built (see
+    :func:`plan_shared_prompt_layout`): cheap enough to plan several candidates and materialise only the cheapest."""
+
+    packs: list[list[_Segment]]
+    pack_lengths: list[int]
+    plain_tokens: int
+    batch_size: int
+    num_groups: int
+
+    @property
+    def num_packs(self) -> int:
+        return len(self.packs)
+
+    @property
+    def length(self) -> int:
+        return max(self.pack_lengths)
+
+    def cost_ratio(self, hidden_size: int) -> float:
+        """:meth:`SharedPromptLayout.cost_ratio` of the layout this plan materialises."""
+        return _cost_ratio(self.num_packs, self.length, self.plain_tokens, self.batch_size, hidden_size)
+
+    def materialize(self, *, pad_token_id: int = 0, device: torch.device | str = "cpu") -> SharedPromptLayout:
+        """The tensors: ``(K, L)`` ids, positions and labels, the ``(K, 1, L, L)`` tree mask, and the scatter index."""
+        length = self.length
+        count = self.num_packs
+        input_ids = torch.full((count, length), pad_token_id, dtype=torch.long)
+        position_ids = torch.zeros((count, length), dtype=torch.long)
+        labels = torch.full((count, length), IGNORE_INDEX, dtype=torch.long)
+        attention_mask = torch.zeros((count, 1, length, length), dtype=torch.bool)
+        where: list[tuple[int, int, int, int]] = []  # (pack, pack position, row, column) of each scored token
+        for k, segments in enumerate(self.packs):
+            builder = _PackBuilder()
+            for seg in segments:
+                if seg.row is None:
+                    builder.add_segment(seg.tokens, seg.start_position, seg.parent)
+                    continue
+                scored = seg.tokens[1:]  # the first token is the prompt's last one, the predictor copy
+                offset = builder.add_segment(seg.tokens, seg.start_position, seg.parent, [IGNORE_INDEX, *scored])
+                where.extend((k, offset + 1 + j, seg.row, j) for j in range(len(scored)))
+            n = len(builder.tokens)
+            input_ids[k, :n] = torch.tensor(builder.tokens, dtype=torch.long)
+            position_ids[k, :n] = torch.tensor(builder.positions, dtype=torch.long)
+            labels[k, :n] = torch.tensor(builder.labels, dtype=torch.long)
+            builder.mask(length, out=attention_mask[k, 0])
+        index = torch.tensor(where, dtype=torch.long).reshape(-1, 4)
+        return SharedPromptLayout(
+            input_ids=input_ids.to(device),
+            position_ids=position_ids.to(device),
+            attention_mask=attention_mask.to(device),
+            labels=labels.to(device),
+            pack_index=index[:, 0].to(device),
+            pack_pos=index[:, 1].to(device),
+            row_index=index[:, 2].to(device),
+            col_index=index[:, 3].to(device),
+            num_tokens=sum(self.pack_lengths),
+            plain_tokens=self.plain_tokens,
+            batch_size=self.batch_size,
+        )
+
+
+@dataclass
+class MicroBatchRows:
+    """A micro-batch's rows as host lists (one device-to-host copy), shared by every plan of it."""
+
+    prompts: list[tuple[int, ...]]
+    completions: list[list[int]]
+    plain_tokens: int
+
+    @classmethod
+    def from_tensors(
+        cls,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        completion_ids: torch.Tensor,
+        completion_lengths: torch.Tensor,
+    ) -> MicroBatchRows:
+        """``prompt_ids``/``prompt_mask`` ``(B, P)`` left-padded; ``completion_ids`` ``(B, C)``, the first
+        ``completion_lengths[b]`` of row ``b`` real."""
+        ids, mask = prompt_ids.cpu().tolist(), prompt_mask.cpu().tolist()
+        prompts = [tuple(t for t, m in zip(row, keep) if m) for row, keep in zip(ids, mask)]
+        lengths = completion_lengths.cpu().tolist()
+        completions = [row[:n] for row, n in zip(completion_ids.cpu().tolist(), lengths)]
+        batch, width = completion_ids.shape
+        return cls(prompts, completions, batch * (prompt_ids.shape[1] + width))
+
+
+def plan_shared_prompt_layout(rows: MicroBatchRows, *, max_pack_tokens: int = 4096) -> SharedPromptPlan | None:
+    """Plan the packs of ``rows``: which groups share a pack, each pack's common prefix, and every segment.
+
+    Rows with the same prompt form a group; whole groups are packed greedily (a group costs its prompt once plus
+    each completion with its predictor copy) and a new pack starts when the next group would exceed
+    ``max_pack_tokens`` (a single larger group gets a pack of its own). None when a row has an empty prompt.
+    """
+    if any(len(p) == 0 for p in rows.prompts):
+        return None
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for row, prompt in enumerate(rows.prompts):
+        groups.setdefault(prompt, []).append(row)
+
+    grouped: list[list[tuple[int, ...]]] = [[]]
+    used = 0
+    for prompt, members in groups.items():
+        cost = len(prompt) + sum(len(rows.completions[r]) + 1 for r in members)
+        if grouped[-1] and used + cost > max_pack_tokens:
+            grouped.append([])
+            used = 0
+        grouped[-1].append(prompt)
+        used += cost
+
+    packs: list[list[_Segment]] = []
+    for prompts in grouped:
+        segments: list[_Segment] = []
+        shared = _common_prefix_length(prompts) if len(prompts) > 1 else len(prompts[0]) - 1
+        # The last prompt token is copied into every completion segment, so the shared part never includes it.
+        shared = min(shared, min(len(p) for p in prompts) - 1)
+        root = -1
+        if shared > 0:
+            segments.append(_Segment(list(prompts[0][:shared]), 0, -1))
+            root = 0
+        for prompt in prompts:
+            parent = root
+            middle = list(prompt[shared:-1])
+            if middle:
+                segments.append(_Segment(middle, shared, root))
+                parent = len(segments) - 1
+            for row in groups[prompt]:
+                segments.append(_Segment([prompt[-1], *rows.completions[row]], len(prompt) - 1, parent, row))
+        packs.append(segments)
+    lengths = [sum(len(seg.tokens) for seg in segments) for segments in packs]
+    return SharedPromptPlan(packs, lengths, rows.plain_tokens, len(rows.prompts), len(groups))
+
+
 def build_shared_prompt_layout(
     prompt_ids: torch.Tensor,
     prompt_mask: torch.Tensor,
@@ -159,73 +317,8 @@ def build_shared_prompt_layout(
     Returns:
         The layout, or None when a row has an empty prompt (nothing can predict its first completion token).
     """
-    batch, width = completion_ids.shape
-    lengths = completion_lengths.tolist()
-    prompt_rows = [tuple(ids[mask.bool()].tolist()) for ids, mask in zip(prompt_ids.cpu(), prompt_mask.cpu())]
-    if any(len(p) == 0 for p in prompt_rows):
+    rows = MicroBatchRows.from_tensors(prompt_ids, prompt_mask, completion_ids, completion_lengths)
+    plan = plan_shared_prompt_layout(rows, max_pack_tokens=max_pack_tokens)
+    if plan is None:
         return None
-    completions = completion_ids.cpu().tolist()
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for row, prompt in enumerate(prompt_rows):
-        groups.setdefault(prompt, []).append(row)
-
-    # Greedy packing of whole groups (a group's cost: its prompt once plus each completion with its predictor copy).
-    packs: list[list[tuple[int, ...]]] = [[]]
-    used = 0
-    for prompt, rows in groups.items():
-        cost = len(prompt) + sum(lengths[r] + 1 for r in rows)
-        if packs[-1] and used + cost > max_pack_tokens:
-            packs.append([])
-            used = 0
-        packs[-1].append(prompt)
-        used += cost
-
-    builders: list[_PackBuilder] = []
-    where: list[tuple[int, int, int, int]] = []  # (pack, pack position, row, column) of each scored token
-    for k, prompts in enumerate(packs):
-        builder = _PackBuilder()
-        shared = _common_prefix_length(prompts) if len(prompts) > 1 else len(prompts[0]) - 1
-        # The last prompt token is copied into every completion segment, so the shared part never includes it.
-        shared = min(shared, min(len(p) for p in prompts) - 1)
-        root = builder.add_segment(list(prompts[0][:shared]), 0, -1) if shared > 0 else None
-        root_seg = 0 if root is not None else -1
-        for prompt in prompts:
-            parent = root_seg
-            middle = list(prompt[shared:-1])
-            if middle:
-                builder.add_segment(middle, shared, root_seg)
-                parent = len(builder.parents) - 1
-            last = prompt[-1]
-            for row in groups[prompt]:
-                n = lengths[row]
-                tokens = completions[row][:n]
-                offset = builder.add_segment([last, *tokens], len(prompt) - 1, parent, [IGNORE_INDEX, *tokens])
-                where.extend((k, offset + 1 + j, row, j) for j in range(n))
-        builders.append(builder)
-
-    length = max(len(b.tokens) for b in builders)
-    input_ids = torch.full((len(builders), length), pad_token_id, dtype=torch.long)
-    position_ids = torch.zeros((len(builders), length), dtype=torch.long)
-    labels = torch.full((len(builders), length), IGNORE_INDEX, dtype=torch.long)
-    attention_mask = torch.zeros((len(builders), 1, length, length), dtype=torch.bool)
-    for k, b in enumerate(builders):
-        n = len(b.tokens)
-        input_ids[k, :n] = torch.tensor(b.tokens, dtype=torch.long)
-        position_ids[k, :n] = torch.tensor(b.positions, dtype=torch.long)
-        labels[k, :n] = torch.tensor(b.labels, dtype=torch.long)
-        b.mask(length, out=attention_mask[k, 0])
-    index = torch.tensor(where, dtype=torch.long).reshape(-1, 4)
-    device = completion_ids.device
-    return SharedPromptLayout(
-        input_ids=input_ids.to(device),
-        position_ids=position_ids.to(device),
-        attention_mask=attention_mask.to(device),
-        labels=labels.to(device),
-        pack_index=index[:, 0].to(device),
-        pack_pos=index[:, 1].to(device),
-        row_index=index[:, 2].to(device),
-        col_index=index[:, 3].to(device),
-        num_tokens=sum(len(b.tokens) for b in builders),
-        plain_tokens=batch * (prompt_ids.shape[1] + width),
-        batch_size=batch,
-    )
+    return plan.materialize(pad_token_id=pad_token_id, device=completion_ids.device)
