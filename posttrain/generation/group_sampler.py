@@ -30,6 +30,7 @@ import torch
 from posttrain.core.categorical import TWO_LEVEL_MIN_VOCAB, inverse_cdf, inverse_cdf_two_level
 from posttrain.generation.base import Completions, SamplingConfig
 from posttrain.generation.host_memory import release_freed_host_memory
+from posttrain.generation.lean_decode import LeanDecoder
 from posttrain.generation.transformers_backend import left_pad, model_device, sampling_mode
 from posttrain.models.unwrap import unwrap_parallel
 
@@ -233,7 +234,14 @@ class GroupSampler:
         logits, attention_mask, history = logits[index], attention_mask[index], input_ids[index]  # (R, ·)
         positions = attention_mask.sum(-1)  # (R,) position of the next token
         rows = list(range(row_offset, row_offset + len(source)))  # output row of each decode-batch row
-        mask = DecodeMask(attention_mask, s.max_new_tokens, four_d=_takes_boolean_4d_mask(model))
+        four_d = _takes_boolean_4d_mask(model)
+        mask = DecodeMask(attention_mask, s.max_new_tokens, four_d=four_d)
+
+        def full_forward(ids: torch.Tensor, step_mask: torch.Tensor, pos: torch.Tensor, kv: Any) -> torch.Tensor:
+            return _forward_last(model, ids, step_mask, pos, kv, cache_kw)
+
+        # With the boolean 4-D mask the model's mask construction is void: its modules can be called directly.
+        decode = LeanDecoder(model, full_forward, cache_kw) if four_d else full_forward
 
         repetition, processors = build_logits_processors(s)
         if repetition is not None:
@@ -273,7 +281,7 @@ class GroupSampler:
             if repetition is not None:
                 history = torch.cat([history, tokens[:, None]], dim=1)
             self.last_stats["decode_batch_sizes"].append(len(rows))
-            logits = _forward_last(model, tokens[:, None], mask.extend(), positions[:, None], cache, cache_kw)
+            logits = decode(tokens[:, None], mask.extend(), positions[:, None], cache)  # (R, V)
             positions = positions + 1
         if logprobs is not None and step_logprobs:
             values = torch.cat([lp for _, lp in step_logprobs]).tolist()  # one transfer for the whole batch
