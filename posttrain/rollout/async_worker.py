@@ -17,6 +17,13 @@ progress (a server answer, an admission poll, a queued round); with ``heartbeat_
 the trainer raises when the stamp gets older than that while it waits for a round (a worker hung on a server that
 accepts requests but never answers), allowing a starting worker (spawn, imports) ``vllm_server_timeout`` more.
 
+Why a round, not a single group, is the unit streamed: the round is exactly what one optimizer step trains on, and
+generating it in one request lets the server batch all its groups in one decode loop (one prefill per prompt, one
+decode forward for every live row; per-group requests would halve the decode batch of a 2-prompt round on CPU) and
+keeps its request seed, prompt order and weight version one value per step: ``max_staleness=0`` then reproduces
+synchronous server-mode GRPO bitwise and resume regenerates exactly the rounds in flight. The group sampler finishes a
+round's groups in one decode loop anyway, so a finer unit would not reach the trainer sooner from this server.
+
 Trainer side (:class:`AsyncRolloutMixin`, before the synchronous trainer in the MRO): at the first micro-step of
 each optimizer step it takes the next round from the queue, drops it when ``global_step - version >
 max_staleness`` (``sample/dropped_stale_total``), and fills the usual ``RolloutBuffer`` with it. After every
