@@ -471,7 +471,12 @@ def _scenarios() -> list[Scenario]:
     # SFT: formats, packing, masks
     add("sft/lm_text", "sft", {"max_length": 64}, "lm_text")
     add("sft/prompt_completion", "sft", {"max_length": 64}, "prompt_completion")
-    add("sft/prompt_completion_full_loss", "sft", {"max_length": 64, "completion_only_loss": False}, "prompt_completion")
+    add(
+        "sft/prompt_completion_full_loss",
+        "sft",
+        {"max_length": 64, "completion_only_loss": False},
+        "prompt_completion",
+    )
     add("sft/messages", "sft", {"max_length": 64}, "messages")
     add("sft/messages_assistant_only", "sft", {"max_length": 64, "assistant_only_loss": True}, "messages")
     add("sft/conv_prompt_completion", "sft", {"max_length": 64}, "conv_prompt_completion")
@@ -662,6 +667,10 @@ def _scenarios() -> list[Scenario]:
     add("gkd/offline_turn_newline", "gkd", gkd, "messages", teacher=True)
     add("gkd/offline_short_last_batch", "gkd", {**gkd, "per_device_train_batch_size": 2}, "messages",
         dataset_kwargs={"n": 7}, steps=4, **nl)  # fmt: skip
+    # 7 rows at 2 × gradient accumulation 2: TRL's 2 optimizer steps of micro-batches (2, 2) and (2, 1)
+    add("gkd/offline_short_last_batch_ga2", "gkd",
+        {**gkd, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2}, "messages",
+        dataset_kwargs={"n": 7}, steps=2, **nl)  # fmt: skip
     add("gkd/on_policy", "gkd", {**gkd, "lmbda": 1.0, "max_new_tokens": 12}, "messages", **nl)
     add("gkd/on_policy_beta1.0", "gkd", {**gkd, "lmbda": 1.0, "max_new_tokens": 12, "beta": 1.0}, "messages",
         **nl)  # fmt: skip
@@ -807,7 +816,9 @@ def compare(
     if "error" in ours and "error" in theirs and ours["error"].split(":")[0] == theirs["error"].split(":")[0]:
         return Comparison(name, "equal", detail=f"both refuse: {theirs['error'][:160]}")
     if "error" in ours or "error" in theirs:
-        detail = "; ".join(f"{side}: {r['error']}" for side, r in (("posttrain", ours), ("TRL", theirs)) if "error" in r)
+        detail = "; ".join(
+            f"{side}: {r['error']}" for side, r in (("posttrain", ours), ("TRL", theirs)) if "error" in r
+        )
         return Comparison(name, "error", detail=detail)
     a_logs, b_logs = ours["logs"], theirs["logs"]
     result = Comparison(name, "equal")

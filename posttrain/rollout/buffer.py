@@ -7,6 +7,10 @@ micro-steps, shuffles it, splits it into ``steps_per_generation`` micro-batches 
 ``step % steps_per_generation`` at each micro-step (TRL's scheme), so that every completion is seen once per
 iteration.
 
+A short round (an epoch's last, with fewer rows than a full one: GKD keeps it, as TRL's plain Trainer dataloader
+does) is split into micro-batches of ``micro_batch_size`` rows, the last one shorter, and served over that many
+micro-steps only; the next round then starts at the next round boundary of the step counter.
+
 Micro-batches are re-trimmed after the split: prompt columns that are padding in every row (left padding) and
 completion columns past the longest completion of the micro-batch are dropped, so a micro-batch of short
 completions does not pay for the generation batch's longest one.
@@ -95,6 +99,15 @@ def split_tensor_dict(batch: RolloutBatch, num_chunks: int) -> list[RolloutBatch
     return [select_rows(batch, torch.arange(i * size, (i + 1) * size)) for i in range(num_chunks)]
 
 
+def split_short_round(batch: RolloutBatch, micro_batch_size: int) -> list[RolloutBatch]:
+    """Split ``batch`` into consecutive micro-batches of ``micro_batch_size`` rows, the last one shorter when the rows
+    do not divide evenly (TRL's dataloader batches of an epoch's short end); scalars are copied to each."""
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be positive, got {micro_batch_size}.")
+    n = batch_size_of(batch)
+    return [select_rows(batch, torch.arange(i, min(i + micro_batch_size, n))) for i in range(0, n, micro_batch_size)]
+
+
 def trim_padding(batch: RolloutBatch) -> RolloutBatch:
     """Drop prompt columns that are padding in every row and completion columns past the longest completion."""
     out = dict(batch)
@@ -136,7 +149,8 @@ class RolloutBuffer:
         self.num_iterations = int(num_iterations)
         self.generator = torch.Generator().manual_seed(int(seed))
         self.micro_batches: list[RolloutBatch] | None = None
-        self.step = 0  # micro-steps served so far (TRL's ``_step``)
+        # micro-steps served so far (TRL's ``_step``), rounded up to a round boundary after a short round
+        self.step = 0
 
     @property
     def generate_every(self) -> int:
@@ -144,14 +158,33 @@ class RolloutBuffer:
         return self.steps_per_generation * self.num_iterations
 
     def needs_generation(self) -> bool:
-        """True at the first micro-step of each round, and whenever the buffer is empty (e.g. after resume)."""
-        return self.micro_batches is None or self.step % self.generate_every == 0
+        """True at the first micro-step of each round, once a short round's fewer micro-steps are served, and
+        whenever the buffer is empty (e.g. after resume)."""
+        if self.micro_batches is None:
+            return True
+        into_round = self.step % self.generate_every
+        return into_round == 0 or into_round >= len(self.micro_batches) * self.num_iterations
 
-    def fill(self, batch: RolloutBatch, shuffle: bool = True) -> None:
-        """Shuffle ``batch`` (optionally) and split it into ``steps_per_generation`` trimmed micro-batches."""
+    def fill(self, batch: RolloutBatch, shuffle: bool = True, micro_batch_size: int | None = None) -> None:
+        """Shuffle ``batch`` (optionally) and split it into ``steps_per_generation`` trimmed micro-batches.
+
+        With ``micro_batch_size``, a batch of fewer than ``micro_batch_size × steps_per_generation`` rows is a short
+        round: it is split into ``ceil(rows / micro_batch_size)`` micro-batches of ``micro_batch_size`` rows, the
+        last one shorter (``split_short_round``). A round filled after a short one starts at the next round boundary.
+        """
         if shuffle:
             batch = shuffle_sequence_dict(batch, self.generator)
-        self.micro_batches = [trim_padding(mb) for mb in split_tensor_dict(batch, self.steps_per_generation)]
+        if micro_batch_size is not None and batch_size_of(batch) < micro_batch_size * self.steps_per_generation:
+            if self.num_iterations != 1:
+                raise ValueError(
+                    f"A short round ({batch_size_of(batch)} rows) needs num_iterations=1, got {self.num_iterations}: "
+                    "its replays would straddle the optimizer steps."
+                )
+            parts = split_short_round(batch, micro_batch_size)
+        else:
+            parts = split_tensor_dict(batch, self.steps_per_generation)
+        self.step = -(-self.step // self.generate_every) * self.generate_every  # after a short round: next boundary
+        self.micro_batches = [trim_padding(mb) for mb in parts]
 
     def next(self) -> RolloutBatch:
         """The micro-batch of the current micro-step; advances the step counter."""
@@ -165,15 +198,15 @@ class RolloutBuffer:
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue after a resume (tensors moved to CPU).
 
-        The micro-batches are kept only mid-round (``step`` not a multiple of ``generate_every``); at a round
-        boundary the next micro-step generates anyway, so only the step and the shuffle RNG are stored.
+        The micro-batches are kept only mid-round; at a round boundary (or after a short round's last micro-step)
+        the next micro-step generates anyway, so only the step and the shuffle RNG are stored.
         """
 
         def to_cpu(value):
             return value.detach().cpu() if isinstance(value, torch.Tensor) else value
 
         batches = None
-        if self.micro_batches is not None and self.step % self.generate_every != 0:
+        if not self.needs_generation():
             batches = [{k: to_cpu(v) for k, v in mb.items()} for mb in self.micro_batches]
         return {"step": self.step, "micro_batches": batches, "generator": self.generator.get_state()}
 

@@ -384,11 +384,13 @@ class DistillationRollout:
         mode: str = "train",
         device: torch.device | str = "cpu",
         record: Callable[[str, float], None] | None = None,
+        slice_size: int | None = None,
     ) -> RolloutBatch:
         """Completions for ``rows`` (this process's share of the round) as one rollout batch.
 
         Rows are split into ``num_slices`` consecutive slices (the gradient-accumulation micro-batches of the
-        round); each slice gets one source. The batch holds ``prompt_ids``/``prompt_mask`` ``(B, P)``,
+        round), or with ``slice_size`` into consecutive slices of that many rows, the last one shorter (an epoch's
+        short last round); each slice gets one source. The batch holds ``prompt_ids``/``prompt_mask`` ``(B, P)``,
         ``completion_ids``/``completion_mask`` ``(B, C)``, ``completion_lengths`` ``(B,)``, ``sources`` (one of
         ``SOURCES`` per row), ``tool_mask`` with tools (tool-result tokens: context, not loss tokens),
         ``sampling_per_token_logps`` ``(B, C)`` when every row was sampled by a student backend that returns its
@@ -402,7 +404,7 @@ class DistillationRollout:
         stage = StageTimer(record)
         with stage("rollout"):
             with stage("prepare_rows"):
-                rows, sources, agent_batch = self.prepare_rows(rows, num_slices, mode)
+                rows, sources, agent_batch = self.prepare_rows(rows, num_slices, mode, slice_size=slice_size)
             with stage("render_prompts"):
                 schemas = agent_batch.tool_schemas if agent_batch is not None else None
                 prompt_texts, rendered = render_prompts(rows, self.tokenizer, self.chat_template_kwargs, schemas)
@@ -445,18 +447,26 @@ class DistillationRollout:
         return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
 
     # -- the stages of run(), in order -------------------------------------------------------------------------
-    def prepare_rows(self, rows: list[dict[str, Any]], num_slices: int, mode: str) -> tuple[list, list[str], Any]:
+    def prepare_rows(
+        self, rows: list[dict[str, Any]], num_slices: int, mode: str, slice_size: int | None = None
+    ) -> tuple[list, list[str], Any]:
         """Rows as prompt(-completion) rows (:meth:`as_prompt_completion`, completed by the agent's ``prepare``
-        with tools), each row's source — the round is cut into ``num_slices`` equal consecutive slices, one
-        on-policy draw (:meth:`draw_on_policy`) per slice — and the agent batch (None without tools)."""
+        with tools), each row's source — the round is cut into ``num_slices`` equal consecutive slices (or, with
+        ``slice_size``, slices of that many rows, the last one shorter), one on-policy draw
+        (:meth:`draw_on_policy`) per slice — and the agent batch (None without tools)."""
         rows = [self.as_prompt_completion(row, i) for i, row in enumerate(rows)]
         agent_batch = self.agent.prepare(rows) if self.agent is not None else None
         if agent_batch is not None:
             rows = agent_batch.rows
         n = len(rows)
-        if num_slices < 1 or n % num_slices != 0:
+        if slice_size is not None:
+            if slice_size < 1:
+                raise ValueError(f"slice_size must be positive, got {slice_size}.")
+            size, num_slices = slice_size, max(1, -(-n // slice_size))
+        elif num_slices < 1 or n % num_slices != 0:
             raise ValueError(f"Cannot split a round of {n} rows into {num_slices} equal slices.")
-        size = n // num_slices
+        else:
+            size = n // num_slices
         on_policy = self.draw_on_policy(num_slices, mode)
         return rows, [self.row_source(on_policy[i // size], row) for i, row in enumerate(rows)], agent_batch
 

@@ -299,7 +299,12 @@ class DistillationTrainer(OnlineTrainerBase):
         teacher, teacher_tokenizer = self._load_teacher(teacher_model, args)  # (None, None): a served teacher
         self.vocab_rows = self._check_vocabulary(processing_class, teacher_tokenizer, model, teacher)
         n_rows = self._configure_train_dataset(train_dataset, args)
-        if n_rows is not None and n_rows < args.generation_batch_size * args.world_size:
+        # GKD trains a dataset smaller than one optimizer step as one short step (TRL's plain dataloader)
+        if (
+            n_rows is not None
+            and n_rows < args.generation_batch_size * args.world_size
+            and not (self._round_per_window(args) and args.num_iterations == 1)
+        ):
             raise ValueError(
                 f"train_dataset has {n_rows} prompts but one optimizer step needs generation_batch_size "
                 f"× processes = {args.generation_batch_size} × {args.world_size}; add prompts or lower "
@@ -424,12 +429,15 @@ class DistillationTrainer(OnlineTrainerBase):
         if step != self._last_synced_step and step % self.args.vllm_sync_frequency == 0:
             self.backend.sync_weights(self.accelerator.unwrap_model(self.model))
             self._last_synced_step = step
+        # GKD's rounds (an epoch's short last one included): one slice per per_device_train_batch_size micro-batch
+        per_window = mode == "train" and self._round_per_window()
         batch = self.rollout.run(
             rows,
             num_slices=self.args.steps_per_generation if mode == "train" else 1,
             mode=mode,
             device=self.accelerator.device,
             record=self._record(mode),
+            slice_size=self.args.per_device_train_batch_size if per_window else None,
         )
         if self.rollout.last_completions is not None:
             self._pending_completions = self.rollout.last_completions

@@ -7,7 +7,9 @@ the parts: model and tokenizer (left padding), reward functions into a ``RewardS
 ``RolloutBuffer``. It replaces HF Trainer's data path the way TRL does:
 
 - the dataloader yields ``per_device_train_batch_size × steps_per_generation`` raw rows per micro-step from a
-  ``RepeatSampler`` (identity collator);
+  ``RepeatSampler`` (identity collator); a trainer that keeps an epoch's short last round and generates once per
+  optimizer step (GKD, ``_round_per_window``) gets TRL's plain ``per_device_train_batch_size`` batches instead, and
+  ``get_batch_samples`` hands the optimizer step's rows to its first micro-step (the round);
 - ``_prepare_inputs`` generates once every ``steps_per_generation × num_iterations`` micro-steps and serves the
   buffered micro-batches in between (evaluation generates for every batch, with ``num_generations_eval``);
 - ``compute_loss`` calls the subclass's ``_compute_loss(model, inputs)``, which ends in ``_finish_loss`` (the
@@ -172,7 +174,8 @@ class OnlineRLConfig(BaseConfig):
         },
     )
     vllm_mode: str = field(
-        default="colocate", metadata={"help": "'colocate' (vLLM in-process, GPU) or 'server' (HTTP generation server)."}
+        default="colocate",
+        metadata={"help": "'colocate' (vLLM in-process, GPU) or 'server' (HTTP generation server)."},
     )
     vllm_model_impl: str = field(default="vllm", metadata={"help": "'vllm' or 'transformers' model implementation."})
     vllm_structured_outputs_regex: str | None = field(default=None, metadata={"help": "Regex-constrained decoding."})
@@ -706,18 +709,39 @@ class OnlineTrainerBase(BaseTrainer):
     # ``dataloader_drop_last``; the ones on ``RepeatSampler`` (GRPO, RLOO, distillation, GOLD, ...) drop it.
     keeps_short_last_round: bool = False
 
+    def _round_per_window(self, args: Any = None) -> bool:
+        """True for a trainer that keeps the short last round and generates once per optimizer step (GKD: a round is
+        the ``steps_per_generation = gradient_accumulation_steps`` micro-batches of one optimizer step).
+
+        Its dataloader then yields TRL's batches of ``per_device_train_batch_size`` rows, each chunk once per
+        iteration, so HF Trainer cuts the epoch into optimizer steps exactly as TRL's plain dataloader does, a short
+        last window (fewer micro-batches, the last one short) included; ``get_batch_samples`` gives the window's rows
+        to its first micro-step, which generates the round.
+        """
+        args = self.args if args is None else args
+        return (
+            self.keeps_short_last_round
+            and args.steps_per_generation > 1
+            and args.steps_per_generation == args.gradient_accumulation_steps
+        )
+
     def _repeat_kwargs(self) -> dict[str, Any]:
         """TRL's prompt grouping for training, shared by the map-style sampler and the stream."""
         args = self.args
-        repeat_count = args.num_iterations * args.steps_per_generation
+        per_window = self._round_per_window()
+        # replays: every micro-step of every iteration, or (per-micro-batch batches) once per iteration
+        repeat_count = args.num_iterations * (1 if per_window else args.steps_per_generation)
         return dict(
             mini_repeat_count=self.num_generations,
             batch_size=self._prompts_per_round(),
             repeat_count=repeat_count,
             shuffle=args.shuffle_dataset,
             seed=args.seed,
-            # a round replayed over several micro-steps cannot be short (see RepeatSampler's drop_last)
-            drop_last=not self.keeps_short_last_round or args.dataloader_drop_last or repeat_count != 1,
+            # a replayed round cannot be short (see RepeatSampler's drop_last); with per-micro-batch batches the
+            # dataloader's own drop_last drops a short last batch, as TRL's does
+            drop_last=(
+                not self.keeps_short_last_round or repeat_count != 1 or (args.dataloader_drop_last and not per_window)
+            ),
         )
 
     def _get_train_sampler(self, train_dataset=None) -> RepeatSampler:
@@ -735,10 +759,19 @@ class OnlineTrainerBase(BaseTrainer):
         return self._get_dataloader(
             dataset=dataset,
             description="Training",
-            batch_size=self._train_batch_size * args.steps_per_generation,
+            batch_size=self._train_batch_size * (1 if self._round_per_window() else args.steps_per_generation),
             sampler_fn=self._get_train_sampler,
             is_training=True,
         )
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """HF's window of ``num_batches`` micro-batches; with ``_round_per_window`` its first micro-batch carries
+        every row of the window (the round it generates; the others are served from the buffer). A short last window
+        has fewer micro-batches, which HF counts in ``current_gradient_accumulation_steps``."""
+        batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
+        if self._round_per_window() and len(batch_samples) > 1:
+            batch_samples = [[row for batch in batch_samples for row in batch], *batch_samples[1:]]
+        return batch_samples, num_items_in_batch
 
     def get_eval_dataloader(self, eval_dataset=None):
         """HF's eval dataloader; a streaming eval set gets the eval sampler's grouping (each prompt
@@ -762,7 +795,9 @@ class OnlineTrainerBase(BaseTrainer):
         if mode == "eval":
             return self._generate_and_score(inputs, mode)
         if self.buffer.needs_generation():
-            self.buffer.fill(self._generate_and_score(inputs, mode))
+            # an epoch's short last round: micro-batches of per_device_train_batch_size rows, the last one short
+            micro_batch_size = self.args.per_device_train_batch_size if self._round_per_window() else None
+            self.buffer.fill(self._generate_and_score(inputs, mode), micro_batch_size=micro_batch_size)
         return self.buffer.next()
 
     def _record(self, mode: str):
@@ -862,9 +897,7 @@ class OnlineTrainerBase(BaseTrainer):
                 per_sequence.append((x * weights).sum(-1) / weights.sum(-1))
                 means.append(self._global_masked_mean(x, weights))
         low, high = (self._gather_rows(v) for v in per_sequence[:2])
-        values = clip_ratio_metrics(
-            *(torch.tensor([m]) for m in means), low_per_sequence=low, high_per_sequence=high
-        )
+        values = clip_ratio_metrics(*(torch.tensor([m]) for m in means), low_per_sequence=low, high_per_sequence=high)
         for name, value in values.items():
             self.record_metric(name, value, mode=mode)
 

@@ -23,7 +23,7 @@ from multiprocess_harness import SGD_ARGS, PromptKeyedBackend, group_position_ro
 from posttrain.generation.rollout_func import RolloutFuncBackend
 
 ROWS = 16
-SCENARIOS = ("cpo", "orpo", "tpo", "bema", "prm", "gkd", "gold", "iw_opd")
+SCENARIOS = ("cpo", "orpo", "tpo", "bema", "prm", "gkd", "gkd_ga2", "gkd_ga2_epoch", "gold", "iw_opd")
 ONLINE = ("online_dpo", "online_dpo_epoch", "gmpo", "a2po", "replay", "ppo", "sdpo", "sdft")
 
 
@@ -106,6 +106,13 @@ def _distillation(kind: str, model: str, teachers: dict, args: dict):
     if kind == "gkd":
         config = gkd.GKDConfig(**args, lmbda=0.0, beta=0.5)
         return gkd.GKDTrainer(model, teachers["abc"], args=config, train_dataset=_distill_pairs())
+    if kind in ("gkd_ga2", "gkd_ga2_epoch"):
+        # gradient accumulation 2: one round per optimizer step, the rows of TRL's per-micro-batch batches; the epoch
+        # of 12 rows ends in a step of one micro-batch (2 processes × 2 rows, or 1 × 4)
+        epoch = dict(max_steps=-1, num_train_epochs=1) if kind == "gkd_ga2_epoch" else {}
+        config = gkd.GKDConfig(**dict(args, gradient_accumulation_steps=2, **epoch), lmbda=0.0, beta=0.5)
+        data = _distill_pairs(12 if epoch else ROWS)
+        return gkd.GKDTrainer(model, teachers["abc"], args=config, train_dataset=data)
     if kind in ("gold", "gold_uneven"):
         uneven = kind == "gold_uneven"
         config = gold.GOLDConfig(**args, lmbda=0.0, use_uld_loss=True, shuffle_dataset=not uneven)
@@ -160,7 +167,7 @@ def _online(kind: str, model: str, args: dict, per_device: int):
 
 def _build(kind: str, paths: dict, out: str, per_device: int):
     args = dict(SGD_ARGS, output_dir=os.path.join(out, kind), per_device_train_batch_size=per_device)
-    if kind in ("gkd", "gold", "gold_uneven", "iw_opd"):
+    if kind in ("gkd", "gkd_ga2", "gkd_ga2_epoch", "gold", "gold_uneven", "iw_opd"):
         return _distillation(kind, paths["model"], paths, args)
     if kind in ONLINE:
         return _online(kind, paths["model"], args, per_device)

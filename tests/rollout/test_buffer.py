@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from posttrain.rollout.buffer import RolloutBuffer, shuffle_sequence_dict, split_tensor_dict, trim_padding
+from posttrain.rollout.buffer import (
+    RolloutBuffer,
+    shuffle_sequence_dict,
+    split_short_round,
+    split_tensor_dict,
+    trim_padding,
+)
 
 
 def _batch(n: int = 4) -> dict:
@@ -52,6 +59,55 @@ def test_buffer_generates_once_per_round_and_replays_micro_batches():
         served.append(buffer.next()["texts"])
     assert generations == 2  # 8 micro-steps / (2 steps × 2 iterations)
     assert served[:4] == [["row0", "row1"], ["row2", "row3"]] * 2
+
+
+def test_a_short_round_is_split_by_micro_batch_size_and_served_over_fewer_steps(tmp_path):
+    # GKD's epoch end: rounds of 2 micro-batches × 2 rows; a short round of 3 rows is micro-batches of 2 and 1 rows,
+    # served over 2 micro-steps, and one of 1 row over a single micro-step; full rounds split as before
+    buffer = RolloutBuffer(steps_per_generation=2, num_iterations=1, seed=0)
+    served, fills = [], []
+    for rows in (4, 3, 1, 4):
+        assert buffer.needs_generation()
+        buffer.fill(_batch(rows), shuffle=False, micro_batch_size=2)
+        fills.append(buffer.step)
+        while True:
+            served.append(buffer.next()["texts"])
+            if buffer.needs_generation():
+                break
+    assert served == [
+        ["row0", "row1"], ["row2", "row3"],
+        ["row0", "row1"], ["row2"],
+        ["row0"],
+        ["row0", "row1"], ["row2", "row3"],
+    ]  # fmt: skip
+    assert fills == [0, 2, 4, 6]  # every round starts at a round boundary of the step counter
+    assert all(int(mb["num_items_in_batch"]) == 10 for mb in buffer.micro_batches)  # the round's count, copied
+    # mid short round the micro-batches are kept for a resume; after its last micro-step they are not
+    buffer.fill(_batch(3), shuffle=False, micro_batch_size=2)
+    buffer.next()
+    buffer.save(tmp_path / "mid.pt")
+    resumed = RolloutBuffer(steps_per_generation=2, num_iterations=1, seed=0)
+    resumed.load(tmp_path / "mid.pt")
+    assert not resumed.needs_generation() and resumed.next()["texts"] == ["row2"] and resumed.needs_generation()
+    buffer.next()
+    buffer.save(tmp_path / "done.pt")
+    assert torch.load(tmp_path / "done.pt", weights_only=True)["micro_batches"] is None
+
+
+def test_a_short_round_cannot_be_replayed():
+    buffer = RolloutBuffer(steps_per_generation=2, num_iterations=2, seed=0)
+    with pytest.raises(ValueError, match="num_iterations=1"):
+        buffer.fill(_batch(3), micro_batch_size=2)
+    buffer.fill(_batch(4), micro_batch_size=2)  # a full round is replayed as usual
+    assert len(buffer.micro_batches) == 2
+
+
+def test_split_short_round_keeps_order_and_copies_scalars():
+    parts = split_short_round(_batch(4), 3)
+    assert [p["texts"] for p in parts] == [["row0", "row1", "row2"], ["row3"]]
+    assert all(int(p["num_items_in_batch"]) == 10 for p in parts)
+    with pytest.raises(ValueError, match="positive"):
+        split_short_round(_batch(), 0)
 
 
 def test_buffer_state_round_trip_mid_round(tmp_path):

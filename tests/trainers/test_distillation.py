@@ -503,6 +503,27 @@ def test_rollout_groups_prompts_truncates_and_counts_tokens():
         rollout.run(rows[:3], num_slices=2)
 
 
+def test_rollout_slices_a_short_round_by_slice_size():
+    # GKD's epoch end: a round of 3 rows in micro-batches of 2 is 2 slices (2 rows and 1), one draw of λ each
+    tokenizer = build_tiny_tokenizer(padding_side="left")
+    sampling = SamplingConfig(max_new_tokens=4, eos_token_ids=[EOS], pad_token_id=259)
+    rollout = DistillationRollout(tokenizer=tokenizer, student_backend=_EchoBackend(), sampling=sampling, lmbda=0.5)
+    drawn = []
+    draw = rollout.draw_on_policy
+
+    def spy(num_slices, mode="train"):
+        drawn.append(num_slices)
+        return [True, False][:num_slices]
+
+    rollout.draw_on_policy = spy
+    rows = [{"prompt": f"p{i}", "completion": "abc"} for i in range(3)]
+    _, sources, _ = rollout.prepare_rows(rows, 4, "train", slice_size=2)
+    assert drawn == [2] and sources == ["student", "student", "dataset"]
+    rollout.draw_on_policy = draw
+    with pytest.raises(ValueError, match="positive"):
+        rollout.prepare_rows(rows, 4, "train", slice_size=0)
+
+
 @pytest.mark.parametrize(
     "rule, max_length, expect_prompt, expect_completion, ended",
     [
