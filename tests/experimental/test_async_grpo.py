@@ -59,8 +59,9 @@ def test_import_path_config_defaults_and_notice():
     import importlib
     import sys
 
-    for name in [m for m in sys.modules if m.startswith("posttrain.experimental")]:
-        del sys.modules[name]
+    # Fresh imports for the notice; the original module objects are put back afterwards, so classes other test
+    # modules imported at collection stay the ones `sys.modules` holds (pickling by reference needs that).
+    saved = {m: sys.modules.pop(m) for m in [m for m in sys.modules if m.startswith("posttrain.experimental")]}
     env = os.environ.pop("TRL_EXPERIMENTAL_SILENCE", None)
     try:
         with pytest.warns(UserWarning, match="TRL_EXPERIMENTAL_SILENCE"):
@@ -68,6 +69,9 @@ def test_import_path_config_defaults_and_notice():
     finally:
         if env is not None:
             os.environ["TRL_EXPERIMENTAL_SILENCE"] = env
+        for name in [m for m in sys.modules if m.startswith("posttrain.experimental")]:
+            del sys.modules[name]
+        sys.modules.update(saved)
     from posttrain.experimental.async_grpo import AsyncGRPOConfig
 
     args = AsyncGRPOConfig(output_dir="/tmp/unused", report_to="none")
