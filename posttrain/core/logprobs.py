@@ -243,7 +243,9 @@ class _ChunkedHiddenLogProbs(torch.autograd.Function):
         ctx.save_for_backward(hidden, weight, bias, labels, lses, saved_entropy)
         ctx.set_materialize_grads(False)  # an unused output then sends None, and its gradient term is skipped
         ctx.temperature, ctx.chunk_size, ctx.ignore_index = temperature, chunk_size, ignore_index
-        ctx.weight_grad_in_place = weight_grad_in_place
+        # The parameter itself, not its saved copy: under saved-tensor hooks (activation offloading) the unpacked
+        # tensor is a different object, and its .grad is not the parameter's.
+        ctx.weight_param = weight if weight_grad_in_place else None
         if not entropy_grad:
             ctx.mark_non_differentiable(entropies)
         return logps, entropies
@@ -262,9 +264,10 @@ class _ChunkedHiddenLogProbs(torch.autograd.Function):
         b32 = None if bias is None else bias.float()
         valid = labels != ctx.ignore_index
         grad_h = torch.empty_like(hidden) if need_h else None
-        in_place = need_w and ctx.weight_grad_in_place
-        if in_place and weight.grad is not None:
-            grad_w = weight.grad  # accumulate into the parameter's gradient: no second (V, H) buffer
+        param = ctx.weight_param
+        in_place = need_w and param is not None
+        if in_place and param.grad is not None:
+            grad_w = param.grad  # accumulate into the parameter's gradient: no second (V, H) buffer
         else:
             grad_w = torch.zeros_like(w32) if need_w else None
         grad_b = torch.zeros_like(b32) if need_b else None
@@ -290,8 +293,8 @@ class _ChunkedHiddenLogProbs(torch.autograd.Function):
                 if need_b:
                     grad_b.add_(gz.sum(0))
         if in_place:
-            if weight.grad is None:
-                weight.grad = grad_w
+            if param.grad is None:
+                param.grad = grad_w
             grad_w = None  # already in weight.grad; autograd gets nothing to add
         else:
             grad_w = None if grad_w is None else grad_w.to(weight.dtype)

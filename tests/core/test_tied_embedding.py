@@ -5,6 +5,8 @@ hooks, frozen or low-precision weights, the opt-out variable)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -40,19 +42,27 @@ def _graph_has(tensor: torch.Tensor, name: str) -> bool:
     return False
 
 
-def _accumulated_grads(model, batches, **kwargs):
+def _accumulated_grads(model, batches, offload=False, **kwargs):
     model.zero_grad(set_to_none=True)
     engaged = []
     for ids, mask in batches:
-        stats = forward.forward_token_stats(model, ids, mask, compute_entropy=True, **kwargs)
+        with _copying_saved_tensor_hooks() if offload else contextlib.nullcontext():
+            stats = forward.forward_token_stats(model, ids, mask, compute_entropy=True, **kwargs)
         engaged.append(_graph_has(stats.logps, "_LookupGradInPlaceBackward"))
         loss = -(stats.logps * stats.mask).sum() / stats.mask.sum() + 0.1 * stats.logps.pow(2).mean()
         loss.backward()
     return {name: p.grad.clone() for name, p in model.named_parameters()}, engaged
 
 
-@pytest.mark.parametrize("micro_batches,checkpointing", [(1, False), (3, False), (2, True)])
-def test_tied_in_place_grads_equal_autograd_accumulation(monkeypatch, micro_batches, checkpointing):
+def _copying_saved_tensor_hooks():
+    """As activation offloading: every saved tensor comes back from backward as a different tensor object."""
+    return torch.autograd.graph.saved_tensors_hooks(lambda t: t.detach().clone(), lambda t: t)
+
+
+@pytest.mark.parametrize(
+    "micro_batches,checkpointing,offload", [(1, False, False), (3, False, False), (2, True, False), (2, False, True)]
+)
+def test_tied_in_place_grads_equal_autograd_accumulation(monkeypatch, micro_batches, checkpointing, offload):
     model = build_tiny_model("qwen2", vocab_size=320)
     if checkpointing:  # as the trainers' default gradient_checkpointing=True: a hook on the input embedding
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
@@ -62,10 +72,10 @@ def test_tied_in_place_grads_equal_autograd_accumulation(monkeypatch, micro_batc
     pad = model.get_input_embeddings().padding_idx
     assert pad is not None
     batches = _batches(320, pad, micro_batches)
-    ours, engaged = _accumulated_grads(model, batches, chunk_size=5)
+    ours, engaged = _accumulated_grads(model, batches, offload, chunk_size=5)
     assert all(engaged)
     monkeypatch.setenv(tied_embedding.ENV_DISABLE, "0")
-    theirs, engaged_off = _accumulated_grads(model, batches, chunk_size=5)
+    theirs, engaged_off = _accumulated_grads(model, batches, offload, chunk_size=5)
     assert not any(engaged_off)
     full_logits, _ = _accumulated_grads(model, batches, chunked=False)
     assert ours.keys() == theirs.keys()
