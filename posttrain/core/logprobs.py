@@ -212,7 +212,17 @@ class _ChunkedHiddenLogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, hidden, weight, bias, labels, temperature, chunk_size, ignore_index, compute_entropy, entropy_grad
+        ctx,
+        hidden,
+        weight,
+        bias,
+        labels,
+        temperature,
+        chunk_size,
+        ignore_index,
+        compute_entropy,
+        entropy_grad,
+        weight_grad_in_place,
     ):
         n = hidden.shape[0]
         with _no_autocast(hidden.device):
@@ -233,6 +243,9 @@ class _ChunkedHiddenLogProbs(torch.autograd.Function):
         ctx.save_for_backward(hidden, weight, bias, labels, lses, saved_entropy)
         ctx.set_materialize_grads(False)  # an unused output then sends None, and its gradient term is skipped
         ctx.temperature, ctx.chunk_size, ctx.ignore_index = temperature, chunk_size, ignore_index
+        # The parameter itself, not its saved copy: under saved-tensor hooks (activation offloading) the unpacked
+        # tensor is a different object, and its .grad is not the parameter's.
+        ctx.weight_param = weight if weight_grad_in_place else None
         if not entropy_grad:
             ctx.mark_non_differentiable(entropies)
         return logps, entropies
@@ -243,7 +256,7 @@ class _ChunkedHiddenLogProbs(torch.autograd.Function):
         hidden, weight, bias, labels, lses, entropies = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         if not (need_h or need_w or need_b):
-            return (None,) * 9
+            return (None,) * 10
         if entropies is None:
             grad_entropies = None
         temperature = ctx.temperature
@@ -251,7 +264,12 @@ class _ChunkedHiddenLogProbs(torch.autograd.Function):
         b32 = None if bias is None else bias.float()
         valid = labels != ctx.ignore_index
         grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros_like(w32) if need_w else None
+        param = ctx.weight_param
+        in_place = need_w and param is not None
+        if in_place and param.grad is not None:
+            grad_w = param.grad  # accumulate into the parameter's gradient: no second (V, H) buffer
+        else:
+            grad_w = torch.zeros_like(w32) if need_w else None
         grad_b = torch.zeros_like(b32) if need_b else None
         with _no_autocast(hidden.device):
             for s, e in _chunks(hidden.shape[0], ctx.chunk_size):
@@ -274,9 +292,14 @@ class _ChunkedHiddenLogProbs(torch.autograd.Function):
                     grad_w.addmm_(gz.T, h32)
                 if need_b:
                     grad_b.add_(gz.sum(0))
-        grad_w = None if grad_w is None else grad_w.to(weight.dtype)
+        if in_place:
+            if param.grad is None:
+                param.grad = grad_w
+            grad_w = None  # already in weight.grad; autograd gets nothing to add
+        else:
+            grad_w = None if grad_w is None else grad_w.to(weight.dtype)
         grad_b = None if grad_b is None else grad_b.to(bias.dtype)
-        return grad_h, grad_w, grad_b, None, None, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None
 
 
 def _chunk_logits(
@@ -300,6 +323,7 @@ def chunked_logprobs_from_hidden(
     compute_entropy: bool = False,
     ignore_index: int = -100,
     entropy_requires_grad: bool = False,
+    weight_grad_in_place: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probabilities of ``labels`` (and entropies) from last hidden states, never holding ``N × V`` logits.
 
@@ -328,6 +352,11 @@ def chunked_logprobs_from_hidden(
         entropy_requires_grad: by default the entropy is returned **detached** (it is a logged metric and the input
             of the entropy mask). Set True when the entropy enters the loss (entropy bonus); its gradient
             −p (log p + H) is then recomputed chunk-wise too.
+        weight_grad_in_place: backward adds the weight's gradient straight into ``weight.grad`` (creating it when
+            None) instead of returning it to autograd, so no separate ``(V, H)`` gradient buffer exists next to
+            ``weight.grad``. For a float32 leaf ``weight`` in single-process training only: autograd hooks on the
+            weight and ``torch.autograd.grad`` do not see this gradient. Used with
+            :func:`posttrain.core.tied_embedding.route_embedding_grad_in_place` for tied embeddings (see there).
 
     Returns:
         ``(logps, entropy)``: float32 tensors with the leading shape of ``labels``; ``entropy`` is None unless
@@ -347,6 +376,8 @@ def chunked_logprobs_from_hidden(
         )
     if bias is not None and bias.shape != (weight.shape[0],):
         raise ValueError(f"bias must have shape (V={weight.shape[0]},), got {tuple(bias.shape)}.")
+    if weight_grad_in_place and not (weight.is_leaf and weight.dtype == torch.float32):
+        raise ValueError("weight_grad_in_place needs a float32 leaf weight (a parameter).")
     leading = labels.shape
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     flat_labels = labels.reshape(-1).long()
@@ -360,5 +391,6 @@ def chunked_logprobs_from_hidden(
         ignore_index,
         compute_entropy,
         compute_entropy and entropy_requires_grad,
+        weight_grad_in_place,
     )
     return logps.reshape(leading), (entropies.reshape(leading) if compute_entropy else None)

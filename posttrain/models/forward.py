@@ -34,7 +34,8 @@ from typing import Any
 import torch
 
 from posttrain.core.logprobs import chunked_logprobs_from_hidden, entropy_from_logits, selective_log_softmax
-from posttrain.models.unwrap import unwrap_base_model
+from posttrain.core.tied_embedding import in_place_tied_grad_supported, route_embedding_grad_in_place
+from posttrain.models.unwrap import unwrap_base_model, unwrap_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -351,9 +352,11 @@ def _chunked_path(
     entropy_requires_grad=False,
 ) -> TokenStats | None:
     """Chunked path; returns None when the one-time check finds the model's logits differ from the chunked head."""
-    captured = forward_capturing_head_input(
-        model, head, lambda: _call_model(model, input_ids, attention_mask, position_ids, model_kwargs)
-    )
+    tied = _tied_embedding_for_in_place_grad(model, head)
+    with route_embedding_grad_in_place(tied):
+        captured = forward_capturing_head_input(
+            model, head, lambda: _call_model(model, input_ids, attention_mask, position_ids, model_kwargs)
+        )
     if captured is None:
         return None
     outputs, hidden = captured
@@ -374,6 +377,7 @@ def _chunked_path(
         chunk_size=chunk_size,
         compute_entropy=compute_entropy,
         entropy_requires_grad=entropy_requires_grad,
+        weight_grad_in_place=tied is not None,
     )
     if entropy is not None and not entropy_requires_grad:
         entropy = entropy.detach()
@@ -388,6 +392,22 @@ def _chunked_path(
         aux_loss=getattr(outputs, "aux_loss", None),
         chunked=True,
     )
+
+
+def _tied_embedding_for_in_place_grad(model: torch.nn.Module, head: _Head) -> torch.nn.Embedding | None:
+    """The input embedding when it shares the LM head's weight and both may add their gradients straight into
+    ``weight.grad`` (:mod:`posttrain.core.tied_embedding`: one ``(V, H)`` gradient instead of two), else None.
+
+    Only for an unwrapped model in one process (a DDP/FSDP/DeepSpeed wrapper or a process group owns the gradient
+    reduction), with the head used as is (scale 1 is not required: the scale is folded into the temperature).
+    """
+    if unwrap_parallel(model) is not model or not torch.is_grad_enabled():
+        return None
+    get_in = getattr(unwrap_base_model(model), "get_input_embeddings", None)
+    embedding = get_in() if callable(get_in) else None
+    if embedding is None or not in_place_tied_grad_supported(embedding, head.weight):
+        return None
+    return embedding
 
 
 def _plain_path(
