@@ -10,8 +10,10 @@ completion is done. ``GroupSampler`` instead
    identical prompts were merged),
 3. decodes step by step with transformers' own ``LogitsProcessor`` classes in ``generate``'s order (repetition
    penalty → temperature → top-k → top-p → min-p) so the sampling distribution is the same, records each sampled
-   token's log-prob under that processed distribution, and
-4. drops finished rows from the decode batch (``batch_select_indices`` on the cache, and on the mask, positions and
+   token's log-prob under that processed distribution,
+4. runs decode steps through the model's own modules directly once that matched its forward bitwise
+   (:mod:`posttrain.generation.lean_decode`), and
+5. drops finished rows from the decode batch (``batch_select_indices`` on the cache, and on the mask, positions and
    token history), so short completions stop costing compute.
 
 Greedy decoding (``do_sample=False``) applies only the repetition penalty and takes the argmax, as ``generate``
