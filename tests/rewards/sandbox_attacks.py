@@ -601,15 +601,22 @@ def attack_caller_killed_mid_run() -> None:
         "threading.Thread(target=run_python, args=('import time\\ntime.sleep(30)',), kwargs={'timeout': 30}).start()\n"
         "time.sleep(30)\n"
     )
-    trainer = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "POSTTRAIN_ATTACK_CALLER": "1"})
+    log = tempfile.TemporaryFile()  # the trainer's stderr, to say why when the sandbox never starts
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", script], env={**os.environ, "POSTTRAIN_ATTACK_CALLER": "1"}, stderr=log
+    )
     try:
         deadline = time.monotonic() + 90  # the trainer imports torch first: slow on a loaded machine
-        while not _leftovers() and time.monotonic() < deadline:
+        while not _leftovers() and trainer.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert _leftovers(), "the sandbox did not start"
+        if not _leftovers():
+            log.seek(0)
+            tail = log.read().decode(errors="replace")[-2000:]
+            raise AssertionError(f"the sandbox did not start (trainer exit code {trainer.poll()}); stderr:\n{tail}")
     finally:
         trainer.kill()
         trainer.wait()
+        log.close()
     _no_leftovers()
     # the next trainer to start sweeps what the dead one left: its cgroups and temporary directories
     sweep = "from posttrain.rewards import run_python\nassert run_python('pass').ok\n"
