@@ -283,6 +283,22 @@ def auto_chunk_size(vocab_size: int, budget_bytes: int = CHUNK_BUDGET_BYTES) -> 
     return int(max(16, min(1024, budget_bytes // (8 * max(int(vocab_size), 1)))))
 
 
+# Above this many rows (fewer than 64 whole-vocabulary tokens fit the budget) the head is tiled over the
+# vocabulary too: chunks of TILED_CHUNK_TOKENS tokens × blocks of rows sized to TILED_BUDGET_BYTES of scratch.
+# On a 151 936-row vocabulary that is 256 × 2048 (4 MiB) instead of 16 × 151 936 (19 MiB), and the (V, H) head
+# is read 16× less often (issue 26, benchmarks/RESULTS.md).
+TILE_ABOVE_VOCAB = CHUNK_BUDGET_BYTES // (8 * 64)
+TILED_CHUNK_TOKENS = 256
+TILED_BUDGET_BYTES = 4 * 2**20
+
+
+def auto_chunk_sizes(vocab_size: int) -> tuple[int, int | None]:
+    """(tokens per chunk, head rows per vocabulary block or None for untiled) for the chunked LM head."""
+    if vocab_size <= TILE_ABOVE_VOCAB:
+        return auto_chunk_size(vocab_size), None
+    return TILED_CHUNK_TOKENS, max(256, TILED_BUDGET_BYTES // (8 * TILED_CHUNK_TOKENS))
+
+
 def resolve_lm_head(model: torch.nn.Module) -> _Head | str:
     """The model's LM head as a plain linear map with a constant logit scale, or why it is not one (see the module
     docstring); a head found to differ from that map by :func:`forward_capturing_head_input` stays excluded."""
@@ -366,8 +382,9 @@ def _chunked_path(
     sel = mask[:, 1:]  # (B, T-1): position t predicts targets[:, t+1]
     h = hidden[:, :-1][sel]  # (N, H)
     y = targets[:, 1:][sel]  # (N,)
+    vocab_chunk_size = None  # an explicit chunk_size keeps its documented meaning: chunk × V scratch
     if chunk_size is None:
-        chunk_size = auto_chunk_size(head.weight.shape[0])
+        chunk_size, vocab_chunk_size = auto_chunk_sizes(head.weight.shape[0])
     logp, entropy = chunked_logprobs_from_hidden(
         h,
         head.weight,
@@ -378,12 +395,14 @@ def _chunked_path(
         compute_entropy=compute_entropy,
         entropy_requires_grad=entropy_requires_grad,
         weight_grad_in_place=tied is not None,
+        vocab_chunk_size=vocab_chunk_size,
     )
     if entropy is not None and not entropy_requires_grad:
         entropy = entropy.detach()
     correct = None
     if compute_accuracy:
-        correct = _scatter(_chunked_argmax(h.detach(), head, chunk_size) == y, sel, torch.bool)
+        argmax_chunk = chunk_size if vocab_chunk_size is None else auto_chunk_size(head.weight.shape[0])
+        correct = _scatter(_chunked_argmax(h.detach(), head, argmax_chunk) == y, sel, torch.bool)
     return TokenStats(
         logps=_scatter(logp, sel),
         mask=mask,
@@ -665,7 +684,8 @@ def forward_token_stats(
         compute_accuracy: also return whether the top-1 prediction equals the target (a no-grad chunked argmax
             pass over the same hidden states on the chunked path).
         chunk_size: tokens per chunk; the chunked path's scratch memory is about ``2 × chunk_size × V`` floats.
-            None sizes it from the vocabulary (:func:`auto_chunk_size`, ~16 MiB of scratch).
+            None sizes it from the vocabulary (:func:`auto_chunk_sizes`: ~16 MiB of scratch, or for vocabularies
+            above 32 768 rows 256-token chunks tiled into 2048-row vocabulary blocks, ~4 MiB).
         chunked: False forces the plain full-logits path (TRL's ``nll`` loss type, and reference checks).
         entropy_requires_grad: return the entropy with its autograd graph (an entropy bonus in the loss); on the
             chunked path its gradient −p (log p + H) is recomputed chunk-wise, so still no ``(B, T, V)`` logits.

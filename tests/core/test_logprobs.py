@@ -331,3 +331,103 @@ def test_chunked_peak_cuda_memory_does_not_scale_with_n_times_v():
     # chunked: float32 weight copy + float32 weight grad + two (128, V) buffers, about 0.6 GB vs 2.5 GB of logits
     assert chunked_peak < logits_bytes / 2
     torch.testing.assert_close(chunked, naive, atol=1e-3, rtol=1e-3)
+
+
+# ------------------------------------------------------------------ vocabulary tiling (vocab_chunk_size)
+
+
+def test_vocab_tiled_hand_computed_entropy_combination():
+    """V = 4 in blocks of 2, logits [0, ln 3 | 0, 0] (W rows 0, ln 3, 0, 0 with hidden [1]): Σ e^z = 1 + 3 + 1 + 1 = 6,
+    p = [1/6, 1/2, 1/6, 1/6]; label 1 -> logp = ln ½; H = −Σ p ln p = ½ ln 2 + 3·(1/6) ln 6 = ln 2 / 2 + ln 6 / 2.
+    Block masses 4/6 and 2/6, block entropies (of [¼, ¾] and [½, ½]) combine as Σ m_k (H_k + lse − lse_k)."""
+    hidden = torch.tensor([[1.0]], requires_grad=True)
+    weight = torch.tensor([[0.0], [math.log(3)], [0.0], [0.0]], requires_grad=True)
+    logps, entropy = chunked_logprobs_from_hidden(
+        hidden, weight, torch.tensor([1]), compute_entropy=True, vocab_chunk_size=2
+    )
+    assert logps.item() == pytest.approx(math.log(0.5), abs=1e-6)
+    assert entropy.item() == pytest.approx(math.log(2) / 2 + math.log(6) / 2, abs=1e-6)
+    logps.sum().backward()
+    # d logp / d hidden = Σ_v (1[v=1] − p_v) W_v = (1 − ½) ln 3
+    assert hidden.grad.item() == pytest.approx(0.5 * math.log(3), abs=1e-6)
+    torch.testing.assert_close(weight.grad, torch.tensor([[-1 / 6], [0.5], [-1 / 6], [-1 / 6]]))
+
+
+@pytest.mark.invariance
+@pytest.mark.parametrize("vocab_chunk_size", [7, 16, 49])
+@pytest.mark.parametrize("use_bias", [False, True])
+def test_vocab_tiled_matches_untiled_and_naive(vocab_chunk_size, use_bias):
+    """Blocks that do not divide V = 50 (7, 16, 49), chunks of 8 over N = 37 with ignored labels, temperature 0.8,
+    a differentiable entropy: logps, entropies and every gradient equal the naive full-logits path within 1e-5."""
+    hidden, weight, bias, labels = _inputs()
+    labels[[0, 9, 36]] = -100
+    labels[5], labels[6] = 0, 49  # first and last vocabulary rows (block edges)
+    bias = bias if use_bias else None
+    c, u = torch.randn(37), torch.randn(37)
+    logps, entropy = chunked_logprobs_from_hidden(
+        hidden, weight, labels, bias=bias, temperature=0.8, chunk_size=8, compute_entropy=True,
+        entropy_requires_grad=True, vocab_chunk_size=vocab_chunk_size,
+    )  # fmt: skip
+    ref_h, ref_w = _clone_leaf(hidden), _clone_leaf(weight)
+    ref_b = _clone_leaf(bias) if use_bias else None
+    ref_logps, ref_entropy = _naive(ref_h, ref_w, labels, ref_b, 0.8)
+    torch.testing.assert_close(logps, ref_logps, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(entropy, ref_entropy, atol=1e-5, rtol=1e-5)
+    assert logps[[0, 9, 36]].tolist() == [0.0, 0.0, 0.0]
+    ((logps * u).sum() + (entropy * c).sum()).backward()
+    ((ref_logps * u).sum() + (ref_entropy * c).sum()).backward()
+    torch.testing.assert_close(hidden.grad, ref_h.grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(weight.grad, ref_w.grad, atol=1e-5, rtol=1e-5)
+    if use_bias:
+        torch.testing.assert_close(bias.grad, ref_b.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_vocab_tiled_block_of_minus_inf_logits_has_zero_mass():
+    """A bias of −inf on a whole block (a masked part of the vocabulary): that block gets mass 0, the entropy stays
+    finite and equals the entropy over the other block; gradients are finite."""
+    hidden, weight, _, labels = _inputs(n=6, v=20)
+    labels = labels.clamp(max=9)
+    bias = torch.zeros(20)
+    bias[10:] = float("-inf")
+    logps, entropy = chunked_logprobs_from_hidden(
+        hidden, weight, labels, bias=bias, compute_entropy=True, vocab_chunk_size=10
+    )
+    ref_logps, ref_entropy = _naive(_clone_leaf(hidden)[:, :], weight[:10].detach(), labels)
+    torch.testing.assert_close(logps.detach(), ref_logps.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(entropy, ref_entropy.detach(), atol=1e-5, rtol=1e-5)
+    logps.sum().backward()
+    assert torch.isfinite(hidden.grad).all() and torch.isfinite(weight.grad).all()
+
+
+def test_vocab_tiled_in_place_weight_grad_accumulates():
+    """weight_grad_in_place with vocabulary blocks: two calls add into weight.grad exactly as autograd's sum."""
+    hidden, weight, _, labels = _inputs(n=11, v=30)
+    for _ in range(2):
+        lp, _ = chunked_logprobs_from_hidden(
+            hidden, weight, labels, chunk_size=4, vocab_chunk_size=8, weight_grad_in_place=True
+        )
+        lp.sum().backward()
+    ref_w = _clone_leaf(weight)
+    for _ in range(2):
+        _naive(hidden.detach(), ref_w, labels)[0].sum().backward()
+    torch.testing.assert_close(weight.grad, ref_w.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_vocab_chunk_size_none_or_whole_vocab_is_the_untiled_path_bitwise():
+    """None, and a block at least V, run the untiled kernel: identical bits (small vocabularies keep their numbers)."""
+    hidden, weight, bias, labels = _inputs()
+    outs = [
+        chunked_logprobs_from_hidden(
+            hidden, weight, labels, bias=bias, chunk_size=8, compute_entropy=True, vocab_chunk_size=vc
+        )
+        for vc in (None, 50, 1000)
+    ]
+    for logps, entropy in outs[1:]:
+        assert torch.equal(logps, outs[0][0]) and torch.equal(entropy, outs[0][1])
+
+
+def test_vocab_chunk_size_validation():
+    hidden, weight, _, labels = _inputs(n=4)
+    for bad in (0, -3, 2.5):
+        with pytest.raises(ValueError, match="vocab_chunk_size"):
+            chunked_logprobs_from_hidden(hidden, weight, labels, vocab_chunk_size=bad)

@@ -305,6 +305,41 @@ def test_auto_chunk_size_bounds_scratch_memory():
     assert auto_chunk_size(10**9) == 16
 
 
+def test_auto_chunk_sizes_tile_only_large_vocabularies():
+    """Up to 32 768 rows the head is not tiled (the numbers of small models stay bitwise); above, 256-token chunks
+    in 2048-row vocabulary blocks (2 × 256 × 2048 floats = 4 MiB of scratch)."""
+    from posttrain.models.forward import auto_chunk_size, auto_chunk_sizes
+
+    assert auto_chunk_sizes(320) == (1024, None)
+    assert auto_chunk_sizes(32_000) == (auto_chunk_size(32_000), None)
+    assert auto_chunk_sizes(32_768) == (64, None)
+    assert auto_chunk_sizes(32_769) == (256, 2048)
+    assert auto_chunk_sizes(151_936) == (256, 2048)
+
+
+@pytest.mark.invariance
+def test_large_vocabulary_tiled_head_matches_plain_path():
+    """A 40 000-row vocabulary (tiled automatically): log-probs, entropies and gradients of every parameter equal
+    the full-logits path; the compute-accuracy pass agrees with the logits' argmax."""
+    torch.manual_seed(0)
+    model = build_tiny_model("qwen2", vocab_size=40_000)
+    ids = torch.randint(0, 40_000, (2, 300))
+    grads = []
+    stats = []
+    for chunked in (True, False):
+        out = forward_token_stats(model, ids, chunked=chunked, compute_entropy=True, compute_accuracy=True)
+        assert out.chunked is chunked
+        (out.logps * torch.linspace(0, 1, 300)).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        stats.append(out)
+        model.zero_grad(set_to_none=True)
+    torch.testing.assert_close(stats[0].logps, stats[1].logps, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(stats[0].entropy, stats[1].entropy, atol=1e-4, rtol=1e-5)
+    assert torch.equal(stats[0].correct, stats[1].correct)
+    for name in grads[1]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], atol=1e-5, rtol=1e-4, msg=name)
+
+
 def test_plan_length_buckets_by_hand():
     from posttrain.models.forward import plan_length_buckets
 
