@@ -44,6 +44,26 @@ def block_size_for(vocab_size: int) -> int:
     return 1 << max(6, (vocab_size.bit_length() + 1) // 2)
 
 
+# Entries per row converted to float64 at a time by the block sums: ``sum(dtype=float64)`` upcasts its whole input
+# first, an (R, V) float64 copy (18.5 MiB for 16 rows of 151 936) and most of a draw's time.
+_SUM_SLICE_ENTRIES = 16384
+
+
+def _block_sums_float64(probs: torch.Tensor, block: int, full: int) -> torch.Tensor:
+    """``(R, nb)`` float64 sums of the ``full`` whole blocks of ``block`` entries (and the partial last one), a
+    slice of blocks at a time: the same sums as one call, without an ``(R, V)`` float64 copy."""
+    rows, vocab = probs.shape
+    n_blocks = full + (1 if full * block < vocab else 0)
+    sums = torch.empty(rows, n_blocks, dtype=torch.float64, device=probs.device)
+    per_slice = max(1, _SUM_SLICE_ENTRIES // block)
+    for a in range(0, full, per_slice):
+        b = min(a + per_slice, full)
+        sums[:, a:b] = probs[:, a * block : b * block].unflatten(1, (b - a, block)).sum(-1, dtype=torch.float64)
+    if n_blocks > full:
+        sums[:, full] = probs[:, full * block :].sum(-1, dtype=torch.float64)
+    return sums
+
+
 def inverse_cdf_two_level(probs: torch.Tensor, u: torch.Tensor, block: int | None = None) -> torch.Tensor:
     """The same draw as :func:`inverse_cdf` via block sums and one within-block search; returns ``(R,)`` long.
 
@@ -55,9 +75,7 @@ def inverse_cdf_two_level(probs: torch.Tensor, u: torch.Tensor, block: int | Non
     rows, vocab = probs.shape
     block = block or block_size_for(vocab)
     full = vocab // block
-    sums = probs[:, : full * block].unflatten(1, (full, block)).sum(-1, dtype=torch.float64)  # (R, full)
-    if full * block < vocab:
-        sums = torch.cat([sums, probs[:, full * block :].sum(-1, keepdim=True, dtype=torch.float64)], dim=1)
+    sums = _block_sums_float64(probs, block, full)  # (R, nb)
     block_cdf = sums.cumsum(dim=-1)  # (R, nb)
     total = block_cdf[:, -1:]
     target = _strictly_below(u * total, total)  # (R, 1)

@@ -233,7 +233,12 @@ class GroupSampler:
         else:
             index = torch.as_tensor(source, device=device)
             cache.batch_select_indices(index)
-        logits, attention_mask, history = logits[index], attention_mask[index], input_ids[index]  # (R, ·)
+        # Vocabulary-sized buffers reused by every step (logits, log-sum-exp scratch, probabilities) and one
+        # buffer for all steps' log-probs: fresh (R, V) tensors per step, interleaved with small long-lived ones,
+        # fragment the C heap and raise the resident memory the training step then starts from.
+        scratch = _DecodeScratch(len(source), logits.shape[-1], device, n_buffers=3 if s.do_sample else 2)
+        logits = torch.index_select(logits, 0, index, out=scratch.rows(0, len(source)))  # (R, V)
+        attention_mask, history = attention_mask[index], input_ids[index]  # (R, ·)
         positions = attention_mask.sum(-1)  # (R,) position of the next token
         rows = list(range(row_offset, row_offset + len(source)))  # output row of each decode-batch row
         four_d = _takes_boolean_4d_mask(model)
@@ -249,18 +254,24 @@ class GroupSampler:
         if repetition is not None:
             pad_lens = attention_mask.shape[1] - positions  # (R,) left padding the penalty must not see
         eos = set(s.eos_token_ids)
-        step_logprobs: list[tuple[list[int], torch.Tensor]] = []  # (rows, (R,) log-probs) per step, on device
+        step_lps = torch.empty(s.max_new_tokens * len(source), dtype=torch.float32, device=device)
+        step_logprobs: list[tuple[list[int], int]] = []  # (rows, offset of their log-probs in step_lps) per step
+        written = 0
         for step in range(s.max_new_tokens):
             if repetition is not None:
                 repetition.prompt_ignore_length = pad_lens
             scores = processors(history, logits)  # (R, V) float32, processed as in generate
             if s.do_sample:
-                tokens = sample_categorical(torch.softmax(scores, dim=-1), self.generator)  # (R,)
+                probs = torch.softmax(scores, dim=-1, out=scratch.rows(2, len(rows)))
+                tokens = sample_categorical(probs, self.generator)  # (R,)
             else:
                 tokens = scores.argmax(dim=-1)  # (R,)
             if logprobs is not None:
-                token_lp = scores.gather(-1, tokens[:, None]).squeeze(1) - torch.logsumexp(scores, dim=-1)  # (R,)
-                step_logprobs.append((rows, token_lp))
+                lse = logsumexp_rows(scores, scratch.rows(1, len(rows)))  # (R,)
+                token_lp = step_lps[written : written + len(rows)]
+                torch.sub(scores.gather(-1, tokens[:, None]).squeeze(1), lse, out=token_lp)
+                step_logprobs.append((rows, written))
+                written += len(rows)
             # The one host transfer per step: finished rows and the next decode batch are decided on the host.
             keep = []
             for i, (r, t) in enumerate(zip(rows, tokens.tolist())):
@@ -283,14 +294,40 @@ class GroupSampler:
             if repetition is not None:
                 history = torch.cat([history, tokens[:, None]], dim=1)
             self.last_stats["decode_batch_sizes"].append(len(rows))
-            logits = decode(tokens[:, None], mask.extend(), positions[:, None], cache)  # (R, V)
+            del scores
+            if decode is full_forward:
+                logits = decode(tokens[:, None], mask.extend(), positions[:, None], cache)  # (R, V)
+            else:
+                logits = decode(
+                    tokens[:, None], mask.extend(), positions[:, None], cache, out=scratch.rows(0, len(rows))
+                )
             positions = positions + 1
         if logprobs is not None and step_logprobs:
-            values = torch.cat([lp for _, lp in step_logprobs]).tolist()  # one transfer for the whole batch
+            values = step_lps[:written].tolist()  # one transfer for the whole batch
             it = iter(values)
             for step_rows, _ in step_logprobs:
                 for r in step_rows:
                     logprobs[r].append(next(it))
+
+
+def logsumexp_rows(x: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """``torch.logsumexp(x, -1)`` for ``x`` ``(R, V)``, bit for bit, with ``scratch`` (like ``x``) as its one
+    vocabulary-sized temporary: max, masked to 0 where infinite, then log Σ exp(x − max) + max."""
+    top = torch.amax(x, dim=-1, keepdim=True)  # (R, 1)
+    top.masked_fill_(top.abs() == float("inf"), 0.0)
+    out = torch.sum(torch.sub(x, top, out=scratch).exp_(), dim=-1)
+    return out.log_().add_(top.squeeze(-1))
+
+
+class _DecodeScratch:
+    """``n_buffers`` float32 buffers of ``rows_max × vocab`` elements, handed out as contiguous ``(R, V)`` views."""
+
+    def __init__(self, rows_max: int, vocab: int, device: torch.device, n_buffers: int):
+        self.vocab = vocab
+        self._flat = [torch.empty(rows_max * vocab, dtype=torch.float32, device=device) for _ in range(n_buffers)]
+
+    def rows(self, i: int, r: int) -> torch.Tensor:
+        return self._flat[i][: r * self.vocab].view(r, self.vocab)
 
 
 class DecodeMask:

@@ -42,6 +42,16 @@ def _parts(model: Any) -> tuple[Any, Any] | None:
     return inner, head
 
 
+def _plain_float_head(head: Any) -> bool:
+    """A bias-free float32 ``nn.Linear`` with no hooks: its output is exactly ``x @ weight.T``."""
+    return (
+        type(head) is torch.nn.Linear
+        and head.bias is None
+        and head.weight.dtype == torch.float32
+        and not (head._forward_hooks or head._forward_pre_hooks)
+    )
+
+
 class LeanDecoder:
     """Decode-step logits ``(R, V)`` float32 for one new token per row, through the model's modules directly.
 
@@ -65,15 +75,32 @@ class LeanDecoder:
         """Whether the lean forward is (or may become, after its check) the decode path."""
         return _VERDICTS.get(self.model, True)
 
-    def __call__(self, input_ids: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor, cache: Any):
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: Any,
+        out: torch.Tensor | None = None,
+    ):
+        """Logits ``(R, V)``; the lean forward writes them into ``out`` (an ``(R, V)`` float32 buffer the caller
+        reuses every step, so no vocabulary-sized tensor is allocated per step) when the head is a plain
+        float32 ``nn.Linear`` without bias."""
         verdict = _VERDICTS.get(self.model)
         if verdict is False:
             return self.full_forward(input_ids, mask, position_ids, cache)
         if verdict is True:
-            return self._lean(input_ids, mask, position_ids, cache)
-        return self._check(input_ids, mask, position_ids, cache)
+            return self._lean(input_ids, mask, position_ids, cache, out)
+        return self._check(input_ids, mask, position_ids, cache, out)
 
-    def _lean(self, input_ids: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor, cache: Any):
+    def _lean(
+        self,
+        input_ids: torch.Tensor,
+        mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: Any,
+        out: torch.Tensor | None = None,
+    ):
         inner, head = self.parts
         hidden = inner.embed_tokens(input_ids)  # (R, 1, d)
         position_embeddings = inner.rotary_emb(hidden, position_ids)
@@ -87,9 +114,19 @@ class LeanDecoder:
                 use_cache=True,
                 **kwargs,
             )
-        return head(inner.norm(hidden[:, -1:, :]))[:, -1, :].float()  # (R, V)
+        last = inner.norm(hidden[:, -1:, :])  # (R, 1, d)
+        if out is not None and _plain_float_head(head) and not torch.is_grad_enabled():
+            return torch.mm(last[:, -1, :], head.weight.T, out=out)  # F.linear's own kernel, into the buffer
+        return head(last)[:, -1, :].float()  # (R, V)
 
-    def _check(self, input_ids: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor, cache: Any):
+    def _check(
+        self,
+        input_ids: torch.Tensor,
+        mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: Any,
+        out: torch.Tensor | None = None,
+    ):
         """Run the lean forward, roll the cache back, run the model's forward; keep the lean one if bitwise equal.
 
         The model's forward runs last and rewrites the positions the lean one wrote, so the cache ends as the
@@ -97,7 +134,7 @@ class LeanDecoder:
         """
         before = [layer.get_seq_length() for layer in cache.layers]
         try:
-            lean = self._lean(input_ids, mask, position_ids, cache)
+            lean = self._lean(input_ids, mask, position_ids, cache, out)
         except Exception as error:  # noqa: BLE001 - any failure means "not this architecture"
             logger.debug("lean decode forward rejected for %s: %r", type(self.model).__name__, error)
             lean = None

@@ -67,3 +67,19 @@ def test_block_size_is_a_power_of_two_near_the_square_root():
     assert block_size_for(151_936) == 512
     assert block_size_for(8_192) == 128
     assert block_size_for(100) == 64
+
+
+def test_block_sums_sliced_equal_one_call_bit_for_bit(monkeypatch):
+    """The float64 block sums are taken a slice of blocks at a time (no (R, V) float64 copy): with slices forced
+    down to one and to three blocks, the sums equal one ``sum(dtype=float64)`` over every block, bit for bit."""
+    import posttrain.core.categorical as categorical
+
+    probs = torch.rand(5, 1000, generator=torch.Generator().manual_seed(0))
+    block, full = 64, 1000 // 64
+    whole = probs[:, : full * block].unflatten(1, (full, block)).sum(-1, dtype=torch.float64)
+    tail = probs[:, full * block :].sum(-1, dtype=torch.float64)
+    for entries in (64, 3 * 64, 10**6):
+        monkeypatch.setattr(categorical, "_SUM_SLICE_ENTRIES", entries)
+        sums = categorical._block_sums_float64(probs, block, full)
+        assert sums.shape == (5, full + 1) and sums.dtype == torch.float64
+        assert torch.equal(sums[:, :full], whole) and torch.equal(sums[:, full], tail)

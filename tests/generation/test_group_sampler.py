@@ -242,3 +242,20 @@ def test_large_vocabulary_two_level_sampling_gives_the_one_level_tokens(tokenize
     one = GroupSampler(model, generator=torch.Generator().manual_seed(2)).generate(prompts[:3], sampling, 4)
     assert two.completion_ids == one.completion_ids and two.logprobs == one.logprobs
     assert len({t for c in two.completion_ids for t in c}) > 20  # the draws spread over the vocabulary
+
+
+def test_logsumexp_rows_is_torch_logsumexp_bit_for_bit():
+    """The decode step's log-sum-exp with a reused scratch buffer returns torch.logsumexp's exact bits, including
+    rows with −inf entries and an all −inf row (−inf, not NaN)."""
+    from posttrain.generation.group_sampler import logsumexp_rows
+
+    torch.manual_seed(0)
+    for scale in (0.1, 3.0, 40.0):
+        x = torch.randn(9, 5000) * scale
+        x[1, :100] = float("-inf")
+        x[2] = float("-inf")
+        scratch = torch.empty_like(x)
+        got = logsumexp_rows(x, scratch)
+        want = torch.logsumexp(x, dim=-1)
+        assert torch.equal(got, want)
+        assert got[2].item() == float("-inf")

@@ -78,3 +78,23 @@ def test_a_model_without_the_standard_layout_keeps_its_forward(qwen):
     decoder = lean_decode.LeanDecoder(Wrapper(), full_forward=lambda *a: "full", cache_kw="cache")
     assert not decoder.active
     assert decoder(None, None, None, None) == "full"
+
+
+def test_only_a_plain_float32_linear_head_writes_into_the_callers_buffer():
+    """The lean step's ``torch.mm(..., out=)`` is ``F.linear``'s own product only for a bias-free float32
+    ``nn.Linear`` without hooks; any other head is called as a module (the verification still compares both)."""
+    plain = torch.nn.Linear(4, 6, bias=False)
+    assert lean_decode._plain_float_head(plain)
+    assert not lean_decode._plain_float_head(torch.nn.Linear(4, 6))  # bias
+    assert not lean_decode._plain_float_head(torch.nn.Linear(4, 6, bias=False).to(torch.bfloat16))
+    hooked = torch.nn.Linear(4, 6, bias=False)
+    hooked.register_forward_hook(lambda module, args, out: out * 2)
+    assert not lean_decode._plain_float_head(hooked)
+
+    class Scaled(torch.nn.Linear):
+        pass
+
+    assert not lean_decode._plain_float_head(Scaled(4, 6, bias=False))
+    x, out = torch.randn(3, 4), torch.empty(3, 6)
+    with torch.no_grad():  # decoding runs without autograd (out= takes no graph)
+        assert torch.equal(torch.mm(x, plain.weight.T, out=out), plain(x))  # the same bits as the module's forward
