@@ -39,6 +39,7 @@ from transformers import TrainingArguments
 from posttrain.data.dataset_ops import configure_streaming
 from posttrain.distributed import mean_over_processes
 from posttrain.generation.base import SamplingConfig
+from posttrain.generation.host_memory import release_freed_host_memory
 from posttrain.models.completion_scoring import completion_token_stats
 from posttrain.models.forward import TokenStats
 from posttrain.models.loading import (
@@ -868,6 +869,10 @@ class OnlineTrainerBase(BaseTrainer):
         loss = super().training_step(model, inputs, num_items_in_batch)
         self.record_metric("step_time", time.perf_counter() - start, mode="train")
         if self.accelerator.sync_gradients:
+            if self.accelerator.device.type == "cpu":
+                # The backward's freed scratch (LM-head tiles, recomputed activations) goes back to the OS before
+                # the optimizer step (whose first call allocates the Adam moments) rather than staying resident.
+                release_freed_host_memory()
             self._on_optimizer_step()
         return loss
 
