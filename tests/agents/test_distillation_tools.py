@@ -66,8 +66,12 @@ def test_server_distillation_with_tools_scores_the_tool_loop_against_the_served_
     from posttrain.serving.app import serve_in_thread
     from posttrain.serving.engine import PosttrainEngine
 
+    from posttrain.models.tiny import save_tiny_model
+
     rows = [{"prompt": [{"role": "user", "content": f"{a}+3"}]} for a in (2, 3)]
-    with serve_in_thread(PosttrainEngine.from_pretrained(tiny_model_path, device="cpu")) as url:
+    # A teacher with other weights: the student's own would give a KL of 0 up to rounding, of either sign.
+    teacher_path = save_tiny_model(tmp_path / "teacher", arch="qwen2", seed=1)
+    with serve_in_thread(PosttrainEngine.from_pretrained(teacher_path, device="cpu")) as url:
         args = ServerDistillationConfig(
             output_dir=str(tmp_path), per_device_train_batch_size=2, max_completion_length=128, max_steps=1,
             learning_rate=1e-3, report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True,
