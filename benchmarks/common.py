@@ -453,12 +453,28 @@ def execute(
     return record
 
 
+def _touch_weights(model: Any) -> None:
+    """Make every page of the model's CPU weights resident (one read per 4 KiB page; no copy)."""
+    import itertools
+
+    import torch
+
+    with torch.no_grad():
+        for t in itertools.chain(model.parameters(), model.buffers()):
+            if t.device.type == "cpu" and t.numel() and t.is_contiguous():
+                t.detach().reshape(-1)[:: max(1, 4096 // t.element_size())].sum()
+
+
 @contextlib.contextmanager
 def _model_load_probe():
     """Yield a list that receives the RSS right after the first ``from_pretrained`` (the policy) returns.
 
     Both libraries load the policy from the saved path with ``PreTrainedModel.from_pretrained``; the RSS then is the
     zero of "peak RSS above the loaded model" (everything the trainer holds beyond imports and the weights).
+    transformers maps a safetensors file's weights into memory lazily (``MAP_PRIVATE``: a page becomes resident
+    when first read, and the optimizer's first write turns it into an anonymous copy in place, counted once), so
+    the probe reads one element per page of every parameter and buffer first: otherwise the weights are
+    resident only later, inside "above the loaded model", and adding ``model_param_mib`` to it counts them twice.
     """
     from transformers import PreTrainedModel
 
@@ -470,6 +486,7 @@ def _model_load_probe():
     def probed(cls, *args, **kwargs):
         model = func(cls, *args, **kwargs)
         if not seen:
+            _touch_weights(model)
             seen.append(current_rss_bytes())
         return model
 

@@ -70,6 +70,8 @@ class StageSampler:
     def __init__(self, interval_s: float = 0.0005):
         self.step, self.stage = 0, "build"
         self.peaks: dict[tuple[int, str], list[float]] = {}
+        self.maxrss_growth: dict[tuple[int, str], float] = {}
+        self._last_high = common.peak_rss_bytes() / MIB
         self._mallinfo = _mallinfo2()
         self._interval = interval_s
         self._stop = threading.Event()
@@ -95,16 +97,26 @@ class StageSampler:
         self._stop.set()
         self._thread.join(timeout=5)
 
+    def _close_stage(self) -> None:
+        """Charge the growth of the kernel's RSS high-water mark (``ru_maxrss``) since the last boundary to the
+        stage now ending: it sees spikes shorter than the sampling interval."""
+        high = common.peak_rss_bytes() / MIB
+        grown = self.maxrss_growth.setdefault((self.step, self.stage), 0.0)
+        self.maxrss_growth[(self.step, self.stage)] = grown + max(0.0, high - self._last_high)
+        self._last_high = max(self._last_high, high)
+
     def label(self, owner: Any, attr: str, stage: str) -> None:
         """Wrap ``owner.attr`` so its call is stage ``stage`` and the time after it ``<stage> done``."""
         func = getattr(owner, attr)
 
         @functools.wraps(func)
         def labelled(*args, **kwargs):
+            self._close_stage()
             self.stage = stage
             try:
                 return func(*args, **kwargs)
             finally:
+                self._close_stage()
                 self.stage = f"{stage} done"
 
         setattr(owner, attr, labelled)
@@ -115,6 +127,7 @@ def instrument(trainer_cls: type, sampler: StageSampler) -> None:
     original = trainer_cls.training_step
 
     def training_step(self, *args, **kwargs):
+        sampler._close_stage()
         sampler.step += 1
         sampler.stage = "step start"
         if not getattr(self, "_stages_labelled", False):
@@ -149,9 +162,13 @@ def main() -> None:
     floor, params = record["adam_floor_mib"], record["model_param_mib"]
     ratio = (params + record["peak_rss_above_model_mib"]) / floor
     print(f"model loaded at {loaded} MiB RSS; params {params}, fp32 Adam floor {floor} MiB; peak ratio {ratio:.2f}")
-    print("step | stage | peak RSS above loaded model | peak anonymous RSS | peak live malloc (MiB)")
+    sampler._close_stage()
+    print(
+        "step | stage | peak RSS above loaded model | peak anonymous RSS | peak live malloc | ru_maxrss growth (MiB)"
+    )
     for (step, stage), (rss, anon, live) in sampler.peaks.items():
-        print(f"{step} | {stage} | {rss - loaded:.1f} | {anon:.1f} | {live:.1f}")
+        grown = sampler.maxrss_growth.get((step, stage), 0.0)
+        print(f"{step} | {stage} | {rss - loaded:.1f} | {anon:.1f} | {live:.1f} | {grown:.1f}")
 
 
 if __name__ == "__main__":
