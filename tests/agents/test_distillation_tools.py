@@ -63,10 +63,9 @@ def test_server_distillation_with_tools_scores_the_tool_loop_against_the_served_
     tokens stay out of the loss, tool metrics are logged and training runs."""
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
     from posttrain.experimental.server_distillation import ServerDistillationConfig, ServerDistillationTrainer
+    from posttrain.models.tiny import save_tiny_model
     from posttrain.serving.app import serve_in_thread
     from posttrain.serving.engine import PosttrainEngine
-
-    from posttrain.models.tiny import save_tiny_model
 
     rows = [{"prompt": [{"role": "user", "content": f"{a}+3"}]} for a in (2, 3)]
     # A teacher with other weights: the student's own would give a KL of 0 up to rounding, of either sign.
