@@ -303,38 +303,19 @@ class _ChunkedHiddenLogProbs(torch.autograd.Function):
             scratch = _TileScratch(min(hidden.shape[0], ctx.chunk_size), ctx.vocab_chunk_size, hidden.device, 2)
         with _no_autocast(hidden.device):
             for s, e in _chunks(hidden.shape[0], ctx.chunk_size):
+                # the chunk's rows of (lse, labels, valid, grad of logp, grad of entropy, entropy)
+                rows = tuple(
+                    None if t is None else t[s:e] for t in (lses, labels, valid, grad_logps, grad_entropies, entropies)
+                )
                 if ctx.vocab_chunk_size is not None:
-                    gh = _backward_chunk_tiled(
-                        hidden[s:e].float(),
-                        w32,
-                        b32,
-                        temperature,
-                        ctx.vocab_chunk_size,
-                        lses[s:e],
-                        labels[s:e],
-                        valid[s:e],
-                        None if grad_logps is None else grad_logps[s:e],
-                        None if grad_entropies is None else grad_entropies[s:e],
-                        None if entropies is None else entropies[s:e],
-                        grad_w,
-                        grad_b,
-                        need_h,
-                        scratch,
-                    )
+                    tile_args = (w32, b32, temperature, ctx.vocab_chunk_size)
+                    gh = _backward_chunk_tiled(hidden[s:e].float(), *tile_args, *rows, grad_w, grad_b, need_h, scratch)
                     if need_h:
                         grad_h[s:e] = gh.to(hidden.dtype)
                     continue
                 h32 = hidden[s:e].float()
                 z = _chunk_logits(h32, w32, b32, temperature)
-                gz = _backward_chunk(
-                    z,
-                    lses[s:e],
-                    labels[s:e],
-                    valid[s:e],
-                    None if grad_logps is None else grad_logps[s:e],
-                    None if grad_entropies is None else grad_entropies[s:e],
-                    None if entropies is None else entropies[s:e],
-                )
+                gz = _backward_chunk(z, *rows)
                 if temperature != 1.0:
                     gz.div_(temperature)  # z = raw / T, so dL/draw = dL/dz / T
                 if need_h:

@@ -86,12 +86,13 @@ class LeanDecoder:
         """Logits ``(R, V)``; the lean forward writes them into ``out`` (an ``(R, V)`` float32 buffer the caller
         reuses every step, so no vocabulary-sized tensor is allocated per step) when the head is a plain
         float32 ``nn.Linear`` without bias."""
+        step = (input_ids, mask, position_ids, cache)
         verdict = _VERDICTS.get(self.model)
         if verdict is False:
-            return self.full_forward(input_ids, mask, position_ids, cache)
+            return self.full_forward(*step)
         if verdict is True:
-            return self._lean(input_ids, mask, position_ids, cache, out)
-        return self._check(input_ids, mask, position_ids, cache, out)
+            return self._lean(*step, out)
+        return self._check(step, out)
 
     def _lean(
         self,
@@ -119,22 +120,16 @@ class LeanDecoder:
             return torch.mm(last[:, -1, :], head.weight.T, out=out)  # F.linear's own kernel, into the buffer
         return head(last)[:, -1, :].float()  # (R, V)
 
-    def _check(
-        self,
-        input_ids: torch.Tensor,
-        mask: torch.Tensor,
-        position_ids: torch.Tensor,
-        cache: Any,
-        out: torch.Tensor | None = None,
-    ):
+    def _check(self, step: tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any], out: torch.Tensor | None):
         """Run the lean forward, roll the cache back, run the model's forward; keep the lean one if bitwise equal.
 
         The model's forward runs last and rewrites the positions the lean one wrote, so the cache ends as the
         model's forward leaves it whatever the lean forward did (a partial write, different values, an error).
         """
+        cache = step[3]
         before = [layer.get_seq_length() for layer in cache.layers]
         try:
-            lean = self._lean(input_ids, mask, position_ids, cache, out)
+            lean = self._lean(*step, out)
         except Exception as error:  # noqa: BLE001 - any failure means "not this architecture"
             logger.debug("lean decode forward rejected for %s: %r", type(self.model).__name__, error)
             lean = None
@@ -142,7 +137,7 @@ class LeanDecoder:
             grown = layer.get_seq_length() - length
             if grown:
                 layer.crop(-grown)
-        reference = self.full_forward(input_ids, mask, position_ids, cache)
+        reference = self.full_forward(*step)
         ok = isinstance(lean, torch.Tensor) and lean.shape == reference.shape and torch.equal(lean, reference)
         _VERDICTS[self.model] = ok
         if lean is not None and not ok:
