@@ -13,6 +13,7 @@ import glob
 import json
 import os
 import platform
+import signal
 import socket
 import subprocess
 import sys
@@ -593,11 +594,45 @@ def attack_never_root_on_the_host() -> None:
         assert uids == {os.geteuid()}
 
 
+def _sandboxes_of(ancestor: int) -> dict[int, str]:
+    """Sandbox processes (see :func:`_leftovers`) descended from ``ancestor``, with their pid namespace."""
+    found = {}
+    for pid in _leftovers():
+        chain, cur = set(), pid
+        while cur > 1 and cur not in chain and len(chain) < 64:
+            chain.add(cur)
+            try:
+                with open(f"/proc/{cur}/status") as f:
+                    cur = next(int(line.split()[1]) for line in f if line.startswith("PPid:"))
+            except (OSError, StopIteration):
+                break
+        if ancestor in chain:
+            try:
+                found[pid] = os.readlink(f"/proc/{pid}/ns/pid")
+            except OSError:
+                continue
+    return found
+
+
+def _in_namespaces(namespaces: set[str]) -> list[int]:
+    """Every process still in one of these pid namespaces."""
+    left = []
+    for path in glob.glob("/proc/[0-9]*/ns/pid"):
+        try:
+            if os.readlink(path) in namespaces:
+                left.append(int(path.split("/")[2]))
+        except OSError:
+            continue
+    return left
+
+
 def attack_caller_killed_mid_run() -> None:
     """If the trainer dies (SIGKILL) while a sandbox runs, the whole sandbox dies with it (--die-with-parent)."""
     script = (
-        "import threading, time\n"
-        "from posttrain.rewards import run_python\n"
+        "import faulthandler, signal, threading, time\n"
+        "faulthandler.register(signal.SIGUSR1, all_threads=True)\n"  # where it waits, if the sandbox never starts
+        "from posttrain.rewards import run_python, sandbox_capabilities\n"
+        "sandbox_capabilities()\n"  # the capability probe's own brief sandbox runs now, not during the wait below
         "threading.Thread(target=run_python, args=('import time\\ntime.sleep(30)',), kwargs={'timeout': 30}).start()\n"
         "time.sleep(30)\n"
     )
@@ -606,10 +641,21 @@ def attack_caller_killed_mid_run() -> None:
         [sys.executable, "-c", script], env={**os.environ, "POSTTRAIN_ATTACK_CALLER": "1"}, stderr=log
     )
     try:
+        # Only the trainer's own sandbox counts (other test processes may run sandboxes meanwhile), and only once
+        # it has lasted half a second: the 30-second run, not a brief one.
+        seen: dict[int, str] = {}
         deadline = time.monotonic() + 90  # the trainer imports torch first: slow on a loaded machine
-        while not _leftovers() and trainer.poll() is None and time.monotonic() < deadline:
+        while trainer.poll() is None and time.monotonic() < deadline:
+            if _sandboxes_of(trainer.pid):
+                time.sleep(0.5)
+                seen = _sandboxes_of(trainer.pid)
+                if seen:
+                    break
             time.sleep(0.05)
-        if not _leftovers():
+        if not seen:
+            if trainer.poll() is None:
+                trainer.send_signal(signal.SIGUSR1)  # faulthandler writes every thread's stack to its stderr
+                time.sleep(1.0)
             log.seek(0)
             tail = log.read().decode(errors="replace")[-2000:]
             raise AssertionError(f"the sandbox did not start (trainer exit code {trainer.poll()}); stderr:\n{tail}")
@@ -617,7 +663,11 @@ def attack_caller_killed_mid_run() -> None:
         trainer.kill()
         trainer.wait()
         log.close()
-    _no_leftovers()
+    namespaces = set(seen.values())
+    deadline = time.monotonic() + 2.0
+    while _in_namespaces(namespaces) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _in_namespaces(namespaces), f"the killed trainer's sandbox survived: {_in_namespaces(namespaces)}"
     # the next trainer to start sweeps what the dead one left: its cgroups and temporary directories
     sweep = "from posttrain.rewards import run_python\nassert run_python('pass').ok\n"
     subprocess.run([sys.executable, "-c", sweep], check=True, env={**os.environ, "POSTTRAIN_ATTACK_CALLER": "1"})
