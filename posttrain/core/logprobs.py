@@ -25,6 +25,8 @@ import contextlib
 import torch
 from torch.autograd.function import once_differentiable
 
+from posttrain.core.scratch import ScratchBuffers
+
 __all__ = ["chunked_logprobs_from_hidden", "entropy_from_logits", "selective_log_softmax"]
 
 
@@ -244,8 +246,8 @@ class _ChunkedHiddenLogProbs(torch.autograd.Function):
             lses = torch.empty(n, dtype=torch.float32, device=hidden.device)
             entropies = torch.empty(n if compute_entropy else 0, dtype=torch.float32, device=hidden.device)
             if tiled:
-                scratch = _TileScratch(
-                    min(n, chunk_size), vocab_chunk_size, hidden.device, 2 if compute_entropy else 1
+                scratch = ScratchBuffers(
+                    2 if compute_entropy else 1, min(n, chunk_size) * vocab_chunk_size, hidden.device
                 )
             for s, e in _chunks(n, chunk_size):
                 if tiled:
@@ -300,7 +302,7 @@ class _ChunkedHiddenLogProbs(torch.autograd.Function):
             grad_w = torch.zeros_like(w32) if need_w else None
         grad_b = torch.zeros_like(b32) if need_b else None
         if ctx.vocab_chunk_size is not None:
-            scratch = _TileScratch(min(hidden.shape[0], ctx.chunk_size), ctx.vocab_chunk_size, hidden.device, 2)
+            scratch = ScratchBuffers(2, min(hidden.shape[0], ctx.chunk_size) * ctx.vocab_chunk_size, hidden.device)
         with _no_autocast(hidden.device):
             for s, e in _chunks(hidden.shape[0], ctx.chunk_size):
                 # the chunk's rows of (lse, labels, valid, grad of logp, grad of entropy, entropy)
@@ -344,16 +346,6 @@ class _ChunkedHiddenLogProbs(torch.autograd.Function):
 # that outlive it, fragments the C heap (measured: +110 MiB of resident memory for one 512-token call).
 
 
-class _TileScratch:
-    """Reusable float32 scratch for (rows, cols) tiles of at most ``rows_max × cols_max`` elements."""
-
-    def __init__(self, rows_max: int, cols_max: int, device: torch.device, count: int):
-        self._flat = [torch.empty(rows_max * cols_max, dtype=torch.float32, device=device) for _ in range(count)]
-
-    def tile(self, i: int, rows: int, cols: int) -> torch.Tensor:
-        return self._flat[i][: rows * cols].view(rows, cols)
-
-
 def _tile_logits(
     out: torch.Tensor, h32: torch.Tensor, w_k: torch.Tensor, b_k: torch.Tensor | None, temperature: float
 ) -> torch.Tensor:
@@ -382,7 +374,7 @@ def _forward_chunk_tiled(
     valid: torch.Tensor,
     compute_entropy: bool,
     vocab_chunk_size: int,
-    scratch: _TileScratch,
+    scratch: ScratchBuffers,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """:func:`_forward_chunk` for one token chunk, ``vocab_chunk_size`` head rows at a time (scratch (c, b))."""
     h32 = hidden_chunk.float()
@@ -394,7 +386,7 @@ def _forward_chunk_tiled(
     ent_blocks = torch.empty(len(blocks), c, dtype=torch.float32, device=device) if compute_entropy else None
     for k, (v0, v1) in enumerate(blocks):
         z = _tile_logits(
-            scratch.tile(0, c, v1 - v0), h32, w32[v0:v1], None if b32 is None else b32[v0:v1], temperature
+            scratch.view(0, c, v1 - v0), h32, w32[v0:v1], None if b32 is None else b32[v0:v1], temperature
         )
         local, here = _block_labels(safe_labels, v0, v1)
         z_label = torch.where(here, z.gather(-1, local.unsqueeze(-1)).squeeze(-1), z_label)
@@ -404,7 +396,7 @@ def _forward_chunk_tiled(
         torch.add(top, exp_sum.log(), out=lse_blocks[k])
         if compute_entropy:
             probs = z.div_(exp_sum.unsqueeze(-1))  # the softmax within the block
-            torch.sum(torch.special.entr(probs, out=scratch.tile(1, c, v1 - v0)), dim=-1, out=ent_blocks[k])
+            torch.sum(torch.special.entr(probs, out=scratch.view(1, c, v1 - v0)), dim=-1, out=ent_blocks[k])
     lse = torch.logsumexp(lse_blocks, dim=0)
     logp = torch.where(valid, z_label - lse, torch.zeros_like(lse))
     entropy = None
@@ -430,14 +422,14 @@ def _backward_chunk_tiled(
     grad_w: torch.Tensor | None,
     grad_b: torch.Tensor | None,
     need_h: bool,
-    scratch: _TileScratch,
+    scratch: ScratchBuffers,
 ) -> torch.Tensor | None:
     """One token chunk's backward, block by block: adds into ``grad_w``/``grad_b`` rows, returns dL/dh (c, H)."""
     c = h32.shape[0]
     grad_h = torch.zeros_like(h32) if need_h else None
     for v0, v1 in _chunks(w32.shape[0], vocab_chunk_size):
         w_k = w32[v0:v1]
-        z = _tile_logits(scratch.tile(0, c, v1 - v0), h32, w_k, None if b32 is None else b32[v0:v1], temperature)
+        z = _tile_logits(scratch.view(0, c, v1 - v0), h32, w_k, None if b32 is None else b32[v0:v1], temperature)
         local, here = _block_labels(labels, v0, v1)
         gz = _backward_chunk(
             z,
@@ -448,7 +440,7 @@ def _backward_chunk_tiled(
             grad_entropy,
             entropy,
             label_here=here,
-            probs_out=scratch.tile(1, c, v1 - v0),
+            probs_out=scratch.view(1, c, v1 - v0),
         )
         if temperature != 1.0:
             gz.div_(temperature)

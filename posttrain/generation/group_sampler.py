@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from posttrain.core.categorical import TWO_LEVEL_MIN_VOCAB, inverse_cdf, inverse_cdf_two_level
+from posttrain.core.scratch import ScratchBuffers
 from posttrain.generation.base import Completions, SamplingConfig
 from posttrain.generation.host_memory import release_freed_host_memory
 from posttrain.generation.lean_decode import LeanDecoder
@@ -236,8 +237,9 @@ class GroupSampler:
         # Vocabulary-sized buffers reused by every step (logits, log-sum-exp scratch, probabilities) and one
         # buffer for all steps' log-probs: fresh (R, V) tensors per step, interleaved with small long-lived ones,
         # fragment the C heap and raise the resident memory the training step then starts from.
-        scratch = _DecodeScratch(len(source), logits.shape[-1], device, n_buffers=3 if s.do_sample else 2)
-        logits = torch.index_select(logits, 0, index, out=scratch.rows(0, len(source)))  # (R, V)
+        vocab = logits.shape[-1]
+        scratch = ScratchBuffers(3 if s.do_sample else 2, len(source) * vocab, device)
+        logits = torch.index_select(logits, 0, index, out=scratch.view(0, len(source), vocab))  # (R, V)
         attention_mask, history = attention_mask[index], input_ids[index]  # (R, ·)
         positions = attention_mask.sum(-1)  # (R,) position of the next token
         rows = list(range(row_offset, row_offset + len(source)))  # output row of each decode-batch row
@@ -262,12 +264,12 @@ class GroupSampler:
                 repetition.prompt_ignore_length = pad_lens
             scores = processors(history, logits)  # (R, V) float32, processed as in generate
             if s.do_sample:
-                probs = torch.softmax(scores, dim=-1, out=scratch.rows(2, len(rows)))
+                probs = torch.softmax(scores, dim=-1, out=scratch.view(2, len(rows), vocab))
                 tokens = sample_categorical(probs, self.generator)  # (R,)
             else:
                 tokens = scores.argmax(dim=-1)  # (R,)
             if logprobs is not None:
-                lse = logsumexp_rows(scores, scratch.rows(1, len(rows)))  # (R,)
+                lse = logsumexp_rows(scores, scratch.view(1, len(rows), vocab))  # (R,)
                 token_lp = step_lps[written : written + len(rows)]
                 torch.sub(scores.gather(-1, tokens[:, None]).squeeze(1), lse, out=token_lp)
                 step_logprobs.append((rows, written))
@@ -299,7 +301,7 @@ class GroupSampler:
                 logits = decode(tokens[:, None], mask.extend(), positions[:, None], cache)  # (R, V)
             else:
                 logits = decode(
-                    tokens[:, None], mask.extend(), positions[:, None], cache, out=scratch.rows(0, len(rows))
+                    tokens[:, None], mask.extend(), positions[:, None], cache, out=scratch.view(0, len(rows), vocab)
                 )
             positions = positions + 1
         if logprobs is not None and step_logprobs:
@@ -317,17 +319,6 @@ def logsumexp_rows(x: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
     top.masked_fill_(top.abs() == float("inf"), 0.0)
     out = torch.sum(torch.sub(x, top, out=scratch).exp_(), dim=-1)
     return out.log_().add_(top.squeeze(-1))
-
-
-class _DecodeScratch:
-    """``n_buffers`` float32 buffers of ``rows_max × vocab`` elements, handed out as contiguous ``(R, V)`` views."""
-
-    def __init__(self, rows_max: int, vocab: int, device: torch.device, n_buffers: int):
-        self.vocab = vocab
-        self._flat = [torch.empty(rows_max * vocab, dtype=torch.float32, device=device) for _ in range(n_buffers)]
-
-    def rows(self, i: int, r: int) -> torch.Tensor:
-        return self._flat[i][: r * self.vocab].view(r, self.vocab)
 
 
 class DecodeMask:
