@@ -98,7 +98,9 @@ def choose_shared_prompt_layout(model: torch.nn.Module, batch: RolloutBatch) -> 
     mask), for a MoE model that outputs its router logits (the load-balancing aux loss reads a 2-D mask and counts
     every row's prompt tokens, so it would change), for rows with an empty prompt, or when the estimated cost — tokens times (per-token projections +
     attention span), :meth:`SharedPromptLayout.cost_ratio` — is not clearly lower. One long pack shares a system
-    prompt across groups; one pack per group keeps the (dense) attention small; the cheaper one wins.
+    prompt across groups; one pack per group keeps a dense attention small; the cheaper one wins. Under sdpa the
+    layout's mask is a :class:`~posttrain.models.tree_attention.TreeAttentionMask` (block attention) whenever its
+    blocks clearly beat the dense ``L²``, and the cost counts those blocks' scores.
     """
     config = getattr(unwrap_base_model(model), "config", None)
     impl = str(getattr(config, "_attn_implementation", None) or "sdpa")
@@ -116,12 +118,13 @@ def choose_shared_prompt_layout(model: torch.nn.Module, batch: RolloutBatch) -> 
     rows = MicroBatchRows.from_tensors(
         batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["completion_lengths"]
     )
+    block_attention = impl == "sdpa"  # sdpa calls on a TreeAttentionMask compute only the tree's blocks
     plan, best = None, SHARED_PROMPT_MIN_SAVING
     for max_pack_tokens in PACK_TOKEN_CANDIDATES:  # plans are host lists: only the winner is materialised
         candidate = plan_shared_prompt_layout(rows, max_pack_tokens=max_pack_tokens)
         if candidate is None:
             return None
-        ratio = candidate.cost_ratio(hidden_size)
+        ratio = candidate.cost_ratio(hidden_size, block_attention=block_attention)
         if ratio <= best:
             plan, best = candidate, ratio
         if candidate.num_packs == candidate.num_groups:
@@ -129,7 +132,9 @@ def choose_shared_prompt_layout(model: torch.nn.Module, batch: RolloutBatch) -> 
     if plan is None:
         return None
     pad_token_id = int(getattr(config, "pad_token_id", None) or 0)
-    return plan.materialize(pad_token_id=pad_token_id, device=batch["completion_ids"].device)
+    return plan.materialize(
+        pad_token_id=pad_token_id, device=batch["completion_ids"].device, block_attention=block_attention
+    )
 
 
 def shared_prompt_token_stats(

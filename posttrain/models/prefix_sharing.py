@@ -15,13 +15,20 @@ therefore the plain forward's (up to float summation order), while the prompt to
 
 Works with attention implementations that take arbitrary 4-D masks (sdpa, eager); flash attention reads only
 ``position_ids`` and cannot express a tree, so callers keep the plain forward there.
+With ``block_attention`` (sdpa) the mask is a :class:`~posttrain.models.tree_attention.TreeAttentionMask`, whose
+attention calls compute each segment's queries against its ancestors' and its own keys only
+(:meth:`SharedPromptPlan.attention_blocks`) rather than all ``L²`` scores of the pack.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
+
+from posttrain.core.block_attention import BlockIndex
+from posttrain.models.tree_attention import TreeAttentionMask
 
 IGNORE_INDEX = -100
 
@@ -66,12 +73,13 @@ class SharedPromptLayout:
         """Estimated cost of the packed forward over the plain one: Σ tokens × (12·d + 2·span) per layer.
 
         ``12·d`` stands for a token's projections and MLP (per unit of ``d``), ``2·span`` for its attention scores
-        and weighted sum over the keys it is computed against (the whole pack or plain row: dense kernels compute
-        masked entries too).
+        and weighted sum over the keys it is computed against: the whole pack (dense kernels compute masked
+        entries too) or, with a :class:`~posttrain.models.tree_attention.TreeAttentionMask`, its block's keys.
         """
-        return _cost_ratio(
-            self.input_ids.shape[0], self.input_ids.shape[1], self.plain_tokens, self.batch_size, hidden_size
-        )
+        packs, length = self.input_ids.shape
+        mask = self.attention_mask
+        area = mask.blocks.area if isinstance(mask, TreeAttentionMask) else packs * length * length
+        return _cost_ratio(packs * length, area, self.plain_tokens, self.batch_size, hidden_size)
 
     def predictor_index(self, loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(pack, position)`` of the hidden state predicting each token where ``loss_mask`` ``(B, C)`` is set, in
@@ -87,12 +95,17 @@ class SharedPromptLayout:
         return out
 
 
-def _cost_ratio(packs: int, length: int, plain_tokens: int, batch_size: int, hidden_size: int) -> float:
-    """``packs × length`` packed tokens against ``plain_tokens`` in ``batch_size`` rows (see ``cost_ratio``)."""
-    packed = packs * length * (12 * hidden_size + 2 * length)
+def _cost_ratio(tokens: int, area: int, plain_tokens: int, batch_size: int, hidden_size: int) -> float:
+    """``tokens`` packed tokens with ``area`` attention scores against ``plain_tokens`` in ``batch_size`` rows
+    (see ``cost_ratio``)."""
+    packed = tokens * 12 * hidden_size + 2 * area
     row = plain_tokens // max(batch_size, 1)
     plain = plain_tokens * (12 * hidden_size + 2 * row)
     return packed / max(plain, 1)
+
+
+# Block attention replaces the dense one when its (padded) score area is below this fraction of the packs' L².
+BLOCK_ATTENTION_MAX_AREA = 0.5
 
 
 def _common_prefix_length(sequences: list[tuple[int, ...]]) -> int:
@@ -180,12 +193,56 @@ class SharedPromptPlan:
     def length(self) -> int:
         return max(self.pack_lengths)
 
-    def cost_ratio(self, hidden_size: int) -> float:
-        """:meth:`SharedPromptLayout.cost_ratio` of the layout this plan materialises."""
-        return _cost_ratio(self.num_packs, self.length, self.plain_tokens, self.batch_size, hidden_size)
+    def cost_ratio(self, hidden_size: int, *, block_attention: bool = False) -> float:
+        """:meth:`SharedPromptLayout.cost_ratio` of the layout :meth:`materialize` builds with ``block_attention``."""
+        dense = self.num_packs * self.length * self.length
+        area = self._block_area() if block_attention else None
+        return _cost_ratio(
+            self.num_packs * self.length,
+            dense if area is None else area,
+            self.plain_tokens,
+            self.batch_size,
+            hidden_size,
+        )
 
-    def materialize(self, *, pad_token_id: int = 0, device: torch.device | str = "cpu") -> SharedPromptLayout:
-        """The tensors: ``(K, L)`` ids, positions and labels, the ``(K, 1, L, L)`` tree mask, and the scatter index."""
+    @cached_property
+    def attention_blocks(self) -> list[tuple[int, list[int], list[int]]]:
+        """The blocks of block attention, ``(pack, query positions, key positions)``: each segment's tokens in
+        runs of at most the longest completion segment, with its ancestors' tokens and its own up to the run's end
+        as keys — every key the tree mask lets those queries see."""
+        chunk = max(len(seg.tokens) for segments in self.packs for seg in segments if seg.row is not None)
+        blocks: list[tuple[int, list[int], list[int]]] = []
+        for k, segments in enumerate(self.packs):
+            spans, offset = [], 0
+            for seg in segments:
+                spans.append((offset, offset + len(seg.tokens)))
+                offset += len(seg.tokens)
+            for seg, (start, end) in zip(segments, spans):
+                ancestors: list[int] = []
+                parent = seg.parent
+                while parent >= 0:  # parents precede children, so ancestors' keys come first, in pack order
+                    ancestors = [*range(*spans[parent]), *ancestors]
+                    parent = segments[parent].parent
+                for first in range(start, end, chunk):
+                    last = min(first + chunk, end)
+                    blocks.append((k, list(range(first, last)), [*ancestors, *range(start, last)]))
+        return blocks
+
+    def _block_area(self) -> int | None:
+        """Padded score area of :meth:`attention_blocks`, or None when it is not clearly below the dense one."""
+        blocks = self.attention_blocks
+        area = len(blocks) * max(len(q) for _, q, _ in blocks) * max(len(k) for _, _, k in blocks)
+        dense = self.num_packs * self.length * self.length
+        return area if area < BLOCK_ATTENTION_MAX_AREA * dense else None
+
+    def materialize(
+        self, *, pad_token_id: int = 0, device: torch.device | str = "cpu", block_attention: bool = False
+    ) -> SharedPromptLayout:
+        """The tensors: ``(K, L)`` ids, positions and labels, the ``(K, 1, L, L)`` tree mask, and the scatter index.
+
+        ``block_attention`` (for sdpa models) makes the mask a
+        :class:`~posttrain.models.tree_attention.TreeAttentionMask` when its blocks clearly beat the dense ``L²``.
+        """
         length = self.length
         count = self.num_packs
         input_ids = torch.full((count, length), pad_token_id, dtype=torch.long)
@@ -208,10 +265,14 @@ class SharedPromptPlan:
             labels[k, :n] = torch.tensor(builder.labels, dtype=torch.long)
             builder.mask(length, out=attention_mask[k, 0])
         index = torch.tensor(where, dtype=torch.long).reshape(-1, 4)
+        attention_mask = attention_mask.to(device)
+        if block_attention and self._block_area() is not None:
+            blocks = BlockIndex.from_mask(attention_mask, self.attention_blocks)
+            attention_mask = TreeAttentionMask.wrap(attention_mask, blocks)
         return SharedPromptLayout(
             input_ids=input_ids.to(device),
             position_ids=position_ids.to(device),
-            attention_mask=attention_mask.to(device),
+            attention_mask=attention_mask,
             labels=labels.to(device),
             pack_index=index[:, 0].to(device),
             pack_pos=index[:, 1].to(device),

@@ -6,8 +6,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from posttrain.models.completion_scoring import completion_token_stats, shared_prompt_token_stats
+from posttrain.models.completion_scoring import (
+    choose_shared_prompt_layout,
+    completion_token_stats,
+    shared_prompt_token_stats,
+)
 from posttrain.models.prefix_sharing import IGNORE_INDEX, build_shared_prompt_layout
+from posttrain.models.tree_attention import TreeAttentionMask
 
 
 def _batch(prompts: list[list[int]], completions: list[list[int]], width: int | None = None) -> dict:
@@ -188,3 +193,72 @@ def test_shared_forward_declines_rows_longer_than_a_sliding_window(tiny_model_pa
     assert shared_prompt_token_stats(model, batch) is None
     model.config.sliding_window = 4096  # a window longer than every row changes nothing
     assert shared_prompt_token_stats(model, batch) is not None
+
+
+def _grpo_batch(vocab: int, seed: int = 0, prompt_lengths: tuple[int, int] = (12, 9)) -> dict:
+    """GRPO's usual micro-batch: 2 prompts × 8 completions of (nearly) the full width; varied lengths."""
+    g = torch.Generator().manual_seed(seed)
+    prompts, completions = [], []
+    for prompt_len in prompt_lengths:
+        prompt = torch.randint(3, vocab, (prompt_len,), generator=g).tolist()
+        for length in (20, 20, 19, 20, 5, 20, 17, 20):
+            prompts.append(prompt)
+            completions.append(torch.randint(3, vocab, (length,), generator=g).tolist())
+    return _batch(prompts, completions)
+
+
+@pytest.mark.invariance
+@pytest.mark.parametrize("fixture", ["tiny_model_path", "tiny_llama_path"])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_block_attention_forward_equals_plain_forward(fixture, checkpointing, request, monkeypatch):
+    import posttrain.models.tree_attention as tree_attention
+
+    calls = []
+    original = tree_attention.block_attention
+    monkeypatch.setattr(tree_attention, "block_attention", lambda *a, **k: calls.append(1) or original(*a, **k))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(request.getfixturevalue(fixture), attn_implementation="sdpa")
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+    batch = _grpo_batch(model.config.vocab_size)
+    layout = choose_shared_prompt_layout(model, batch)
+    assert isinstance(layout.attention_mask, TreeAttentionMask), "the GRPO batch must take block attention"
+    assert layout.cost_ratio(model.config.hidden_size) < 0.8
+    advantages = torch.randn(batch["completion_ids"].shape)
+    results = []
+    for share in (False, True):
+        model.zero_grad()
+        stats = completion_token_stats(model, batch, compute_entropy=True, share_prompts=share)
+        (stats.logps * advantages).sum().backward()
+        grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        results.append((stats.logps.detach(), stats.entropy, grads))
+    layers = model.config.num_hidden_layers
+    assert len(calls) == layers * (2 if checkpointing else 1)  # the recompute runs block attention too
+    (lp0, h0, g0), (lp1, h1, g1) = results
+    torch.testing.assert_close(lp1, lp0, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(h1, h0, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(g1, g0, atol=1e-5, rtol=1e-4)
+
+
+def test_eager_models_keep_the_dense_tree_mask(tiny_model_path):
+    batch = _grpo_batch(256, prompt_lengths=(40, 45))  # long enough prompts that the dense tree also pays
+    for attn, kind in (("sdpa", TreeAttentionMask), ("eager", torch.Tensor)):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_path, attn_implementation=attn)
+        layout = choose_shared_prompt_layout(model, batch)
+        assert layout is not None and type(layout.attention_mask) is kind
+
+
+def test_tree_mask_runs_dense_sdpa_for_other_shapes(tiny_model_path):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    mask = choose_shared_prompt_layout(model, _grpo_batch(model.config.vocab_size)).attention_mask
+    packs, _, length, _ = mask.shape
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(packs, 2, length, 8, generator=g) for _ in range(3))
+    plain = mask.as_subclass(torch.Tensor)
+    full = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(full, torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=plain))
+    # a caller that slices the keys (or broadcasts the mask) gets the dense attention with the plain mask
+    sliced = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask[..., :length], dropout_p=0.0)
+    assert type(sliced) is torch.Tensor and sliced.shape == full.shape
+    assert type(mask.float()) is torch.Tensor and type(mask[0]) is torch.Tensor  # other ops: plain tensors
