@@ -11,12 +11,13 @@ weight in either form, so the two agree up to float summation order.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["BlockIndex", "block_attention"]
+__all__ = ["BlockIndex", "block_attention", "bucket_blocks"]
 
 
 @dataclass
@@ -99,7 +100,7 @@ def block_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    blocks: BlockIndex,
+    blocks: BlockIndex | Sequence[BlockIndex],
     *,
     scale: float | None = None,
     enable_gqa: bool = False,
@@ -107,16 +108,67 @@ def block_attention(
     """Softmax attention of ``query`` ``(N, H, L, D)`` over ``key``/``value`` ``(N, Hk, L, D)`` with each query
     seeing only its block's allowed keys; ``(N, H, L, D)``, zero at positions no block queries.
 
-    Equals ``scaled_dot_product_attention(query, key, value, attn_mask=M)`` at every queried position, where
-    ``M[n, 0, i, j]`` is True exactly for the (query ``i``, key ``j``) pairs of pack ``n`` that a block allows.
-    Differentiable in ``query``, ``key`` and ``value``.
+    ``blocks`` is one :class:`BlockIndex` or several (buckets of differently shaped blocks, one attention call each,
+    so short blocks are not padded to the longest). Equals ``scaled_dot_product_attention(query, key, value,
+    attn_mask=M)`` at every queried position, where ``M[n, 0, i, j]`` is True exactly for the (query ``i``, key
+    ``j``) pairs of pack ``n`` that a block allows. Differentiable in ``query``, ``key`` and ``value``.
     """
-    # (nb, Q, H, D) / (nb, K, Hk, D): advanced indices on dims 0 and 2 come first, the head dim follows
-    q = query[blocks.pack, :, blocks.query_pos].transpose(1, 2)
-    k = key[blocks.pack, :, blocks.key_pos].transpose(1, 2)
-    v = value[blocks.pack, :, blocks.key_pos].transpose(1, 2)
-    tiles = F.scaled_dot_product_attention(q, k, v, attn_mask=blocks.allowed, scale=scale, enable_gqa=enable_gqa)
+    buckets = [blocks] if isinstance(blocks, BlockIndex) else list(blocks)
+    # token-major (N, L, H, D) copies: each gathered position is then one contiguous H x D run
+    query_t, key_t, value_t = (x.transpose(1, 2).contiguous() for x in (query, key, value))
+    values, packs, positions = [], [], []
+    for bucket in buckets:
+        q = query_t[bucket.pack, bucket.query_pos].transpose(1, 2)  # (nb, H, Q, D)
+        k = key_t[bucket.pack, bucket.key_pos].transpose(1, 2)  # (nb, Hk, K, D)
+        v = value_t[bucket.pack, bucket.key_pos].transpose(1, 2)
+        tiles = F.scaled_dot_product_attention(q, k, v, attn_mask=bucket.allowed, scale=scale, enable_gqa=enable_gqa)
+        values.append(tiles.transpose(1, 2)[bucket.valid_block, bucket.valid_slot])  # (n, H, D)
+        packs.append(bucket.out_pack)
+        positions.append(bucket.out_pos)
+    if len(buckets) > 1:
+        values, packs, positions = [torch.cat(values)], [torch.cat(packs)], [torch.cat(positions)]
     batch, heads, length, dim = query.shape[0], query.shape[1], query.shape[2], value.shape[-1]
-    out = tiles.new_zeros((batch, length, heads, dim))
-    out = out.index_put((blocks.out_pack, blocks.out_pos), tiles.transpose(1, 2)[blocks.valid_block, blocks.valid_slot])
+    out = values[0].new_zeros((batch, length, heads, dim))
+    out = out.index_put((packs[0], positions[0]), values[0])
     return out.transpose(1, 2)  # (N, H, L, D), a view of the (N, L, H, D) buffer
+
+
+def bucket_blocks(
+    shapes: Sequence[tuple[int, int]], *, max_buckets: int = 4, call_area: int = 4096
+) -> tuple[list[list[int]], int]:
+    """Group blocks of ``(queries, keys)`` sizes into at most ``max_buckets`` attention calls, each padded to its
+    largest block: returns the buckets (block indices) and their cost, Σ padded scores + ``call_area`` per call.
+
+    Blocks are ordered by key count and each bucket is a run of that order; starting from one bucket, the split
+    that lowers the cost most is applied until none does (greedy, O(blocks) per split).
+    """
+    order = sorted(range(len(shapes)), key=lambda i: (shapes[i][1], shapes[i][0]))
+
+    def cost(lo: int, hi: int) -> int:  # blocks order[lo:hi] as one call
+        widest_q = max(shapes[i][0] for i in order[lo:hi])
+        return (hi - lo) * widest_q * shapes[order[hi - 1]][1] + call_area
+
+    runs = [(0, len(order))]
+    while len(runs) < max_buckets:
+        best = None  # (saving, run index, split point)
+        for r, (lo, hi) in enumerate(runs):
+            whole = cost(lo, hi)
+            prefix_q = []  # widest queries of order[lo:m] for every m
+            widest = 0
+            for m in range(lo, hi):
+                widest = max(widest, shapes[order[m]][0])
+                prefix_q.append(widest)
+            suffix_widest = 0
+            for m in range(hi - 1, lo, -1):  # split into order[lo:m] and order[m:hi]
+                suffix_widest = max(suffix_widest, shapes[order[m]][0])
+                left = (m - lo) * prefix_q[m - 1 - lo] * shapes[order[m - 1]][1] + call_area
+                right = (hi - m) * suffix_widest * shapes[order[hi - 1]][1] + call_area
+                saving = whole - left - right
+                if saving > 0 and (best is None or saving > best[0]):
+                    best = (saving, r, m)
+        if best is None:
+            break
+        _, r, m = best
+        lo, hi = runs[r]
+        runs[r : r + 1] = [(lo, m), (m, hi)]
+    return [order[lo:hi] for lo, hi in runs], sum(cost(lo, hi) for lo, hi in runs)

@@ -27,7 +27,7 @@ from functools import cached_property
 
 import torch
 
-from posttrain.core.block_attention import BlockIndex
+from posttrain.core.block_attention import BlockIndex, bucket_blocks
 from posttrain.models.tree_attention import TreeAttentionMask
 
 IGNORE_INDEX = -100
@@ -78,7 +78,7 @@ class SharedPromptLayout:
         """
         packs, length = self.input_ids.shape
         mask = self.attention_mask
-        area = mask.blocks.area if isinstance(mask, TreeAttentionMask) else packs * length * length
+        area = sum(b.area for b in mask.blocks) if isinstance(mask, TreeAttentionMask) else packs * length * length
         return _cost_ratio(packs * length, area, self.plain_tokens, self.batch_size, hidden_size)
 
     def predictor_index(self, loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,6 +106,9 @@ def _cost_ratio(tokens: int, area: int, plain_tokens: int, batch_size: int, hidd
 
 # Block attention replaces the dense one when its (padded) score area is below this fraction of the packs' L².
 BLOCK_ATTENTION_MAX_AREA = 0.5
+# Query-run lengths tried for block attention besides the longest completion segment (sdpa's CPU kernel tiles
+# queries by 32 below 192 rows).
+BLOCK_QUERY_CHUNKS = (32, 64, 128)
 
 
 def _common_prefix_length(sequences: list[tuple[int, ...]]) -> int:
@@ -206,12 +209,16 @@ class SharedPromptPlan:
         )
 
     @cached_property
-    def attention_blocks(self) -> list[tuple[int, list[int], list[int]]]:
-        """The blocks of block attention, ``(pack, query positions, key positions)``: each segment's tokens in
-        runs of at most the longest completion segment, with its ancestors' tokens and its own up to the run's end
-        as keys — every key the tree mask lets those queries see."""
-        chunk = max(len(seg.tokens) for segments in self.packs for seg in segments if seg.row is not None)
-        blocks: list[tuple[int, list[int], list[int]]] = []
+    def attention_blocks(self) -> tuple[list[list[tuple[int, list[int], list[int]]]], int]:
+        """The blocks of block attention in buckets (one attention call each), and their padded cost (see
+        :func:`~posttrain.core.block_attention.bucket_blocks`).
+
+        A block is ``(pack, query positions, key positions)``: a run of one segment's tokens with its ancestors'
+        tokens and its own up to the run's end as keys — every key the tree mask lets those queries see. Runs are
+        at most ``chunk`` tokens, ``chunk`` the cheapest of :data:`BLOCK_QUERY_CHUNKS` and the longest completion
+        segment (varied completion lengths pad less in short runs; equal ones fit one run each).
+        """
+        segments_of: list[tuple[int, int, int, list[int]]] = []  # (pack, start, end, ancestor key positions)
         for k, segments in enumerate(self.packs):
             spans, offset = [], 0
             for seg in segments:
@@ -223,17 +230,33 @@ class SharedPromptPlan:
                 while parent >= 0:  # parents precede children, so ancestors' keys come first, in pack order
                     ancestors = [*range(*spans[parent]), *ancestors]
                     parent = segments[parent].parent
-                for first in range(start, end, chunk):
-                    last = min(first + chunk, end)
-                    blocks.append((k, list(range(first, last)), [*ancestors, *range(start, last)]))
-        return blocks
+                segments_of.append((k, start, end, ancestors))
+        longest = max(len(seg.tokens) for segments in self.packs for seg in segments if seg.row is not None)
+        best = None
+        for chunk in sorted({c for c in BLOCK_QUERY_CHUNKS if c < longest} | {longest}):
+            runs = [
+                (s, first, min(first + chunk, end))
+                for s, (_, start, end, _) in enumerate(segments_of)
+                for first in range(start, end, chunk)
+            ]
+            shapes = [(last - first, len(segments_of[s][3]) + last - segments_of[s][1]) for s, first, last in runs]
+            buckets, cost = bucket_blocks(shapes)
+            if best is None or cost < best[0]:
+                best = (cost, runs, buckets)
+        cost, runs, buckets = best
+
+        def block(i: int) -> tuple[int, list[int], list[int]]:
+            s, first, last = runs[i]
+            pack, start, _, ancestors = segments_of[s]
+            return pack, list(range(first, last)), [*ancestors, *range(start, last)]
+
+        return [[block(i) for i in bucket] for bucket in buckets], cost
 
     def _block_area(self) -> int | None:
-        """Padded score area of :meth:`attention_blocks`, or None when it is not clearly below the dense one."""
-        blocks = self.attention_blocks
-        area = len(blocks) * max(len(q) for _, q, _ in blocks) * max(len(k) for _, _, k in blocks)
+        """Padded cost of :meth:`attention_blocks`, or None when it is not clearly below the dense ``L²``."""
+        _, cost = self.attention_blocks
         dense = self.num_packs * self.length * self.length
-        return area if area < BLOCK_ATTENTION_MAX_AREA * dense else None
+        return cost if cost < BLOCK_ATTENTION_MAX_AREA * dense else None
 
     def materialize(
         self, *, pad_token_id: int = 0, device: torch.device | str = "cpu", block_attention: bool = False
@@ -267,7 +290,8 @@ class SharedPromptPlan:
         index = torch.tensor(where, dtype=torch.long).reshape(-1, 4)
         attention_mask = attention_mask.to(device)
         if block_attention and self._block_area() is not None:
-            blocks = BlockIndex.from_mask(attention_mask, self.attention_blocks)
+            buckets, _ = self.attention_blocks
+            blocks = tuple(BlockIndex.from_mask(attention_mask, bucket) for bucket in buckets)
             attention_mask = TreeAttentionMask.wrap(attention_mask, blocks)
         return SharedPromptLayout(
             input_ids=input_ids.to(device),

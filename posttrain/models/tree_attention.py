@@ -12,6 +12,7 @@ converts the mask) sees a plain boolean tensor, so such models run the dense att
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -27,18 +28,19 @@ _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "s
 class TreeAttentionMask(torch.Tensor):
     """A ``(K, 1, L, L)`` bool attention mask whose sdpa calls run as block attention (see the module docstring).
 
-    Build with :meth:`wrap`; ``blocks`` must cover every True entry of the mask for the rows they query.
+    Build with :meth:`wrap`; ``blocks`` (one bucket or several) must cover every True entry of the mask for the rows
+    they query.
     """
 
-    blocks: BlockIndex
+    blocks: tuple[BlockIndex, ...]
 
     @staticmethod
-    def wrap(mask: torch.Tensor, blocks: BlockIndex) -> TreeAttentionMask:
+    def wrap(mask: torch.Tensor, blocks: BlockIndex | Sequence[BlockIndex]) -> TreeAttentionMask:
         """``mask`` (same storage) as a :class:`TreeAttentionMask` carrying ``blocks``."""
         if mask.dim() != 4 or mask.dtype != torch.bool:
             raise ValueError(f"TreeAttentionMask wraps a 4-D bool mask, got {tuple(mask.shape)} {mask.dtype}.")
         out = mask.as_subclass(TreeAttentionMask)
-        out.blocks = blocks
+        out.blocks = (blocks,) if isinstance(blocks, BlockIndex) else tuple(blocks)
         return out
 
     @classmethod

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from posttrain.core.block_attention import BlockIndex, block_attention
+from posttrain.core.block_attention import BlockIndex, block_attention, bucket_blocks
 
 
 def test_block_attention_by_hand():
@@ -102,3 +102,36 @@ def test_block_index_rejects_bad_blocks():
         BlockIndex.from_mask(mask, [(0, [0], [])])
     with pytest.raises(ValueError, match="must attend to one of the block's keys"):
         BlockIndex.from_mask(mask, [(0, [1], [0])])  # token 1 only sees itself, which the block leaves out
+
+
+def test_bucket_blocks_by_hand():
+    shapes = [(32, 400), (32, 50), (32, 410), (32, 60)]  # two short-key blocks, two long-key ones
+    # one call: 4 x 32 x 410 + 1000 = 53 480; split {50, 60} | {400, 410}: 2*32*60 + 2*32*410 + 2000 = 32 080;
+    # splitting further saves 220 in scores but costs another 1000 per call
+    buckets, cost = bucket_blocks(shapes, call_area=1000)
+    assert buckets == [[1, 3], [0, 2]] and cost == 32_080
+    buckets, cost = bucket_blocks(shapes, call_area=100, max_buckets=4)
+    assert buckets == [[1], [3], [0], [2]] and cost == 32 * (50 + 60 + 400 + 410) + 400
+    buckets, cost = bucket_blocks(shapes, call_area=100, max_buckets=1)
+    assert buckets == [[1, 3, 0, 2]] and cost == 4 * 32 * 410 + 100
+    # padded queries count too: a 1-query block with many keys is cheap to keep apart from 32-query ones
+    buckets, _ = bucket_blocks([(32, 40), (1, 300), (32, 41)], call_area=100)
+    assert sorted(map(sorted, buckets)) == [[0, 2], [1]]
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_block_attention_over_several_buckets_equals_one(seed):
+    mask, blocks, _ = _random_tree(seed)
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(2, 2, 23, 8, generator=g, requires_grad=True) for _ in range(3))
+    one = block_attention(q, k, v, BlockIndex.from_mask(mask, blocks))
+    shapes = [(len(qs), len(ks)) for _, qs, ks in blocks]
+    groups, _ = bucket_blocks(shapes, call_area=1)
+    assert len(groups) > 1
+    several = block_attention(q, k, v, [BlockIndex.from_mask(mask, [blocks[i] for i in grp]) for grp in groups])
+    torch.testing.assert_close(several, one, rtol=1e-6, atol=1e-6)
+    weight = torch.randn(one.shape, generator=g)
+    for a, b in zip(
+        torch.autograd.grad((several * weight).sum(), (q, k, v)), torch.autograd.grad((one * weight).sum(), (q, k, v))
+    ):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

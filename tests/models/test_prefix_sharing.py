@@ -207,10 +207,25 @@ def _grpo_batch(vocab: int, seed: int = 0, prompt_lengths: tuple[int, int] = (12
     return _batch(prompts, completions)
 
 
+def _system_prompt_batch(vocab: int, seed: int = 0) -> dict:
+    """2 groups × 8 behind a shared 70-token system prompt, completions of 1-40 tokens: one pack for both groups,
+    block attention in several buckets (short and long completions, the system prompt's own runs)."""
+    g = torch.Generator().manual_seed(seed)
+    system = torch.randint(3, vocab, (70,), generator=g).tolist()
+    prompts, completions = [], []
+    for user_len in (6, 9):
+        prompt = system + torch.randint(3, vocab, (user_len,), generator=g).tolist()
+        for length in (40, 3, 35, 12, 40, 1, 28, 40):
+            prompts.append(prompt)
+            completions.append(torch.randint(3, vocab, (length,), generator=g).tolist())
+    return _batch(prompts, completions)
+
+
 @pytest.mark.invariance
 @pytest.mark.parametrize("fixture", ["tiny_model_path", "tiny_llama_path"])
 @pytest.mark.parametrize("checkpointing", [False, True])
-def test_block_attention_forward_equals_plain_forward(fixture, checkpointing, request, monkeypatch):
+@pytest.mark.parametrize("make_batch", [_grpo_batch, _system_prompt_batch])
+def test_block_attention_forward_equals_plain_forward(fixture, checkpointing, make_batch, request, monkeypatch):
     import posttrain.models.tree_attention as tree_attention
 
     calls = []
@@ -221,9 +236,11 @@ def test_block_attention_forward_equals_plain_forward(fixture, checkpointing, re
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
-    batch = _grpo_batch(model.config.vocab_size)
+    batch = make_batch(model.config.vocab_size)
     layout = choose_shared_prompt_layout(model, batch)
-    assert isinstance(layout.attention_mask, TreeAttentionMask), "the GRPO batch must take block attention"
+    assert isinstance(layout.attention_mask, TreeAttentionMask), "the batch must take block attention"
+    if make_batch is _system_prompt_batch:
+        assert layout.input_ids.shape[0] == 1 and len(layout.attention_mask.blocks) > 1
     assert layout.cost_ratio(model.config.hidden_size) < 0.8
     advantages = torch.randn(batch["completion_ids"].shape)
     results = []
