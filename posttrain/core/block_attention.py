@@ -55,20 +55,14 @@ class BlockIndex:
             raise ValueError("block_attention needs at least one block.")
         width_q = max(len(q) for _, q, _ in blocks)
         width_k = max(len(k) for _, _, k in blocks)
-        count = len(blocks)
-        query_pos = torch.zeros((count, width_q), dtype=torch.long)
-        key_pos = torch.zeros((count, width_k), dtype=torch.long)
-        real_q = torch.zeros((count, width_q), dtype=torch.bool)
-        real_k = torch.zeros((count, width_k), dtype=torch.bool)
         for b, (_, queries, keys) in enumerate(blocks):
             if not queries or not keys:
                 raise ValueError(f"block {b} has no queries or no keys.")
-            query_pos[b, : len(queries)] = torch.tensor(queries, dtype=torch.long)
-            query_pos[b, len(queries) :] = queries[0]
-            key_pos[b, : len(keys)] = torch.tensor(keys, dtype=torch.long)
-            key_pos[b, len(keys) :] = keys[0]
-            real_q[b, : len(queries)] = True
-            real_k[b, : len(keys)] = True
+        # padded slots repeat the block's first position; one host-to-tensor conversion per index
+        query_pos = torch.tensor([[*q, *[q[0]] * (width_q - len(q))] for _, q, _ in blocks], dtype=torch.long)
+        key_pos = torch.tensor([[*k, *[k[0]] * (width_k - len(k))] for _, _, k in blocks], dtype=torch.long)
+        real_q = torch.arange(width_q) < torch.tensor([len(q) for _, q, _ in blocks]).unsqueeze(1)  # (nb, Q)
+        real_k = torch.arange(width_k) < torch.tensor([len(k) for _, _, k in blocks]).unsqueeze(1)  # (nb, K)
         device = mask.device
         pack = torch.tensor([p for p, _, _ in blocks], dtype=torch.long).unsqueeze(1)
         query_pos, key_pos, real_q, real_k, pack = (t.to(device) for t in (query_pos, key_pos, real_q, real_k, pack))
