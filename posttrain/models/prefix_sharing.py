@@ -106,6 +106,9 @@ def _cost_ratio(tokens: int, area: int, plain_tokens: int, batch_size: int, hidd
 
 # Block attention replaces the dense one when its (padded) score area is below this fraction of the packs' L².
 BLOCK_ATTENTION_MAX_AREA = 0.5
+# ... and when its gathered key/value copies are at most this many times the packs' own keys (a long prompt shared by
+# many blocks is copied once per block: behind a 330-token system prompt with 16 completions, 14x, +70 MiB peak).
+BLOCK_ATTENTION_MAX_GATHER = 4
 # Query-run lengths tried for block attention besides the longest completion segment (sdpa's CPU kernel tiles
 # queries by 32 below 192 rows).
 BLOCK_QUERY_CHUNKS = (32, 64, 128)
@@ -253,9 +256,14 @@ class SharedPromptPlan:
         return [[block(i) for i in bucket] for bucket in buckets], cost
 
     def _block_area(self) -> int | None:
-        """Padded cost of :meth:`attention_blocks`, or None when it is not clearly below the dense ``L²``."""
-        _, cost = self.attention_blocks
+        """Padded cost of :meth:`attention_blocks`, or None when it is not clearly below the dense ``L²`` or its
+        gathered keys (each block's copy of its ancestors' keys and values, held for the backward) would exceed
+        :data:`BLOCK_ATTENTION_MAX_GATHER` × the pack's own."""
+        buckets, cost = self.attention_blocks
         dense = self.num_packs * self.length * self.length
+        gathered = sum(len(bucket) * max(len(keys) for _, _, keys in bucket) for bucket in buckets)
+        if gathered > BLOCK_ATTENTION_MAX_GATHER * self.num_packs * self.length:
+            return None
         return cost if cost < BLOCK_ATTENTION_MAX_AREA * dense else None
 
     def materialize(

@@ -208,10 +208,10 @@ def _grpo_batch(vocab: int, seed: int = 0, prompt_lengths: tuple[int, int] = (12
 
 
 def _system_prompt_batch(vocab: int, seed: int = 0) -> dict:
-    """2 groups × 8 behind a shared 70-token system prompt, completions of 1-40 tokens: one pack for both groups,
-    block attention in several buckets (short and long completions, the system prompt's own runs)."""
+    """2 groups × 8 behind a shared 20-token system prompt, completions of 1-40 tokens: one pack for both groups,
+    block attention in several buckets (short and long completions, the prompts' own runs)."""
     g = torch.Generator().manual_seed(seed)
-    system = torch.randint(3, vocab, (70,), generator=g).tolist()
+    system = torch.randint(3, vocab, (20,), generator=g).tolist()
     prompts, completions = [], []
     for user_len in (6, 9):
         prompt = system + torch.randint(3, vocab, (user_len,), generator=g).tolist()
@@ -256,6 +256,26 @@ def test_block_attention_forward_equals_plain_forward(fixture, checkpointing, ma
     torch.testing.assert_close(lp1, lp0, atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(h1, h0, atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(g1, g0, atol=1e-5, rtol=1e-4)
+
+
+def test_block_attention_declines_when_prompt_copies_would_dominate(tiny_model_path):
+    import posttrain.models.prefix_sharing as ps
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    g = torch.Generator().manual_seed(0)
+    system = torch.randint(3, 250, (300,), generator=g).tolist()  # every block would copy these 300 keys
+    prompts = [system + [7, 8]] * 8 + [system + [9]] * 8
+    completions = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (90, 5, 60, 33, 90, 12, 70, 90) * 2]
+    batch = _batch(prompts, completions)
+    layout = choose_shared_prompt_layout(model, batch)
+    assert layout is not None and type(layout.attention_mask) is torch.Tensor  # shared prompt, dense tree attention
+    plan_buckets = ps.plan_shared_prompt_layout(
+        ps.MicroBatchRows.from_tensors(
+            batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["completion_lengths"]
+        )
+    ).attention_blocks[0]
+    gathered = sum(len(b) * max(len(k) for _, _, k in b) for b in plan_buckets)
+    assert gathered > ps.BLOCK_ATTENTION_MAX_GATHER * layout.input_ids.numel()
 
 
 def test_eager_models_keep_the_dense_tree_mask(tiny_model_path):
