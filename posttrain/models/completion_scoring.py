@@ -118,7 +118,9 @@ def choose_shared_prompt_layout(model: torch.nn.Module, batch: RolloutBatch) -> 
     rows = MicroBatchRows.from_tensors(
         batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["completion_lengths"]
     )
-    block_attention = impl == "sdpa"  # sdpa calls on a TreeAttentionMask compute only the tree's blocks
+    # sdpa calls on a TreeAttentionMask compute only the tree's blocks; a compiled model keeps the plain mask (its
+    # graph would have to trace the tensor subclass)
+    block_attention = impl == "sdpa" and not _is_compiled(model)
     plan, best = None, SHARED_PROMPT_MIN_SAVING
     for max_pack_tokens in PACK_TOKEN_CANDIDATES:  # plans are host lists: only the winner is materialised
         candidate = plan_shared_prompt_layout(rows, max_pack_tokens=max_pack_tokens)
@@ -171,6 +173,16 @@ def shared_prompt_token_stats(
         aux_loss=stats.aux_loss,
         chunked=stats.chunked,
     )
+
+
+def _is_compiled(model: torch.nn.Module) -> bool:
+    """``torch.compile``'d: an ``OptimizedModule`` wrapper (``torch.compile(model)``, ``torch_compile=True``) or a
+    module compiled in place (``model.compile()``), also under DDP / accelerate wrappers."""
+    while model is not None:
+        if hasattr(model, "_orig_mod") or getattr(model, "_compiled_call_impl", None) is not None:
+            return True
+        model = getattr(model, "module", None)
+    return False
 
 
 def _is_prompt_learning(model: torch.nn.Module) -> bool:

@@ -278,6 +278,16 @@ def test_block_attention_declines_when_prompt_copies_would_dominate(tiny_model_p
     assert gathered > ps.BLOCK_ATTENTION_MAX_GATHER * layout.input_ids.numel()
 
 
+def test_compiled_models_keep_the_plain_tree_mask(tiny_model_path):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    batch = _grpo_batch(256, prompt_lengths=(40, 45))  # long enough prompts that the dense tree also pays
+    assert isinstance(choose_shared_prompt_layout(model, batch).attention_mask, TreeAttentionMask)
+    compiled = torch.compile(model)  # wrapping only; nothing is traced until it runs
+    assert type(choose_shared_prompt_layout(compiled, batch).attention_mask) is torch.Tensor
+    model.compile()
+    assert type(choose_shared_prompt_layout(model, batch).attention_mask) is torch.Tensor
+
+
 def test_eager_models_keep_the_dense_tree_mask(tiny_model_path):
     batch = _grpo_batch(256, prompt_lengths=(40, 45))  # long enough prompts that the dense tree also pays
     for attn, kind in (("sdpa", TreeAttentionMask), ("eager", torch.Tensor)):
