@@ -130,10 +130,10 @@ def run_demo(
 
     from posttrain.demo.evaluate import evaluate as evaluate_model
     from posttrain.demo.evaluate import paired_gain
+    from posttrain.demo.report import write_demo_report
     from posttrain.demo.tasks import make_datasets
     from posttrain.models.loading import create_model_from_path
     from posttrain.models.tiny import build_tiny_model, build_tiny_tokenizer
-    from posttrain.report.demo import write_demo_report
 
     mode = "quick" if quick else "full"
     out = Path(output_dir).resolve()
