@@ -97,7 +97,7 @@ class ServedTeacher:
     student's ``[prompt | completion]`` sequences, flattened to the loss tokens."""
 
     def __init__(self, base_url: str, vocab_rows: int, timeout: float = 240.0):
-        from posttrain.serving.client import GenerationClient
+        from posttrain.generation.client import GenerationClient
 
         self.client = GenerationClient(base_url.rstrip("/"), request_timeout=timeout)
         self.vocab_rows = vocab_rows

@@ -9,6 +9,10 @@
 - ``"vllm_colocate"``: ``VLLMColocateBackend``, vLLM's engine in the trainer (``pip install posttrain[vllm]``, CUDA);
 - ``"rollout_func"``: ``RolloutFuncBackend``, the user's ``rollout_func(prompts, trainer)``.
 
+The trainer's side of the generation server's wire lives here too, so that backends, the async rollout worker and
+the server (``posttrain.serving``, a layer above) share it: ``client`` (``GenerationClient``) and ``weights`` (what a
+weight push sends and how the server loads it).
+
 Backends are imported lazily (``get_backend``), so importing this package imports neither torch nor transformers.
 """
 

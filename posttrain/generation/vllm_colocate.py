@@ -87,7 +87,7 @@ class VLLMColocateBackend:
 
     def sync_weights(self, model: Any) -> None:
         """Load the policy's current (PEFT-merged) weights into the engine."""
-        from posttrain.serving.weights import policy_weights
+        from posttrain.generation.weights import policy_weights
 
         if self.sleep_mode:
             self.llm.wake_up(tags=["weights"])

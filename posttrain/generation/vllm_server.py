@@ -88,12 +88,12 @@ class VLLMServerBackend:
         seed_requests: bool = True,
     ):
         try:
-            from posttrain.serving.client import GenerationClient
+            from posttrain.generation.client import GenerationClient
         except ImportError as err:
             raise ImportError(
                 "vllm_mode='server' needs httpx: pip install posttrain[serve]."
             ) from err
-        from posttrain.serving.weights import DEFAULT_CHUNK_BYTES
+        from posttrain.generation.weights import DEFAULT_CHUNK_BYTES
 
         if base_url is None:
             base_url = getattr(args, "vllm_server_base_url", None)
@@ -210,7 +210,7 @@ class VLLMServerBackend:
         ``version`` sets the weight version the server reports from now on (posttrain protocol; default: its
         previous version + 1), e.g. the trainer's ``global_step`` for staleness bookkeeping.
         """
-        from posttrain.serving.weights import policy_weights, serialize_chunks
+        from posttrain.generation.weights import policy_weights, serialize_chunks
 
         rank, distributed = _dist()
         with policy_weights(model) as items:

@@ -398,7 +398,7 @@ class AsyncRolloutMixin(abc.ABC):
 
     def _start_worker(self) -> None:
         """Push the current weights (version = global_step) and wait, then spawn the worker at ``self._next_round``."""
-        from posttrain.serving.client import GenerationClient
+        from posttrain.generation.client import GenerationClient
 
         if self._inner_backend().protocol != "posttrain":
             raise ValueError(
@@ -494,7 +494,7 @@ class AsyncRolloutMixin(abc.ABC):
         once (a snapshot not yet sent when a newer one arrives is dropped, counted in
         ``perf/weight_pushes_superseded_total``). ``wait`` blocks until it is on the server.
         """
-        from posttrain.serving.weights import policy_weights, serialize_chunks
+        from posttrain.generation.weights import policy_weights, serialize_chunks
 
         if self._push_client is None:  # not connected yet: the worker's start pushes these weights
             return

@@ -13,7 +13,7 @@ Endpoints (FastAPI on uvicorn):
 - ``POST /get_sequence_logprobs/`` — TRL's teacher-scoring request for server distillation: ``sequences`` (token
   ids), ``prompt_lengths``, ``top_logprobs`` (K), ``temperature``; returns, per completion token, the top-K
   ``logprobs`` / ``logprob_token_ids`` and the ``actual_logprobs`` of the sequence's own tokens (posttrain engine).
-- ``POST /v1/load_weights`` — a safetensors payload as the body (see ``posttrain.serving.weights`` for why);
+- ``POST /v1/load_weights`` — a safetensors payload as the body (see ``posttrain.generation.weights`` for why);
   query ``update_id`` + ``last=false`` stage a chunk of a larger update, ``last=true`` (default) applies everything
   staged for that ``update_id`` at once; ``version=N`` sets the new weight version (default: previous + 1).
 - TRL's ``trl vllm-serve`` API: ``POST /generate/`` (same sampling fields, TRL's response shape),
@@ -525,7 +525,7 @@ def create_app(engine: Any, *, max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE, ver
 
     @app.post("/v1/load_weights")
     async def load_weights(request: Request, update_id: str | None = None, last: bool = True, version: int | None = None):
-        from posttrain.serving.weights import deserialize
+        from posttrain.generation.weights import deserialize
 
         body = await request.body()
         if not body:

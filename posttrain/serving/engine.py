@@ -257,7 +257,7 @@ class PosttrainEngine:
         return out
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> int:
-        from posttrain.serving.weights import load_into
+        from posttrain.generation.weights import load_into
 
         return load_into(self.model, tensors)
 

@@ -1,179 +1,24 @@
-"""Moving the trainer's weights to a generation server: which tensors, under which names, in which bytes.
+"""The old home of weight transfer, kept so ``from posttrain.serving.weights import ...`` keeps working.
 
-Transport choice (CPU-portable path): **safetensors bytes in the body of an HTTP POST**. It needs nothing but the
-HTTP stack the server already runs (no process group to rendezvous, no port besides the server's, works across
-machines and through proxies), safetensors is a zero-copy, pickle-free format (a malicious body cannot run code on
-the server, unlike ``torch.save``), it keeps dtypes and shapes exactly (so a push is *bitwise*: the server's
-parameters equal the trainer's), and any language can produce it. The cost is a copy through host memory and the
-network, which for a 0.5B-parameter model is ~1-2 GB per push: fine on CPU and for small models, slow for large
-ones, where the GPU paths (NCCL broadcast through vLLM's weight-transfer engine or TRL's communicator, see
-``posttrain.generation.vllm_server``) are the ones to use. Large pushes are split into chunks of at most
-``chunk_bytes`` (several requests of one update); the server applies an update only when its last chunk arrives, so
-generation never sees half-updated weights.
-
-Names are the plain transformers checkpoint names (``model.layers.0.self_attn.q_proj.weight``), which is what both
-the posttrain server's model and vLLM's ``load_weights`` expect. A PEFT policy is pushed as its merged weights under the base-model names
-(``policy_weights``).
+Which tensors a push sends and in which bytes is shared by the trainer's side (the ``vllm_server`` backend, the async
+rollout worker) and the server, so it lives in :mod:`posttrain.generation.weights`, below both; code inside posttrain
+imports it from there (``tests/test_layering.py`` checks).
 """
 
-from __future__ import annotations
+from posttrain.generation.weights import (
+    DEFAULT_CHUNK_BYTES,
+    clean_param_name,
+    deserialize,
+    load_into,
+    policy_weights,
+    serialize_chunks,
+)
 
-import contextlib
-import difflib
-import re
-from collections.abc import Iterator
-from typing import Any
-
-import torch
-
-DEFAULT_CHUNK_BYTES = 512 * 1024 * 1024
-
-
-def clean_param_name(name: str, active_adapters: tuple[str, ...] = ("default",)) -> str | None:
-    """A PEFT / DDP parameter name as the base checkpoint spells it; ``None`` for adapter-only parameters.
-
-    Drops ``module.`` (DDP) and ``base_model.model.`` prefixes and ``.base_layer``, maps
-    ``modules_to_save.<active adapter>.`` to the module itself, and skips ``lora_*`` tensors, ``original_module``
-    and the ``modules_to_save`` copies of inactive adapters.
-    """
-    name = name.removeprefix("module.").removeprefix("base_model.model.")
-    if "lora_" in name or "original_module" in name:
-        return None
-    match = re.search(r"modules_to_save\.([^.]+)\.", name)
-    if match:
-        if match.group(1) not in active_adapters:
-            return None
-        name = name.replace(match.group(0), "")
-    return name.replace(".base_layer", "")
-
-
-def _is_peft(model: Any) -> bool:
-    return hasattr(model, "merge_adapter") and hasattr(model, "unmerge_adapter") and hasattr(model, "peft_config")
-
-
-def _active_adapters(model: Any) -> tuple[str, ...]:
-    active = getattr(model, "active_adapters", None) or getattr(model, "active_adapter", "default")
-    if callable(active):
-        active = active()
-    return (active,) if isinstance(active, str) else tuple(active)
-
-
-def _lora_deltas(model: Any, active: tuple[str, ...]) -> dict[str, torch.Tensor] | None:
-    """``{base weight's parameter name: ΔW}`` for plain LoRA layers; ``None`` where only merging is safe (DoRA,
-    already-merged layers, layer types without ``get_delta_weight``)."""
-    deltas: dict[str, torch.Tensor] = {}
-    for module_name, module in model.named_modules():
-        if not hasattr(module, "lora_A") or not hasattr(module, "base_layer"):
-            continue
-        if getattr(module, "merged_adapters", None) or not hasattr(module, "get_delta_weight"):
-            return None
-        names = [a for a in active if a in module.lora_A or a in getattr(module, "lora_embedding_A", {})]
-        if any(getattr(module, "use_dora", {}).get(a, False) for a in names):
-            return None
-        if names and not isinstance(getattr(module.base_layer, "weight", None), torch.Tensor):
-            return None
-        if names:
-            deltas[f"{module_name}.base_layer.weight"] = sum(module.get_delta_weight(a) for a in names)
-    return deltas
-
-
-@contextlib.contextmanager
-def policy_weights(model: torch.nn.Module) -> Iterator[Iterator[tuple[str, torch.Tensor]]]:
-    """Yield an iterator of ``(checkpoint name, tensor)`` for the model's current (merged, for PEFT) weights.
-
-    A PEFT model is pushed as its merged weights, as TRL does (``merge_adapter`` → push → ``unmerge_adapter``). For
-    plain LoRA layers the merged weight ``W + ΔW`` is computed into a new tensor instead, which gives the same
-    values without the round trip through the frozen base weights (merging and unmerging in place would move them
-    by rounding every push); DoRA and other adapter types take TRL's merge/unmerge path. Tied parameters appear
-    once (``named_parameters`` deduplicates them). DTensor (FSDP2) parameters are gathered with ``full_tensor()``.
-    """
-    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
-        model = model.module  # DDP
-    peft = _is_peft(model)
-    active = _active_adapters(model) if peft else ()
-    deltas = _lora_deltas(model, active) if peft else {}
-    merge = peft and deltas is None
-    if merge:
-        model.merge_adapter()
-    try:
-
-        def items() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, param in model.named_parameters():
-                clean = clean_param_name(name, active) if peft else name.removeprefix("module.")
-                if clean is None:
-                    continue
-                if hasattr(param, "ds_id"):
-                    raise ValueError(
-                        "Pushing DeepSpeed ZeRO-3 partitioned parameters to a generation server is not supported; "
-                        "use ZeRO-1/2, FSDP2 or a single process with vllm_mode='server'."
-                    )
-                tensor = param.detach()
-                if hasattr(tensor, "full_tensor"):  # torch.distributed.tensor.DTensor (FSDP2)
-                    tensor = tensor.full_tensor()
-                if deltas and name in deltas:
-                    tensor = tensor + deltas[name].to(tensor.dtype)
-                yield clean, tensor
-
-        with torch.no_grad():
-            yield items()
-    finally:
-        if merge:
-            model.unmerge_adapter()
-
-
-def serialize_chunks(
-    tensors: Iterator[tuple[str, torch.Tensor]] | dict[str, torch.Tensor], chunk_bytes: int = DEFAULT_CHUNK_BYTES
-) -> Iterator[bytes]:
-    """safetensors payloads of at most ~``chunk_bytes`` each (a single larger tensor gets a chunk of its own)."""
-    from safetensors.torch import save
-
-    if isinstance(tensors, dict):
-        tensors = iter(tensors.items())
-    chunk: dict[str, torch.Tensor] = {}
-    size = 0
-    for name, tensor in tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if chunk and size + nbytes > chunk_bytes:
-            yield save(chunk)
-            chunk, size = {}, 0
-        # safetensors wants contiguous CPU tensors that share no storage with another entry.
-        chunk[name] = tensor.detach().to("cpu").contiguous().clone()
-        size += nbytes
-    if chunk:
-        yield save(chunk)
-
-
-def deserialize(data: bytes) -> dict[str, torch.Tensor]:
-    """Tensors from a safetensors payload; ``ValueError`` when the bytes are not one."""
-    from safetensors.torch import load
-
-    try:
-        return load(data)
-    except Exception as err:  # safetensors raises its own SafetensorError (and others for truncated headers)
-        raise ValueError(f"The request body is not a valid safetensors payload: {err}") from err
-
-
-def load_into(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> int:
-    """Copy ``tensors`` into the model's parameters/buffers of the same name; returns how many were loaded.
-
-    Every name must exist and every shape must match (``ValueError`` naming the first offender, before anything is
-    copied). Values are cast to the parameter's dtype; a partial update (a subset of the names) is allowed.
-    """
-    targets = dict(model.named_parameters(remove_duplicate=False))  # tied aliases (lm_head.weight) accepted too
-    targets.update(dict(model.named_buffers()))
-    for name, tensor in tensors.items():
-        if name not in targets:
-            close = difflib.get_close_matches(name, list(targets), n=3)
-            raise ValueError(
-                f"Unknown weight name {name!r}: the served model has no such parameter"
-                + (f" (similar: {close})." if close else ".")
-            )
-        if tuple(targets[name].shape) != tuple(tensor.shape):
-            raise ValueError(
-                f"Weight {name!r} has shape {list(tensor.shape)} but the served model's is {list(targets[name].shape)}."
-            )
-    with torch.no_grad():
-        for name, tensor in tensors.items():
-            target = targets[name]
-            target.copy_(tensor.to(device=target.device, dtype=target.dtype))
-    return len(tensors)
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "clean_param_name",
+    "deserialize",
+    "load_into",
+    "policy_weights",
+    "serialize_chunks",
+]

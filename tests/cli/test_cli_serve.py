@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("httpx")
 
-from posttrain.serving.client import GenerationClient  # noqa: E402
+from posttrain.generation.client import GenerationClient  # noqa: E402
 
 
 def _free_port() -> int:

@@ -252,8 +252,8 @@ def test_token_budget_packs_forwards_and_drops_oversize(tiny_model_path, abc_tea
     """token_budget: rows of 7 and 6 real tokens under a budget of 7 run as two forwards whose gradients add up to
     the unbudgeted micro-batch's (local and served teacher); under a budget of 6 the 7-token row is dropped
     (counted, and the gradient is that of the batch without it); None takes the student server's max_model_len."""
+    from posttrain.generation.client import GenerationClient
     from posttrain.models.tiny import build_tiny_tokenizer
-    from posttrain.serving.client import GenerationClient
 
     batch = served_loss_batch(build_tiny_tokenizer())
     batch["completion_mask"] = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
@@ -337,7 +337,7 @@ def test_peft_student_is_pushed_merged(tiny_model_path, student_url, tmp_path):
 
     import peft
 
-    from posttrain.serving.client import GenerationClient
+    from posttrain.generation.client import GenerationClient
 
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
     trainer = _api().AsyncDistillationTrainer(tiny_model_path, _args(tmp_path, student_url, "http://127.0.0.1:1"),

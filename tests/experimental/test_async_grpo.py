@@ -158,8 +158,8 @@ def test_server_killed_mid_run_is_a_clear_error_and_no_leak(tiny_model_path, tmp
     from transformers import TrainerCallback
 
     from posttrain.experimental.async_grpo import AsyncGRPOTrainer, RolloutWorkerError
+    from posttrain.generation.client import ServerUnavailableError
     from posttrain.serving.app import create_app, uvicorn_config
-    from posttrain.serving.client import ServerUnavailableError
 
     engine = PosttrainEngine.from_pretrained(tiny_model_path, device="cpu")
     server = uvicorn.Server(uvicorn_config(create_app(engine), "127.0.0.1", 0, "warning", graceful_timeout=5))

@@ -16,9 +16,9 @@ import pytest
 from async_grpo_helpers import CounterEnv, add, tool_result_reward, varied_reward
 from datasets import Dataset
 
+from posttrain.generation.weights import load_into
 from posttrain.serving.app import serve_in_thread
 from posttrain.serving.engine import PosttrainEngine
-from posttrain.serving.weights import load_into
 
 _AGENTS = str(Path(__file__).resolve().parents[1] / "agents")
 if _AGENTS not in sys.path:

@@ -29,7 +29,7 @@ def server_url(engine):
 
 @pytest.fixture()
 def client(server_url):
-    from posttrain.serving.client import GenerationClient
+    from posttrain.generation.client import GenerationClient
 
     with GenerationClient(server_url, request_timeout=60) as c:
         yield c

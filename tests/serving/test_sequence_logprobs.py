@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from posttrain.serving.client import ServerRequestError
+from posttrain.generation.client import ServerRequestError
 
 
 def test_matches_the_model_log_softmax(client, engine):

@@ -18,11 +18,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from posttrain.generation.base import SamplingConfig
+from posttrain.generation.client import GenerationClient, ServerRequestError
 from posttrain.generation.group_sampler import GroupSampler
+from posttrain.generation.weights import serialize_chunks
 from posttrain.serving.app import serve_in_thread
-from posttrain.serving.client import GenerationClient, ServerRequestError
 from posttrain.serving.engine import GeneratedSequence
-from posttrain.serving.weights import serialize_chunks
 
 EOS, PAD = 258, 259
 PROMPTS = [list(b"hello there"), list(b"a"), list(b"the quick brown fox")]

@@ -90,7 +90,7 @@ def _free_port() -> int:
 
 
 def _launch(cmd, env_extra):
-    from posttrain.serving.client import GenerationClient
+    from posttrain.generation.client import GenerationClient
 
     port = _free_port()
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "1", **env_extra}

@@ -10,11 +10,11 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
 from posttrain.generation.base import SamplingConfig
+from posttrain.generation.client import ServerUnavailableError
 from posttrain.generation.group_sampler import GroupSampler
 from posttrain.generation.registry import get_backend
 from posttrain.generation.vllm_server import VLLMServerBackend, request_seed
 from posttrain.serving.app import serve_in_thread
-from posttrain.serving.client import ServerUnavailableError
 from posttrain.serving.engine import PosttrainEngine
 
 EOS, PAD = 258, 259

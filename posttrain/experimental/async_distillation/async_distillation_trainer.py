@@ -39,7 +39,7 @@ version, time in queue, queue size, forwarded/trained tokens), ``batch/samples_p
 
 ``token_budget`` packs each micro-batch's rows into forwards of at most that many tokens (see the config);
 ``heartbeat_stale_after_s`` and ``weight_sync_timeout`` bound a hung worker and a hung weight push (shared worker).
-A PEFT student (``peft_config``) is pushed as its merged weights (``posttrain.serving.weights.policy_weights``, as
+A PEFT student (``peft_config``) is pushed as its merged weights (``posttrain.generation.weights.policy_weights``, as
 GRPO's server mode; TRL's merged-sync fallback).
 
 Resume (``rollout_state.json``: ``next_round``, ``weight_version``, ``dropped_stale_total``, here also

@@ -1,0 +1,365 @@
+"""``GenerationClient``: an httpx client for ``posttrain serve`` (and the OpenAI-style ``/v1/completions`` of vLLM).
+
+It has a synchronous and an asynchronous method for each call (``completions`` / ``acompletions``, ``health`` /
+``ahealth``, ...) so a trainer and an async rollout worker share one implementation of the wire format; every
+result carries the weight ``version`` the server generated with. Failures are typed:
+
+- ``ServerUnavailableError`` (a ``ConnectionError``): the server cannot be reached, or went away mid-request, after
+  ``max_retries`` quick retries; the message names the URL and says how to start a server;
+- ``ServerRequestError`` (a ``ValueError``): a 4xx; the message is the server's, naming the bad field;
+- ``ServerError`` (a ``RuntimeError``): any other non-200 answer.
+
+A busy server (429/503) is retried after its ``Retry-After`` for up to ``busy_timeout`` seconds. Every loop here
+is bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+
+class ServerUnavailableError(ConnectionError):
+    """The generation server cannot be reached (not started, stopped, or crashed)."""
+
+
+class ServerRequestError(ValueError):
+    """The server rejected the request (4xx); ``param`` is the field it named."""
+
+    def __init__(self, message: str, status: int, param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.param = param
+
+
+class ServerError(RuntimeError):
+    """The server answered with an unexpected status."""
+
+
+@dataclass
+class Choice:
+    """One completion: ids (stop token kept), sampling log-probs (or None), ``"stop"`` / ``"length"``."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None
+    finish_reason: str
+
+
+@dataclass
+class CompletionResult:
+    """``choices[p][j]`` is completion ``j`` of prompt ``p``; ``version`` is the server's weight version."""
+
+    choices: list[list[Choice]]
+    version: int | None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+
+def completion_payload(
+    prompts: list[list[int]],
+    *,
+    n: int = 1,
+    max_tokens: int = 16,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    repetition_penalty: float = 1.0,
+    stop_token_ids: list[int] | None = None,
+    logprobs: bool = True,
+    seed: int | None = None,
+    model: str | None = None,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The ``/v1/completions`` JSON body (vLLM field names; ``extra`` is merged last)."""
+    payload: dict[str, Any] = {
+        "prompt": [list(map(int, p)) for p in prompts],
+        "n": n,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "top_p": top_p,
+        "top_k": top_k,
+        "min_p": min_p,
+        "repetition_penalty": repetition_penalty,
+        "logprobs": 0 if logprobs else None,
+        "return_token_ids": True,
+    }
+    if stop_token_ids:
+        payload["stop_token_ids"] = list(stop_token_ids)
+    if seed is not None:
+        payload["seed"] = int(seed)
+    if model is not None:
+        payload["model"] = model
+    payload.update(extra or {})
+    return payload
+
+
+def parse_completions(data: dict[str, Any], num_prompts: int, n: int) -> CompletionResult:
+    """Group the response's choices by prompt (``index = prompt * n + j``)."""
+    groups: list[list[Choice | None]] = [[None] * n for _ in range(num_prompts)]
+    for c in data.get("choices", []):
+        idx = int(c["index"])
+        lp = c.get("logprobs")
+        token_lps = None if not lp else lp.get("token_logprobs")
+        ids = c.get("token_ids")
+        if ids is None:
+            raise ServerError(
+                "The server's completion has no token_ids; a vLLM server must get return_token_ids=true "
+                "(vLLM >= 0.10.2)."
+            )
+        groups[idx // n][idx % n] = Choice(list(ids), None if token_lps is None else list(token_lps), c["finish_reason"])
+    missing = [(p, j) for p, g in enumerate(groups) for j, c in enumerate(g) if c is None]
+    if missing:
+        raise ServerError(f"The server returned no completion for (prompt, sample) {missing[:5]}.")
+    return CompletionResult(groups, data.get("version"), data)  # type: ignore[arg-type]
+
+
+def _error_from(resp: httpx.Response) -> Exception:
+    try:
+        body = resp.json()
+        err = body.get("error", body) if isinstance(body, dict) else {}
+        message = err.get("message") or err.get("detail") or resp.text
+        param = err.get("param")
+    except ValueError:
+        message, param = resp.text, None
+    if 400 <= resp.status_code < 500:
+        return ServerRequestError(f"The generation server rejected the request ({resp.status_code}): {message}",
+                                  resp.status_code, param)  # fmt: skip
+    return ServerError(f"The generation server answered {resp.status_code}: {message}")
+
+
+class GenerationClient:
+    """Client for a generation server at ``base_url`` (see the module docstring).
+
+    Args:
+        base_url: e.g. ``"http://127.0.0.1:8000"``.
+        request_timeout: Seconds a generation or weight push may take (``None`` = no limit).
+        connect_timeout: Seconds to establish a connection.
+        max_retries: Quick retries (with ``retry_backoff`` × 2^k sleeps) when the connection fails mid-run.
+        retry_backoff: First retry delay, in seconds.
+        busy_timeout: How long to keep retrying 429/503 answers.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        request_timeout: float | None = None,
+        connect_timeout: float = 5.0,
+        max_retries: int = 3,
+        retry_backoff: float = 0.25,
+        busy_timeout: float = 600.0,
+    ):
+        self.base_url = base_url.rstrip("/")
+        self.timeout = httpx.Timeout(request_timeout, connect=connect_timeout)
+        self.max_retries = max_retries
+        self.retry_backoff = retry_backoff
+        self.busy_timeout = busy_timeout
+        self._client: httpx.Client | None = None
+        self._aclient: httpx.AsyncClient | None = None
+
+    # -- plumbing -----------------------------------------------------------------------------------------------
+    @property
+    def client(self) -> httpx.Client:
+        if self._client is None:
+            self._client = httpx.Client(base_url=self.base_url, timeout=self.timeout, follow_redirects=True)
+        return self._client
+
+    @property
+    def aclient(self) -> httpx.AsyncClient:
+        if self._aclient is None:
+            self._aclient = httpx.AsyncClient(base_url=self.base_url, timeout=self.timeout, follow_redirects=True)
+        return self._aclient
+
+    def _unavailable(self, path: str, err: Exception) -> ServerUnavailableError:
+        return ServerUnavailableError(
+            f"The generation server at {self.base_url} is not reachable ({path}: {type(err).__name__}: {err}). "
+            "It may not have started yet or may have stopped; start one with `posttrain serve --model MODEL "
+            "--port PORT` (or `vllm serve`) and check vllm_server_base_url / vllm_server_host / vllm_server_port."
+        )
+
+    def _delay(self, attempt: int, resp: httpx.Response | None = None) -> float:
+        if resp is not None and resp.headers.get("Retry-After", "").replace(".", "", 1).isdigit():
+            return float(resp.headers["Retry-After"])
+        return self.retry_backoff * (2**attempt)
+
+    def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        """Send with bounded retries; returns a 200 response or raises one of the typed errors."""
+        attempt, busy_deadline = 0, time.monotonic() + self.busy_timeout
+        while True:
+            try:
+                resp = self.client.request(method, path, **kwargs)
+            except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as err:
+                if attempt >= self.max_retries:
+                    raise self._unavailable(path, err) from err
+                time.sleep(self._delay(attempt))
+                attempt += 1
+                continue
+            except httpx.TimeoutException as err:
+                raise ServerUnavailableError(
+                    f"The generation server at {self.base_url} did not answer {path} within the timeout ({err})."
+                ) from err
+            if resp.status_code in (429, 503) and time.monotonic() < busy_deadline:
+                time.sleep(min(self._delay(0, resp), 5.0))
+                continue
+            if resp.status_code != 200:
+                raise _error_from(resp)
+            return resp
+
+    async def arequest(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        """``request`` for asyncio code (same retries and errors)."""
+        attempt, busy_deadline = 0, time.monotonic() + self.busy_timeout
+        while True:
+            try:
+                resp = await self.aclient.request(method, path, **kwargs)
+            except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as err:
+                if attempt >= self.max_retries:
+                    raise self._unavailable(path, err) from err
+                await asyncio.sleep(self._delay(attempt))
+                attempt += 1
+                continue
+            except httpx.TimeoutException as err:
+                raise ServerUnavailableError(
+                    f"The generation server at {self.base_url} did not answer {path} within the timeout ({err})."
+                ) from err
+            if resp.status_code in (429, 503) and time.monotonic() < busy_deadline:
+                await asyncio.sleep(min(self._delay(0, resp), 5.0))
+                continue
+            if resp.status_code != 200:
+                raise _error_from(resp)
+            return resp
+
+    # -- API ----------------------------------------------------------------------------------------------------
+    def health(self) -> dict[str, Any]:
+        resp = self.request("GET", "/health")
+        return resp.json() if resp.content else {}
+
+    async def ahealth(self) -> dict[str, Any]:
+        resp = await self.arequest("GET", "/health")
+        return resp.json() if resp.content else {}
+
+    def wait_until_ready(self, timeout: float = 240.0, poll_interval: float = 0.5) -> dict[str, Any]:
+        """Poll ``/health`` until it answers 200 (or raise ``ServerUnavailableError`` after ``timeout`` seconds)."""
+        deadline = time.monotonic() + timeout
+        last: Exception | None = None
+        while True:
+            try:
+                resp = self.client.get("/health")
+                if resp.status_code == 200:
+                    return resp.json() if resp.content else {}
+                last = ServerError(f"/health answered {resp.status_code}")
+            except httpx.HTTPError as err:
+                last = err
+            if time.monotonic() >= deadline:
+                raise ServerUnavailableError(
+                    f"The generation server at {self.base_url} did not become ready within {timeout:g} s "
+                    f"(last error: {last}). Start it with `posttrain serve --model MODEL --port PORT`, or raise "
+                    "vllm_server_timeout if the model takes longer to load."
+                )
+            time.sleep(poll_interval)
+
+    def completions(self, prompts: list[list[int]], **sampling: Any) -> CompletionResult:
+        """``POST /v1/completions``; ``sampling`` are ``completion_payload``'s keyword arguments."""
+        payload = completion_payload(prompts, **sampling)
+        resp = self.request("POST", "/v1/completions", json=payload)
+        return parse_completions(resp.json(), len(prompts), payload["n"])
+
+    async def acompletions(self, prompts: list[list[int]], **sampling: Any) -> CompletionResult:
+        payload = completion_payload(prompts, **sampling)
+        resp = await self.arequest("POST", "/v1/completions", json=payload)
+        return parse_completions(resp.json(), len(prompts), payload["n"])
+
+    def get_sequence_logprobs(
+        self, sequences: list[list[int]], prompt_lengths: list[int], top_logprobs: int = 1, temperature: float = 1.0
+    ) -> dict[str, Any]:
+        """``POST /get_sequence_logprobs/`` (TRL's teacher-server call): per completion token of each sequence, the
+        top-``top_logprobs`` ``logprobs`` / ``logprob_token_ids`` and the ``actual_logprobs`` of its own token,
+        plus the server's weight ``version``."""
+        payload = {
+            "sequences": [list(map(int, s)) for s in sequences],
+            "prompt_lengths": [int(p) for p in prompt_lengths],
+            "top_logprobs": int(top_logprobs),
+            "temperature": float(temperature),
+        }
+        return self.request("POST", "/get_sequence_logprobs/", json=payload).json()
+
+    async def aget_sequence_logprobs(
+        self, sequences: list[list[int]], prompt_lengths: list[int], top_logprobs: int = 1, temperature: float = 1.0
+    ) -> dict[str, Any]:
+        payload = {
+            "sequences": [list(map(int, s)) for s in sequences],
+            "prompt_lengths": [int(p) for p in prompt_lengths],
+            "top_logprobs": int(top_logprobs),
+            "temperature": float(temperature),
+        }
+        resp = await self.arequest("POST", "/get_sequence_logprobs/", json=payload)
+        return resp.json()
+
+    @staticmethod
+    def _with_last(chunks: Iterable[bytes]) -> Iterable[tuple[bytes, bool]]:
+        """``(chunk, is_last)`` with one chunk of look-ahead, so chunks stream without being held all at once."""
+        it = iter(chunks)
+        try:
+            current = next(it)
+        except StopIteration:
+            raise ValueError("load_weights needs at least one safetensors chunk.") from None
+        for nxt in it:
+            yield current, False
+            current = nxt
+        yield current, True
+
+    @staticmethod
+    def _weight_params(update_id: str, last: bool, version: int | None) -> dict[str, Any]:
+        params: dict[str, Any] = {"update_id": update_id, "last": str(last).lower()}
+        if version is not None:
+            params["version"] = int(version)
+        return params
+
+    def load_weights(self, chunks: Iterable[bytes], version: int | None = None) -> int:
+        """Push safetensors payloads (``weights.serialize_chunks``) as one update; returns the new version.
+
+        The server applies the update when the last chunk arrives; ``version`` sets the version it then reports
+        (default: its previous version + 1).
+        """
+        update_id, result = uuid.uuid4().hex, {}
+        for chunk, last in self._with_last(chunks):
+            resp = self.request(
+                "POST", "/v1/load_weights", content=chunk, params=self._weight_params(update_id, last, version),
+                headers={"Content-Type": "application/octet-stream"},
+            )  # fmt: skip
+            result = resp.json()
+        return int(result["version"])
+
+    async def aload_weights(self, chunks: Iterable[bytes], version: int | None = None) -> int:
+        update_id, result = uuid.uuid4().hex, {}
+        for chunk, last in self._with_last(chunks):
+            resp = await self.arequest(
+                "POST", "/v1/load_weights", content=chunk, params=self._weight_params(update_id, last, version),
+                headers={"Content-Type": "application/octet-stream"},
+            )  # fmt: skip
+            result = resp.json()
+        return int(result["version"])
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    async def aclose(self) -> None:
+        if self._aclient is not None:
+            await self._aclient.aclose()
+            self._aclient = None
+
+    def __enter__(self) -> GenerationClient:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __getstate__(self) -> dict[str, Any]:  # picklable for a spawned rollout worker: no live connections
+        return {**self.__dict__, "_client": None, "_aclient": None}
