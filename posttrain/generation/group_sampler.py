@@ -34,8 +34,8 @@ from posttrain.core.scratch import ScratchBuffers
 from posttrain.generation.base import Completions, SamplingConfig
 from posttrain.generation.host_memory import release_freed_host_memory
 from posttrain.generation.lean_decode import LeanDecoder
-from posttrain.generation.transformers_backend import left_pad, model_device, sampling_mode
-from posttrain.models.unwrap import unwrap_parallel
+from posttrain.generation.transformers_backend import left_pad, sampling_mode
+from posttrain.models.unwrap import model_device, unwrap_parallel
 
 logger = logging.getLogger(__name__)
 

@@ -20,15 +20,7 @@ from typing import Any
 import torch
 
 from posttrain.generation.base import Completions, SamplingConfig, truncate_at_eos
-from posttrain.models.unwrap import unwrap_parallel
-
-
-def model_device(model: Any) -> torch.device:
-    """Device of the model's input embeddings (where input ids must live)."""
-    try:
-        return model.get_input_embeddings().weight.device
-    except (AttributeError, NotImplementedError):
-        return next(model.parameters()).device
+from posttrain.models.unwrap import model_device, unwrap_parallel
 
 
 def left_pad(

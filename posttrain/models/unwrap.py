@@ -5,6 +5,9 @@
   switched on and off (reference passes, TR-DPO sync).
 - :func:`unwrap_base_model` also **strips PEFT** (and ``torch.compile``-style wrappers accelerate knows): the
   transformers ``PreTrainedModel`` whose ``config``, ``forward`` signature and LM head are inspected.
+
+:func:`model_device` says where a (possibly wrapped) model's input ids must live; every generation backend and the
+generation server's engine need it, so it sits here rather than in one backend.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["unwrap_base_model", "unwrap_parallel"]
+__all__ = ["model_device", "unwrap_base_model", "unwrap_parallel"]
 
 
 def unwrap_parallel(model: Any) -> Any:
@@ -36,3 +39,11 @@ def unwrap_base_model(model: torch.nn.Module) -> torch.nn.Module:
     if callable(get_base) and type(inner).__module__.startswith("peft"):
         inner = get_base()
     return inner
+
+
+def model_device(model: Any) -> torch.device:
+    """Device of the model's input embeddings (where input ids must live)."""
+    try:
+        return model.get_input_embeddings().weight.device
+    except (AttributeError, NotImplementedError):
+        return next(model.parameters()).device

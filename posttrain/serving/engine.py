@@ -91,7 +91,7 @@ class PosttrainEngine:
     def __init__(
         self, model: Any, tokenizer: Any, model_name: str = "model", seed: int = 0, max_batch_tokens: int | None = None
     ):
-        from posttrain.generation.transformers_backend import model_device
+        from posttrain.models.unwrap import model_device
 
         self.model = model.eval()
         self.tokenizer = tokenizer
