@@ -48,7 +48,7 @@ def collect_env() -> dict[str, str]:
     """Key → value lines describing this installation."""
     import torch
 
-    from posttrain import __version__
+    from posttrain._version import __version__
 
     if torch.cuda.is_available():
         devices = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
