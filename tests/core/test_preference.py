@@ -65,7 +65,9 @@ ALL_TRL_DPO_LOSSES = {
 
 
 def test_registry_has_every_trl_loss_type():
-    assert set(DPO_LOSSES.names()) == ALL_TRL_DPO_LOSSES
+    # a subset, not a snapshot: a loss posttrain adds is registered without editing this list
+    missing = ALL_TRL_DPO_LOSSES - set(DPO_LOSSES.names())
+    assert not missing, f"TRL's DPO loss types missing from DPO_LOSSES: {sorted(missing)}"
     with pytest.raises(ValueError, match="Valid names: .*sigmoid_norm"):
         DPO_LOSSES.get("sigmod")
 
