@@ -9,14 +9,13 @@ import math
 import pytest
 import torch
 from datasets import Dataset
+from reward_helpers import VariedReward
 from trainer_helpers import fast_config, params_changed, quiet_single_thread, trainable_params  # noqa: F401
 
 from posttrain.core.masking import masked_sum
 from posttrain.experimental.a2po import A2POConfig, A2POTrainer
 
-
-def varied_reward(completion_ids, **kwargs):
-    return [float(sum(ids) % 2) for ids in completion_ids]
+varied_reward = VariedReward(modulus=2)  # rewards 0/1, like a verifier's
 
 
 def _config(tmp_path, **kw) -> A2POConfig:

@@ -12,8 +12,9 @@ import warnings
 
 import pytest
 import torch
-from async_grpo_helpers import failing_reward, varied_reward
+from async_grpo_helpers import failing_reward
 from datasets import Dataset
+from reward_helpers import varied_reward
 
 from posttrain.serving.app import serve_in_thread
 from posttrain.serving.engine import PosttrainEngine

@@ -13,8 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from async_grpo_helpers import CounterEnv, add, tool_result_reward, varied_reward
+from async_grpo_helpers import CounterEnv, add, tool_result_reward
 from datasets import Dataset
+from reward_helpers import varied_reward
 
 from posttrain.generation.weights import load_into
 from posttrain.serving.app import serve_in_thread

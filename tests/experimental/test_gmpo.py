@@ -9,13 +9,10 @@ import pytest
 import torch
 from datasets import Dataset
 from experimental_helpers import merged_logs
+from reward_helpers import varied_reward
 from trainer_helpers import fast_config, params_changed, quiet_single_thread, trainable_params  # noqa: F401
 
 from posttrain.experimental.gmpo import GMPOConfig, GMPOTrainer
-
-
-def varied_reward(completion_ids, **kwargs):
-    return [float(sum(ids) % 7) for ids in completion_ids]
 
 
 def _config(tmp_path, **kw) -> GMPOConfig:

@@ -10,6 +10,7 @@ import pytest
 import torch
 from datasets import Dataset
 from experimental_helpers import merged_logs
+from reward_helpers import varied_reward
 from trainer_helpers import fast_config, params_changed, quiet_single_thread, trainable_params  # noqa: F401
 
 from posttrain.core.masking import masked_sum
@@ -19,10 +20,6 @@ TRL_METRICS = ("objective/kl", "objective/entropy", "objective/non_score_reward"
                "objective/scores", "objective/scores_margin", "rewards/chosen", "rewards/rejected",
                "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected", "val/contain_eos_token",
                "beta")  # fmt: skip
-
-
-def varied_reward(completion_ids, **kwargs):
-    return [float(sum(ids) % 7) for ids in completion_ids]
 
 
 def _config(tmp_path, **kw) -> OnlineDPOConfig:

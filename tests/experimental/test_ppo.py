@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 from datasets import Dataset
+from reward_helpers import VariedReward
 from trainer_helpers import fast_config, params_changed, quiet_single_thread, trainable_params  # noqa: F401
 
 from posttrain.experimental.ppo import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
@@ -18,8 +19,7 @@ TRL_METRICS = ("objective/kl", "objective/entropy", "objective/non_score_reward"
                "loss/policy_avg", "loss/value_avg", "val/clipfrac_avg", "policy/entropy_avg", "val/ratio")  # fmt: skip
 
 
-def varied_reward(completion_ids, **kwargs):
-    return [float(sum(ids) % 3) for ids in completion_ids]
+varied_reward = VariedReward(modulus=3)  # rewards 0, 1 or 2
 
 
 def _config(tmp_path, **kw) -> PPOConfig:

@@ -9,12 +9,9 @@ import copy
 import pytest
 import torch
 from datasets import Dataset
+from reward_helpers import varied_reward
 
 from posttrain.generation.base import Completions
-
-
-def varied_reward(completion_ids, **kwargs):
-    return [float(sum(ids) % 7) for ids in completion_ids]
 
 
 class _Replay:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from datasets import Dataset
+from reward_helpers import varied_reward
 from transformers import AutoModelForCausalLM
 
 from posttrain.generation.base import SamplingConfig
@@ -112,10 +113,6 @@ def _grpo_args(tmp_path, **overrides):
     )  # fmt: skip
     values.update(overrides)
     return GRPOConfig(**values)
-
-
-def varied_reward(completion_ids, **kwargs):
-    return [float(sum(ids) % 7) for ids in completion_ids]
 
 
 def _dataset():

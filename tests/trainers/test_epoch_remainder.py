@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 from datasets import Dataset
+from reward_helpers import varied_reward
 from trainer_helpers import fast_config, quiet_single_thread  # noqa: F401
 
 from posttrain import (
@@ -29,10 +30,6 @@ from posttrain import (
 )
 
 N = 10  # rows: batches of 4, 4 and 2
-
-
-def _reward(completion_ids, **kwargs):
-    return [float(sum(ids) % 7) for ids in completion_ids]
 
 
 def _pairs(n=N):
@@ -73,7 +70,7 @@ def test_one_epoch_with_a_short_last_batch(kind, tiny_model_path, tiny_reward_mo
     )
     kwargs = {}
     if kind in ("grpo", "rloo"):
-        kwargs["reward_funcs"] = _reward
+        kwargs["reward_funcs"] = varied_reward
     if kind == "reward":
         model = tiny_reward_model_path
     else:

@@ -12,6 +12,7 @@ import os
 import pytest
 import torch
 from datasets import Dataset
+from reward_helpers import varied_reward
 from trainer_helpers import (  # noqa: F401
     assert_same_params,
     fast_config,
@@ -26,11 +27,6 @@ from posttrain.core.presets import GRPO_LOSS_PRESETS, needs_grad_accum_division
 from posttrain.trainers.grpo import ENTROPY_CTRL_STATE, GRPOConfig, GRPOTrainer
 
 EOS = 258
-
-
-def varied_reward(completion_ids, **kwargs):
-    """Deterministic and almost never constant within a group, so advantages (and gradients) are non-zero."""
-    return [float(sum(ids) % 7) for ids in completion_ids]
 
 
 def _dataset(n: int = 8) -> Dataset:

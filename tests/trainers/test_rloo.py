@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 from datasets import Dataset
+from reward_helpers import varied_reward
 from trainer_helpers import (  # noqa: F401
     assert_same_params,
     fast_config,
@@ -20,10 +21,6 @@ from posttrain.rollout.estimators import LeaveOneOutEstimator
 from posttrain.trainers.rloo import RLOOConfig, RLOOTrainer
 
 EOS = 258
-
-
-def varied_reward(completion_ids, **kwargs):
-    return [float(sum(ids) % 7) for ids in completion_ids]
 
 
 def _dataset(n: int = 8) -> Dataset:
