@@ -1,7 +1,7 @@
 """Generation as a service: ``posttrain serve`` (and ``posttrain vllm-serve``).
 
 - ``app``: the FastAPI server (``/v1/completions``, ``/health``, ``/v1/load_weights``, TRL's ``/generate/`` ...),
-  ``create_app``, ``run_server``, ``serve_in_thread``;
+  ``create_app``, ``run_server``, ``serve_in_thread`` (a ``ServerInThread``: a URL for a ``with`` block, ``stop()``);
 - ``engine``: ``PosttrainEngine`` (the group sampler) and the request/sequence types; ``vllm_engine``: vLLM's.
 
 The server stands above the sampler it wraps. The wire's other end, shared with the trainer, lives one layer down in

@@ -43,7 +43,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -633,33 +633,76 @@ def run_server(
     uvicorn.Server(uvicorn_config(app, host, port, log_level, graceful_timeout)).run()
 
 
-@contextlib.contextmanager
+class ServerInThread:
+    """A generation server in a background thread, as :func:`serve_in_thread` returns it.
+
+    Entering it starts the server and gives its base URL; leaving it stops the server. ``stop()`` takes the server
+    away earlier, inside the block (tests of a trainer whose server disappears mid-run), and returns once its thread
+    has ended; it is idempotent. The thread installs no signal handlers.
+    """
+
+    def __init__(
+        self, engine: Any, host: str = "127.0.0.1", port: int = 0, *, max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE,
+        startup_timeout: float = 30.0, log_level: str = "warning", graceful_timeout: float = 10.0,
+    ) -> None:  # fmt: skip
+        self.engine, self.host, self.port = engine, host, port
+        self.max_queue_size, self.startup_timeout = max_queue_size, startup_timeout
+        self.log_level, self.graceful_timeout = log_level, graceful_timeout
+        self.url: str | None = None
+        self._server: Any = None
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> str:
+        import uvicorn
+
+        if self._thread is not None:
+            raise RuntimeError("This server was started already; call serve_in_thread(...) again for another one.")
+        app = create_app(self.engine, max_queue_size=self.max_queue_size)
+        config = uvicorn_config(app, self.host, self.port, self.log_level, graceful_timeout=self.graceful_timeout)
+        server = uvicorn.Server(config)
+        server.install_signal_handlers = lambda: None  # older uvicorn; newer ones skip it off the main thread
+        thread = threading.Thread(target=server.run, name="posttrain-serve", daemon=True)
+        self._server, self._thread = server, thread
+        thread.start()
+        deadline = time.monotonic() + self.startup_timeout
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                self.stop(timeout=10)
+                raise RuntimeError(f"The generation server did not start on {self.host}:{self.port}.")
+            time.sleep(0.02)
+        bound = server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://{self.host}:{bound}"
+        return self.url
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Shut the server down gracefully (in-flight requests finish, up to ``graceful_timeout``) and wait up to
+        ``timeout`` seconds for its thread."""
+        if self._server is None or self._thread is None:
+            return
+        self._server.should_exit = True
+        self._thread.join(timeout=timeout)
+
+    @property
+    def running(self) -> bool:
+        """Whether the server's thread is alive."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
 def serve_in_thread(
     engine: Any, host: str = "127.0.0.1", port: int = 0, *, max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE,
-    startup_timeout: float = 30.0, log_level: str = "warning",
-) -> Iterator[str]:  # fmt: skip
-    """Run the server in a background thread (tests, notebooks); yields its base URL and always stops it.
+    startup_timeout: float = 30.0, log_level: str = "warning", graceful_timeout: float = 10.0,
+) -> ServerInThread:  # fmt: skip
+    """Run the server in a background thread (tests, notebooks): ``with serve_in_thread(engine) as url:`` gives its
+    base URL and always stops it.
 
-    ``port=0`` picks a free port. The thread installs no signal handlers; leaving the block shuts the server down
-    gracefully and joins the thread.
+    ``port=0`` picks a free port. Leaving the block shuts the server down gracefully and joins the thread; keep the
+    returned :class:`ServerInThread` to stop it earlier (``server = serve_in_thread(engine)``, ``with server as url:``,
+    ``server.stop()``).
     """
-    import uvicorn
-
-    app = create_app(engine, max_queue_size=max_queue_size)
-    server = uvicorn.Server(uvicorn_config(app, host, port, log_level, graceful_timeout=10.0))
-    server.install_signal_handlers = lambda: None  # older uvicorn; newer ones skip it off the main thread
-    thread = threading.Thread(target=server.run, name="posttrain-serve", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + startup_timeout
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            server.should_exit = True
-            thread.join(timeout=10)
-            raise RuntimeError(f"The generation server did not start on {host}:{port}.")
-        time.sleep(0.02)
-    bound = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield f"http://{host}:{bound}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+    return ServerInThread(
+        engine, host, port, max_queue_size=max_queue_size, startup_timeout=startup_timeout, log_level=log_level,
+        graceful_timeout=graceful_timeout,
+    )  # fmt: skip

@@ -155,37 +155,23 @@ def test_staleness_k_never_trains_on_older_samples(tiny_model_path, server, tmp_
 def test_server_killed_mid_run_is_a_clear_error_and_no_leak(tiny_model_path, tmp_path):
     """The server stops after the first optimizer step: the trainer raises an error naming the server (from its
     weight push or from the worker), and the worker process is joined."""
-    import uvicorn
     from transformers import TrainerCallback
 
     from posttrain.experimental.async_grpo import AsyncGRPOTrainer, RolloutWorkerError
     from posttrain.generation.client import ServerUnavailableError
-    from posttrain.serving.app import create_app, uvicorn_config
 
-    engine = PosttrainEngine.from_pretrained(tiny_model_path, device="cpu")
-    server = uvicorn.Server(uvicorn_config(create_app(engine), "127.0.0.1", 0, "warning", graceful_timeout=5))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        for _ in range(500):
-            if server.started:
-                break
-            threading.Event().wait(0.02)
-        url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    served = serve_in_thread(PosttrainEngine.from_pretrained(tiny_model_path, device="cpu"), graceful_timeout=5)
+    with served as url:
 
         class StopServer(TrainerCallback):
             def on_step_end(self, args, state, control, **kwargs):
-                server.should_exit = True
-                thread.join(timeout=30)
+                served.stop()
 
         trainer = AsyncGRPOTrainer(tiny_model_path, varied_reward, _async_args(tmp_path, url, max_staleness=1),
                                    train_dataset=_dataset(), callbacks=[StopServer()])  # fmt: skip
         with pytest.raises((ServerUnavailableError, RolloutWorkerError), match="not reachable"):
             trainer.train()
         assert trainer.state.global_step in (1, 2) and trainer._worker is None  # the push fails on its thread
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
 
 
 @pytest.mark.slow

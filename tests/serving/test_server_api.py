@@ -313,6 +313,22 @@ def test_async_client_matches_sync_client(server_url):
     assert first.version == health["version"]
 
 
+def test_serve_in_thread_can_stop_the_server_inside_its_block():
+    """The handle serve_in_thread returns stops the server mid-block (a trainer's server going away) and joins it."""
+    served = serve_in_thread(_BlockingEngine())
+    with served as url:
+        assert served.running and served.url == url
+        assert httpx.get(f"{url}/health").status_code == 200
+        served.stop()
+        assert not served.running
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{url}/health", timeout=10)
+        served.stop()  # idempotent, and leaving the block stops nothing twice
+    assert not served.running
+    with pytest.raises(RuntimeError, match="started already"):
+        served.__enter__()
+
+
 def test_async_weight_push_sets_version():
     import asyncio
 

@@ -204,29 +204,16 @@ def test_grpo_server_mode_resume_equals_uninterrupted(server_url, tiny_model_pat
 
 def test_server_killed_mid_run_is_a_clear_error(tiny_model_path, tmp_path):
     """The server stops after the first optimizer step: the next push fails with an error naming the server."""
-    import threading
-
-    import uvicorn
     from transformers import TrainerCallback
 
-    from posttrain.serving.app import create_app, uvicorn_config
     from posttrain.trainers.grpo import GRPOTrainer
 
-    engine = PosttrainEngine.from_pretrained(tiny_model_path, device="cpu")
-    server = uvicorn.Server(uvicorn_config(create_app(engine), "127.0.0.1", 0, "warning", graceful_timeout=5))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        for _ in range(500):
-            if server.started:
-                break
-            threading.Event().wait(0.02)
-        url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    served = serve_in_thread(PosttrainEngine.from_pretrained(tiny_model_path, device="cpu"), graceful_timeout=5)
+    with served as url:
 
         class StopServer(TrainerCallback):
             def on_step_end(self, args, state, control, **kwargs):
-                server.should_exit = True
-                thread.join(timeout=30)
+                served.stop()
 
         trainer = GRPOTrainer(tiny_model_path, varied_reward,
                               _grpo_args(tmp_path, use_vllm=True, vllm_mode="server", vllm_server_base_url=url,
@@ -234,10 +221,7 @@ def test_server_killed_mid_run_is_a_clear_error(tiny_model_path, tmp_path):
                               callbacks=[StopServer()])  # fmt: skip
         with pytest.raises(ServerUnavailableError, match=r"not reachable.*posttrain serve"):
             trainer.train()
-        assert trainer.state.global_step == 1 and not thread.is_alive()
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+        assert trainer.state.global_step == 1 and not served.running
 
 
 def test_rloo_server_mode_trains(server_url, tiny_model_path, tmp_path):
