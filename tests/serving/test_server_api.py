@@ -239,34 +239,55 @@ def _free_port() -> int:
 
 
 def test_sigterm_finishes_in_flight_requests_then_exits(tmp_path):
+    """The request is in the engine when SIGTERM arrives and is released only once the server has begun shutting
+    down, so the 200 proves the drain; every step waits on an event, none on the clock."""
     port = _free_port()
     script = tmp_path / "slow_server.py"
     script.write_text(textwrap.dedent(f"""
-        import sys, time
+        import sys
         sys.path.insert(0, {os.path.dirname(__file__)!r})
         from test_server_api import _BlockingEngine
         from posttrain.serving.app import run_server
         engine = _BlockingEngine()
         engine.generate_real = engine.generate
-        def slow(request):
-            time.sleep(1.0)
+        def held(request):
+            print("generating", flush=True)
+            sys.stdin.readline()  # the test's go, sent after the server has started shutting down (EOF: go too)
             engine.release.set()
             return engine.generate_real(request)
-        engine.generate = slow
-        run_server(engine, "127.0.0.1", {port}, log_level="warning")
+        engine.generate = held
+        run_server(engine, "127.0.0.1", {port}, log_level="info")  # info: uvicorn says "Shutting down"
     """))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)  # fmt: skip
+    proc = subprocess.Popen([sys.executable, str(script)], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    lines: list[str] = []
+    seen = {"generating": threading.Event(), "Shutting down": threading.Event()}
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            for marker, event in seen.items():
+                if marker in line:
+                    event.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
     try:
         GenerationClient(f"http://127.0.0.1:{port}").wait_until_ready(timeout=60, poll_interval=0.1)
         results: list = []
         inflight = _post_in_thread(f"http://127.0.0.1:{port}", results)
-        time.sleep(0.3)
+        assert seen["generating"].wait(60), "".join(lines)
         proc.send_signal(signal.SIGTERM)
-        inflight.join(20)
+        assert seen["Shutting down"].wait(60), "".join(lines)
+        assert results == []  # still in flight
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        inflight.join(60)
         assert results == [200]
-        out, _ = proc.communicate(timeout=30)
+        proc.wait(60)
+        reader.join(10)
+        out = "".join(lines)
         # uvicorn re-raises the SIGTERM after its graceful shutdown (exit status -15, as supervisors expect); the
         # lifespan shutdown (worker drained, engine closed) ran before that.
         assert proc.returncode in (0, -signal.SIGTERM) and "engine closed" in out, out
