@@ -8,6 +8,7 @@ and, through ``python sandbox_attacks.py``, as an unprivileged user; run as a sc
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import glob
 import json
@@ -569,26 +570,54 @@ def attack_syscall_surface() -> None:
     assert out["uid_map"][0] == "1000"
 
 
+# Holds until the host has looked at it: SIGWINCH's default action is to ignore it, so one sent before the mask is
+# set is lost rather than fatal (the host sends it again until the run ends).
+_HOLD_UNTIL_SIGWINCH = (
+    "import signal\n"
+    "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGWINCH})\n"
+    "print('released' if signal.sigtimedwait({signal.SIGWINCH}, 50) else 'not released')\n"
+)
+
+
 def attack_never_root_on_the_host() -> None:
-    """Seen from the host, every sandboxed process runs under an unprivileged uid (a per-run one for root callers)."""
+    """Seen from the host, every sandboxed process runs under an unprivileged uid (a per-run one for root callers).
+
+    The sandboxed program waits until the host has read its uid and released it with a signal, so no window of the
+    clock decides whether the host sees it; the host keeps reading every sandbox process until the run ends."""
     import threading
 
-    box = {}
-    thread = threading.Thread(target=lambda: box.update(r=run_python("import time\ntime.sleep(1.5)", timeout=5)))
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["r"] = run_python(_HOLD_UNTIL_SIGWINCH, timeout=60)
+        except BaseException as e:  # noqa: BLE001 -- re-raised below, on the test's thread
+            box["error"] = e
+
+    thread = threading.Thread(target=run)
     thread.start()
     uids: set[int] = set()
-    deadline = time.monotonic() + 1.2
-    while time.monotonic() < deadline:
+    programs: set[int] = set()
+    deadline = time.monotonic() + 90
+    while thread.is_alive() and time.monotonic() < deadline:
         for pid in _leftovers():
             try:
                 with open(f"/proc/{pid}/status") as f:
                     uids.update(int(line.split()[1]) for line in f if line.startswith("Uid:"))
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if b"main.py" in f.read():
+                        programs.add(pid)  # its uid is read: it may go
             except OSError:
                 continue
-        time.sleep(0.05)
+        for pid in programs:
+            with contextlib.suppress(OSError):  # it ended already
+                os.kill(pid, signal.SIGWINCH)
+        thread.join(0.05)
     thread.join()
-    assert box["r"].ok, box["r"]
-    assert uids, "no sandboxed process seen"
+    if "error" in box:
+        raise box["error"]
+    assert box["r"].ok and box["r"].stdout.strip() == "released", box["r"]
+    assert programs, "the sandboxed program was never seen"
     assert 0 not in uids, f"sandboxed processes ran as root on the host: {uids}"
     if os.geteuid() != 0:
         assert uids == {os.geteuid()}
