@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import queue
+import re
 
 import pytest
 import torch
@@ -404,8 +405,10 @@ def test_stale_heartbeat_raises_naming_the_option(tiny_model_path, student_url, 
     trainer._worker_started = time.time() - 1.0  # starting for 1 s: within 0.5 s + vllm_server_timeout
     trainer._check_heartbeat()
     trainer._heartbeat.value = time.time()
-    with pytest.raises(_api().RolloutWorkerError, match=r"no progress for 0\.[5-9].*heartbeat_stale_after_s=0\.5"):
+    with pytest.raises(_api().RolloutWorkerError, match=r"heartbeat_stale_after_s=0\.5") as raised:
         trainer._get_item()
+    # the age it reports is past the limit; how far past depends on the scheduler, so no upper bound
+    assert float(re.search(r"no progress for (\d+\.\d) s", str(raised.value)).group(1)) >= 0.5, raised.value
     assert worker.terminated and trainer._worker is None
 
 
