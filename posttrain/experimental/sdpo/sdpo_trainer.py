@@ -63,8 +63,8 @@ from posttrain.models.completion_scoring import completion_inputs
 from posttrain.models.distillation_scoring import DistillationScores, score_distillation_completions
 from posttrain.models.forward import TokenStats
 from posttrain.models.teacher_sync import SyncTeacherModelCallback, create_teacher
+from posttrain.models.vocabulary import model_vocab_size
 from posttrain.rollout.buffer import RolloutBatch
-from posttrain.rollout.distillation import model_vocab_size
 from posttrain.rollout.pipeline import RolloutSettings, StageTimer, pad_rows, render_prompts
 from posttrain.trainers.grpo import GRPOTrainer
 
