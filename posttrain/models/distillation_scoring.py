@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from posttrain.core.distill import chunked_generalized_jsd, generalized_jsd_loss
 from posttrain.core.logprobs import chunked_logprobs_from_hidden, entropy_from_logits
 from posttrain.models.forward import (
-    _log_once,
     forward_capturing_head_input,
+    log_once,
     prepare_attention_mask,
     resolve_lm_head,
 )
@@ -141,7 +141,7 @@ def score_distillation_completions(
                 aux_loss=getattr(outputs, "aux_loss", None),
             )
         reason = "its logits differ from hidden_states @ lm_head.weight (an unknown head transform)"
-    _log_once(
+    log_once(
         f"posttrain distillation: chunked divergence is not used for {type(unwrap_base_model(model)).__name__} because "
         f"{reason}; using its full-vocabulary logits at the completion positions (more memory, same result)."
     )
@@ -186,7 +186,7 @@ def forward_logits_fn(
 
             return outputs, logits_fn
         reason = "its logits differ from hidden_states @ lm_head.weight (an unknown head transform)"
-    _log_once(
+    log_once(
         f"posttrain: chunked logits are not used for {type(unwrap_base_model(model)).__name__} because {reason}; "
         "using its full-vocabulary logits (more memory, same result)."
     )
