@@ -37,7 +37,7 @@ TRL_PYTHON = common.BENCH_DIR / ".venv-trl" / "bin" / "python"
 POSTTRAIN_PHASES: common.PhaseTargets = [
     ("trainer.pipeline", "generate", "generation"),
     ("trainer.pipeline", "score", "rewards"),
-    ("trainer.pipeline", "_logps_in_chunks", "logprobs_nograd"),
+    ("trainer.pipeline", "logps_in_chunks", "logprobs_nograd"),
     ("trainer", "compute_loss", "loss_forward"),
 ]
 

@@ -17,8 +17,10 @@ Notation: ℓ_t = logp_t − old_t, w the importance weight (token: exp ℓ_t; s
 Advantages may be ``(B,)``, ``(B, 1)`` or ``(B, T)``. Extra keyword arguments are accepted and ignored.
 
 Each registered objective declares what a trainer needs to know about it (:class:`ObjectiveProperties`, read with
-:func:`objective_properties`): the config fields it reads, keyed by its keyword arguments, and whether it folds the
-rollout importance-sampling ratio into its weights (VESPO) instead of having the loss multiplied by it. Its
+:func:`objective_properties`): the config fields it reads, keyed by its keyword arguments, whether it folds the
+rollout importance-sampling ratio into its weights (VESPO) instead of having the loss multiplied by it, and the
+metrics its stats give (:class:`ObjectiveMetric`: ``cispo_clip_ratio``, ``vespo/phi_seq_mean``), which the trainer
+logs without knowing the objective (:func:`objective_metric_values`). Its
 hyper-parameters that are not shared with other losses are declared here too, as :class:`ObjectiveArguments`
 (TRL's field names, defaults and help), which ``GRPOConfig`` inherits. Adding an objective with a new
 hyper-parameter is then one function, one field and one preset row (``presets.py``); the trainer does not change.
@@ -33,18 +35,20 @@ from typing import Any, Literal
 
 import torch
 
-from posttrain.core.masking import masked_sum
+from posttrain.core.masking import masked_batch_mean, masked_sum
 from posttrain.registry import Registry
 
 __all__ = [
     "POLICY_OBJECTIVES",
     "ObjectiveArguments",
+    "ObjectiveMetric",
     "ObjectiveProperties",
     "cispo_objective",
     "clip_objective",
     "declare_objective",
     "gmpo_objective",
     "importance_weights",
+    "objective_metric_values",
     "objective_properties",
     "sapo_objective",
     "vespo_gamma_weights",
@@ -78,6 +82,30 @@ class ObjectiveArguments:
 
 
 @dataclass(frozen=True)
+class ObjectiveMetric:
+    """A metric an objective's stats give: this process's value, which the trainer averages over processes.
+
+    Attributes:
+        stat: The key of the objective's stats dict it is computed from.
+        reduce: ``"masked_mean"`` — the mean over valid tokens (``masking.masked_batch_mean``: one value per
+            sequence when the stat is ``(B, 1)``); ``"mean"`` — the plain mean of every entry (a per-sequence
+            ``(B, 1)`` value such as VESPO's φ).
+    """
+
+    stat: str
+    reduce: Literal["masked_mean", "mean"] = "masked_mean"
+
+    def __post_init__(self) -> None:
+        if self.reduce not in ("masked_mean", "mean"):
+            raise ValueError(f"ObjectiveMetric.reduce must be 'masked_mean' or 'mean', got {self.reduce!r}.")
+
+    def local_value(self, stats: Mapping[str, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
+        """0-d value of this process's micro-batch: ``stats[stat]`` reduced under the ``(B, T)`` loss ``mask``."""
+        value = stats[self.stat]
+        return masked_batch_mean(value, mask) if self.reduce == "masked_mean" else value.mean()
+
+
+@dataclass(frozen=True)
 class ObjectiveProperties:
     """What a trainer needs to know about an objective besides its formula.
 
@@ -87,19 +115,27 @@ class ObjectiveProperties:
         folds_sampling_ratio: The objective takes the rollout importance-sampling ratio as
             ``importance_sampling_ratio`` (token level, ``(B, T)``) and folds it into its weights; the trainer then
             passes it and does not multiply the loss by it (VESPO).
+        metrics: ``{metric name: ObjectiveMetric}`` — what the trainer logs from the objective's stats besides the
+            shared ``clip_ratio/*`` (TRL's names, e.g. ``cispo_clip_ratio``).
     """
 
     config_fields: Mapping[str, str] = field(default_factory=dict)
     folds_sampling_ratio: bool = False
+    metrics: Mapping[str, ObjectiveMetric] = field(default_factory=dict)
 
 
 def declare_objective(
-    *, config_fields: Mapping[str, str], folds_sampling_ratio: bool = False
+    *,
+    config_fields: Mapping[str, str],
+    folds_sampling_ratio: bool = False,
+    metrics: Mapping[str, ObjectiveMetric] | None = None,
 ) -> Callable[[ObjectiveFn], ObjectiveFn]:
     """Decorator attaching :class:`ObjectiveProperties` to an objective function (see :func:`objective_properties`)."""
 
     def mark(fn: ObjectiveFn) -> ObjectiveFn:
-        fn.objective_properties = ObjectiveProperties(dict(config_fields), folds_sampling_ratio)  # type: ignore[attr-defined]
+        fn.objective_properties = ObjectiveProperties(  # type: ignore[attr-defined]
+            dict(config_fields), folds_sampling_ratio, dict(metrics or {})
+        )
         return fn
 
     return mark
@@ -107,16 +143,29 @@ def declare_objective(
 
 def objective_properties(objective: Any) -> ObjectiveProperties:
     """The declared properties of ``objective``; an undeclared callable reads every registered objective's config
-    fields (passed as keyword arguments it may ignore) and does not fold the sampling ratio."""
+    fields (passed as keyword arguments it may ignore), does not fold the sampling ratio, and gets every registered
+    objective's metrics whose stat it returns (:func:`objective_metric_values`)."""
     declared = getattr(objective, "objective_properties", None)
     if isinstance(declared, ObjectiveProperties):
         return declared
     fields: dict[str, str] = {}
+    metrics: dict[str, ObjectiveMetric] = {}
     for _, fn in POLICY_OBJECTIVES.items():
         other = getattr(fn, "objective_properties", None)
         if isinstance(other, ObjectiveProperties):
             fields.update(other.config_fields)
-    return ObjectiveProperties(fields)
+            metrics.update(other.metrics)
+    return ObjectiveProperties(fields, metrics=metrics)
+
+
+def objective_metric_values(
+    properties: ObjectiveProperties, stats: Mapping[str, torch.Tensor], mask: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """This process's 0-d value of each metric ``properties`` declares whose stat is in ``stats`` (the objective's
+    second return value), reduced under the ``(B, T)`` loss ``mask``; the trainer averages each over processes."""
+    return {
+        name: metric.local_value(stats, mask) for name, metric in properties.metrics.items() if metric.stat in stats
+    }
 
 
 _IS_LEVEL_AND_CLIP = {"importance_sampling_level": "importance_sampling_level", "epsilon_low": "epsilon",
@@ -219,7 +268,7 @@ def clip_objective(
 
 
 @POLICY_OBJECTIVES.register("cispo")
-@declare_objective(config_fields=_IS_LEVEL_AND_CLIP)
+@declare_objective(config_fields=_IS_LEVEL_AND_CLIP, metrics={"cispo_clip_ratio": ObjectiveMetric("cispo_clip")})
 def cispo_objective(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -329,6 +378,7 @@ def vespo_gamma_weights(
 @declare_objective(
     config_fields={name: name for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")},
     folds_sampling_ratio=True,
+    metrics={"vespo/phi_seq_mean": ObjectiveMetric("phi_seq", reduce="mean")},
 )
 def vespo_objective(
     logp: torch.Tensor,

@@ -2,8 +2,11 @@
 
 ``GRPO_LOSS_PRESETS[loss_type] = (objective, aggregation)`` names an entry of
 ``policy_objectives.POLICY_OBJECTIVES`` and one of ``aggregation.AGGREGATIONS``. Adding a loss type is one row here
-(plus a function if either axis is new). ``validate_grpo_loss_config`` reproduces TRL's warnings for combinations
-that work but are probably not what the user meant, and raises for the ones that cannot work.
+(plus a function if either axis is new). The rows here are TRL 1.16's loss types, the ones the stable ``GRPOConfig``
+offers (:data:`GRPO_LOSS_TYPES`); an experimental trainer adds its own with :func:`register_grpo_loss_preset` when
+its package is imported (``posttrain.experimental.gmpo`` registers ``"gmpo"``), so the stable config never lists it.
+``validate_grpo_loss_config`` reproduces TRL's warnings for combinations that work but are probably not what the user
+meant, and raises for the ones that cannot work.
 
 A custom pair behaves as the preset it equals (``("vespo", "token_mean_global")`` is ``"vespo"``): what the trainer
 does differently per loss comes from the functions' declared properties (``objective_properties``, an
@@ -19,9 +22,11 @@ from posttrain.core.policy_objectives import POLICY_OBJECTIVES, objective_proper
 
 __all__ = [
     "GRPO_LOSS_PRESETS",
+    "GRPO_LOSS_TYPES",
     "RLOO_LOSS_PRESET",
     "needs_grad_accum_division",
     "preset_name",
+    "register_grpo_loss_preset",
     "resolve_grpo_loss",
     "validate_grpo_loss_config",
 ]
@@ -35,9 +40,11 @@ GRPO_LOSS_PRESETS: dict[str, tuple[str, str]] = {
     "sapo": ("sapo", "seq_mean_token_mean"),
     "luspo": ("clip", "length_weighted"),
     "vespo": ("vespo", "token_mean_global"),
-    # GMPO (experimental.gmpo): a (B, 1) geometric-mean loss; the per-sequence mean keeps a KL term per-sequence.
-    "gmpo": ("gmpo", "seq_mean_token_mean"),
 }
+
+# The loss types of the stable GRPOConfig (its help and CLI choices): TRL 1.16's, fixed before any experimental
+# package registers its own preset.
+GRPO_LOSS_TYPES: tuple[str, ...] = tuple(GRPO_LOSS_PRESETS)
 
 # RLOO: sequence-level PPO clip on the summed log-ratio, averaged over sequences (HF Trainer then divides by GA).
 RLOO_LOSS_PRESET: dict[str, str] = {
@@ -47,6 +54,28 @@ RLOO_LOSS_PRESET: dict[str, str] = {
 }
 
 _SEQUENCE_LEVEL_DISCOURAGED = ("bnpo", "dr_grpo", "dapo", "cispo")
+
+
+def register_grpo_loss_preset(name: str, objective: str, aggregation: str) -> None:
+    """Add the loss type ``name`` = ``(objective, aggregation)`` (registry names) to :data:`GRPO_LOSS_PRESETS`.
+
+    For experimental trainers: their package calls this on import, so ``loss_type=name`` resolves (in their config,
+    and in any ``GRPOConfig`` once the package is imported) while the stable ``GRPOConfig`` does not offer it.
+    Registering the same pair again is a no-op (re-imports); another pair under an existing name is an error.
+
+    Raises:
+        ValueError: ``name`` is already a preset with a different pair, or ``objective`` / ``aggregation`` is not
+            registered (the message lists the registered names).
+    """
+    POLICY_OBJECTIVES.get(objective)  # unknown names fail here, listing the registered ones
+    AGGREGATIONS.get(aggregation)
+    existing = GRPO_LOSS_PRESETS.get(name)
+    if existing is not None and existing != (objective, aggregation):
+        raise ValueError(
+            f"loss_type {name!r} is already the preset {existing}; choose another name for "
+            f"({objective!r}, {aggregation!r})."
+        )
+    GRPO_LOSS_PRESETS[name] = (objective, aggregation)
 
 
 def resolve_grpo_loss(
@@ -66,7 +95,8 @@ def resolve_grpo_loss(
         if loss_type not in GRPO_LOSS_PRESETS:
             raise ValueError(
                 f"Unknown loss_type {loss_type!r}. Valid loss types: {', '.join(GRPO_LOSS_PRESETS)} "
-                "(or a pair (objective, aggregation))."
+                "(or a pair (objective, aggregation)). An experimental trainer's loss type is registered when its "
+                "package is imported (e.g. posttrain.experimental.gmpo for 'gmpo')."
             )
         objective, aggregation = GRPO_LOSS_PRESETS[loss_type]
     elif isinstance(loss_type, (tuple, list)) and len(loss_type) == 2:

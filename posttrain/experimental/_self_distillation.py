@@ -28,9 +28,8 @@ from posttrain.core.self_distillation import (
     sampled_token_self_distillation_loss_from_logps,
 )
 from posttrain.experimental._distill_support import ServedTeacher
-from posttrain.models.distillation_scoring import DistillationScores, score_distillation_completions
+from posttrain.models.distillation_scoring import DistillationScores, score_distillation_completions, token_divergence
 from posttrain.rollout.buffer import RolloutBatch
-from posttrain.rollout.distillation import token_divergence
 from posttrain.trainers.distillation import DistillationTrainer
 
 __all__ = [

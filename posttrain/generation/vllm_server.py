@@ -27,6 +27,8 @@ k)`` for the k-th request of this process, so a server-mode run is reproducible 
 seeded request exactly as ``GroupSampler`` with ``torch.Generator().manual_seed(that seed)`` in-process). TRL sends
 no seed (vLLM's own RNG decides). The request counter ``k`` is the backend's resume state (``state_dict``): the
 trainer saves it in ``posttrain_state_{process}.pt``, so a resumed run sends the same seeds as the uninterrupted one.
+A caller that numbers its requests itself (the async rollout worker: one request per round, seeded by the round)
+sets the counter with :meth:`VLLMServerBackend.set_request_index` before each request.
 """
 
 from __future__ import annotations
@@ -129,6 +131,19 @@ class VLLMServerBackend:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self._requests = int(state["requests"])
+
+    @property
+    def request_index(self) -> int:
+        """``k`` of the next request: it is seeded with ``request_seed(seed, rank, k)`` (requests sent so far)."""
+        return self._requests
+
+    def set_request_index(self, k: int) -> None:
+        """Make the next request the ``k``-th, so it carries ``request_seed(seed, rank, k)`` (the counter then
+        continues from ``k + 1``). The async rollout worker sets ``k`` to the round index, so a round has the same
+        seed, hence the same tokens from the same weights, whenever it is generated (resume, regenerated rounds)."""
+        if int(k) < 0:
+            raise ValueError(f"set_request_index: k must be >= 0, got {k}.")
+        self._requests = int(k)
 
     def _detect(self, info: dict[str, Any]) -> str:
         if info.get("server") == "posttrain":

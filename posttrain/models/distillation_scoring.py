@@ -1,5 +1,5 @@
 """Scoring distillation completions without full-vocabulary logits: what one forward pass of the student or the
-teacher gives the divergence (``rollout/distillation.token_divergence``) at the loss tokens of a micro-batch.
+teacher gives the divergence at the loss tokens of a micro-batch, and that divergence.
 
 - :class:`DistillationScores`: the last hidden states at the positions predicting the loss tokens plus the LM-head
   weight (or, on the fallback path, the model's logits there).
@@ -9,6 +9,9 @@ teacher gives the divergence (``rollout/distillation.token_divergence``) at the 
   shared-prompt layout, :mod:`posttrain.models.prefix_sharing`) in which the head runs on an empty slice, so no
   ``(B, T, V)`` logits are built. Heads that are not a plain linear map (LoRA on ``lm_head``, soft-capping, logit
   scales, sharded weights) fall back to the model's own logits at those positions, logged once.
+- :func:`token_divergence`: the generalized JSD per loss token between the student's and the teacher's
+  ``DistillationScores``, from ``core.distill.chunked_generalized_jsd`` (peak memory chunk × V, logits recomputed in
+  backward), plus the student's entropy at the same tokens.
 """
 
 from __future__ import annotations
@@ -20,15 +23,17 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from posttrain.core.distill import chunked_generalized_jsd, generalized_jsd_loss
+from posttrain.core.logprobs import chunked_logprobs_from_hidden, entropy_from_logits
 from posttrain.models.forward import (
-    _log_once,
     forward_capturing_head_input,
+    log_once,
     prepare_attention_mask,
     resolve_lm_head,
 )
 from posttrain.models.unwrap import unwrap_base_model
 
-__all__ = ["DistillationScores", "forward_logits_fn", "score_distillation_completions"]
+__all__ = ["DistillationScores", "forward_logits_fn", "score_distillation_completions", "token_divergence"]
 
 
 @dataclass
@@ -136,7 +141,7 @@ def score_distillation_completions(
                 aux_loss=getattr(outputs, "aux_loss", None),
             )
         reason = "its logits differ from hidden_states @ lm_head.weight (an unknown head transform)"
-    _log_once(
+    log_once(
         f"posttrain distillation: chunked divergence is not used for {type(unwrap_base_model(model)).__name__} because "
         f"{reason}; using its full-vocabulary logits at the completion positions (more memory, same result)."
     )
@@ -181,10 +186,75 @@ def forward_logits_fn(
 
             return outputs, logits_fn
         reason = "its logits differ from hidden_states @ lm_head.weight (an unknown head transform)"
-    _log_once(
+    log_once(
         f"posttrain: chunked logits are not used for {type(unwrap_base_model(model)).__name__} because {reason}; "
         "using its full-vocabulary logits (more memory, same result)."
     )
     outputs = forward()
     flat_logits = outputs.logits.reshape(-1, outputs.logits.shape[-1])
     return outputs, lambda positions: flat_logits[positions.to(flat_logits.device)]
+
+
+def token_divergence(
+    student: DistillationScores,
+    teacher: DistillationScores,
+    *,
+    vocab_rows: int,
+    beta: float,
+    temperature: float,
+    chunk_size: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token generalized JSD between student and teacher, and the student's entropy, at the ``N`` loss tokens.
+
+    D_β = KL(p_T‖p_S) for β = 0, KL(p_S‖p_T) for β = 1, else β·KL(p_T‖p_M) + (1 − β)·KL(p_S‖p_M) with
+    p_M = (1 − β)·p_S + β·p_T, where p = softmax(logits[:vocab_rows] / temperature) (GKD, arXiv 2306.13649).
+    With student hidden states the logits are computed ``chunk_size`` tokens at a time and recomputed in backward
+    (``core.distill.chunked_generalized_jsd``), so peak memory is chunk × V, not N × V.
+
+    Returns:
+        ``(divergence (N,), entropy (N,))`` float32; the divergence carries gradients to the student, the entropy
+        H(p_S) (at the same temperature) is detached.
+    """
+    rows = vocab_rows
+    if student.hidden is not None:
+        weight, bias = student.head(rows)
+        teacher_kwargs: dict[str, Any]
+        if teacher.hidden is not None:
+            teacher_weight, teacher_bias = teacher.head(rows)
+            teacher_kwargs = dict(
+                teacher_hidden=teacher.hidden, teacher_weight=teacher_weight, teacher_bias=teacher_bias
+            )
+        else:
+            teacher_kwargs = dict(teacher_logits_fn=teacher.logits_fn(rows))
+        divergence = chunked_generalized_jsd(
+            student.hidden,
+            weight,
+            student_bias=bias,
+            beta=beta,
+            temperature=temperature,
+            reduction="none",
+            chunk_size=chunk_size,
+            **teacher_kwargs,
+        )
+        with torch.no_grad():
+            # Entropy does not depend on the label; clamp ids of padding rows beyond `rows` (never a real token).
+            _, entropy = chunked_logprobs_from_hidden(
+                student.hidden.detach(),
+                weight.detach(),
+                student.tokens.clamp(max=rows - 1),
+                bias=None if bias is None else bias.detach(),
+                temperature=temperature,
+                chunk_size=chunk_size,
+                compute_entropy=True,
+            )
+        return divergence.float(), entropy.float()
+    student_logits = student.logits[:, :rows]
+    n = student_logits.shape[0]
+    with torch.no_grad():
+        teacher_logits = teacher.logits_fn(rows)(torch.arange(n, device=student_logits.device))
+    divergence = generalized_jsd_loss(
+        student_logits, teacher_logits, beta=beta, temperature=temperature, reduction="none"
+    )
+    with torch.no_grad():
+        entropy = entropy_from_logits(student_logits.detach().float() / temperature)
+    return divergence.float(), entropy.float()

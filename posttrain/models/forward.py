@@ -44,6 +44,7 @@ IGNORE_INDEX = -100
 __all__ = [
     "TokenStats",
     "forward_token_stats",
+    "log_once",
     "prepare_attention_mask",
     "sequence_scores",
     "token_logprobs",
@@ -55,7 +56,8 @@ _HEAD_VERIFIED: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakK
 _LOGGED: set[str] = set()
 
 
-def _log_once(message: str) -> None:
+def log_once(message: str) -> None:
+    """Log ``message`` as a warning the first time only (a fallback path taken on every micro-batch)."""
     if message not in _LOGGED:
         _LOGGED.add(message)
         logger.warning(message)
@@ -751,7 +753,7 @@ def forward_token_stats(
             if stats is None:
                 head = "its logits differ from hidden_states @ lm_head.weight (an unknown head transform)"
         if stats is None:
-            _log_once(
+            log_once(
                 f"posttrain: chunked log-probs are not used for {type(inner).__name__} because {head}; falling back "
                 "to full-vocabulary logits (more memory, same result)."
             )

@@ -213,7 +213,7 @@ def _loop(spec: AsyncWorkerSpec, out: Any, stop: Any, parent: int, heartbeat: An
             wait = min(2 * wait, POLL_MAX_S)  # back off: each poll costs the server a request
         if stop.is_set():
             return
-        backend._requests = r  # request seed of round r: the same tokens whenever generated from the same weights
+        backend.set_request_index(r)  # seed of round r: the same tokens whenever generated from the same weights
         metrics: list[tuple[str, float]] = []
 
         def record(name: str, value: float, sink: list = metrics) -> None:  # producers record after each server answer

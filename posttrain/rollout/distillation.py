@@ -1,45 +1,33 @@
-"""The parts of on-policy distillation that are not the trainer itself.
+"""On-policy distillation's rollout: ``DistillationRollout`` builds one generation round.
 
-- ``check_shared_vocabulary``: student and teacher must score the same token ids (same tokenizer vocabulary, LM
-  heads that cover it); returns how many head rows the divergence compares.
-- ``token_divergence``: the generalized JSD per loss token between the student's and the teacher's
-  ``DistillationScores`` (scored without full-vocabulary logits by
-  :func:`posttrain.models.distillation_scoring.score_distillation_completions`), from
-  ``core.distill.chunked_generalized_jsd`` (peak memory chunk × V, logits recomputed in backward), plus the
-  student's entropy at the same tokens.
-- ``DistillationRollout``: builds one generation round. Each gradient-accumulation slice is on-policy with
-  probability ``lmbda`` (GKD, Agarwal et al. 2024, https://huggingface.co/papers/2306.13649): its completions are
-  sampled from the student through the shared generation backend. The other slices use the dataset's completions,
-  or, with ``seq_kd``, completions sampled from the teacher (sequence-level KD). Prompts go through the shared
-  rollout stages (``render_prompts``, ``collate_completions``, TRL's completion metrics), so the batch has the
-  online-RL layout that ``RolloutBuffer`` shuffles, splits and replays. ``run`` reads as named stages, each timed
-  into a ``timing/<stage>`` metric (``STAGES``), as ``RolloutPipeline.run`` does.
+Each gradient-accumulation slice is on-policy with probability ``lmbda`` (GKD, Agarwal et al. 2024,
+https://huggingface.co/papers/2306.13649): its completions are sampled from the student through the shared
+generation backend. The other slices use the dataset's completions, or, with ``seq_kd``, completions sampled from the
+teacher (sequence-level KD). Prompts go through the shared rollout stages (``render_prompts``, ``collate_completions``,
+TRL's completion metrics), so the batch has the online-RL layout that ``RolloutBuffer`` shuffles, splits and replays.
+``run`` reads as named stages, each timed into a ``timing/<stage>`` metric (``STAGES``), as ``RolloutPipeline.run``
+does.
 
-Deliberate differences from TRL: student and teacher heads of different sizes are accepted when both cover the
-tokenizer (e.g. Qwen2.5-0.5B's 151 936 rows vs Qwen2.5-7B's 152 064): the divergence then compares the first
-``min(V_student, V_teacher)`` rows, which are the only ones a token can map to. TRL requires equal ``vocab_size``.
+What the distillation trainers need besides the rollout lives with the models: the student/teacher vocabulary checks
+in :mod:`posttrain.models.vocabulary`, the divergence at the loss tokens (``token_divergence``) beside the scoring
+that feeds it in :mod:`posttrain.models.distillation_scoring`. Both stay importable from here for older imports.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from posttrain.core.distill import chunked_generalized_jsd, generalized_jsd_loss
-from posttrain.core.logprobs import chunked_logprobs_from_hidden, entropy_from_logits
 from posttrain.data.tokenization import tokenize_prompt_completion, truncate_sequence
 from posttrain.distributed import gather_objects, gather_rows
 from posttrain.generation.base import Completions, SamplingConfig, truncate_at_eos
-from posttrain.models.distillation_scoring import DistillationScores
-from posttrain.models.unwrap import unwrap_base_model
+from posttrain.models.distillation_scoring import token_divergence  # noqa: F401  (moved; older import path)
+from posttrain.models.vocabulary import check_shared_vocabulary, model_vocab_size  # noqa: F401  (moved; older path)
 from posttrain.rollout.buffer import RolloutBatch
 from posttrain.rollout.metrics import completion_length_metrics
 from posttrain.rollout.pipeline import CompletionsTable, StageTimer, collate_completions, render_prompts
-
-logger = logging.getLogger(__name__)
 
 SOURCES = ("student", "dataset", "teacher")
 # The stages of DistillationRollout.run, each timed into ``timing/<stage>`` (seconds), as RolloutPipeline.run's are.
@@ -52,160 +40,6 @@ STAGES = (
     "metrics",
     "completions_table",
 )
-_LOGGED: set[str] = set()
-
-
-def _log_once(message: str) -> None:
-    if message not in _LOGGED:
-        _LOGGED.add(message)
-        logger.warning(message)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Vocabulary
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def model_vocab_size(model: torch.nn.Module) -> int:
-    """Rows of the model's LM head (``config.vocab_size`` of its text config)."""
-    inner = unwrap_base_model(model)
-    config = getattr(inner, "config", None)
-    get_text = getattr(config, "get_text_config", None)
-    text = get_text() if callable(get_text) else config
-    size = getattr(text, "vocab_size", None)
-    if size is None:
-        head = inner.get_output_embeddings()
-        size = head.weight.shape[0]
-    return int(size)
-
-
-def check_shared_vocabulary(
-    student_tokenizer: Any, teacher_tokenizer: Any, student_vocab_size: int, teacher_vocab_size: int
-) -> int:
-    """Check that the teacher scores the student's token ids; return the number of head rows to compare.
-
-    Args:
-        student_tokenizer: The trainer's tokenizer.
-        teacher_tokenizer: The teacher's own tokenizer, or None when it cannot be loaded (then only sizes are
-            checked).
-        student_vocab_size / teacher_vocab_size: LM-head rows of each model.
-
-    Returns:
-        ``V`` = the head size when both are equal, else ``min`` of the two when both cover the tokenizer (the extra
-        rows are embedding padding that no token maps to).
-
-    Raises:
-        ValueError: the tokenizers map tokens to different ids, or a head is smaller than the tokenizer.
-    """
-    tok = getattr(student_tokenizer, "tokenizer", student_tokenizer)
-    if teacher_tokenizer is not None:
-        teacher_tok = getattr(teacher_tokenizer, "tokenizer", teacher_tokenizer)
-        student_vocab, teacher_vocab = tok.get_vocab(), teacher_tok.get_vocab()
-        if student_vocab != teacher_vocab:
-            differ = sorted(
-                (t for t in set(student_vocab) | set(teacher_vocab) if student_vocab.get(t) != teacher_vocab.get(t)),
-                key=lambda t: (student_vocab.get(t, teacher_vocab.get(t, 0)), t),
-            )
-            examples = ", ".join(
-                f"{t!r}: student {student_vocab.get(t)} / teacher {teacher_vocab.get(t)}" for t in differ[:3]
-            )
-            raise ValueError(
-                f"The teacher's tokenizer does not match the student's: {len(differ)} tokens have different ids "
-                f"({examples}). Distillation compares next-token distributions id by id, so the teacher must use "
-                "the student's tokenizer (same model family); cross-tokenizer distillation (TRL's GOLD) is not "
-                "supported."
-            )
-    n_tokens = len(tok)
-    if student_vocab_size == teacher_vocab_size:
-        if student_vocab_size < n_tokens:
-            raise ValueError(
-                f"The models' LM heads have {student_vocab_size} rows but the tokenizer has {n_tokens} tokens; "
-                "resize the embeddings (model.resize_token_embeddings(len(tokenizer))) of both models."
-            )
-        return student_vocab_size
-    rows = min(student_vocab_size, teacher_vocab_size)
-    if rows < n_tokens:
-        raise ValueError(
-            f"The student has vocab_size {student_vocab_size} but the teacher has vocab_size {teacher_vocab_size}, "
-            f"and the tokenizer has {n_tokens} tokens: the smaller head cannot score every token. Distillation "
-            "needs a shared vocabulary: use a teacher from the student's model family (same tokenizer)."
-        )
-    _log_once(
-        f"posttrain: student vocab_size {student_vocab_size} != teacher vocab_size {teacher_vocab_size}; both cover "
-        f"the tokenizer's {n_tokens} tokens, so the divergence compares the first {rows} rows (the others are "
-        "embedding padding)."
-    )
-    return rows
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The divergence at the loss tokens
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def token_divergence(
-    student: DistillationScores,
-    teacher: DistillationScores,
-    *,
-    vocab_rows: int,
-    beta: float,
-    temperature: float,
-    chunk_size: int = 1024,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token generalized JSD between student and teacher, and the student's entropy, at the ``N`` loss tokens.
-
-    D_β = KL(p_T‖p_S) for β = 0, KL(p_S‖p_T) for β = 1, else β·KL(p_T‖p_M) + (1 − β)·KL(p_S‖p_M) with
-    p_M = (1 − β)·p_S + β·p_T, where p = softmax(logits[:vocab_rows] / temperature) (GKD, arXiv 2306.13649).
-    With student hidden states the logits are computed ``chunk_size`` tokens at a time and recomputed in backward
-    (``core.distill.chunked_generalized_jsd``), so peak memory is chunk × V, not N × V.
-
-    Returns:
-        ``(divergence (N,), entropy (N,))`` float32; the divergence carries gradients to the student, the entropy
-        H(p_S) (at the same temperature) is detached.
-    """
-    rows = vocab_rows
-    if student.hidden is not None:
-        weight, bias = student.head(rows)
-        teacher_kwargs: dict[str, Any]
-        if teacher.hidden is not None:
-            teacher_weight, teacher_bias = teacher.head(rows)
-            teacher_kwargs = dict(
-                teacher_hidden=teacher.hidden, teacher_weight=teacher_weight, teacher_bias=teacher_bias
-            )
-        else:
-            teacher_kwargs = dict(teacher_logits_fn=teacher.logits_fn(rows))
-        divergence = chunked_generalized_jsd(
-            student.hidden,
-            weight,
-            student_bias=bias,
-            beta=beta,
-            temperature=temperature,
-            reduction="none",
-            chunk_size=chunk_size,
-            **teacher_kwargs,
-        )
-        with torch.no_grad():
-            # Entropy does not depend on the label; clamp ids of padding rows beyond `rows` (never a real token).
-            _, entropy = chunked_logprobs_from_hidden(
-                student.hidden.detach(),
-                weight.detach(),
-                student.tokens.clamp(max=rows - 1),
-                bias=None if bias is None else bias.detach(),
-                temperature=temperature,
-                chunk_size=chunk_size,
-                compute_entropy=True,
-            )
-        return divergence.float(), entropy.float()
-    student_logits = student.logits[:, :rows]
-    n = student_logits.shape[0]
-    with torch.no_grad():
-        teacher_logits = teacher.logits_fn(rows)(torch.arange(n, device=student_logits.device))
-    divergence = generalized_jsd_loss(
-        student_logits, teacher_logits, beta=beta, temperature=temperature, reduction="none"
-    )
-    with torch.no_grad():
-        entropy = entropy_from_logits(student_logits.detach().float() / temperature)
-    return divergence.float(), entropy.float()
 
 
 # ----------------------------------------------------------------------------------------------------------------

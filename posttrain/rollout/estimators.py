@@ -149,7 +149,8 @@ class PairwisePreferenceEstimator:
 
     s_i = Σ_k w_k r_ik − ``missing_eos_penalty`` when completion i did not end with EOS; in each pair the first
     completion is chosen when s_1 ≥ s_2 (TRL's tie rule). The "advantage" is the pair sign: +1 chosen, −1 rejected.
-    ``last_scores`` keeps the (gathered) scores for the trainer's ``objective/rlhf_reward``. Metrics (TRL's):
+    The result's ``rewards`` are the (gathered) scores, which the trainer reads from the pipeline's ``last_result``
+    for ``objective/rlhf_reward``. Metrics (TRL's):
     ``objective/scores`` (mean s), ``objective/scores_margin`` (mean s_chosen − s_rejected),
     ``val/contain_eos_token`` (fraction of completions with EOS).
 
@@ -160,7 +161,6 @@ class PairwisePreferenceEstimator:
     missing_eos_penalty: float | None = None
     needs_old_logps: bool = False
     needs_ref_logps: bool = True
-    last_scores: torch.Tensor | None = None
 
     def __call__(self, rewards_per_func, weights, num_generations, *, batch, gather) -> AdvantageResult:
         if num_generations != 2:
@@ -176,7 +176,6 @@ class PairwisePreferenceEstimator:
         signs = torch.stack([first_chosen, ~first_chosen], dim=1).float() * 2 - 1  # (P, 2): +1 chosen, -1 rejected
         grouped = scores.reshape(-1, 2)
         margin = torch.where(first_chosen, grouped[:, 0] - grouped[:, 1], grouped[:, 1] - grouped[:, 0])
-        self.last_scores = scores
         metrics = {
             "objective/scores": float(scores.nanmean()),
             "objective/scores_margin": float(margin.nanmean()),

@@ -17,6 +17,11 @@ loss reads the batch:
 7. advantages — the estimator on the gathered batch; this process keeps its slice.
 8. metrics (TRL's names), the sampling importance-sampling ratio, and the completions table for ``log_completions``.
 
+Besides the batch, ``run`` keeps what it gathered over all processes for its last batch: ``last_result``
+(:class:`RolloutResult`: the per-function rewards and the estimator's :class:`AdvantageResult`) and, with
+``keep_completions``, ``last_completions``. A trainer stage after the rollout (SDPO's teacher context, the replay
+buffer's group selection) reads them there instead of re-gathering or wrapping the estimator.
+
 ``defer_importance_sampling`` (server / async rollouts): when π_old is needed *only* for the sampler-vs-trainer
 correction (the batch is trained on-policy: no ``compute_old_logps``, an estimator without π_old), stages 5 and 8
 skip the π_old pass and the ratio; the loss computes the ratio from its own forward pass (its detached log-probs
@@ -48,9 +53,9 @@ from posttrain.data.response_parsing import parse_response
 from posttrain.data.tokenization import tokenize_prompt
 from posttrain.data.utils import is_conversational
 from posttrain.distributed import gather_objects, gather_rows
-from posttrain.generation.base import Completions, SamplingConfig
+from posttrain.generation.base import Completions, GenerationBackend, SamplingConfig
 from posttrain.rollout.buffer import RolloutBatch
-from posttrain.rollout.estimators import AdvantageEstimator
+from posttrain.rollout.estimators import AdvantageEstimator, AdvantageResult
 from posttrain.rollout.metrics import completion_length_metrics, reward_metrics
 
 MetricSink = Callable[[str, float], None]
@@ -147,6 +152,37 @@ class CompletionsTable:
         return len(next(iter(self.columns.values()), []))
 
 
+@dataclass
+class RolloutResult:
+    """What :meth:`RolloutPipeline.run` gathered over all processes for its last batch (``pipeline.last_result``).
+
+    Rows are the whole generation batch, process 0's rows first; this process's rows are
+    ``slice(process_index * n_local, (process_index + 1) * n_local)``.
+
+    Attributes:
+        mode: ``"train"`` or ``"eval"``.
+        num_generations: G of the batch (``num_generations`` or ``num_generations_eval``).
+        rewards_per_func: ``(N, K)`` reward of each completion per reward function (NaN = None), unweighted.
+        estimate: The estimator's :class:`AdvantageResult` on those rewards: ``advantages`` ``(N,)``, the combined
+            ``rewards`` ``(N,)``, ``std`` and the estimator's metrics.
+    """
+
+    mode: str
+    num_generations: int
+    rewards_per_func: torch.Tensor
+    estimate: AdvantageResult
+
+    @property
+    def rewards(self) -> torch.Tensor:
+        """``(N,)`` the combined (weighted) reward of each completion, as logged under ``reward``."""
+        return self.estimate.rewards
+
+    @property
+    def advantages(self) -> torch.Tensor:
+        """``(N,)`` the advantage of each completion."""
+        return self.estimate.advantages
+
+
 def render_prompts(
     rows: Sequence[dict[str, Any]],
     tokenizer: Any,
@@ -218,7 +254,14 @@ def _has_response_template(tokenizer: Any) -> bool:
     return getattr(inner, "response_template", None) is not None
 
 
-def _pad(rows: Sequence[Sequence[float]], value: float, dtype: torch.dtype, side: str, multiple: int | None):
+def pad_rows(
+    rows: Sequence[Sequence[float]], value: float, dtype: torch.dtype, side: str, multiple: int | None = None
+) -> torch.Tensor:
+    """``(len(rows), L)`` tensor of ragged ``rows`` padded with ``value`` on ``side`` (``"left"``/``"right"``).
+
+    ``L`` is the longest row, rounded up to a multiple of ``multiple`` when given, and at least 1 (an all-empty
+    batch still has one column, as the loss masks expect).
+    """
     length = max((len(r) for r in rows), default=0)
     if multiple:
         length = -(-length // multiple) * multiple
@@ -247,9 +290,11 @@ def collate_completions(
     """
     lengths = torch.tensor([len(c) for c in completions.completion_ids], dtype=torch.long)
     batch: RolloutBatch = {
-        "prompt_ids": _pad(completions.prompt_ids, pad_token_id, torch.long, "left", pad_to_multiple_of),
-        "prompt_mask": _pad([[1] * len(p) for p in completions.prompt_ids], 0, torch.long, "left", pad_to_multiple_of),
-        "completion_ids": _pad(completions.completion_ids, pad_token_id, torch.long, "right", pad_to_multiple_of),
+        "prompt_ids": pad_rows(completions.prompt_ids, pad_token_id, torch.long, "left", pad_to_multiple_of),
+        "prompt_mask": pad_rows(
+            [[1] * len(p) for p in completions.prompt_ids], 0, torch.long, "left", pad_to_multiple_of
+        ),
+        "completion_ids": pad_rows(completions.completion_ids, pad_token_id, torch.long, "right", pad_to_multiple_of),
         "completion_lengths": lengths,
         "finished": torch.tensor(completions.finished, dtype=torch.bool),
     }
@@ -257,14 +302,16 @@ def collate_completions(
     mask = (torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)).long()
     env_mask = completions.extra.get("tool_mask", completions.extra.get("env_mask"))
     if env_mask is not None:
-        tool_mask = _pad(env_mask, 0, torch.long, "right", pad_to_multiple_of)[:, :width]
+        tool_mask = pad_rows(env_mask, 0, torch.long, "right", pad_to_multiple_of)[:, :width]
         batch["tool_mask"] = tool_mask
         mask = mask * tool_mask
     if mask_truncated_completions:
         mask = mask * batch["finished"].long().unsqueeze(1)
     batch["completion_mask"] = mask
     if completions.logprobs is not None:
-        batch["sampling_per_token_logps"] = _pad(completions.logprobs, 0.0, torch.float32, "right", pad_to_multiple_of)
+        batch["sampling_per_token_logps"] = pad_rows(
+            completions.logprobs, 0.0, torch.float32, "right", pad_to_multiple_of
+        )
     return batch
 
 
@@ -273,7 +320,8 @@ class RolloutPipeline:
 
     Args:
         tokenizer: The policy's tokenizer (left padding is applied here, whatever its ``padding_side``).
-        backend: A ``GenerationBackend`` (or a ``RolloutFuncBackend``, which receives raw prompts).
+        backend: A ``GenerationBackend`` (a ``RolloutFuncBackend`` adds ``generate_from_prompts`` and then receives
+            the raw prompts; an agent's ``ToolCallingBackend`` also takes each row's ``tools``).
         scorer: A ``RewardScorer`` (``names``, ``weights``, ``score(...)``).
         sampling: The ``SamplingConfig`` (already resolved).
         settings: ``RolloutSettings``.
@@ -290,7 +338,7 @@ class RolloutPipeline:
         self,
         *,
         tokenizer: Any,
-        backend: Any,
+        backend: GenerationBackend,
         scorer: Any,
         sampling: SamplingConfig,
         settings: RolloutSettings,
@@ -311,6 +359,7 @@ class RolloutPipeline:
         self.ref_logps = ref_logps
         self.accelerator = accelerator
         self.last_completions: CompletionsTable | None = None
+        self.last_result: RolloutResult | None = None
         tok = getattr(tokenizer, "tokenizer", tokenizer)
         self.pad_token_id = int(tok.pad_token_id if tok.pad_token_id is not None else sampling.pad_token_id)
 
@@ -376,7 +425,9 @@ class RolloutPipeline:
             environments=environments,
         )
 
-    def _logps_in_chunks(self, fn: LogpsFn, batch: RolloutBatch, device: torch.device) -> torch.Tensor:
+    def logps_in_chunks(self, fn: LogpsFn, batch: RolloutBatch, device: torch.device) -> torch.Tensor:
+        """``(B, C)`` float32 no-grad log-probs ``fn(chunk)`` over ``batch`` in chunks of ``logprob_batch_size`` rows
+        (each chunk moved to ``device``): the π_old / π_ref passes of :meth:`run`, for trainers that redo them."""
         size = max(1, int(self.settings.logprob_batch_size))
         keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "completion_lengths")
         outputs = []
@@ -443,16 +494,17 @@ class RolloutPipeline:
                 importance = None  # the loss computes the ratio from its own forward pass
             if settings.compute_old_logps or self.estimator.needs_old_logps or importance is not None:
                 with stage("old_logps"):
-                    batch["old_per_token_logps"] = self._logps_in_chunks(self.policy_logps, batch, device).cpu()
+                    batch["old_per_token_logps"] = self.logps_in_chunks(self.policy_logps, batch, device).cpu()
             if (settings.compute_ref_logps or self.estimator.needs_ref_logps) and self.ref_logps is not None:
                 with stage("ref_logps"):
-                    batch["ref_per_token_logps"] = self._logps_in_chunks(self.ref_logps, batch, device).cpu()
+                    batch["ref_per_token_logps"] = self.logps_in_chunks(self.ref_logps, batch, device).cpu()
             with stage("calculate_rewards"):
                 rewards_per_func, extra_columns = self.calculate_rewards(
                     rows, prompts, completions, completion_objs, trainer_state, record, agent_batch
                 )
             with stage("advantages"):
                 result = self.advantages(rewards_per_func, g, batch)
+                self.last_result = RolloutResult(mode, g, rewards_per_func, result)
             with stage("metrics"):
                 self.record_metrics(batch, completions, rewards_per_func, result, record)
             if importance is not None:
@@ -549,7 +601,7 @@ class RolloutPipeline:
         )
         return self.gather(rewards_local.float()), extra_columns
 
-    def advantages(self, rewards_per_func: torch.Tensor, num_generations: int, batch: RolloutBatch) -> Any:
+    def advantages(self, rewards_per_func: torch.Tensor, num_generations: int, batch: RolloutBatch) -> AdvantageResult:
         """The estimator on the gathered rewards; this process keeps its slice as ``batch["advantages"]``."""
         weights = torch.as_tensor(self.scorer.weights, dtype=torch.float32).to(rewards_per_func.device)
         result = self.estimator(rewards_per_func, weights, num_generations, batch=batch, gather=self.gather)
@@ -563,7 +615,7 @@ class RolloutPipeline:
         batch: RolloutBatch,
         completions: Completions,
         rewards_per_func: torch.Tensor,
-        result: Any,
+        result: AdvantageResult,
         record: MetricSink,
     ) -> None:
         """TRL's rollout metrics over the gathered batch: tokens, completion lengths, rewards, the estimator's,
@@ -617,7 +669,7 @@ class RolloutPipeline:
         texts: list[str],
         rewards_per_func: torch.Tensor,
         extra_columns: dict[str, list],
-        result: Any,
+        result: AdvantageResult,
     ) -> CompletionsTable:
         """Prompts, completions, rewards, logged columns and advantages over every process (``log_completions``)."""
         table = {

@@ -21,7 +21,7 @@ Metrics (TRL's names): ``loss`` (the divergence per token), ``distillation_loss`
 ``step_time``; ``aux_loss`` for MoE students; ``timing/*`` (the round's stages, ``rollout.distillation.STAGES``).
 
 Deliberate differences from TRL: heads of different sizes that both cover the tokenizer are accepted (see
-``rollout/distillation.py``); evaluation scores student samples when ``lmbda > 0`` and dataset (or, with ``seq_kd``, teacher)
+``models/vocabulary.py``); evaluation scores student samples when ``lmbda > 0`` and dataset (or, with ``seq_kd``, teacher)
 completions when ``lmbda = 0``; teacher-server / top-k losses live in ``posttrain.experimental.server_distillation``;
 Liger and VLMs are not supported. ``tools=`` (with ``max_tool_calling_iterations``) runs on-policy samples through
 the agents' tool loop as GRPO does: tool-result tokens stay in both models' context but carry no loss.
@@ -39,20 +39,16 @@ import torch
 
 from posttrain.distributed import gather_masked_mean, sum_over_processes
 from posttrain.models.completion_scoring import choose_shared_prompt_layout, completion_inputs
-from posttrain.models.distillation_scoring import score_distillation_completions
+from posttrain.models.distillation_scoring import score_distillation_completions, token_divergence
 from posttrain.models.loading import (
     create_model_from_path,
     load_processing_class,
 )
 from posttrain.models.reference import ReferencePolicy
+from posttrain.models.vocabulary import check_shared_vocabulary, model_vocab_size
 from posttrain.reliability.validation import check_datasets
 from posttrain.rollout.buffer import RolloutBatch
-from posttrain.rollout.distillation import (
-    DistillationRollout,
-    check_shared_vocabulary,
-    model_vocab_size,
-    token_divergence,
-)
+from posttrain.rollout.distillation import DistillationRollout
 from posttrain.trainers.online import OnlineRLConfig, OnlineTrainerBase
 
 # OnlineRLConfig fields that belong to GRPO/RLOO's policy-gradient loss: setting them here would silently do nothing.

@@ -32,10 +32,15 @@ import torch
 
 from posttrain.core.importance import entropy_threshold, off_policy_sequence_mask
 from posttrain.core.kl import kl_k3
-from posttrain.core.masking import masked_batch_mean, masked_sum
-from posttrain.core.policy_objectives import ObjectiveArguments, importance_weights, objective_properties
+from posttrain.core.masking import masked_sum
+from posttrain.core.policy_objectives import (
+    ObjectiveArguments,
+    importance_weights,
+    objective_metric_values,
+    objective_properties,
+)
 from posttrain.core.presets import (
-    GRPO_LOSS_PRESETS,
+    GRPO_LOSS_TYPES,
     needs_grad_accum_division,
     resolve_grpo_loss,
     validate_grpo_loss_config,
@@ -93,9 +98,9 @@ class GRPOConfig(ObjectiveArguments, OnlineRLConfig):
     loss_type: str = field(
         default="dapo",
         metadata={
-            "help": f"One of {', '.join(GRPO_LOSS_PRESETS)} (default: dapo), or in Python a pair (objective, "
+            "help": f"One of {', '.join(GRPO_LOSS_TYPES)} (default: dapo), or in Python a pair (objective, "
             "aggregation) of core registry names or callables.",
-            "choices": list(GRPO_LOSS_PRESETS),
+            "choices": list(GRPO_LOSS_TYPES),
         },
     )
     top_entropy_quantile: float = field(
@@ -308,7 +313,7 @@ class GRPOTrainer(OnlineTrainerBase):
         args = self.args
         self.objective, self.aggregation = resolve_grpo_loss(args.loss_type)
         self.divide_by_grad_accum = needs_grad_accum_division(args.loss_type)
-        properties = objective_properties(self.objective)
+        self.objective_properties = properties = objective_properties(self.objective)
         # The hyper-parameters the objective declares it reads, from their config fields.
         self.objective_kwargs = {kw: getattr(args, name) for kw, name in properties.config_fields.items()}
         self.objective_folds_sampling_ratio = properties.folds_sampling_ratio
@@ -551,12 +556,11 @@ class GRPOTrainer(OnlineTrainerBase):
     def _record_loss_metrics(
         self, entropies: torch.Tensor, mask: torch.Tensor, objective_stats: dict[str, torch.Tensor], mode: str
     ) -> None:
+        """``entropy`` and ``clip_ratio/*`` (the online base's), then the metrics the objective declares
+        (``ObjectiveProperties.metrics``), each averaged over processes."""
         self._record_policy_metrics(entropies, mask, objective_stats, mode)
-        if "cispo_clip" in objective_stats:
-            ratio = masked_batch_mean(objective_stats["cispo_clip"], mask)
-            self.record_metric("cispo_clip_ratio", self._gather_mean(ratio), mode=mode)
-        if "phi_seq" in objective_stats:
-            self.record_metric("vespo/phi_seq_mean", self._gather_mean(objective_stats["phi_seq"].mean()), mode=mode)
+        for name, value in objective_metric_values(self.objective_properties, objective_stats, mask).items():
+            self.record_metric(name, self._gather_mean(value), mode=mode)
 
     # -- checkpoints -------------------------------------------------------------------------------------------
     def _extra_checkpoint_state(self) -> dict[str, Any]:

@@ -207,3 +207,38 @@ def test_advantage_shape_validation():
         clip_objective(logp, old, torch.ones(3), MASK)
     with pytest.raises(ValueError, match=r"advantages must have shape"):
         clip_objective(logp, old, torch.ones(2, 3), MASK)
+
+
+def test_objectives_declare_their_metrics():
+    """cispo and vespo declare the metrics their stats give (TRL's names and reductions); a trainer logs exactly
+    these; an undeclared objective gets the registered ones whose stat it returns."""
+    from posttrain.core.masking import masked_batch_mean
+    from posttrain.core.policy_objectives import ObjectiveMetric, objective_metric_values, objective_properties
+
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    logp, old = _logps([[7.0, 1.0, 9.0], [0.5, 1.0, 1.0]])
+    advantages = torch.tensor([1.0, -1.0], dtype=torch.float64)
+
+    cispo = objective_properties(POLICY_OBJECTIVES.get("cispo"))
+    _, stats = cispo_objective(logp, old, advantages, mask, epsilon_high=5.0)
+    values = objective_metric_values(cispo, stats, mask)
+    assert list(values) == ["cispo_clip_ratio"]
+    assert float(values["cispo_clip_ratio"]) == pytest.approx(1 / 3)  # ratio 7 > 5 with A > 0 on 1 of 3 tokens
+    assert float(values["cispo_clip_ratio"]) == float(masked_batch_mean(stats["cispo_clip"], mask))
+
+    vespo = objective_properties(POLICY_OBJECTIVES.get("vespo"))
+    _, stats = vespo_objective(logp, old, advantages, mask)
+    values = objective_metric_values(vespo, stats, mask)
+    assert list(values) == ["vespo/phi_seq_mean"]
+    assert float(values["vespo/phi_seq_mean"]) == float(stats["phi_seq"].mean())
+
+    for name in ("clip", "sapo"):  # clip's indicators are the shared clip_ratio/* metrics, not its own
+        assert dict(objective_properties(POLICY_OBJECTIVES.get(name)).metrics) == {}
+
+    def custom(logp, old_logp, advantages, mask, **_):
+        return logp * 0, {"cispo_clip": torch.ones_like(logp)}
+
+    custom_stats = custom(logp, old, advantages, mask)[1]
+    assert list(objective_metric_values(objective_properties(custom), custom_stats, mask)) == ["cispo_clip_ratio"]
+    with pytest.raises(ValueError, match="masked_mean"):
+        ObjectiveMetric("x", reduce="sum")

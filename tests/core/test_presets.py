@@ -139,3 +139,22 @@ def test_validate_errors():
     with pytest.raises(ValueError, match="'token_truncate' or 'token_mask'"):
         validate_grpo_loss_config("vespo", vllm_importance_sampling_mode="sequence_mask")
     assert validate_grpo_loss_config("vespo", vllm_importance_sampling_mode="token_mask") == []
+
+
+def test_stable_loss_types_are_trls_and_experimental_presets_register_on_their_own(monkeypatch):
+    """``GRPO_LOSS_TYPES`` (what the stable GRPOConfig offers) is TRL's list; an experimental package adds its preset
+    with ``register_grpo_loss_preset`` (idempotent; a clash or an unknown registry name is an error)."""
+    from posttrain.core import presets
+
+    assert list(presets.GRPO_LOSS_TYPES) == list(TRL_PRESETS)
+    monkeypatch.setattr(presets, "GRPO_LOSS_PRESETS", dict(presets.GRPO_LOSS_PRESETS))
+    presets.register_grpo_loss_preset("my_sapo", "sapo", "token_mean_global")
+    presets.register_grpo_loss_preset("my_sapo", "sapo", "token_mean_global")  # a re-import: no-op
+    pair = (POLICY_OBJECTIVES.get("sapo"), AGGREGATIONS.get("token_mean_global"))
+    assert presets.resolve_grpo_loss("my_sapo") == pair
+    assert not presets.needs_grad_accum_division("my_sapo") and "my_sapo" not in presets.GRPO_LOSS_TYPES
+    with pytest.raises(ValueError, match="already the preset"):
+        presets.register_grpo_loss_preset("my_sapo", "clip", "token_mean_global")
+    with pytest.raises(ValueError, match="Unknown policy objective 'nope'"):
+        presets.register_grpo_loss_preset("other", "nope", "token_mean_global")
+    assert "other" not in presets.GRPO_LOSS_PRESETS

@@ -3,7 +3,14 @@ parameters and logs GRPO's metrics, the loss on a fixed rollout, and (slow) lear
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +19,12 @@ from experimental_helpers import merged_logs
 from reward_helpers import varied_reward
 from trainer_helpers import fast_config, params_changed, quiet_single_thread, trainable_params  # noqa: F401
 
+from posttrain.core.policy_objectives import POLICY_OBJECTIVES
+from posttrain.core.presets import GRPO_LOSS_PRESETS, GRPO_LOSS_TYPES, needs_grad_accum_division, resolve_grpo_loss
 from posttrain.experimental.gmpo import GMPOConfig, GMPOTrainer
+from posttrain.trainers.grpo import GRPOConfig
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _config(tmp_path, **kw) -> GMPOConfig:
@@ -29,6 +41,60 @@ def test_config_defaults(tmp_path):
     args = GMPOConfig(output_dir=str(tmp_path), report_to="none")
     assert args.epsilon == 0.4 and args.epsilon_high is None and args.loss_type == "gmpo"
     assert args.learning_rate == 1e-6 and args.beta == 0.0
+
+
+def test_the_package_registers_its_preset_which_the_stable_config_does_not_offer():
+    assert GRPO_LOSS_PRESETS["gmpo"] == ("gmpo", "seq_mean_token_mean")
+    objective, _ = resolve_grpo_loss("gmpo")
+    assert objective is POLICY_OBJECTIVES.get("gmpo") and needs_grad_accum_division("gmpo")
+    loss_type = {f.name: f for f in dataclasses.fields(GRPOConfig)}["loss_type"].metadata
+    assert "gmpo" not in GRPO_LOSS_TYPES and "gmpo" not in loss_type["choices"] and "gmpo" not in loss_type["help"]
+    assert loss_type["choices"] == ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]  # TRL's
+
+
+def _fresh_python(code: str, tmp_path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TRL_EXPERIMENTAL_SILENCE": "1", "POSTTRAIN_NO_REPORT": "1"}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env,
+                          cwd=tmp_path, timeout=300)  # fmt: skip
+
+
+def test_stable_grpo_config_resolves_gmpo_only_once_the_package_is_imported(tmp_path):
+    """A fresh process: ``GRPOConfig(loss_type="gmpo")`` fails naming the package that registers it, and works after
+    ``import posttrain.experimental.gmpo``."""
+    result = _fresh_python(
+        f"""
+        import posttrain
+        from posttrain import GRPOConfig
+        try:
+            GRPOConfig(output_dir={str(tmp_path)!r}, loss_type="gmpo", report_to="none")
+        except ValueError as err:
+            print("rejected:", err)
+        import posttrain.experimental.gmpo
+        print("accepted:", GRPOConfig(output_dir={str(tmp_path)!r}, loss_type="gmpo", report_to="none").loss_type)
+        """,
+        tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    rejected, accepted = result.stdout.strip().splitlines()[-2:]
+    assert rejected.startswith("rejected: Unknown loss_type 'gmpo'") and "posttrain.experimental.gmpo" in rejected
+    assert accepted == "accepted: gmpo"
+
+
+def test_experimental_run_cli_trains_gmpo(tmp_path, tiny_model_path):
+    """``python -m posttrain.experimental.run gmpo`` in a fresh process: the recipe's loss type resolves and trains."""
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TRL_EXPERIMENTAL_SILENCE": "1", "POSTTRAIN_NO_REPORT": "1",
+           "OMP_NUM_THREADS": "1"}  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "posttrain.experimental.run", "gmpo", "--config", "examples/gmpo.yaml",
+         "--model_name_or_path", tiny_model_path, "--max_steps", "1", "--num_generations", "2",
+         "--per_device_train_batch_size", "2", "--max_completion_length", "4", "--output_dir", str(out)],
+        capture_output=True, text=True, env=env, cwd=REPO, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads((out / "run_config.json").read_text())["loss_type"] == "gmpo"
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert any("loss" in r for r in records)
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.1])

@@ -13,7 +13,7 @@ from trainer_helpers import fast_config, quiet_single_thread  # noqa: F401
 
 from posttrain.core.uld import align_by_byte_offsets, hybrid_uld_loss, merge_group_probs, uld_sorted_l1
 from posttrain.experimental.gold import GOLDConfig, GOLDTrainer
-from posttrain.rollout.distillation import model_vocab_size
+from posttrain.models.vocabulary import model_vocab_size
 
 
 def _batch(tokenizer):

@@ -9,7 +9,7 @@ from posttrain.generation.base import Completions, SamplingConfig
 from posttrain.generation.rollout_func import RolloutFuncBackend
 from posttrain.rewards.scoring import RewardScorer
 from posttrain.rollout.estimators import GroupRelativeEstimator
-from posttrain.rollout.pipeline import ImportanceSamplingSettings, RolloutPipeline, RolloutSettings
+from posttrain.rollout.pipeline import ImportanceSamplingSettings, RolloutPipeline, RolloutSettings, pad_rows
 
 EOS = 258
 
@@ -110,6 +110,35 @@ def test_none_rewards_are_ignored_and_unscorable_rows_get_zero_advantage(tiny_to
     batch = pipe.run([{"prompt": "p"}] * 2 + [{"prompt": "q"}] * 2, record_metric=metrics.__setitem__)
     assert batch["advantages"].tolist() == [0.0, 0.0, -1.0, 1.0]
     assert metrics["rewards/maybe/mean"] == pytest.approx(7 / 3)
+
+
+def test_run_keeps_its_gathered_result_for_the_stages_after_it(tiny_tokenizer):
+    """``last_result``: the (N, K) per-function rewards and the estimator's result of the last batch, per mode."""
+
+    def first(completions, **kwargs):
+        return [1.0, 3.0, None, 2.0][: len(completions)]
+
+    def second(completions, **kwargs):
+        return [0.0, 1.0, 2.0, 2.0][: len(completions)]
+
+    pipe = _pipeline(tiny_tokenizer, [first, second])
+    assert pipe.last_result is None
+    batch = pipe.run([{"prompt": "p"}] * 2 + [{"prompt": "q"}] * 2)
+    result = pipe.last_result
+    assert (result.mode, result.num_generations) == ("train", 2)
+    assert result.rewards_per_func[:, 1].tolist() == [0.0, 1.0, 2.0, 2.0]
+    assert result.rewards_per_func[2, 0].isnan() and result.rewards_per_func[3, 0] == 2.0
+    assert result.rewards.tolist() == [1.0, 4.0, 2.0, 4.0]  # weighted sum (NaN counts as 0 when another scored)
+    assert result.advantages.tolist() == batch["advantages"].tolist() == [-1.5, 1.5, -1.0, 1.0]
+    assert result.estimate.std is not None
+    pipe.run([{"prompt": "p"}] * 2, mode="eval")
+    assert pipe.last_result.mode == "eval" and pipe.last_result.rewards_per_func.shape == (2, 2)
+
+
+def test_pad_rows_pads_ragged_rows_on_either_side():
+    assert pad_rows([[1, 2], [3]], 0, torch.long, "left").tolist() == [[1, 2], [0, 3]]
+    assert pad_rows([[1, 2], [3]], 9, torch.long, "right", 4).tolist() == [[1, 2, 9, 9], [3, 9, 9, 9]]
+    assert pad_rows([[], []], 0.5, torch.float32, "right").tolist() == [[0.5], [0.5]]  # at least one column
 
 
 def test_importance_sampling_ratio_from_sampling_logprobs(tiny_tokenizer):

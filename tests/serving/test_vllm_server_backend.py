@@ -40,6 +40,19 @@ def test_generate_equals_in_process_sampler(server_url, engine, protocol):
     assert greedy.completion_ids[0] == greedy.completion_ids[1]
 
 
+def test_set_request_index_seeds_the_next_request_as_the_kth(server_url, engine):
+    """The async worker numbers its requests by round: the k-th request's seed, then the counter continues."""
+    backend = VLLMServerBackend(base_url=server_url, seed=11)
+    backend.set_request_index(5)
+    assert backend.request_index == 5
+    remote = backend.generate(PROMPTS, SAMPLING, 2)
+    local = _seeded(engine.model, 11, 5).generate(PROMPTS, SAMPLING, 2)
+    assert remote.completion_ids == local.completion_ids and remote.logprobs == local.logprobs
+    assert backend.state_dict() == {"requests": 6} and backend.request_index == 6
+    with pytest.raises(ValueError, match="k must be >= 0"):
+        backend.set_request_index(-1)
+
+
 def test_registry_builds_it_from_trl_config_fields(server_url):
     from types import SimpleNamespace
 

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from posttrain.core.preference import DPO_LOSSES, F_DIVERGENCES, KTO_LOSSES
-from posttrain.core.presets import GRPO_LOSS_PRESETS
+from posttrain.core.presets import GRPO_LOSS_TYPES
 from posttrain.trainers.dpo import DPOConfig
 from posttrain.trainers.grpo import GRPOConfig
 from posttrain.trainers.kto import KTOConfig
@@ -17,7 +17,7 @@ from posttrain.trainers.rloo import RLOOConfig
 from posttrain.trainers.sft import SFT_LOSSES, SFTConfig
 
 CASES = [
-    (GRPOConfig, "loss_type", list(GRPO_LOSS_PRESETS)),
+    (GRPOConfig, "loss_type", list(GRPO_LOSS_TYPES)),
     (DPOConfig, "loss_type", list(DPO_LOSSES)),
     (DPOConfig, "f_divergence_type", list(F_DIVERGENCES)),
     (KTOConfig, "loss_type", list(KTO_LOSSES)),

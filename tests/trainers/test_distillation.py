@@ -17,7 +17,8 @@ from posttrain.core.distill import generalized_jsd_loss
 from posttrain.generation.base import Completions, SamplingConfig
 from posttrain.models.completion_scoring import completion_inputs
 from posttrain.models.tiny import build_tiny_model, build_tiny_tokenizer
-from posttrain.rollout.distillation import DistillationRollout, check_shared_vocabulary
+from posttrain.models.vocabulary import check_shared_vocabulary
+from posttrain.rollout.distillation import DistillationRollout
 from posttrain.trainers.distillation import DistillationConfig, DistillationTrainer
 
 EOS = 258

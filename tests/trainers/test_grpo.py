@@ -23,7 +23,7 @@ from trainer_helpers import (  # noqa: F401
 
 from posttrain.core.aggregation import AGGREGATIONS
 from posttrain.core.policy_objectives import POLICY_OBJECTIVES, objective_properties
-from posttrain.core.presets import GRPO_LOSS_PRESETS, needs_grad_accum_division
+from posttrain.core.presets import GRPO_LOSS_PRESETS, GRPO_LOSS_TYPES, needs_grad_accum_division
 from posttrain.trainers.grpo import ENTROPY_CTRL_STATE, GRPOConfig, GRPOTrainer
 
 EOS = 258
@@ -55,7 +55,7 @@ def _logs(trainer) -> dict:
     return merged
 
 
-@pytest.mark.parametrize("loss_type", list(GRPO_LOSS_PRESETS))
+@pytest.mark.parametrize("loss_type", list(GRPO_LOSS_TYPES))
 def test_each_loss_type_trains(tiny_model_path, tmp_path, loss_type):
     extra = {"importance_sampling_level": "sequence"} if loss_type == "luspo" else {}
     trainer = GRPOTrainer(
@@ -560,7 +560,7 @@ def _hand_batch(advantages: torch.Tensor) -> dict:
     return batch
 
 
-@pytest.mark.parametrize("loss_type", sorted(GRPO_LOSS_PRESETS))
+@pytest.mark.parametrize("loss_type", sorted(GRPO_LOSS_TYPES))
 def test_entropy_bonus_uses_the_loss_types_aggregation(tiny_model_path, tmp_path, loss_type):
     """Zero advantages, β = 0: the loss is the bonus alone, −c · aggregation(H) (/ GA unless globally normalised),
     with ``loss_type``'s aggregation — e.g. grpo's per-sequence mean, not a token mean, over rows of unequal length."""

@@ -98,9 +98,9 @@ class AsyncGRPOTrainer(AsyncRolloutMixin, GRPOTrainer):
         if pipeline.defers_importance_sampling():
             importance = None
         if settings.compute_old_logps or importance is not None:
-            batch["old_per_token_logps"] = pipeline._logps_in_chunks(self._policy_logps_no_grad, batch, device).cpu()
+            batch["old_per_token_logps"] = pipeline.logps_in_chunks(self._policy_logps_no_grad, batch, device).cpu()
         if settings.compute_ref_logps and pipeline.ref_logps is not None:
-            batch["ref_per_token_logps"] = pipeline._logps_in_chunks(pipeline.ref_logps, batch, device).cpu()
+            batch["ref_per_token_logps"] = pipeline.logps_in_chunks(pipeline.ref_logps, batch, device).cpu()
         if importance is not None:
             pipeline.importance_sampling(batch, importance, record)
         return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}

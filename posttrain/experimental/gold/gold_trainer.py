@@ -27,7 +27,7 @@ from posttrain.experimental.gold.gold_config import GOLDConfig
 from posttrain.models.completion_scoring import completion_inputs
 from posttrain.models.distillation_scoring import forward_logits_fn
 from posttrain.models.loading import load_processing_class
-from posttrain.rollout.distillation import model_vocab_size
+from posttrain.models.vocabulary import model_vocab_size
 from posttrain.trainers.distillation import DistillationTrainer
 
 

@@ -16,23 +16,10 @@ import torch
 
 from posttrain.distributed import sum_over_processes
 from posttrain.rollout.buffer import RolloutBatch
-from posttrain.rollout.estimators import GroupRelativeEstimator
 from posttrain.rollout.replay_buffer import ReplayBuffer, replace_zero_std_groups
 from posttrain.trainers.grpo import GRPOTrainer
 
 from .grpo_with_replay_buffer_config import GRPOWithReplayBufferConfig
-
-
-class _GroupStdEstimator(GroupRelativeEstimator):
-    """GRPO's estimator that also keeps the per-group reward std of the last (gathered) batch."""
-
-    last_group_std: torch.Tensor | None = None
-
-    def __call__(self, rewards_per_func, weights, num_generations, *, batch=None, gather=None):
-        result = super().__call__(rewards_per_func, weights, num_generations, batch=batch, gather=gather)
-        grouped = result.rewards.reshape(-1, num_generations)
-        self.last_group_std = torch.nan_to_num(grouped.std(dim=1), nan=0.0)  # (groups,), TRL's unbiased std
-        return result
 
 
 class GRPOWithReplayBufferTrainer(GRPOTrainer):
@@ -47,9 +34,6 @@ class GRPOWithReplayBufferTrainer(GRPOTrainer):
         seed = self.args.seed + self.accelerator.process_index
         self.replay_buffer = ReplayBuffer(size, seed=seed) if size > 0 else None
 
-    def _make_estimator(self) -> _GroupStdEstimator:
-        return _GroupStdEstimator(self.args.scale_rewards, self.args.multi_objective_aggregation)
-
     def _needs_old_logps(self) -> bool:
         return self.args.replay_buffer_size > 0 or super()._needs_old_logps()
 
@@ -62,7 +46,9 @@ class GRPOWithReplayBufferTrainer(GRPOTrainer):
         if n_local % g:  # a group split across processes: nothing to swap whole
             return batch
         first = self.accelerator.process_index * (n_local // g)
-        group_std = self.pipeline.estimator.last_group_std[first : first + n_local // g].cpu()
+        grouped = self.pipeline.last_result.rewards.reshape(-1, g)  # the whole generation batch, gathered
+        group_std = torch.nan_to_num(grouped.std(dim=1), nan=0.0)  # (groups,), TRL's unbiased std
+        group_std = group_std[first : first + n_local // g].cpu()
         batch, replaced = replace_zero_std_groups(
             batch, group_std, self.replay_buffer, num_generations=g, pad_token_id=self.pipeline.pad_token_id
         )

@@ -162,7 +162,7 @@ class OnlineDPOTrainer(OnlineTrainerBase):
         n = batch["completion_ids"].shape[0]
         device = batch["completion_ids"].device
         first = self.accelerator.process_index * n
-        batch["scores"] = self.pipeline.estimator.last_scores[first : first + n].to(device)
+        batch["scores"] = self.pipeline.last_result.rewards[first : first + n].to(device)  # the pair scores
         batch["pair_index"] = torch.arange(n, device=device) // 2  # pairs are consecutive rows before the shuffle
         return self._fit_max_length(batch)
 

@@ -152,7 +152,7 @@ class PPOTrainer(OnlineTrainerBase):
 
     def _values_no_grad(self, batch: RolloutBatch) -> torch.Tensor:
         """Old values in no-grad passes of ``per_device_train_batch_size`` rows (the pipeline's chunking)."""
-        values = self.pipeline._logps_in_chunks(
+        values = self.pipeline.logps_in_chunks(
             lambda chunk: self._values(self.model, chunk), batch, self.accelerator.device
         )
         return values.cpu()

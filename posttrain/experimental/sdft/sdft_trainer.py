@@ -12,7 +12,7 @@ step).
 Built from posttrain's distillation parts: the round is :class:`~posttrain.rollout.distillation.DistillationRollout`
 (fully on-policy) plus the teacher prompts (:class:`SelfDistillationRollout`); both models are scored at the loss
 tokens by ``models.distillation_scoring.score_distillation_completions`` (no ``(B, T, V)`` logits; the full-logit
-mode stays chunked, ``rollout.distillation.token_divergence``); sampler, buffer (``steps_per_generation`` ×
+mode stays chunked, ``models.distillation_scoring.token_divergence``); sampler, buffer (``steps_per_generation`` ×
 ``num_iterations``), generation backends and checkpoints are the online-RL base's.
 
 Loss: per completion, the mean per-token loss over its loss tokens (``completion_mask`` minus the first
@@ -60,9 +60,10 @@ from posttrain.models.loading import disable_dropout_in_model
 from posttrain.models.peft_utils import is_peft_model
 from posttrain.models.reference import ReferencePolicy
 from posttrain.models.teacher_sync import SyncTeacherModelCallback, create_teacher
+from posttrain.models.vocabulary import model_vocab_size
 from posttrain.reliability.validation import check_datasets
 from posttrain.rollout.buffer import RolloutBatch
-from posttrain.rollout.distillation import DistillationRollout, model_vocab_size
+from posttrain.rollout.distillation import DistillationRollout
 from posttrain.rollout.pipeline import render_prompts
 from posttrain.trainers.online import OnlineTrainerBase
 

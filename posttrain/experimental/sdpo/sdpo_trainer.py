@@ -63,10 +63,9 @@ from posttrain.models.completion_scoring import completion_inputs
 from posttrain.models.distillation_scoring import DistillationScores, score_distillation_completions
 from posttrain.models.forward import TokenStats
 from posttrain.models.teacher_sync import SyncTeacherModelCallback, create_teacher
+from posttrain.models.vocabulary import model_vocab_size
 from posttrain.rollout.buffer import RolloutBatch
-from posttrain.rollout.distillation import model_vocab_size
-from posttrain.rollout.estimators import AdvantageResult, GroupRelativeEstimator
-from posttrain.rollout.pipeline import RolloutSettings, StageTimer, _pad, render_prompts
+from posttrain.rollout.pipeline import RolloutSettings, StageTimer, pad_rows, render_prompts
 from posttrain.trainers.grpo import GRPOTrainer
 
 from .sdpo_config import SDPOConfig
@@ -76,17 +75,6 @@ __all__ = ["SDPOTrainer"]
 
 
 logger = logging.getLogger(__name__)
-
-
-class _KeepResultEstimator(GroupRelativeEstimator):
-    """GRPO's estimator that also keeps its last (gathered) result: the teacher-context stage reads the rewards."""
-
-    last_result: AdvantageResult | None = None
-
-    def __call__(self, rewards_per_func, weights, num_generations, *, batch=None, gather=None):
-        self.last_result = super().__call__(rewards_per_func, weights, num_generations, batch=batch, gather=gather)
-        self.last_rewards_per_func = rewards_per_func
-        return self.last_result
 
 
 class SDPOTrainer(SelfDistillationMixin, GRPOTrainer):
@@ -175,9 +163,6 @@ class SDPOTrainer(SelfDistillationMixin, GRPOTrainer):
         self.add_callback(SyncTeacherModelCallback(self.teacher, self.accelerator))
         self.vocab_rows = model_vocab_size(student)
 
-    def _make_estimator(self) -> _KeepResultEstimator:
-        return _KeepResultEstimator(self.args.scale_rewards, self.args.multi_objective_aggregation)
-
     def _rollout_settings(self) -> RolloutSettings:
         settings = super()._rollout_settings()
         settings.max_prompt_length = self.args.max_prompt_length
@@ -215,8 +200,8 @@ class SDPOTrainer(SelfDistillationMixin, GRPOTrainer):
         args = self.args
         device = batch["completion_ids"].device
         g = self.num_generations if mode == "train" else self.num_generations_eval
-        estimator = self.pipeline.estimator
-        rewards = estimator.last_result.rewards.detach().float().cpu()  # (N,) over all processes
+        result = self.pipeline.last_result  # the rollout just gathered: rewards over all processes
+        rewards = result.rewards.detach().float().cpu()  # (N,)
         n_local = batch["completion_ids"].shape[0]
         start = self.accelerator.process_index * n_local
         lengths = batch["completion_lengths"].tolist()
@@ -239,11 +224,11 @@ class SDPOTrainer(SelfDistillationMixin, GRPOTrainer):
         pad_id = self.pipeline.pad_token_id
         for name, value in contexts.metrics.items():
             self.record_metric(name, value, mode=mode)
-        self._record_reward_diagnostics(mode, rewards, estimator.last_rewards_per_func, g)
+        self._record_reward_diagnostics(mode, rewards, result.rewards_per_func, g)
         self._warn_on_inactive_self_distillation(mode, contexts.metrics)
         return {
-            "teacher_prompt_ids": _pad(teacher_ids, pad_id, torch.long, "left", None).to(device),
-            "teacher_prompt_mask": _pad([[1] * len(i) for i in teacher_ids], 0, torch.long, "left", None).to(device),
+            "teacher_prompt_ids": pad_rows(teacher_ids, pad_id, torch.long, "left").to(device),
+            "teacher_prompt_mask": pad_rows([[1] * len(i) for i in teacher_ids], 0, torch.long, "left").to(device),
             "self_distillation_mask": contexts.self_distillation_mask.to(device),
         }
 
