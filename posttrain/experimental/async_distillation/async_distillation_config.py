@@ -176,7 +176,7 @@ class AsyncDistillationConfig(DistillationConfig):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}.")
 
-    # The served-teacher loss of posttrain.experimental._sparse_trainer reads these names (ServerDistillation's).
+    # The served-teacher loss of posttrain.experimental._sparse_loss reads these names (ServerDistillation's).
     @property
     def loss_top_k(self) -> int:
         return self.teacher_top_k
