@@ -124,3 +124,15 @@ def test_the_check_catches_a_mixin_tower():
     assert len(problems) == 2
     assert problems[0].startswith("6 posttrain classes deep")
     assert "Tower, LossMixin, DistillationTrainer" in problems[1]
+
+
+def test_online_rl_config_has_its_own_module_and_keeps_its_old_import_path():
+    """OnlineRLConfig moved out of trainers/online.py (the trainer base, at the design's size cap) into
+    trainers/online_config.py; ``from posttrain.trainers.online import OnlineRLConfig`` keeps working."""
+    from posttrain.trainers import online, online_config
+    from posttrain.trainers.grpo import GRPOConfig
+
+    assert online.OnlineRLConfig is online_config.OnlineRLConfig
+    assert online.GENERATION_BACKENDS is online_config.GENERATION_BACKENDS
+    assert online_config.OnlineRLConfig.__module__ == "posttrain.trainers.online_config"
+    assert issubclass(GRPOConfig, online_config.OnlineRLConfig)
