@@ -25,30 +25,13 @@ from posttrain.data.dataset_ops import (
     tokenize_dataset,
 )
 from posttrain.distributed import gather_mean, gather_row_masked_mean, sum_over_processes
+from posttrain.experimental._pairwise_config import ReferenceFreePairwiseConfig, check_common_options
 from posttrain.models.loading import disable_dropout_in_model, resolve_model, resolve_processing_class
 from posttrain.models.preference_scoring import PreferenceScores, score_preference_completions
 from posttrain.reliability.validation import check_single_split, check_text_only
 from posttrain.trainers.preference import PreferenceTrainer, enable_router_aux_loss, resolve_pad_token
 
-__all__ = ["PairScores", "ReferenceFreePairwiseTrainer", "check_common_options"]
-
-
-def check_common_options(config: Any) -> None:
-    """Checks shared by CPOConfig / ORPOConfig / TPOConfig: TRL options this implementation does not have."""
-    if getattr(config, "is_encoder_decoder", None):
-        raise ValueError(
-            "is_encoder_decoder=True is not supported by posttrain's experimental pairwise trainers (decoder-only "
-            "causal LMs only). Leave it None/False."
-        )
-    if getattr(config, "generate_during_eval", False):
-        raise ValueError(
-            "generate_during_eval=True (logging generations to W&B/Comet during evaluation) is not supported here; "
-            "set it to False and use posttrain.LogCompletionsCallback-style callbacks instead."
-        )
-    if getattr(config, "max_length", None) is not None and config.max_length < 1:
-        raise ValueError(f"max_length must be >= 1 (or None), got {config.max_length}.")
-    if getattr(config, "max_completion_length", None) is not None and config.max_completion_length < 1:
-        raise ValueError(f"max_completion_length must be >= 1 (or None), got {config.max_completion_length}.")
+__all__ = ["PairScores", "ReferenceFreePairwiseConfig", "ReferenceFreePairwiseTrainer", "check_common_options"]
 
 
 class _TruncateCompletions:
@@ -81,8 +64,9 @@ class PairScores:
 class ReferenceFreePairwiseTrainer(PreferenceTrainer):
     """Shared ``__init__`` and scoring of CPOTrainer, ORPOTrainer and TPOTrainer.
 
-    Subclasses set ``_config_class``, ``_suffix``, ``_trainer_name`` and ``_completion_columns`` (the completions of
-    each row, in batch order), may override :meth:`_default_collator`, and implement ``compute_loss``.
+    Subclasses set ``_config_class`` (a :class:`ReferenceFreePairwiseConfig` subclass: it declares the fields this
+    base reads), ``_suffix``, ``_trainer_name`` and ``_completion_columns`` (the completions of each row, in batch
+    order), may override :meth:`_default_collator`, and implement ``compute_loss``.
     """
 
     _config_class: type
@@ -90,6 +74,19 @@ class ReferenceFreePairwiseTrainer(PreferenceTrainer):
     _trainer_name: str = ""
     _completion_columns: tuple[str, ...] = ("chosen", "rejected")
     _signature_columns_extra = ("prompt_ids", "chosen_ids", "rejected_ids")
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        config_class = cls.__dict__.get("_config_class")
+        if config_class is not None and not (
+            isinstance(config_class, type) and issubclass(config_class, ReferenceFreePairwiseConfig)
+        ):
+            raise TypeError(
+                f"{cls.__name__}._config_class is {getattr(config_class, '__name__', config_class)!r}, which does not "
+                "derive from ReferenceFreePairwiseConfig (posttrain.experimental._pairwise_config): the pairwise "
+                "trainer base reads the fields that config declares (disable_dropout, max_length, ...). Derive the "
+                "config from it."
+            )
 
     def __init__(
         self,

@@ -37,6 +37,8 @@ __all__ = [
     "SelfDistillationMixin",
     "check_self_distillation_columns",
     "compose_teacher_prompt",
+    "fill_teacher_prompt",
+    "last_user_text",
     "stringify_privileged_context",
     "teacher_prompt_rows",
     "trim_left_padding",
@@ -56,6 +58,33 @@ def _text_of(content: Any) -> str:
     return str(content)
 
 
+def last_user_text(messages: list[dict[str, Any]]) -> str:
+    """The text of a conversational prompt's final user turn (text parts of a list content joined by spaces); a
+    conversation ending with another role (an assistant prefill, a tool turn) is refused, as TRL does."""
+    if not messages or messages[-1].get("role") != "user":
+        role = messages[-1].get("role") if messages else None
+        raise ValueError(
+            "Self-distillation teacher prompt construction expects the conversation to end with a user turn, "
+            f"but the last message has role '{role}'. Prompts ending with assistant prefills or tool turns are "
+            "not supported."
+        )
+    return _text_of(messages[-1].get("content", ""))
+
+
+def fill_teacher_prompt(prompt: Any, template: str, **fields: Any) -> Any:
+    """The teacher-prompt builder of SDFT and SDPO: ``template.format(prompt=..., **fields)``.
+
+    A text prompt is formatted as is; a conversational prompt keeps its earlier messages and gets its last (user)
+    turn replaced by the filled template over that turn's text (:func:`last_user_text`). SDFT's fields are
+    ``privileged_context`` (:func:`compose_teacher_prompt`), SDPO's re-prompt ``solution`` and ``feedback``
+    (``sdpo.teacher_context``).
+    """
+    if isinstance(prompt, list):
+        text = template.format(prompt=last_user_text(prompt), **fields)
+        return [*prompt[:-1], {"role": "user", "content": text}]
+    return template.format(prompt=prompt, **fields)
+
+
 def stringify_privileged_context(privileged_context: Any, index: int | None = None) -> str:
     """``privileged_context`` as text: a string as is, a list of messages as their contents joined by newlines."""
     if privileged_context is None:
@@ -72,23 +101,10 @@ def stringify_privileged_context(privileged_context: Any, index: int | None = No
 
 
 def compose_teacher_prompt(prompt: Any, privileged_context: Any, template: str, index: int | None = None) -> Any:
-    """The teacher's prompt: ``template.format(prompt=..., privileged_context=...)``.
-
-    A conversational prompt keeps its earlier messages and gets its last (user) turn replaced by the filled
-    template over that turn's text; prompts ending with another role are refused (TRL).
-    """
+    """SDFT's teacher prompt: ``template.format(prompt=..., privileged_context=...)`` (:func:`fill_teacher_prompt`;
+    ``privileged_context`` as text, :func:`stringify_privileged_context`)."""
     privileged = stringify_privileged_context(privileged_context, index)
-    if isinstance(prompt, list):
-        if not prompt or prompt[-1].get("role") != "user":
-            role = prompt[-1].get("role") if prompt else None
-            raise ValueError(
-                "Self-distillation teacher prompt construction expects the conversation to end with a user turn, "
-                f"but the last message has role '{role}'. Prompts ending with assistant prefills or tool turns are "
-                "not supported."
-            )
-        text = template.format(prompt=_text_of(prompt[-1].get("content", "")), privileged_context=privileged)
-        return [*prompt[:-1], {"role": "user", "content": text}]
-    return template.format(prompt=prompt, privileged_context=privileged)
+    return fill_teacher_prompt(prompt, template, privileged_context=privileged)
 
 
 def teacher_prompt_rows(rows: list[dict[str, Any]], template: str) -> list[dict[str, Any]]:

@@ -2,7 +2,7 @@
 
 Shared by the experimental async trainers (``async_grpo``, ``async_distillation``); what differs between them is
 only what one round *is* (the worker's :meth:`AsyncWorkerSpec.make_producer`) and what the trainer does with a round
-when it consumes it (:meth:`AsyncRolloutMixin._score_with_current_policy`).
+when it consumes it (the ``score`` callback of :class:`AsyncRollout`).
 
 Worker side (:func:`run_worker`, in a ``spawn`` child process, CPU only): round ``r`` is chunk ``r`` of the
 trainer's ``RepeatSampler`` order (:class:`RoundSource`: the same prompts in the same order as the synchronous
@@ -24,8 +24,8 @@ keeps its request seed, prompt order and weight version one value per step: ``ma
 synchronous server-mode GRPO bitwise and resume regenerates exactly the rounds in flight. The group sampler finishes a
 round's groups in one decode loop anyway, so a finer unit would not reach the trainer sooner from this server.
 
-Trainer side (:class:`AsyncRolloutMixin`, before the synchronous trainer in the MRO): at the first micro-step of
-each optimizer step it takes the next round from the queue, drops it when ``global_step - version >
+Trainer side (:class:`AsyncRollout`, a component the synchronous trainer owns and delegates to): at the first
+micro-step of each optimizer step it takes the next round from the queue, drops it when ``global_step - version >
 max_staleness`` (``sample/dropped_stale_total``), and fills the usual ``RolloutBuffer`` with it. After every
 ``weight_sync_steps`` optimizer steps it snapshots its weights and hands them, with ``version = global_step``, to a
 background uploader through a one-slot mailbox (:class:`WeightUploader`: the latest snapshot wins, an older one not yet
@@ -325,168 +325,194 @@ class WeightUploader:
 class _WeightSyncCallback(TrainerCallback):
     """Push the weights after every ``weight_sync_steps`` optimizer steps (on_step_end runs after optimizer.step)."""
 
-    def __init__(self, trainer: AsyncRolloutMixin):
-        self.trainer = trainer
+    def __init__(self, rollout: AsyncRollout):
+        self.rollout = rollout
 
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step % args.weight_sync_steps == 0:
-            self.trainer._push_weights()
+            self.rollout.push_weights()
 
 
-class AsyncRolloutMixin(abc.ABC):
-    """The trainer side of the async trainers (see the module docstring), over an ``OnlineTrainerBase`` subclass
-    whose ``self.backend`` is the ``vllm_server`` backend of a ``posttrain serve`` server (possibly wrapped in the
-    tool-calling loop: the server backend is ``self._inner_backend()``).
+class AsyncRollout:
+    """The trainer side of the async trainers (see the module docstring): a component the trainer owns and delegates
+    to, over an ``OnlineTrainerBase`` trainer whose ``backend`` is the ``vllm_server`` backend of a ``posttrain
+    serve`` server (possibly wrapped in the tool-calling loop: the server backend is ``trainer._inner_backend()``).
 
-    Subclasses call :meth:`_init_async_rollout` at the end of ``__init__`` and define :meth:`_worker_spec` (the
-    round producer's spec, built with :meth:`_worker_spec_fields`) and, when a round needs work under the trainer's
-    current weights, :meth:`_score_with_current_policy`.
+    Why a component, not a base class: the async trainers are a synchronous trainer (GRPO, distillation) whose data
+    source is a worker process; keeping that source in one object leaves each trainer's class chain (and its one
+    ``_compute_loss``) the synchronous trainer's, and names exactly the hooks the trainer wires to it:
+
+    - ``__init__``: ``self.async_rollout = AsyncRollout(self, make_spec=..., score=...)``, at the end of the
+      trainer's constructor (it registers the weight-sync callback);
+    - ``train``: ``self.async_rollout.run(super().train, ...)`` (joins the last push, stops the worker);
+    - ``evaluate`` / ``_save_checkpoint``: ``self.async_rollout.join_push()`` first;
+    - ``_prepare_inputs``: ``self.async_rollout.prepare_inputs(inputs, super()._prepare_inputs)``;
+    - ``_extra_checkpoint_state`` / ``_load_extra_checkpoint_state``: ``checkpoint_state`` / ``load_checkpoint_state``.
+
+    Args:
+        trainer: The trainer (read: ``args``, ``state``, ``accelerator``, ``model``, ``buffer``, ``_inner_backend()``,
+            ``_record``, ``record_metric``, ``_mode()``; written: ``_last_synced_step``, ``_pending_completions``).
+        make_spec: Builds the pickled spec of the trainer's round producer (with :meth:`spec_fields`).
+        score: What a consumed round needs under the weights trained now, ``score(batch, record) -> batch`` on the
+            trainer's device; None: just move it there (:meth:`to_device`).
+        trainer_name: Names the trainer in errors (``AsyncGRPO``, ``AsyncDistillation``).
+        picklable_hint: Appended to the "must be picklable" error: what the user passed that the worker receives.
     """
 
-    _trainer_name = "Async"
-    # Appended to the "must be picklable" error: what the user passed that the worker receives pickled.
-    _picklable_hint = "the dataset and processing class"
-
-    def _init_async_rollout(self) -> None:
-        self._worker: Any = None
-        self._queue: Any = None
-        self._stop: Any = None
-        self._next_round = 0  # first round not yet consumed (the trained position; saved in rollout_state.json)
+    def __init__(
+        self,
+        trainer: Any,
+        make_spec: Callable[[], AsyncWorkerSpec],
+        score: Callable[[Any, Callable[[str, float], None]], Any] | None = None,
+        trainer_name: str = "Async",
+        picklable_hint: str = "the dataset and processing class",
+    ):
+        self.trainer = trainer
+        self.make_spec = make_spec
+        self.score = score if score is not None else self.to_device
+        self.trainer_name = trainer_name
+        self.picklable_hint = picklable_hint
+        self.worker: Any = None
+        self.queue: Any = None
+        self.stop: Any = None
+        self.next_round = 0  # first round not yet consumed (the trained position; saved in rollout_state.json)
         self.dropped_stale_total = 0
         self.trained_rounds: list[dict[str, int]] = []  # {"step", "round", "version", "staleness"} per trained round
-        self._uploader: WeightUploader | None = None
-        self._push_client: Any = None
-        self._heartbeat: Any = None  # the worker's shared heartbeat clock
-        self._worker_started = 0.0  # time.time() of the spawn (a starting worker has not beaten yet)
-        self.add_callback(_WeightSyncCallback(self))
+        self.uploader: WeightUploader | None = None
+        self.push_client: Any = None
+        self.heartbeat: Any = None  # the worker's shared heartbeat clock
+        self.worker_started = 0.0  # time.time() of the spawn (a starting worker has not beaten yet)
+        trainer.add_callback(_WeightSyncCallback(self))
+
+    @property
+    def args(self) -> Any:
+        return self.trainer.args
+
+    def _server(self) -> Any:
+        return self.trainer._inner_backend()
 
     # -- worker lifecycle --------------------------------------------------------------------------------------
-    def _round_rows(self) -> int:
+    def round_rows(self) -> int:
         """Rows (completions) per round: one optimizer step's worth."""
         return self.args.per_device_train_batch_size * self.args.steps_per_generation
 
-    @abc.abstractmethod
-    def _worker_spec(self) -> AsyncWorkerSpec:
-        """The pickled spec of this trainer's round producer (built with :meth:`_worker_spec_fields`)."""
-
-    def _worker_spec_fields(self) -> dict[str, Any]:
+    def spec_fields(self) -> dict[str, Any]:
         """The :class:`AsyncWorkerSpec` fields every worker shares, from the trainer's config and sampler."""
-        args = self.args
-        rows = self._round_rows()
+        args, trainer = self.args, self.trainer
+        rows = self.round_rows()
         inflight = args.max_inflight_tasks
         if inflight is None or inflight < 0:
             inflight = args.max_staleness * args.per_device_train_batch_size * args.gradient_accumulation_steps
         return dict(
-            dataset=self.train_dataset, tokenizer=self.processing_class, sampling=self.sampling,
-            base_url=self._inner_backend().base_url, num_generations=self.num_generations,
-            prompts_per_round=self._prompts_per_round(), shuffle=bool(args.shuffle_dataset), seed=int(args.seed),
-            start_round=self._next_round, ahead=max(0, inflight // rows), request_timeout=float(args.request_timeout),
+            dataset=trainer.train_dataset, tokenizer=trainer.processing_class, sampling=trainer.sampling,
+            base_url=self._server().base_url, num_generations=trainer.num_generations,
+            prompts_per_round=trainer._prompts_per_round(), shuffle=bool(args.shuffle_dataset), seed=int(args.seed),
+            start_round=self.next_round, ahead=max(0, inflight // rows), request_timeout=float(args.request_timeout),
             server_timeout=float(args.vllm_server_timeout), seed_requests=bool(args.seed_requests),
         )  # fmt: skip
 
-    def _checked_worker_spec(self) -> AsyncWorkerSpec:
-        spec = self._worker_spec()
+    def checked_spec(self) -> AsyncWorkerSpec:
+        spec = self.make_spec()
         try:
             pickle.dumps(spec)
         except Exception as err:
             raise TypeError(
-                f"{type(self).__name__} runs rollouts in a separate process, so {self._picklable_hint} must be "
+                f"{type(self.trainer).__name__} runs rollouts in a separate process, so {self.picklable_hint} must be "
                 "picklable: use module-level functions, functools.partial or callable class instances, not lambdas "
                 f"or closures ({type(err).__name__}: {err})."
             ) from err
         return spec
 
-    def _start_worker(self) -> None:
-        """Push the current weights (version = global_step) and wait, then spawn the worker at ``self._next_round``."""
+    def start_worker(self) -> None:
+        """Push the current weights (version = global_step) and wait, then spawn the worker at ``next_round``."""
         from posttrain.generation.client import GenerationClient
 
-        if self._inner_backend().protocol != "posttrain":
+        server = self._server()
+        if server.protocol != "posttrain":
             raise ValueError(
-                f"{self._trainer_name} needs a `posttrain serve` / `posttrain vllm-serve` server; "
-                f"{self._inner_backend().base_url} speaks the {self._inner_backend().protocol!r} protocol."
+                f"{self.trainer_name} needs a `posttrain serve` / `posttrain vllm-serve` server; "
+                f"{server.base_url} speaks the {server.protocol!r} protocol."
             )
-        if self._push_client is None:
+        if self.push_client is None:
             sync_timeout = getattr(self.args, "weight_sync_timeout", None)
             push_timeout = float(sync_timeout if sync_timeout is not None else self.args.request_timeout)
-            self._push_client = GenerationClient(self._inner_backend().base_url, request_timeout=push_timeout)
-        self._push_weights(wait=True)  # the server must hold this step's weights before the worker reads its version
-        spec = self._checked_worker_spec()
+            self.push_client = GenerationClient(server.base_url, request_timeout=push_timeout)
+        self.push_weights(wait=True)  # the server must hold this step's weights before the worker reads its version
+        spec = self.checked_spec()
         context = multiprocessing.get_context("spawn")
-        rounds = max(1, self.args.queue_maxsize // self._round_rows())
-        self._queue = context.Queue(maxsize=rounds)
-        self._stop = context.Event()
-        self._heartbeat = context.Value("d", 0.0)
-        self._worker = context.Process(
-            target=run_worker, args=(spec, self._queue, self._stop, os.getpid(), self._heartbeat),
+        rounds = max(1, self.args.queue_maxsize // self.round_rows())
+        self.queue = context.Queue(maxsize=rounds)
+        self.stop = context.Event()
+        self.heartbeat = context.Value("d", 0.0)
+        self.worker = context.Process(
+            target=run_worker, args=(spec, self.queue, self.stop, os.getpid(), self.heartbeat),
             name="posttrain-rollout-worker", daemon=True,
         )  # fmt: skip
-        self._worker_started = time.time()
-        self._worker.start()
+        self.worker_started = time.time()
+        self.worker.start()
 
-    def _check_heartbeat(self) -> None:
+    def check_heartbeat(self) -> None:
         """Raise ``RolloutWorkerError`` when the worker's heartbeat is older than ``heartbeat_stale_after_s`` (a
         starting worker, not yet beating, gets ``vllm_server_timeout`` more for spawn and imports)."""
         stale_after = getattr(self.args, "heartbeat_stale_after_s", None)
-        if stale_after is None or self._heartbeat is None:
+        if stale_after is None or self.heartbeat is None:
             return
-        last = self._heartbeat.value
+        last = self.heartbeat.value
         if last:
             age, limit = time.time() - last, float(stale_after)
         else:
-            age, limit = time.time() - self._worker_started, float(stale_after) + float(self.args.vllm_server_timeout)
+            age, limit = time.time() - self.worker_started, float(stale_after) + float(self.args.vllm_server_timeout)
         if age > limit:
-            self._worker.terminate()  # hung: it would not see the stop event
-            self._stop_worker()
+            self.worker.terminate()  # hung: it would not see the stop event
+            self.stop_worker()
             raise RolloutWorkerError(
                 f"The rollout worker made no progress for {age:.1f} s (heartbeat_stale_after_s={stale_after:g}): it "
                 "is hung, e.g. on a generation or teacher server that accepts requests but never answers. Check the "
                 "servers, or raise heartbeat_stale_after_s if one round legitimately takes longer."
             )
 
-    def _stop_worker(self) -> None:
+    def stop_worker(self) -> None:
         """Stop, join (terminate, then kill if needed) and release the worker and its queue. Idempotent."""
-        worker, self._worker = self._worker, None
+        worker, self.worker = self.worker, None
         if worker is None:
             return
-        self._stop.set()
+        self.stop.set()
         deadline = time.monotonic() + 10.0
         while worker.is_alive() and time.monotonic() < deadline:
             with contextlib.suppress(queue_module.Empty, OSError, ValueError):  # drain: a put() must not block
-                self._queue.get(timeout=0.05)
+                self.queue.get(timeout=0.05)
         if worker.is_alive():
             worker.terminate()
             worker.join(timeout=5)
         if worker.is_alive():
             worker.kill()
         worker.join(timeout=5)
-        self._queue.cancel_join_thread()
-        self._queue.close()
-        self._queue = None
+        self.queue.cancel_join_thread()
+        self.queue.close()
+        self.queue = None
 
-    def train(self, *args, **kwargs):
+    def run(self, train: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``train(*args, **kwargs)`` (the trainer's synchronous ``train``), then wait for the last push; always
+        stop the worker and release the uploader and the push client."""
         try:
-            result = super().train(*args, **kwargs)
-            self._join_push()  # the last push has landed (or its error is raised)
+            result = train(*args, **kwargs)
+            self.join_push()  # the last push has landed (or its error is raised)
             return result
         finally:
-            self._stop_worker()
-            uploader, self._uploader = self._uploader, None
-            if uploader is not None:
-                uploader.close()
-            if self._push_client is not None:
-                self._push_client.close()
-                self._push_client = None
+            self.close()
 
-    def evaluate(self, *args, **kwargs):
-        self._join_push()  # evaluate on the newest pushed weights, not on ones still being uploaded
-        return super().evaluate(*args, **kwargs)
-
-    def _save_checkpoint(self, *args, **kwargs):
-        self._join_push()  # the checkpoint's weight_version is on the server when it is written
-        return super()._save_checkpoint(*args, **kwargs)
+    def close(self) -> None:
+        """Stop the worker, the uploader thread and the push client. Idempotent."""
+        self.stop_worker()
+        uploader, self.uploader = self.uploader, None
+        if uploader is not None:
+            uploader.close()
+        if self.push_client is not None:
+            self.push_client.close()
+            self.push_client = None
 
     # -- weights -----------------------------------------------------------------------------------------------
-    def _push_weights(self, wait: bool = False) -> None:
+    def push_weights(self, wait: bool = False) -> None:
         """Snapshot the weights now (safetensors bytes) and hand them to the uploader with ``version = global_step``.
 
         The server applies a weight load between generation requests, so a synchronous push would block training
@@ -496,26 +522,27 @@ class AsyncRolloutMixin(abc.ABC):
         """
         from posttrain.generation.weights import policy_weights, serialize_chunks
 
-        if self._push_client is None:  # not connected yet: the worker's start pushes these weights
+        if self.push_client is None:  # not connected yet: the worker's start pushes these weights
             return
-        if self._uploader is None:
-            self._uploader = WeightUploader(self._push_client.load_weights)
+        if self.uploader is None:
+            self.uploader = WeightUploader(self.push_client.load_weights)
+        trainer = self.trainer
         start = time.perf_counter()
-        step = self.state.global_step
-        with policy_weights(self.accelerator.unwrap_model(self.model)) as items:
-            chunks = list(serialize_chunks(items, self._inner_backend().chunk_bytes))
-        self._uploader.offer(chunks, step)
-        self._last_synced_step = step
-        self.record_metric("perf/weight_sync_s", time.perf_counter() - start, mode="train")
-        self.record_metric("perf/weight_pushes_superseded_total", float(self._uploader.superseded), mode="train")
+        step = trainer.state.global_step
+        with policy_weights(trainer.accelerator.unwrap_model(trainer.model)) as items:
+            chunks = list(serialize_chunks(items, self._server().chunk_bytes))
+        self.uploader.offer(chunks, step)
+        trainer._last_synced_step = step
+        trainer.record_metric("perf/weight_sync_s", time.perf_counter() - start, mode="train")
+        trainer.record_metric("perf/weight_pushes_superseded_total", float(self.uploader.superseded), mode="train")
         if wait:
-            self._join_push()
+            self.join_push()
 
-    def _join_push(self, check_only: bool = False) -> None:
+    def join_push(self, check_only: bool = False) -> None:
         """Wait for the upload in flight (or, ``check_only``, just look whether one failed) and raise its error; past
         ``weight_sync_timeout`` (when the config has one; it counts the upload, not the snapshot) raise
         ``TimeoutError`` naming it."""
-        uploader = self._uploader
+        uploader = self.uploader
         if uploader is None:
             return
         if check_only:
@@ -529,66 +556,70 @@ class AsyncRolloutMixin(abc.ABC):
             if sync_timeout is None or not late:
                 raise
             raise TimeoutError(
-                f"The weight push to {self._inner_backend().base_url} did not complete within weight_sync_timeout="
+                f"The weight push to {self._server().base_url} did not complete within weight_sync_timeout="
                 f"{sync_timeout:g} s. Check that the server is up and not stuck, or raise weight_sync_timeout for "
                 "a large model or a slow link."
             ) from err
         if uploader.server_version is not None:
-            self._inner_backend().version = uploader.server_version
+            self._server().version = uploader.server_version
 
     # -- data path ---------------------------------------------------------------------------------------------
-    def _prepare_inputs(self, inputs: list[dict[str, Any]]) -> Any:
-        # The HF dataloader's rows only pace the epochs/steps; the data comes from the worker's rounds.
-        if self._mode() == "eval":
-            self._last_synced_step = self.state.global_step  # evaluate on the server's current weights, no push
-            return super()._prepare_inputs(inputs)
-        if self.buffer.needs_generation():
-            self.buffer.fill(self._next_trainable_round())
-        return self.buffer.next()
+    def prepare_inputs(self, inputs: list[dict[str, Any]], synchronous: Callable[[Any], Any]) -> Any:
+        """The trainer's ``_prepare_inputs``: training micro-batches come from the worker's rounds (the HF
+        dataloader's rows only pace the epochs/steps); evaluation batches are generated by ``synchronous`` (the
+        synchronous trainer's ``_prepare_inputs``) on the server's current weights, without a push."""
+        trainer = self.trainer
+        if trainer._mode() == "eval":
+            trainer._last_synced_step = trainer.state.global_step
+            return synchronous(inputs)
+        if trainer.buffer.needs_generation():
+            trainer.buffer.fill(self.next_trainable_round())
+        return trainer.buffer.next()
 
-    def _get_item(self) -> tuple:
+    def get_item(self) -> tuple:
         """The next message from the worker; raises ``RolloutWorkerError`` if it failed or died."""
-        if self._worker is None:
-            self._start_worker()
+        if self.worker is None:
+            self.start_worker()
         while True:
             try:
-                message = self._queue.get(timeout=_QUEUE_POLL_S)
+                message = self.queue.get(timeout=_QUEUE_POLL_S)
             except queue_module.Empty:
-                self._join_push(check_only=True)
-                if not self._worker.is_alive():
-                    code = self._worker.exitcode
-                    self._stop_worker()
+                self.join_push(check_only=True)
+                if not self.worker.is_alive():
+                    code = self.worker.exitcode
+                    self.stop_worker()
                     raise RolloutWorkerError(f"The rollout worker exited unexpectedly (exit code {code}).") from None
-                self._check_heartbeat()
+                self.check_heartbeat()
                 continue
             if message[0] == "error":
                 _, kind, text, trace = message
-                self._stop_worker()
+                self.stop_worker()
                 raise RolloutWorkerError(f"The rollout worker failed: {kind}: {text}\n\nWorker traceback:\n{trace}")
             if message[0] == "done":
-                self._stop_worker()
+                self.stop_worker()
                 raise RolloutWorkerError(f"The rollout worker ran out of rounds at round {message[1]}.")
             return message
 
-    def _next_trainable_round(self) -> Any:
+    def next_trainable_round(self) -> Any:
         """Take rounds from the queue, dropping stale ones, and prepare the first fresh one for the loss."""
         from posttrain.rollout.buffer import batch_size_of
 
+        trainer = self.trainer
         wait_start = time.perf_counter()
-        step = self.state.global_step
+        step = trainer.state.global_step
         while True:
-            item = pickle.loads(self._get_item()[1])
+            item = pickle.loads(self.get_item()[1])
             staleness = step - item["version"]
             if staleness < 0:
                 raise RolloutWorkerError(
                     f"A round was generated with weight version {item['version']}, ahead of the trainer's step "
-                    f"{step}: is another trainer pushing weights to {self._inner_backend().base_url}?"
+                    f"{step}: is another trainer pushing weights to {self._server().base_url}?"
                 )
-            self._next_round = item["round"] + 1
+            self.next_round = item["round"] + 1
             if staleness <= self.args.max_staleness:
                 break
             self.dropped_stale_total += batch_size_of(item["batch"])
-        record = self._record("train")
+        record = trainer._record("train")
         record("perf/rollout_wait_s", time.perf_counter() - wait_start)
         record("sample/time_in_queue_s", max(0.0, time.time() - item["put_time"]))
         record("sample/staleness_mean", float(staleness))  # one version per round: mean = max
@@ -601,27 +632,27 @@ class AsyncRolloutMixin(abc.ABC):
             {"step": step, "round": item["round"], "version": item["version"], "staleness": staleness}
         )
         if item["table"] is not None:
-            self._pending_completions = item["table"]
-        return self._score_with_current_policy(item["batch"], record)
+            trainer._pending_completions = item["table"]
+        return self.score(item["batch"], record)
 
-    def _score_with_current_policy(self, batch: Any, record: Callable[[str, float], None]) -> Any:
-        """What a consumed round needs under the weights trained now (default: nothing); moves it to the device."""
+    def to_device(self, batch: Any, record: Callable[[str, float], None] | None = None) -> Any:
+        """A round that needs nothing more under the current weights: its tensors moved to the trainer's device."""
         import torch
 
-        device = self.accelerator.device
+        device = self.trainer.accelerator.device
         return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
 
     # -- checkpoints -------------------------------------------------------------------------------------------
-    def _extra_checkpoint_state(self) -> dict[str, Any]:
+    def checkpoint_state(self, states: dict[str, Any]) -> dict[str, Any]:
+        """``states`` (the trainer's other resume files) plus ``rollout_state.json``."""
         state = {
-            "next_round": self._next_round,
-            "weight_version": int(self._last_synced_step or 0),
+            "next_round": self.next_round,
+            "weight_version": int(self.trainer._last_synced_step or 0),
             "dropped_stale_total": self.dropped_stale_total,
         }
-        return {**super()._extra_checkpoint_state(), ROLLOUT_STATE: state}
+        return {**states, ROLLOUT_STATE: state}
 
-    def _load_extra_checkpoint_state(self, states: dict[str, Any]) -> None:
-        super()._load_extra_checkpoint_state(states)
+    def load_checkpoint_state(self, states: dict[str, Any]) -> None:
         if ROLLOUT_STATE in states:
-            self._next_round = int(states[ROLLOUT_STATE]["next_round"])
+            self.next_round = int(states[ROLLOUT_STATE]["next_round"])
             self.dropped_stale_total = int(states[ROLLOUT_STATE]["dropped_stale_total"])

@@ -33,7 +33,7 @@ import dataclasses
 import os
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -226,6 +226,54 @@ class DistillationConfig(OnlineRLConfig):
             )
 
 
+class DistillationLoss(Protocol):
+    """A distillation trainer's loss strategy: ``loss(trainer, model, inputs) -> scalar`` for one micro-batch.
+
+    ``DistillationTrainer._compute_loss`` is the one ``_compute_loss`` of every distillation trainer; what differs
+    between them (the exact full-vocabulary divergence here; the sparse / IW-OPD / served-teacher supports and ULD
+    of the experimental trainers) is the strategy in their ``loss_strategy``. A strategy reads the trainer's
+    helpers (``_scoring_inputs``, ``_token_normaliser``, ``_record_token_means``, ``_loss_chunk_size``,
+    ``_finish_loss``) and keeps no state of its own, so one instance may serve every trainer of a class.
+    """
+
+    def __call__(self, trainer: DistillationTrainer, model: torch.nn.Module, inputs: RolloutBatch) -> torch.Tensor: ...
+
+
+class FullVocabularyDivergence:
+    """The exact generalized JSD over the shared vocabulary against a local teacher (TRL's DistillationTrainer)."""
+
+    def __call__(self, trainer: DistillationTrainer, model: torch.nn.Module, inputs: RolloutBatch) -> torch.Tensor:
+        """Σ_tokens D_β(p_S‖p_T) / (completion tokens of the optimizer step over all processes / processes).
+
+        In evaluation the divisor is the micro-batch's own token count (the mean divergence per token).
+        """
+        args = trainer.args
+        mode = trainer._mode()
+        student = score_distillation_completions(model, *trainer._scoring_inputs(model, inputs))
+        with torch.no_grad():
+            teacher = score_distillation_completions(
+                trainer.teacher_model, *trainer._scoring_inputs(trainer.teacher_model, inputs)
+            )
+        divergence, entropy = token_divergence(
+            student,
+            teacher,
+            vocab_rows=trainer.vocab_rows,
+            beta=args.beta,
+            temperature=trainer._loss_temperature(),
+            chunk_size=trainer._loss_chunk_size(),
+        )  # (N,) each
+        # DDP averages gradients (and evaluation averages losses) over processes: dividing by the per-process share
+        # of the global token count makes them those of the global token mean (TRL's num_items_in_batch rule).
+        loss = divergence.sum() / trainer._token_normaliser(inputs, divergence, mode).clamp(min=1.0)
+        if divergence.numel() == 0:
+            # Every token masked (e.g. mask_truncated_completions): a zero loss that still reaches every parameter,
+            # so backward and DDP's gradient hooks run as usual.
+            loss = loss + 0.0 * sum(p.sum() for p in model.parameters() if p.requires_grad)
+        loss = trainer._finish_loss(loss, student.aux_loss, divide_by_grad_accum=False)  # normalised over the step
+        trainer._record_token_means(mode, distillation_loss=divergence, entropy=entropy)
+        return loss
+
+
 class DistillationTrainer(OnlineTrainerBase):
     """On-policy distillation of a teacher into a student with TRL's constructor, config and metrics.
 
@@ -257,6 +305,8 @@ class DistillationTrainer(OnlineTrainerBase):
     dataset_truncation = "completion_budget"
     # Tokens per chunk of the divergence (None: chosen from the vocabulary, see `_loss_chunk_size`).
     loss_chunk_size: int | None = None
+    # The per-micro-batch loss (a stateless DistillationLoss; the experimental trainers set their own).
+    loss_strategy: DistillationLoss = FullVocabularyDivergence()
 
     def __init__(
         self,
@@ -361,9 +411,21 @@ class DistillationTrainer(OnlineTrainerBase):
         )
 
     # -- construction helpers ----------------------------------------------------------------------------------
-    @staticmethod
-    def _load_teacher(teacher_model: Any, args: DistillationConfig) -> tuple[torch.nn.Module, Any]:
-        """The frozen, eval-mode teacher and its tokenizer (None when it has none to load)."""
+    def _uses_teacher_server(self, args: DistillationConfig) -> bool:
+        """Whether the teacher is served (no local teacher is loaded; the loss strategy asks the server). Always
+        False here; the experimental served-teacher trainers say when theirs is."""
+        return False
+
+    def _load_teacher(self, teacher_model: Any, args: DistillationConfig) -> tuple[torch.nn.Module | None, Any]:
+        """The frozen, eval-mode teacher and its tokenizer (None when it has none to load); ``(None, None)`` for a
+        served teacher (``_uses_teacher_server``)."""
+        if self._uses_teacher_server(args):
+            if teacher_model is not None:
+                raise ValueError(
+                    "teacher_model was passed but the teacher is served at teacher_model_server_url; pass one or the "
+                    "other."
+                )
+            return None, None
         if teacher_model is None:
             teacher_model = args.teacher_model_name_or_path
         if teacher_model is None:
@@ -453,35 +515,8 @@ class DistillationTrainer(OnlineTrainerBase):
         return input_ids, attention_mask, position_ids, *targets
 
     def _compute_loss(self, model: torch.nn.Module, inputs: RolloutBatch) -> torch.Tensor:
-        """Σ_tokens D_β(p_S‖p_T) / (completion tokens of the optimizer step over all processes / processes).
-
-        In evaluation the divisor is the micro-batch's own token count (the mean divergence per token).
-        """
-        args = self.args
-        mode = self._mode()
-        student = score_distillation_completions(model, *self._scoring_inputs(model, inputs))
-        with torch.no_grad():
-            teacher = score_distillation_completions(
-                self.teacher_model, *self._scoring_inputs(self.teacher_model, inputs)
-            )
-        divergence, entropy = token_divergence(
-            student,
-            teacher,
-            vocab_rows=self.vocab_rows,
-            beta=args.beta,
-            temperature=self._loss_temperature(),
-            chunk_size=self._loss_chunk_size(),
-        )  # (N,) each
-        # DDP averages gradients (and evaluation averages losses) over processes: dividing by the per-process share
-        # of the global token count makes them those of the global token mean (TRL's num_items_in_batch rule).
-        loss = divergence.sum() / self._token_normaliser(inputs, divergence, mode).clamp(min=1.0)
-        if divergence.numel() == 0:
-            # Every token masked (e.g. mask_truncated_completions): a zero loss that still reaches every parameter,
-            # so backward and DDP's gradient hooks run as usual.
-            loss = loss + 0.0 * sum(p.sum() for p in model.parameters() if p.requires_grad)
-        loss = self._finish_loss(loss, student.aux_loss, divide_by_grad_accum=False)  # normalised over the step
-        self._record_token_means(mode, distillation_loss=divergence, entropy=entropy)
-        return loss
+        """The micro-batch's loss: ``self.loss_strategy(self, model, inputs)`` (see :class:`DistillationLoss`)."""
+        return self.loss_strategy(self, model, inputs)
 
     def _loss_temperature(self) -> float:
         """Divides both models' logits in the divergence: the sampling ``temperature`` (TRL's DistillationTrainer)."""

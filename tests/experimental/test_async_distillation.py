@@ -242,8 +242,10 @@ def _budget_grads(model_path, out, student_url, teacher_path, batch, **overrides
     teacher of ``overrides``, scores in the batch), and the trainer."""
     args = _args(out, student_url, per_device_train_batch_size=2, beta=0.5, **overrides)
     trainer = _api().AsyncDistillationTrainer(model_path, args, train_dataset=prompts(), teacher_model=teacher_path)
-    trainer._queue = queue.Queue()  # no worker: the round is ``batch``
-    trainer._next_trainable_round = lambda: trainer._score_with_current_policy(dict(batch), trainer._record("train"))
+    trainer.async_rollout.queue = queue.Queue()  # no worker: the round is ``batch``
+    trainer.async_rollout.next_trainable_round = lambda: trainer._score_with_current_policy(
+        dict(batch), trainer._record("train")
+    )
     trainer.training_step(trainer.model, [])
     return {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}, trainer
 
@@ -327,7 +329,7 @@ def test_weight_sync_timeout_raises_naming_the_option(tiny_model_path, slow_push
     start = time.perf_counter()
     with pytest.raises(TimeoutError, match="weight_sync_timeout=1 s"):
         trainer.train()
-    assert time.perf_counter() - start < 30 and trainer._worker is None
+    assert time.perf_counter() - start < 30 and trainer.async_rollout.worker is None
 
 
 def test_peft_student_is_pushed_merged(tiny_model_path, student_url, tmp_path):
@@ -350,8 +352,8 @@ def test_peft_student_is_pushed_merged(tiny_model_path, student_url, tmp_path):
                 param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(0)) * 0.5)
     base = {n: p.detach().clone() for n, p in model.named_parameters() if "lora" not in n}
     client = GenerationClient(student_url)
-    trainer._push_client = client
-    trainer._push_weights(wait=True)
+    trainer.async_rollout.push_client = client
+    trainer.async_rollout.push_weights(wait=True)
     prompt = trainer.processing_class("Q3:").input_ids
     choice = client.completions([prompt], max_tokens=6, seed=0).choices[0][0]
     ids = torch.tensor([prompt + choice.token_ids])
@@ -400,16 +402,17 @@ def test_stale_heartbeat_raises_naming_the_option(tiny_model_path, student_url, 
     args = _args(tmp_path, student_url, "http://127.0.0.1:1", heartbeat_stale_after_s=0.5)
     trainer = _api().AsyncDistillationTrainer(tiny_model_path, args, train_dataset=prompts())
     context = multiprocessing.get_context("spawn")
-    trainer._stop, trainer._queue, trainer._heartbeat = context.Event(), context.Queue(), context.Value("d", 0.0)
-    trainer._worker = worker = _SilentWorker(trainer._stop)
-    trainer._worker_started = time.time() - 1.0  # starting for 1 s: within 0.5 s + vllm_server_timeout
-    trainer._check_heartbeat()
-    trainer._heartbeat.value = time.time()
+    rollout = trainer.async_rollout
+    rollout.stop, rollout.queue, rollout.heartbeat = context.Event(), context.Queue(), context.Value("d", 0.0)
+    rollout.worker = worker = _SilentWorker(rollout.stop)
+    rollout.worker_started = time.time() - 1.0  # starting for 1 s: within 0.5 s + vllm_server_timeout
+    rollout.check_heartbeat()
+    rollout.heartbeat.value = time.time()
     with pytest.raises(_api().RolloutWorkerError, match=r"heartbeat_stale_after_s=0\.5") as raised:
-        trainer._get_item()
+        rollout.get_item()
     # the age it reports is past the limit; how far past depends on the scheduler, so no upper bound
     assert float(re.search(r"no progress for (\d+\.\d) s", str(raised.value)).group(1)) >= 0.5, raised.value
-    assert worker.terminated and trainer._worker is None
+    assert worker.terminated and rollout.worker is None
 
 
 @pytest.mark.slow
@@ -427,7 +430,8 @@ def test_worker_hung_on_a_silent_teacher_is_detected(tiny_model_path, student_ur
         start = time.perf_counter()
         with pytest.raises(_api().RolloutWorkerError, match="heartbeat_stale_after_s=2"):
             trainer.train()
-    assert time.perf_counter() - start < 120 and trainer._worker is None and trainer.state.global_step == 0
+    assert time.perf_counter() - start < 120 and trainer.async_rollout.worker is None
+    assert trainer.state.global_step == 0
 
 
 # -- end to end ----------------------------------------------------------------------------------------------------
@@ -478,7 +482,7 @@ def test_max_staleness_0_equals_sync_distillation_and_resume(tiny_model_path, ab
     full = _api().AsyncDistillationTrainer(tiny_model_path, args, train_dataset=prompts(),
                                            teacher_model=abc_teacher_path)  # fmt: skip
     full.train()
-    assert [(r["round"], r["staleness"]) for r in full.trained_rounds] == [(0, 0), (1, 0)]
+    assert [(r["round"], r["staleness"]) for r in full.async_rollout.trained_rounds] == [(0, 0), (1, 0)]
     for name, value in full.model.named_parameters():
         assert torch.equal(value, expected[name]), name
     logs = {k: v for entry in full.state.log_history for k, v in entry.items()}
@@ -492,7 +496,7 @@ def test_max_staleness_0_equals_sync_distillation_and_resume(tiny_model_path, ab
     resumed = _api().AsyncDistillationTrainer(tiny_model_path, args, train_dataset=prompts(),
                                               teacher_model=abc_teacher_path)  # fmt: skip
     resumed.train(resume_from_checkpoint=str(out / "checkpoint-1"))
-    assert [r["round"] for r in resumed.trained_rounds] == [1]
+    assert [r["round"] for r in resumed.async_rollout.trained_rounds] == [1]
     for name, value in resumed.model.named_parameters():
         assert torch.equal(value, expected[name]), name
 
@@ -533,14 +537,14 @@ def test_staleness_k_never_trains_on_older_samples(tiny_model_path, student_url,
                  teacher_server_urls={"math": teacher_url, "code": teacher_url})  # fmt: skip
     trainer = _api().AsyncDistillationTrainer(tiny_model_path, args, train_dataset=rows)
     trainer.train()
-    rounds = trainer.trained_rounds
+    rounds = trainer.async_rollout.trained_rounds
     assert len(rounds) == 4 and [r["step"] for r in rounds] == [0, 1, 2, 3]
     assert all(0 <= r["step"] - r["version"] <= 1 for r in rounds), rounds
     logged = [(e["step"], e["sample/version"], e["sample/staleness_max"]) for e in trainer.state.log_history
               if "sample/staleness_max" in e]  # fmt: skip
     assert len(logged) == 4 and all(step - 1 - version <= 1 and stale <= 1 for step, version, stale in logged)
-    dropped_rounds = trainer.dropped_stale_total // 4
-    assert trainer._next_round == rounds[-1]["round"] + 1 == len(rounds) + dropped_rounds
+    dropped_rounds = trainer.async_rollout.dropped_stale_total // 4
+    assert trainer.async_rollout.next_round == rounds[-1]["round"] + 1 == len(rounds) + dropped_rounds
     logs = [e for e in trainer.state.log_history if "teacher_token_frac/math" in e]
     assert len(logs) == 4 and all(e["teacher_token_frac/math"] + e["teacher_token_frac/code"] == 1 for e in logs)
     assert sum(e["teacher_token_frac/code"] for e in logs) > 0 and "teacher_score_s/code" in logs[0]
@@ -562,7 +566,7 @@ def test_worker_error_is_raised_in_the_trainer(tiny_model_path, student_url, tmp
                                        train_dataset=prompts())  # fmt: skip
     with pytest.raises(_api().RolloutWorkerError, match="(?s)ServerUnavailableError.*Worker traceback"):
         trainer.train()
-    assert trainer._worker is None and trainer.state.global_step == 0
+    assert trainer.async_rollout.worker is None and trainer.state.global_step == 0
 
 
 @pytest.mark.slow
@@ -582,4 +586,4 @@ def test_student_moves_toward_the_served_teacher(tiny_model_path, abc_teacher_pa
     jsd = [e["jsd"] for e in trainer.state.log_history if "jsd" in e]
     assert len(jsd) == 30 and sum(jsd[-5:]) < 0.5 * sum(jsd[:5]), jsd
     assert end < 0.7 * start, (start, end)
-    assert max(r["staleness"] for r in trainer.trained_rounds) <= 2
+    assert max(r["staleness"] for r in trainer.async_rollout.trained_rounds) <= 2

@@ -107,8 +107,8 @@ def test_max_staleness_0_equals_sync_grpo_and_resume_equals_uninterrupted(tiny_m
                             _async_args(tmp_path / "full", server, max_staleness=0, max_steps=2),
                             train_dataset=_dataset())  # fmt: skip
     full.train()
-    assert [r["staleness"] for r in full.trained_rounds] == [0, 0]
-    assert [r["round"] for r in full.trained_rounds] == [0, 1]
+    assert [r["staleness"] for r in full.async_rollout.trained_rounds] == [0, 0]
+    assert [r["round"] for r in full.async_rollout.trained_rounds] == [0, 1]
     expected = _params(sync)
     for name, value in full.model.named_parameters():
         assert torch.equal(value, expected[name]), name
@@ -128,7 +128,7 @@ def test_max_staleness_0_equals_sync_grpo_and_resume_equals_uninterrupted(tiny_m
                                _async_args(out, server, max_staleness=0, save_strategy="no", max_steps=2),
                                train_dataset=_dataset())  # fmt: skip
     resumed.train(resume_from_checkpoint=str(out / "checkpoint-1"))
-    assert [r["round"] for r in resumed.trained_rounds] == [1]
+    assert [r["round"] for r in resumed.async_rollout.trained_rounds] == [1]
     for name, value in resumed.model.named_parameters():
         assert torch.equal(value, expected[name]), name
 
@@ -142,13 +142,13 @@ def test_staleness_k_never_trains_on_older_samples(tiny_model_path, server, tmp_
     args = _async_args(tmp_path, server, max_staleness=1, max_inflight_tasks=3 * 4, max_steps=4)
     trainer = AsyncGRPOTrainer(tiny_model_path, varied_reward, args, train_dataset=_dataset(16))
     trainer.train()
-    rounds = trainer.trained_rounds
+    rounds = trainer.async_rollout.trained_rounds
     assert len(rounds) == 4 and [r["step"] for r in rounds] == [0, 1, 2, 3]
     assert all(0 <= r["step"] - r["version"] <= 1 for r in rounds), rounds
     logged = [e["sample/staleness_max"] for e in trainer.state.log_history if "sample/staleness_max" in e]
     assert len(logged) == 4 and max(logged) <= 1
-    dropped_rounds = trainer.dropped_stale_total // args.generation_batch_size
-    assert trainer._next_round == rounds[-1]["round"] + 1 == len(rounds) + dropped_rounds
+    dropped_rounds = trainer.async_rollout.dropped_stale_total // args.generation_batch_size
+    assert trainer.async_rollout.next_round == rounds[-1]["round"] + 1 == len(rounds) + dropped_rounds
 
 
 @pytest.mark.slow
@@ -171,7 +171,7 @@ def test_server_killed_mid_run_is_a_clear_error_and_no_leak(tiny_model_path, tmp
                                    train_dataset=_dataset(), callbacks=[StopServer()])  # fmt: skip
         with pytest.raises((ServerUnavailableError, RolloutWorkerError), match="not reachable"):
             trainer.train()
-        assert trainer.state.global_step in (1, 2) and trainer._worker is None  # the push fails on its thread
+        assert trainer.state.global_step in (1, 2) and trainer.async_rollout.worker is None  # the push fails on its thread
 
 
 @pytest.mark.slow
@@ -182,7 +182,7 @@ def test_worker_error_is_raised_in_the_trainer(tiny_model_path, server, tmp_path
                                train_dataset=_dataset())  # fmt: skip
     with pytest.raises(RolloutWorkerError, match="ValueError: reward exploded on purpose"):
         trainer.train()
-    assert trainer._worker is None
+    assert trainer.async_rollout.worker is None
 
 
 def test_unpicklable_reward_is_a_type_error(tiny_model_path, server, tmp_path):
@@ -195,19 +195,22 @@ def test_unpicklable_reward_is_a_type_error(tiny_model_path, server, tmp_path):
 
 
 class _QueueOnly:
-    """Just what ``AsyncGRPOTrainer._next_trainable_round`` reads: a step, the staleness bound, a message source."""
+    """Just what ``AsyncRollout.next_trainable_round`` reads of its trainer: a step, the staleness bound, a metric
+    sink; the worker's messages come from ``items``."""
 
     def __init__(self, items, step, max_staleness):
         from types import SimpleNamespace
 
-        from posttrain.experimental.async_grpo import AsyncGRPOTrainer
+        from posttrain.rollout.async_worker import AsyncRollout
 
-        self._next_trainable_round = AsyncGRPOTrainer._next_trainable_round.__get__(self)
-        self.items, self.metrics, self.trained_rounds = list(items), {}, []
+        self.items, self.metrics = list(items), {}
         self.state, self.args = SimpleNamespace(global_step=step), SimpleNamespace(max_staleness=max_staleness)
         self.backend = SimpleNamespace(base_url="http://127.0.0.1:1")
         self._inner_backend = lambda: self.backend
-        self.dropped_stale_total, self._next_round, self._pending_completions = 0, 0, None
+        self._pending_completions = None
+        self.add_callback = lambda callback: None
+        self.rollout = AsyncRollout(self, make_spec=None, score=lambda batch, record: batch)
+        self.rollout.get_item = self._get_item
 
     def _get_item(self):
         import pickle
@@ -216,9 +219,6 @@ class _QueueOnly:
 
     def _record(self, mode):
         return self.metrics.__setitem__
-
-    def _score_with_current_policy(self, batch, record):
-        return batch
 
 
 def _round(index, version, rows=4):
@@ -230,13 +230,14 @@ def test_rounds_older_than_max_staleness_are_dropped_and_counted():
     from posttrain.experimental.async_grpo import RolloutWorkerError
 
     fake = _QueueOnly([_round(0, 0), _round(1, 1), _round(2, 2), _round(3, 3)], step=3, max_staleness=1)
-    fake._next_trainable_round()
-    assert fake.trained_rounds == [{"step": 3, "round": 2, "version": 2, "staleness": 1}]
-    assert fake.dropped_stale_total == 8 and fake.metrics["sample/dropped_stale_total"] == 8.0
-    assert fake.metrics["sample/staleness_max"] == 1.0 and fake.metrics["reward"] == 1.0 and fake._next_round == 3
+    rollout = fake.rollout
+    rollout.next_trainable_round()
+    assert rollout.trained_rounds == [{"step": 3, "round": 2, "version": 2, "staleness": 1}]
+    assert rollout.dropped_stale_total == 8 and fake.metrics["sample/dropped_stale_total"] == 8.0
+    assert fake.metrics["sample/staleness_max"] == 1.0 and fake.metrics["reward"] == 1.0 and rollout.next_round == 3
     ahead = _QueueOnly([_round(0, 5)], step=3, max_staleness=1)
     with pytest.raises(RolloutWorkerError, match="ahead of the trainer"):
-        ahead._next_trainable_round()
+        ahead.rollout.next_trainable_round()
 
 
 def test_weight_uploader_mailbox_latest_wins_and_never_blocks_the_offer():

@@ -83,7 +83,7 @@ def test_tools_are_called_in_the_worker_and_their_results_enter_the_completion(t
         trainer = AsyncGRPOTrainer(tiny_model_path, [tool_result_reward, varied_reward], _args(tmp_path, url),
                                    train_dataset=Dataset.from_list(rows), tools=[add])  # fmt: skip
         trainer.train()
-    assert len(trainer.trained_rounds) == 2
+    assert len(trainer.async_rollout.trained_rounds) == 2
     assert _logged(trainer, "tools/call_frequency") == [1.0, 1.0]  # every rollout made one call
     assert _logged(trainer, "tools/failure_frequency") == [0.0, 0.0]
     # the worker's tool results went back to the server: the second turns were generated after them

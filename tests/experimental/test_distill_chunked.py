@@ -104,7 +104,7 @@ def test_chunked_equals_naive_values_and_gradients(trainer, case, monkeypatch):
             t = _full_log_probs(trainer.teacher_model, batch, trainer.vocab_rows, trainer.args.temperature)
         fake = _FakeServer(t, batch["completion_ids"][batch["completion_mask"].bool()])
         monkeypatch.setattr(trainer, "_uses_teacher_server", lambda args: True)
-        monkeypatch.setattr(trainer, "_teacher_server", lambda: fake)
+        monkeypatch.setattr(trainer, "served_teacher", fake)
     expected = _naive(trainer, batch, case)
     expected_grads = _grads(trainer.model, expected)
     for chunk in (1, 3, 4, 100):  # 7 loss tokens: uneven last chunks, one chunk

@@ -151,6 +151,33 @@ def test_teacher_prompt_composition():
         compose_teacher_prompt("p", None, "{prompt}{privileged_context}", 3)
 
 
+def test_sdft_and_sdpo_build_teacher_prompts_alike():
+    """SDFT's teacher prompt and SDPO's re-prompt go through one builder: a multimodal last user turn is read as its
+    text parts, a conversation keeps its earlier turns, and a prompt that does not end with a user turn (or is
+    empty) is refused with the same message by both."""
+    from types import SimpleNamespace
+
+    from posttrain.experimental.sdpo.teacher_context import SuccessfulRolloutTeacherContextBuilder
+
+    sdpo = SuccessfulRolloutTeacherContextBuilder(SimpleNamespace(reprompt_template="{prompt}|{solution}|{feedback}"))
+    turn = {
+        "role": "user",
+        "content": [{"type": "text", "text": "Solve"}, {"type": "image"}, {"type": "text", "text": "2+2."}],
+    }
+    conversation = [{"role": "system", "content": "Be brief."}, turn]
+    assert sdpo._reprompt(conversation, "4", "") == [conversation[0], {"role": "user", "content": "Solve 2+2.|4|"}]
+    assert compose_teacher_prompt(conversation, "4", "{prompt}|{privileged_context}|") == sdpo._reprompt(
+        conversation, "4", ""
+    )
+    for bad in ([], [{"content": "no role"}], [{"role": "assistant", "content": "x"}]):
+        with pytest.raises(ValueError) as sdft_error:
+            compose_teacher_prompt(bad, "c", "{prompt}{privileged_context}")
+        with pytest.raises(ValueError) as sdpo_error:
+            sdpo._reprompt(bad, "", "")
+        assert str(sdft_error.value) == str(sdpo_error.value)
+        assert "end with a user turn" in str(sdpo_error.value)
+
+
 def test_missing_privileged_context_column_names_the_column_and_the_fix(tiny_model_path, tmp_path):
     data = Dataset.from_list([{"prompt": "Q1:"}, {"prompt": "Q2:"}])
     with pytest.raises(ValueError, match=r"missing the column\(s\) \['privileged_context'\].*add_column"):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from posttrain.trainers.online import OnlineRLConfig
+from posttrain.trainers.online_config import OnlineRLConfig
 
 
 @dataclass

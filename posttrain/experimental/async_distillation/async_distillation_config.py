@@ -29,12 +29,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from posttrain.rollout.async_worker import check_async_rollout_options
+from posttrain.experimental._async_config import AsyncRolloutConfig, async_rollout_field
 from posttrain.trainers.distillation import DistillationConfig
 
 
 @dataclass
-class AsyncDistillationConfig(DistillationConfig):
+class AsyncDistillationConfig(AsyncRolloutConfig, DistillationConfig):
     """Configuration of :class:`AsyncDistillationTrainer` (TRL's experimental ``AsyncDistillationConfig``; see the
     module docstring)."""
 
@@ -120,27 +120,11 @@ class AsyncDistillationConfig(DistillationConfig):
             "longer than token_budget is dropped with a warning (batch/dropped_oversize_total). <= 0 = off."
         },
     )
-    # -- the async rollout pipeline ----------------------------------------------------------------------------
-    max_inflight_tasks: int = field(
-        default=-1,
-        metadata={
-            "help": "Most samples generated ahead of the server's weight version. -1 (auto) = max_staleness × "
-            "per_device_train_batch_size × gradient_accumulation_steps (at least one round)."
-        },
-    )
-    max_staleness: int = field(
-        default=4,
-        metadata={
-            "help": "Maximum number of weight updates a rollout sample can lag behind the current model version "
-            "before being discarded (counted in sample/dropped_stale_total)."
-        },
-    )
-    queue_maxsize: int = field(
-        default=1024, metadata={"help": "Maximum number of rollout samples buffered in the rollout queue."}
-    )
-    weight_sync_steps: int = field(
-        default=1, metadata={"help": "Number of training steps between weight synchronizations to the server."}
-    )
+    # -- the async rollout pipeline (AsyncRolloutConfig's shared fields) ---------------------------------------
+    max_inflight_tasks: int = async_rollout_field("max_inflight_tasks")
+    max_staleness: int = async_rollout_field("max_staleness")
+    queue_maxsize: int = async_rollout_field("queue_maxsize")
+    weight_sync_steps: int = async_rollout_field("weight_sync_steps")
     heartbeat_stale_after_s: float = field(
         default=300.0,
         metadata={
@@ -148,10 +132,7 @@ class AsyncDistillationConfig(DistillationConfig):
             "treats it as hung and aborts."
         },
     )
-    seed_requests: bool = field(
-        default=True,
-        metadata={"help": "posttrain: seed each generation request from (seed, round), so rounds are reproducible."},
-    )
+    seed_requests: bool = async_rollout_field("seed_requests")
 
     _trainer_name = "AsyncDistillation"
     _VALID_DICT_FIELDS = [*DistillationConfig._VALID_DICT_FIELDS, "teacher_server_urls"]
@@ -162,7 +143,7 @@ class AsyncDistillationConfig(DistillationConfig):
         super().__post_init__()
         if not self.teacher_server_urls:
             raise ValueError("teacher_server_urls must have at least one entry.")
-        check_async_rollout_options(self, "AsyncDistillation", "STUDENT")
+        self.check_async_rollout("STUDENT")
         if self.lmbda != 1.0 or self.seq_kd:
             raise ValueError("AsyncDistillation trains on the student's own samples only: lmbda=1.0, seq_kd=False.")
         if self.max_tool_calling_iterations is not None:
@@ -176,7 +157,7 @@ class AsyncDistillationConfig(DistillationConfig):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}.")
 
-    # The served-teacher loss of posttrain.experimental._sparse_trainer reads these names (ServerDistillation's).
+    # The served-teacher loss of posttrain.experimental._sparse_loss reads these names (ServerDistillation's).
     @property
     def loss_top_k(self) -> int:
         return self.teacher_top_k

@@ -57,7 +57,7 @@ import torch
 
 from posttrain.core.distill import add_tail_bucket, chunked_token_map
 from posttrain.experimental._distill_support import server_sparse_divergence
-from posttrain.experimental._sparse_trainer import SparseDistillationMixin
+from posttrain.experimental._sparse_loss import SparseDistillationLoss
 from posttrain.experimental.async_distillation.async_distillation_config import AsyncDistillationConfig
 from posttrain.experimental.async_distillation.rollout_worker import (
     DistillationWorkerSpec,
@@ -66,9 +66,9 @@ from posttrain.experimental.async_distillation.rollout_worker import (
     score_with_teachers,
 )
 from posttrain.models.distillation_scoring import score_distillation_completions
-from posttrain.rollout.async_worker import ROLLOUT_STATE, AsyncRolloutMixin, RolloutWorkerError
+from posttrain.rollout.async_worker import ROLLOUT_STATE, AsyncRollout, RolloutWorkerError
 from posttrain.rollout.buffer import select_rows, token_budget_packs, trim_padding
-from posttrain.trainers.distillation import DistillationTrainer
+from posttrain.trainers.distillation import DistillationLoss, DistillationTrainer, FullVocabularyDivergence
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +103,29 @@ class _RoundTeacher:
             server.close()
 
 
+class _AsyncDistillationLoss:
+    """The loss strategy (a :class:`~posttrain.trainers.distillation.DistillationLoss`) at ``teacher_temperature``:
+    a local teacher's exact full-vocabulary generalized JSD, or the served teacher's sparse support
+    (:class:`SparseDistillationLoss`, whose scores come with the round: ``_RoundTeacher``); then TRL's ``jsd`` and,
+    served, the teacher metrics."""
+
+    def __init__(self) -> None:
+        self.full_vocabulary = FullVocabularyDivergence()
+        self.sparse = SparseDistillationLoss(make_teacher=_RoundTeacher)
+
+    def __call__(self, trainer: AsyncDistillationTrainer, model: torch.nn.Module, inputs: Any) -> torch.Tensor:
+        mode = trainer._mode()
+        with _divergence_temperature(trainer.args):
+            strategy = self.full_vocabulary if trainer._local_teacher else self.sparse
+            loss = strategy(trainer, model, inputs)
+        window = trainer._metrics[mode]
+        if window.get("distillation_loss"):
+            trainer.record_metric("jsd", window["distillation_loss"][-1], mode=mode)
+        if not trainer._local_teacher:
+            trainer._record_teacher_metrics(model, inputs, mode)
+        return loss
+
+
 @contextlib.contextmanager
 def _divergence_temperature(args: AsyncDistillationConfig):
     """The distillation losses read ``args.temperature``; here the divergence's is ``teacher_temperature`` (TRL),
@@ -115,18 +138,23 @@ def _divergence_temperature(args: AsyncDistillationConfig):
         args.temperature = sampling
 
 
-class AsyncDistillationTrainer(AsyncRolloutMixin, SparseDistillationMixin, DistillationTrainer):
+class AsyncDistillationTrainer(DistillationTrainer):
     """TRL's ``AsyncDistillationTrainer(model, args, train_dataset, processing_class, callbacks, optimizers,
     peft_config)`` (see the module docstring).
 
     posttrain additions: ``teacher_model`` (a local teacher: hub id, path or model; else
     ``args.teacher_model_name_or_path``; else the servers of ``args.teacher_server_urls``) and ``eval_dataset``.
     The dataset and tokenizer must be picklable (the worker process receives them).
+
+    The rollout worker and the weight pushes are the :class:`~posttrain.rollout.async_worker.AsyncRollout` component
+    (``self.async_rollout``); the loss is ``DistillationTrainer``'s with the ``_AsyncDistillationLoss`` strategy.
     """
 
     config_class = AsyncDistillationConfig
     _trainer_name = "AsyncDistillation"
     _tag_names = ["posttrain", "async-distillation", "distillation"]
+    loss_strategy: DistillationLoss = _AsyncDistillationLoss()
+    served_teacher: _RoundTeacher | None = None  # the served teacher as the loss sees it, made on first use
 
     def __init__(
         self,
@@ -160,7 +188,10 @@ class AsyncDistillationTrainer(AsyncRolloutMixin, SparseDistillationMixin, Disti
             model, teacher_model, args, train_dataset=train_dataset, eval_dataset=eval_dataset,
             processing_class=processing_class, callbacks=callbacks, optimizers=optimizers, peft_config=peft_config,
         )  # fmt: skip
-        self._init_async_rollout()
+        self.async_rollout = AsyncRollout(
+            self, make_spec=self._worker_spec, score=self._score_with_current_policy, trainer_name=self._trainer_name,
+            picklable_hint="the dataset and processing class",
+        )  # fmt: skip
         self._token_budget: int | None = None  # resolved at the first round (the server's max_model_len when None)
         self._packed_inputs: dict[str, Any] | None = None  # the pack training_step is running
         self.dropped_oversize_total = 0
@@ -168,11 +199,6 @@ class AsyncDistillationTrainer(AsyncRolloutMixin, SparseDistillationMixin, Disti
     # -- teacher -----------------------------------------------------------------------------------------------
     def _uses_teacher_server(self, args: Any) -> bool:
         return not self._local_teacher
-
-    def _teacher_server(self) -> _RoundTeacher:
-        if self.served_teacher is None:
-            self.served_teacher = _RoundTeacher(self)
-        return self.served_teacher
 
     # -- worker ------------------------------------------------------------------------------------------------
     def _worker_spec(self) -> DistillationWorkerSpec:
@@ -184,7 +210,7 @@ class AsyncDistillationTrainer(AsyncRolloutMixin, SparseDistillationMixin, Disti
             keep_completions=args.log_completions, seed=args.seed,
         )  # fmt: skip
         return DistillationWorkerSpec(
-            **self._worker_spec_fields(), rollout_kwargs=rollout_kwargs, num_slices=args.steps_per_generation,
+            **self.async_rollout.spec_fields(), rollout_kwargs=rollout_kwargs, num_slices=args.steps_per_generation,
             teacher_server_urls=None if self._local_teacher else dict(args.teacher_server_urls),
             teacher_top_k=args.teacher_top_k, teacher_temperature=args.teacher_temperature, vocab_rows=self.vocab_rows,
         )  # fmt: skip
@@ -221,18 +247,27 @@ class AsyncDistillationTrainer(AsyncRolloutMixin, SparseDistillationMixin, Disti
         return batch
 
     def _extra_checkpoint_state(self) -> dict[str, Any]:
-        states = super()._extra_checkpoint_state()
+        states = self.async_rollout.checkpoint_state(super()._extra_checkpoint_state())
         states[ROLLOUT_STATE] = {**states[ROLLOUT_STATE], "dropped_oversize_total": self.dropped_oversize_total}
         return states
 
     def _load_extra_checkpoint_state(self, states: dict[str, Any]) -> None:
         super()._load_extra_checkpoint_state(states)
+        self.async_rollout.load_checkpoint_state(states)
         self.dropped_oversize_total = int(states.get(ROLLOUT_STATE, {}).get("dropped_oversize_total", 0))
 
     def _prepare_inputs(self, inputs: Any) -> Any:
         if self._packed_inputs is not None:  # one token-budget pack of the micro-batch (training_step)
             return self._packed_inputs
-        return super()._prepare_inputs(inputs)
+        return self.async_rollout.prepare_inputs(inputs, super()._prepare_inputs)
+
+    def evaluate(self, *args, **kwargs):
+        self.async_rollout.join_push()  # evaluate on the newest pushed weights, not on ones still being uploaded
+        return super().evaluate(*args, **kwargs)
+
+    def _save_checkpoint(self, *args, **kwargs):
+        self.async_rollout.join_push()  # the checkpoint's weight_version is on the server when it is written
+        return super()._save_checkpoint(*args, **kwargs)
 
     def training_step(self, model: torch.nn.Module, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
         """With a ``token_budget``: the micro-batch's rows, in order, are forwarded and backpropagated in packs of at
@@ -266,30 +301,18 @@ class AsyncDistillationTrainer(AsyncRolloutMixin, SparseDistillationMixin, Disti
         forwarded = (batch["prompt_mask"].sum(1) + batch["completion_lengths"]).float()
         trained = batch["completion_mask"].sum(1).float()
         with contextlib.suppress(NotImplementedError, OSError, ValueError):  # qsize is not available everywhere
-            record("sample/rollout_queue_size", float(self._queue.qsize() * self._round_rows()))
+            record(
+                "sample/rollout_queue_size", float(self.async_rollout.queue.qsize() * self.async_rollout.round_rows())
+            )
         record("sample/forwarded_tokens_mean", forwarded.mean().item())
         record("sample/forwarded_tokens_max", forwarded.max().item())
         record("sample/trained_tokens_mean", trained.mean().item())
         record("batch/samples_per_step", float(forwarded.numel()))
         record("batch/forwarded_tokens_per_step", forwarded.sum().item())
         record("batch/trained_tokens_per_step", trained.sum().item())
-        return super()._score_with_current_policy(batch, record)
+        return self.async_rollout.to_device(batch)
 
-    # -- loss --------------------------------------------------------------------------------------------------
-    def _compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
-        mode = self._mode()
-        with _divergence_temperature(self.args):
-            if self._local_teacher:  # the exact full-vocabulary generalized JSD, teacher forward here
-                loss = DistillationTrainer._compute_loss(self, model, inputs)
-            else:  # the served sparse support (SparseDistillationMixin, via _RoundTeacher)
-                loss = super()._compute_loss(model, inputs)
-        window = self._metrics[mode]
-        if window.get("distillation_loss"):
-            self.record_metric("jsd", window["distillation_loss"][-1], mode=mode)
-        if not self._local_teacher:
-            self._record_teacher_metrics(model, inputs, mode)
-        return loss
-
+    # -- loss (the _AsyncDistillationLoss strategy) -------------------------------------------------------------
     @torch.no_grad()
     def _record_teacher_metrics(self, model: torch.nn.Module, inputs: dict[str, Any], mode: str) -> None:
         """``teacher_entropy`` on the loss's support (with the tail bucket) and, with several teachers,
@@ -342,7 +365,7 @@ class AsyncDistillationTrainer(AsyncRolloutMixin, SparseDistillationMixin, Disti
 
     def train(self, *args, **kwargs):
         try:
-            return super().train(*args, **kwargs)
+            return self.async_rollout.run(super().train, *args, **kwargs)
         finally:
             if self.served_teacher is not None:
                 self.served_teacher.close()

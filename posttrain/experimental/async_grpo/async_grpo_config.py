@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from posttrain.rollout.async_worker import check_async_rollout_options
+from posttrain.experimental._async_config import AsyncRolloutConfig, async_rollout_field
 from posttrain.trainers.grpo import GRPOConfig
 
 
 @dataclass
-class AsyncGRPOConfig(GRPOConfig):
+class AsyncGRPOConfig(AsyncRolloutConfig, GRPOConfig):
     """Configuration of :class:`AsyncGRPOTrainer` (TRL's experimental ``AsyncGRPOConfig``; see the module docstring)."""
 
     logging_steps: float = field(default=1, metadata={"help": "Log every X optimizer steps."})
@@ -45,40 +45,18 @@ class AsyncGRPOConfig(GRPOConfig):
     request_timeout: int = field(
         default=600, metadata={"help": "Timeout in seconds for individual HTTP requests to the server."}
     )
-    max_inflight_tasks: int = field(
-        default=-1,
-        metadata={
-            "help": "Most samples generated ahead of the server's weight version. -1 (auto) = max_staleness × "
-            "per_device_train_batch_size × gradient_accumulation_steps × num_processes (at least one round): "
-            "generating more only produces samples that are dropped as stale."
-        },
-    )
-    max_staleness: int = field(
-        default=4,
-        metadata={
-            "help": "Maximum number of weight updates a rollout sample can lag behind the current model version "
-            "before being discarded (counted in sample/dropped_stale_total)."
-        },
-    )
-    queue_maxsize: int = field(
-        default=1024, metadata={"help": "Maximum number of rollout samples buffered in the rollout queue."}
-    )
-    weight_sync_steps: int = field(
-        default=1, metadata={"help": "Number of training steps between weight synchronizations to the server."}
-    )
-    seed_requests: bool = field(
-        default=True,
-        metadata={
-            "help": "posttrain: seed each generation request from (seed, round), so rounds are reproducible "
-            "(TRL sends no seed)."
-        },
-    )
+    # -- the async rollout pipeline (AsyncRolloutConfig's shared fields) ---------------------------------------
+    max_inflight_tasks: int = async_rollout_field("max_inflight_tasks")
+    max_staleness: int = async_rollout_field("max_staleness")
+    queue_maxsize: int = async_rollout_field("queue_maxsize")
+    weight_sync_steps: int = async_rollout_field("weight_sync_steps")
+    seed_requests: bool = async_rollout_field("seed_requests")
 
     _trainer_name = "AsyncGRPO"
 
     def __post_init__(self):
         super().__post_init__()
-        check_async_rollout_options(self, "AsyncGRPO")
+        self.check_async_rollout()
         if self.steps_per_generation != self.gradient_accumulation_steps:
             raise ValueError(
                 "AsyncGRPO generates one optimizer step's worth of samples per round: leave steps_per_generation / "

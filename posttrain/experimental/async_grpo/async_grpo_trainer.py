@@ -36,11 +36,13 @@ the rollout worker around its server requests (see ``rollout_worker``), one envi
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from posttrain.experimental.async_grpo.async_grpo_config import AsyncGRPOConfig
 from posttrain.experimental.async_grpo.rollout_worker import RolloutWorkerSpec
-from posttrain.rollout.async_worker import ROLLOUT_STATE, AsyncRolloutMixin, RolloutWorkerError
+from posttrain.rollout.async_worker import ROLLOUT_STATE, AsyncRollout, RolloutWorkerError
 from posttrain.rollout.buffer import RolloutBatch
 from posttrain.rollout.pipeline import RolloutSettings
 from posttrain.trainers.grpo import GRPOTrainer
@@ -48,12 +50,15 @@ from posttrain.trainers.grpo import GRPOTrainer
 __all__ = ["ROLLOUT_STATE", "AsyncGRPOTrainer", "RolloutWorkerError"]
 
 
-class AsyncGRPOTrainer(AsyncRolloutMixin, GRPOTrainer):
+class AsyncGRPOTrainer(GRPOTrainer):
     """GRPO with a rollout worker streaming generation rounds from a server (see the module docstring).
 
     The constructor is ``GRPOTrainer``'s (``tools`` and ``environment_factory`` included); ``rollout_func`` is
     refused. Reward functions, tools and environment factories must be picklable: the worker process receives them
     pickled.
+
+    The rollout worker and the weight pushes are the :class:`~posttrain.rollout.async_worker.AsyncRollout` component
+    (``self.async_rollout``); the loss is ``GRPOTrainer``'s.
     """
 
     config_class = AsyncGRPOConfig
@@ -67,7 +72,10 @@ class AsyncGRPOTrainer(AsyncRolloutMixin, GRPOTrainer):
         if isinstance(train_dataset, torch.utils.data.IterableDataset):
             raise ValueError("AsyncGRPOTrainer needs a map-style train_dataset (the worker indexes prompts).")
         super().__init__(model, reward_funcs, args, train_dataset, *a, **kwargs)
-        self._init_async_rollout()
+        self.async_rollout = AsyncRollout(
+            self, make_spec=self._worker_spec, score=self._score_with_current_policy, trainer_name=self._trainer_name,
+            picklable_hint=self._picklable_hint,
+        )  # fmt: skip
 
     # -- worker ------------------------------------------------------------------------------------------------
     def _worker_settings(self) -> RolloutSettings:
@@ -82,7 +90,7 @@ class AsyncGRPOTrainer(AsyncRolloutMixin, GRPOTrainer):
         if estimator.needs_old_logps or estimator.needs_ref_logps:
             raise ValueError(f"{type(estimator).__name__} needs log-probs, which the rollout worker cannot compute.")
         return RolloutWorkerSpec(
-            **self._worker_spec_fields(), scorer=self.scorer, estimator=estimator, settings=self._worker_settings(),
+            **self.async_rollout.spec_fields(), scorer=self.scorer, estimator=estimator, settings=self._worker_settings(),
             agent=self.agent,
         )  # fmt: skip
 
@@ -104,3 +112,25 @@ class AsyncGRPOTrainer(AsyncRolloutMixin, GRPOTrainer):
         if importance is not None:
             pipeline.importance_sampling(batch, importance, record)
         return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+
+    # -- delegation to the async rollout -----------------------------------------------------------------------
+    def train(self, *args, **kwargs):
+        return self.async_rollout.run(super().train, *args, **kwargs)
+
+    def evaluate(self, *args, **kwargs):
+        self.async_rollout.join_push()  # evaluate on the newest pushed weights, not on ones still being uploaded
+        return super().evaluate(*args, **kwargs)
+
+    def _save_checkpoint(self, *args, **kwargs):
+        self.async_rollout.join_push()  # the checkpoint's weight_version is on the server when it is written
+        return super()._save_checkpoint(*args, **kwargs)
+
+    def _prepare_inputs(self, inputs: Any) -> Any:
+        return self.async_rollout.prepare_inputs(inputs, super()._prepare_inputs)
+
+    def _extra_checkpoint_state(self) -> dict[str, Any]:
+        return self.async_rollout.checkpoint_state(super()._extra_checkpoint_state())
+
+    def _load_extra_checkpoint_state(self, states: dict[str, Any]) -> None:
+        super()._load_extra_checkpoint_state(states)
+        self.async_rollout.load_checkpoint_state(states)

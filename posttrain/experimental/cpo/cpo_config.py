@@ -5,14 +5,13 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, field
 
-from posttrain.experimental._pairwise import check_common_options
-from posttrain.trainers.base import BaseConfig
+from posttrain.experimental._pairwise_config import ReferenceFreePairwiseConfig, pairwise_field
 
 CPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo", "alphapo")
 
 
 @dataclass
-class CPOConfig(BaseConfig):
+class CPOConfig(ReferenceFreePairwiseConfig):
     """Configuration for :class:`~posttrain.experimental.cpo.CPOTrainer` (TRL's ``CPOConfig``).
 
     Only CPO-specific fields are listed; everything else is ``transformers.TrainingArguments`` with TRL's overrides
@@ -20,14 +19,8 @@ class CPOConfig(BaseConfig):
     ``loss_type="alphapo"`` is TRL's shorthand: it becomes ``loss_type="simpo"`` with ``cpo_alpha=0.0``.
     """
 
-    learning_rate: float = field(default=1e-6, metadata={"help": "The initial learning rate for AdamW."})
-    max_length: int | None = field(
-        default=1024,
-        metadata={
-            "help": "Maximum length of the sequences (prompt + completion) in the batch; longer sequences are "
-            "truncated (their end is cut) and rows whose prompt alone reaches it are dropped. None: no limit."
-        },
-    )
+    learning_rate: float = pairwise_field("learning_rate")
+    max_length: int | None = pairwise_field("max_length")
     max_completion_length: int | None = field(
         default=None, metadata={"help": "Maximum length of each completion (cut before max_length applies)."}
     )
@@ -47,7 +40,7 @@ class CPOConfig(BaseConfig):
             "choices": list(CPO_LOSS_TYPES),
         },
     )
-    disable_dropout: bool = field(default=True, metadata={"help": "Whether to disable dropout in the model."})
+    disable_dropout: bool = pairwise_field("disable_dropout")
     cpo_alpha: float = field(default=1.0, metadata={"help": "Weight of the BC regularizer (NLL of chosen) in CPO."})
     simpo_gamma: float = field(
         default=0.5, metadata={"help": "Target reward margin for the SimPO loss, used only when loss_type='simpo'."}
@@ -66,13 +59,8 @@ class CPOConfig(BaseConfig):
     is_encoder_decoder: bool | None = field(
         default=None, metadata={"help": "Whether the model is an encoder-decoder model (only decoder-only here)."}
     )
-    trust_remote_code: bool = field(
-        default=False,
-        metadata={"help": "Whether to allow loading models that ship custom Python code from the Hub."},
-    )
-    dataset_num_proc: int | None = field(
-        default=None, metadata={"help": "Number of processes to use for processing the dataset."}
-    )
+    trust_remote_code: bool = pairwise_field("trust_remote_code")
+    dataset_num_proc: int | None = pairwise_field("dataset_num_proc")
 
     def __post_init__(self):
         if self.loss_type == "alphapo":  # TRL's syntactic sugar for AlphaPO
@@ -93,5 +81,4 @@ class CPOConfig(BaseConfig):
             raise ValueError(f"label_smoothing must lie in [0, 0.5), got {self.label_smoothing}.")
         if self.beta <= 0:
             raise ValueError(f"beta must be > 0, got {self.beta}.")
-        check_common_options(self)
-        super().__post_init__()
+        super().__post_init__()  # ReferenceFreePairwiseConfig: the shared checks

@@ -28,7 +28,7 @@ from posttrain.models.completion_scoring import completion_inputs
 from posttrain.models.distillation_scoring import forward_logits_fn
 from posttrain.models.loading import load_processing_class
 from posttrain.models.vocabulary import model_vocab_size
-from posttrain.trainers.distillation import DistillationTrainer
+from posttrain.trainers.distillation import DistillationLoss, DistillationTrainer, FullVocabularyDivergence
 
 
 def token_byte_offsets(tokenizer: Any, ids: list[int]) -> list[tuple[int, int]]:
@@ -48,11 +48,110 @@ def _char_to_byte_offsets(text: str, offsets: list[tuple[int, int]]) -> list[tup
     return [(cumulative[a], cumulative[b]) for a, b in offsets]
 
 
+class ULDLoss:
+    """GOLD's loss strategy (a :class:`~posttrain.trainers.distillation.DistillationLoss`): with ``use_uld_loss`` the
+    ULD loss below, else the shared-vocabulary generalized JSD of ``DistillationTrainer``."""
+
+    def __init__(self) -> None:
+        self.full_vocabulary = FullVocabularyDivergence()
+
+    def __call__(self, trainer: GOLDTrainer, model: torch.nn.Module, inputs: Any) -> torch.Tensor:
+        """ULD averaged over the completions of the micro-batch on every process, from both models' last hidden states a chunk of aligned
+        groups at a time (``core.uld.chunked_uld_loss``): no ``(B, T, V)`` logits of either model are built."""
+        args = trainer.args
+        if not args.use_uld_loss:
+            return self.full_vocabulary(trainer, model, inputs)
+        mode = trainer._mode()
+        input_ids, attention_mask, position_ids, _ = completion_inputs(inputs)
+        outputs, student_logits_fn = forward_logits_fn(model, input_ids, attention_mask, position_ids)
+        aux_loss = getattr(outputs, "aux_loss", None)
+        rows = trainer._uld_rows(inputs)
+        # Means over every process's kept rows (and completion tokens): each process contributes its sums scaled by
+        # P / global count, which DDP's gradient average and the metrics' mean over processes turn into global
+        # means. Every process joins every collective below, with or without rows of its own (no hang).
+        processes = trainer.accelerator.num_processes
+        local_counts = torch.tensor([float(len(rows)), float(inputs["completion_mask"].sum())])
+        total_rows, total_tokens = sum_over_processes(trainer.accelerator, local_counts).tolist()
+        row_share = processes / total_rows if total_rows else 0.0
+        chunk = trainer._uld_chunk_size(model)
+        token_share = processes / max(total_tokens, 1.0)
+        ce = trainer._uld_crossentropy(inputs, student_logits_fn, input_ids.shape[1], token_share, chunk)
+        if not rows:
+            zero = 0.0 * sum(p.sum() for p in model.parameters() if p.requires_grad)
+            nothing = torch.zeros((), device=trainer.accelerator.device)
+            trainer._record_uld_metrics(mode, total_rows, nothing, nothing, nothing, nothing)
+            return trainer._finish_loss(zero + args.uld_crossentropy_weight * ce, aux_loss)
+
+        # the teacher scores its own tokenization of every kept row (one right-padded batch)
+        sequences = [t_prompt + t_ids for _, _, _, t_prompt, t_ids, _ in rows]
+        width = max(map(len, sequences))
+        pad = trainer.teacher_tokenizer.pad_token_id if trainer.teacher_tokenizer.pad_token_id is not None else 0
+        t_input = torch.full((len(rows), width), pad, dtype=torch.long)
+        t_mask = torch.zeros_like(t_input)
+        for j, seq in enumerate(sequences):
+            t_input[j, : len(seq)] = torch.tensor(seq)
+            t_mask[j, : len(seq)] = 1
+        device = trainer.accelerator.device
+        with torch.no_grad():
+            _, teacher_logits_fn = forward_logits_fn(trainer.teacher_model, t_input.to(device), t_mask.to(device))
+
+        # Which positions of each side every aligned group merges (flat indices into the two models' outputs).
+        # "observed" reads the logits at the completion tokens' own positions, "bayesian" one earlier (TRL's slicing).
+        shift = 1 if args.uld_token_merge_strategy == "bayesian" else 0
+        s_len, width_p = input_ids.shape[1], inputs["prompt_ids"].shape[1]
+        s_plans, t_plans, weights, entropy_positions, entropy_rows = [], [], [], [], []
+        for j, (i, ids, s_offsets, t_prompt, t_ids, t_offsets) in enumerate(rows):
+            s_offset = i * s_len + width_p - shift
+            t_offset = j * width + len(t_prompt) - shift
+            if args.use_extended_uld:
+                s_groups, t_groups = align_by_byte_offsets(s_offsets, t_offsets)
+                paired = [(a, b) for a, b in zip(s_groups, t_groups) if a and b]
+            else:
+                paired = [([k], [k]) for k in range(min(len(ids), len(t_ids)))]
+            strategy = args.uld_token_merge_strategy
+            s_plans.append(group_plan([a for a, _ in paired], ids, strategy, s_offset))
+            t_plans.append(group_plan([b for _, b in paired], t_ids, strategy, t_offset))
+            weights += [row_share / len(paired)] * len(paired)
+            entropy_positions += range(s_offset, s_offset + len(ids))
+            entropy_rows += [j] * len(ids)
+        distillation, matched, unmatched = chunked_uld_loss(
+            student_logits_fn,
+            teacher_logits_fn,
+            GroupPlan.concat(s_plans).to(device),
+            GroupPlan.concat(t_plans).to(device),
+            torch.tensor(weights, dtype=torch.float32, device=device),
+            student_temperature=args.uld_student_temperature,
+            teacher_temperature=args.uld_teacher_temperature,
+            mapping=trainer._mapping,
+            beta=args.beta,
+            matched_weight=args.uld_hybrid_matched_weight,
+            unmatched_weight=args.uld_hybrid_unmatched_weight,
+            chunk_size=chunk,
+        )
+        loss = args.uld_distillation_weight * distillation
+        positions = torch.tensor(entropy_positions, dtype=torch.long, device=device)
+        with torch.no_grad():  # the student's entropy over each kept completion's ULD positions, mean over rows
+            (entropy,) = chunked_token_map(
+                lambda r: student_logits_fn(positions[r]), positions.numel(),
+                lambda lp, r: ((-(lp.exp() * lp).sum(-1)),), temperature=args.uld_student_temperature,
+                chunk_size=chunk, device=device,
+            )  # fmt: skip
+            per_row = torch.zeros(len(rows), device=device).index_add_(
+                0, torch.tensor(entropy_rows, device=device), entropy.float()
+            )
+            counts = torch.bincount(torch.tensor(entropy_rows, device=device), minlength=len(rows))
+            entropy_share = (per_row / counts.clamp(min=1)).sum() * row_share
+        loss = loss + args.uld_crossentropy_weight * ce
+        loss = trainer._finish_loss(loss, aux_loss)  # mean per micro-batch, / GA
+        trainer._record_uld_metrics(mode, total_rows, distillation.detach(), entropy_share, matched, unmatched)
+        return loss
+
+
 class GOLDTrainer(DistillationTrainer):
     """TRL's ``GOLDTrainer(model, teacher_model, args, ...)``; see :class:`DistillationTrainer` for the arguments.
 
     With ``args.use_uld_loss`` the teacher may use any tokenizer (``args.teacher_tokenizer_name_or_path``, or the
-    one saved with the teacher).
+    one saved with the teacher). The loss is the :class:`ULDLoss` strategy.
     """
 
     config_class = GOLDConfig
@@ -60,6 +159,7 @@ class GOLDTrainer(DistillationTrainer):
     _tag_names = ["posttrain", "gold", "distillation"]
     dataset_truncation = "keep_end"  # TRL's ChatML collator: a dataset row keeps its last max_length tokens
     teacher_tokenizer: Any = None
+    loss_strategy: DistillationLoss = ULDLoss()
 
     def _check_vocabulary(self, tokenizer: Any, teacher_tokenizer: Any, model: Any, teacher: Any) -> int:
         args = self.args if getattr(self, "args", None) is not None else None
@@ -130,97 +230,6 @@ class GOLDTrainer(DistillationTrainer):
             return int(self.loss_chunk_size)
         width = max(model_vocab_size(model), model_vocab_size(self.teacher_model))
         return min(1024, max(16, 2**24 // width))
-
-    def _compute_loss(self, model: torch.nn.Module, inputs: Any) -> torch.Tensor:
-        """ULD averaged over the completions of the micro-batch on every process, from both models' last hidden states a chunk of aligned
-        groups at a time (``core.uld.chunked_uld_loss``): no ``(B, T, V)`` logits of either model are built."""
-        args = self.args
-        if not args.use_uld_loss:
-            return super()._compute_loss(model, inputs)
-        mode = self._mode()
-        input_ids, attention_mask, position_ids, _ = completion_inputs(inputs)
-        outputs, student_logits_fn = forward_logits_fn(model, input_ids, attention_mask, position_ids)
-        aux_loss = getattr(outputs, "aux_loss", None)
-        rows = self._uld_rows(inputs)
-        # Means over every process's kept rows (and completion tokens): each process contributes its sums scaled by
-        # P / global count, which DDP's gradient average and the metrics' mean over processes turn into global
-        # means. Every process joins every collective below, with or without rows of its own (no hang).
-        processes = self.accelerator.num_processes
-        local_counts = torch.tensor([float(len(rows)), float(inputs["completion_mask"].sum())])
-        total_rows, total_tokens = sum_over_processes(self.accelerator, local_counts).tolist()
-        row_share = processes / total_rows if total_rows else 0.0
-        chunk = self._uld_chunk_size(model)
-        token_share = processes / max(total_tokens, 1.0)
-        ce = self._uld_crossentropy(inputs, student_logits_fn, input_ids.shape[1], token_share, chunk)
-        if not rows:
-            zero = 0.0 * sum(p.sum() for p in model.parameters() if p.requires_grad)
-            nothing = torch.zeros((), device=self.accelerator.device)
-            self._record_uld_metrics(mode, total_rows, nothing, nothing, nothing, nothing)
-            return self._finish_loss(zero + args.uld_crossentropy_weight * ce, aux_loss)
-
-        # the teacher scores its own tokenization of every kept row (one right-padded batch)
-        sequences = [t_prompt + t_ids for _, _, _, t_prompt, t_ids, _ in rows]
-        width = max(map(len, sequences))
-        pad = self.teacher_tokenizer.pad_token_id if self.teacher_tokenizer.pad_token_id is not None else 0
-        t_input = torch.full((len(rows), width), pad, dtype=torch.long)
-        t_mask = torch.zeros_like(t_input)
-        for j, seq in enumerate(sequences):
-            t_input[j, : len(seq)] = torch.tensor(seq)
-            t_mask[j, : len(seq)] = 1
-        device = self.accelerator.device
-        with torch.no_grad():
-            _, teacher_logits_fn = forward_logits_fn(self.teacher_model, t_input.to(device), t_mask.to(device))
-
-        # Which positions of each side every aligned group merges (flat indices into the two models' outputs).
-        # "observed" reads the logits at the completion tokens' own positions, "bayesian" one earlier (TRL's slicing).
-        shift = 1 if args.uld_token_merge_strategy == "bayesian" else 0
-        s_len, width_p = input_ids.shape[1], inputs["prompt_ids"].shape[1]
-        s_plans, t_plans, weights, entropy_positions, entropy_rows = [], [], [], [], []
-        for j, (i, ids, s_offsets, t_prompt, t_ids, t_offsets) in enumerate(rows):
-            s_offset = i * s_len + width_p - shift
-            t_offset = j * width + len(t_prompt) - shift
-            if args.use_extended_uld:
-                s_groups, t_groups = align_by_byte_offsets(s_offsets, t_offsets)
-                paired = [(a, b) for a, b in zip(s_groups, t_groups) if a and b]
-            else:
-                paired = [([k], [k]) for k in range(min(len(ids), len(t_ids)))]
-            strategy = args.uld_token_merge_strategy
-            s_plans.append(group_plan([a for a, _ in paired], ids, strategy, s_offset))
-            t_plans.append(group_plan([b for _, b in paired], t_ids, strategy, t_offset))
-            weights += [row_share / len(paired)] * len(paired)
-            entropy_positions += range(s_offset, s_offset + len(ids))
-            entropy_rows += [j] * len(ids)
-        distillation, matched, unmatched = chunked_uld_loss(
-            student_logits_fn,
-            teacher_logits_fn,
-            GroupPlan.concat(s_plans).to(device),
-            GroupPlan.concat(t_plans).to(device),
-            torch.tensor(weights, dtype=torch.float32, device=device),
-            student_temperature=args.uld_student_temperature,
-            teacher_temperature=args.uld_teacher_temperature,
-            mapping=self._mapping,
-            beta=args.beta,
-            matched_weight=args.uld_hybrid_matched_weight,
-            unmatched_weight=args.uld_hybrid_unmatched_weight,
-            chunk_size=chunk,
-        )
-        loss = args.uld_distillation_weight * distillation
-        positions = torch.tensor(entropy_positions, dtype=torch.long, device=device)
-        with torch.no_grad():  # the student's entropy over each kept completion's ULD positions, mean over rows
-            (entropy,) = chunked_token_map(
-                lambda r: student_logits_fn(positions[r]), positions.numel(),
-                lambda lp, r: ((-(lp.exp() * lp).sum(-1)),), temperature=args.uld_student_temperature,
-                chunk_size=chunk, device=device,
-            )  # fmt: skip
-            per_row = torch.zeros(len(rows), device=device).index_add_(
-                0, torch.tensor(entropy_rows, device=device), entropy.float()
-            )
-            counts = torch.bincount(torch.tensor(entropy_rows, device=device), minlength=len(rows))
-            entropy_share = (per_row / counts.clamp(min=1)).sum() * row_share
-        loss = loss + args.uld_crossentropy_weight * ce
-        loss = self._finish_loss(loss, aux_loss)  # mean per micro-batch, / GA
-        self._record_uld_metrics(mode, total_rows, distillation.detach(), entropy_share, matched, unmatched)
-        return loss
 
     def _uld_crossentropy(
         self, inputs: Any, student_logits_fn: Any, s_len: int, token_share: float, chunk: int

@@ -24,22 +24,30 @@ student's when the sampler truncates the distribution (top-k, top-p) or runs sta
 
 from __future__ import annotations
 
-from posttrain.experimental._sparse_trainer import SparseDistillationMixin
+from typing import Any
+
+from posttrain.experimental._distill_support import ServedTeacher
+from posttrain.experimental._sparse_loss import SparseDistillationLoss
 from posttrain.experimental.iw_opd.iw_opd_config import IWOPDConfig
-from posttrain.trainers.distillation import DistillationTrainer
+from posttrain.trainers.distillation import DistillationLoss, DistillationTrainer
 
 
-class IWOPDTrainer(SparseDistillationMixin, DistillationTrainer):
+class IWOPDTrainer(DistillationTrainer):
     """TRL's ``IWOPDTrainer(model, teacher_model, args, ...)``; see :class:`DistillationTrainer` for the arguments.
 
     ``teacher_model`` must be None when ``args.use_teacher_server`` is set (the teacher is at
-    ``args.teacher_model_server_url``).
+    ``args.teacher_model_server_url``). The loss is the :class:`SparseDistillationLoss` strategy.
     """
 
     config_class = IWOPDConfig
     _trainer_name = "IWOPD"
     _tag_names = ["posttrain", "iw-opd", "distillation"]
     dataset_truncation = "fill"  # TRL's IW-OPD collator: the completion fills what the prompt leaves of max_length
+    loss_strategy: DistillationLoss = SparseDistillationLoss()
+    served_teacher: ServedTeacher | None = None  # the teacher server's client (use_teacher_server), made on first use
+
+    def _uses_teacher_server(self, args: Any) -> bool:
+        return bool(args.use_teacher_server)
 
     def _wants_sampling_logprobs(self) -> bool:
         """The IW-OPD advantage's behaviour log-probs come from the sampler (TRL's ``rollout_logprobs``)."""

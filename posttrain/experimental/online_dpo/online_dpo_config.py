@@ -14,7 +14,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, field
 
-from posttrain.trainers.online import OnlineRLConfig
+from posttrain.trainers.online_config import OnlineRLConfig
 
 _LOSS_TYPES = ("sigmoid", "ipo")
 

@@ -4,26 +4,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from posttrain.experimental._pairwise import check_common_options
-from posttrain.trainers.base import BaseConfig
+from posttrain.experimental._pairwise_config import ReferenceFreePairwiseConfig, pairwise_field
 
 
 @dataclass
-class ORPOConfig(BaseConfig):
+class ORPOConfig(ReferenceFreePairwiseConfig):
     """Configuration for :class:`~posttrain.experimental.orpo.ORPOTrainer` (TRL's ``ORPOConfig``).
 
     Only ORPO-specific fields are listed; everything else is ``transformers.TrainingArguments`` with TRL's overrides
     (``logging_steps=10``, ``gradient_checkpointing=True``, ``bf16`` automatic, ``learning_rate=1e-6``).
     """
 
-    learning_rate: float = field(default=1e-6, metadata={"help": "The initial learning rate for AdamW."})
-    max_length: int | None = field(
-        default=1024,
-        metadata={
-            "help": "Maximum length of the sequences (prompt + completion) in the batch; longer sequences are "
-            "truncated (their end is cut) and rows whose prompt alone reaches it are dropped. None: no limit."
-        },
-    )
+    learning_rate: float = pairwise_field("learning_rate")
+    max_length: int | None = pairwise_field("max_length")
     max_completion_length: int | None = field(
         default=None, metadata={"help": "Maximum length of each completion (cut before max_length applies)."}
     )
@@ -31,7 +24,7 @@ class ORPOConfig(BaseConfig):
         default=0.1,
         metadata={"help": "λ in the paper: the weight of the relative (odds-ratio) loss against the NLL loss."},
     )
-    disable_dropout: bool = field(default=True, metadata={"help": "Whether to disable dropout in the model."})
+    disable_dropout: bool = pairwise_field("disable_dropout")
     padding_value: int | None = field(
         default=None, metadata={"help": "Padding value to use; None: the tokenizer's pad token id."}
     )
@@ -41,16 +34,10 @@ class ORPOConfig(BaseConfig):
     is_encoder_decoder: bool | None = field(
         default=None, metadata={"help": "Whether the model is an encoder-decoder model (only decoder-only here)."}
     )
-    trust_remote_code: bool = field(
-        default=False,
-        metadata={"help": "Whether to allow loading models that ship custom Python code from the Hub."},
-    )
-    dataset_num_proc: int | None = field(
-        default=None, metadata={"help": "Number of processes to use for processing the dataset."}
-    )
+    trust_remote_code: bool = pairwise_field("trust_remote_code")
+    dataset_num_proc: int | None = pairwise_field("dataset_num_proc")
 
     def __post_init__(self):
         if self.beta < 0:
             raise ValueError(f"beta (ORPO's λ) must be >= 0, got {self.beta}.")
-        check_common_options(self)
-        super().__post_init__()
+        super().__post_init__()  # ReferenceFreePairwiseConfig: the shared checks

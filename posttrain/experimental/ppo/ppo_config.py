@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from posttrain.trainers.online import OnlineRLConfig
+from posttrain.trainers.online_config import OnlineRLConfig
 
 _KL_ESTIMATORS = ("k1", "k3")
 

@@ -9,7 +9,7 @@ from posttrain.core.self_distillation import DISTILLATION_MODES
 from posttrain.experimental._self_distillation_options import check_self_distillation_options
 from posttrain.models.teacher_sync import TEACHER_MODEL_KINDS
 from posttrain.rollout.sampler import check_eval_batch
-from posttrain.trainers.online import OnlineRLConfig
+from posttrain.trainers.online_config import OnlineRLConfig
 
 # OnlineRLConfig fields of GRPO/RLOO's policy-gradient loss and reference model: SDFT has neither, so a value other
 # than the default would silently do nothing.

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from posttrain.experimental._self_distillation import fill_teacher_prompt, last_user_text
+
 __all__ = ["SuccessfulRolloutTeacherContextBuilder", "TeacherContexts", "extract_last_user_text"]
 
 logger = logging.getLogger(__name__)
@@ -37,18 +39,9 @@ _THINK = re.compile(r"<think>.*?</think>", flags=re.DOTALL)
 
 
 def extract_last_user_text(messages: list[dict[str, Any]]) -> str:
-    """The text of the final user turn of a conversational prompt (text parts of a list content joined by spaces)."""
-    last = messages[-1]
-    if last.get("role") != "user":
-        raise ValueError(
-            "Self-distillation teacher prompt construction expects the conversation to end with a user turn, but the "
-            f"last message has role {last.get('role')!r}. Prompts ending with assistant prefills or tool turns are "
-            "not supported."
-        )
-    content = last.get("content", "")
-    if isinstance(content, list):
-        return " ".join(part.get("text", "") for part in content if part.get("type") == "text")
-    return content
+    """The text of the final user turn of a conversational prompt (text parts of a list content joined by spaces);
+    the shared builder's :func:`~posttrain.experimental._self_distillation.last_user_text`."""
+    return last_user_text(messages)
 
 
 @dataclass
@@ -83,11 +76,8 @@ class SuccessfulRolloutTeacherContextBuilder:
         self._warned_ignored_feedback = False
 
     def _reprompt(self, prompt: Any, solution: str, feedback: str) -> Any:
-        template = self.args.reprompt_template
-        if isinstance(prompt, list):
-            text = template.format(prompt=extract_last_user_text(prompt), solution=solution, feedback=feedback)
-            return [*prompt[:-1], {"role": "user", "content": text}]
-        return template.format(prompt=prompt, solution=solution, feedback=feedback)
+        """The re-prompt through SDFT's and SDPO's one teacher-prompt builder (``fill_teacher_prompt``)."""
+        return fill_teacher_prompt(prompt, self.args.reprompt_template, solution=solution, feedback=feedback)
 
     def demonstration_text(self, completion: str) -> str:
         if self.args.remove_thinking_from_demonstration:

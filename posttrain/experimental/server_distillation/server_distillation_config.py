@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from posttrain.experimental._sparse_trainer import check_sparse_options
+from posttrain.experimental._sparse_loss import check_sparse_options
 from posttrain.trainers.distillation import DistillationConfig
 
 

@@ -15,18 +15,22 @@ from __future__ import annotations
 
 from typing import Any
 
-from posttrain.experimental._sparse_trainer import SparseDistillationMixin
+from posttrain.experimental._distill_support import ServedTeacher
+from posttrain.experimental._sparse_loss import SparseDistillationLoss
 from posttrain.experimental.server_distillation.server_distillation_config import ServerDistillationConfig
-from posttrain.trainers.distillation import DistillationTrainer
+from posttrain.trainers.distillation import DistillationLoss, DistillationTrainer
 
 
-class ServerDistillationTrainer(SparseDistillationMixin, DistillationTrainer):
+class ServerDistillationTrainer(DistillationTrainer):
     """TRL's ``ServerDistillationTrainer(model, args, train_dataset, ...)``: as :class:`DistillationTrainer`
-    without a local teacher (``teacher_model`` must be None; the teacher is ``args.teacher_model_server_url``)."""
+    without a local teacher (``teacher_model`` must be None; the teacher is ``args.teacher_model_server_url``). The
+    loss is the :class:`SparseDistillationLoss` strategy on the served teacher's support."""
 
     config_class = ServerDistillationConfig
     _trainer_name = "ServerDistillation"
     _tag_names = ["posttrain", "server-distillation", "distillation"]
+    loss_strategy: DistillationLoss = SparseDistillationLoss()
+    served_teacher: ServedTeacher | None = None  # the teacher server's client, made on first use
 
     def __init__(self, model: Any, teacher_model: Any = None, args: ServerDistillationConfig | None = None, **kwargs):
         super().__init__(model, teacher_model, args, **kwargs)

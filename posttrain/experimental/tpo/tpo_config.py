@@ -5,34 +5,27 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, field
 
-from posttrain.trainers.base import BaseConfig
+from posttrain.experimental._pairwise_config import ReferenceFreePairwiseConfig, pairwise_field
 
 TPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "tpo-l")
 
 
 @dataclass
-class TPOConfig(BaseConfig):
+class TPOConfig(ReferenceFreePairwiseConfig):
     """Configuration for :class:`~posttrain.experimental.tpo.TPOTrainer` (TRL's ``TPOConfig``).
 
     Only TPO-specific fields are listed; everything else is ``transformers.TrainingArguments`` with TRL's overrides
     (``logging_steps=10``, ``gradient_checkpointing=True``, ``bf16`` automatic, ``learning_rate=5e-7``).
     """
 
-    learning_rate: float = field(default=5e-7, metadata={"help": "The initial learning rate for AdamW."})
-    trust_remote_code: bool = field(
-        default=False,
-        metadata={"help": "Whether to allow loading models that ship custom Python code from the Hub."},
-    )
-    disable_dropout: bool = field(default=True, metadata={"help": "Whether to disable dropout in the model."})
-    dataset_num_proc: int | None = field(
-        default=None, metadata={"help": "Number of processes to use for processing the dataset."}
-    )
-    max_length: int | None = field(
-        default=1024,
-        metadata={
-            "help": "Maximum length of the tokenized sequence (prompt + completion). Sequences longer than "
-            "max_length are truncated from the left or right depending on truncation_mode. None: no truncation."
-        },
+    learning_rate: float = pairwise_field("learning_rate", default=5e-7)
+    trust_remote_code: bool = pairwise_field("trust_remote_code")
+    disable_dropout: bool = pairwise_field("disable_dropout")
+    dataset_num_proc: int | None = pairwise_field("dataset_num_proc")
+    max_length: int | None = pairwise_field(
+        "max_length",
+        help="Maximum length of the tokenized sequence (prompt + completion). Sequences longer than max_length are "
+        "truncated from the left or right depending on truncation_mode. None: no truncation.",
     )
     truncation_mode: str = field(
         default="keep_start",
@@ -83,6 +76,4 @@ class TPOConfig(BaseConfig):
             raise ValueError(f"beta must be > 0, got {self.beta}.")
         if self.tpo_alpha < 0:
             raise ValueError(f"tpo_alpha must be >= 0, got {self.tpo_alpha}.")
-        if self.max_length is not None and self.max_length < 1:
-            raise ValueError(f"max_length must be >= 1 (or None), got {self.max_length}.")
-        super().__post_init__()
+        super().__post_init__()  # ReferenceFreePairwiseConfig: the shared checks (max_length >= 1, ...)

@@ -1,9 +1,12 @@
 """The loss of the experimental distillation trainers that read teacher log-probs token by token: IW-OPD (the
 sampled-token objective) and TRL's sparse top-k supports, with a local teacher or a teacher server.
 
-A mixin over :class:`~posttrain.trainers.distillation.DistillationTrainer`: the round (student samples / dataset /
-teacher completions), batching, normalisation (Σ over tokens / completion tokens of the optimizer step) and metrics
-(``distillation_loss``, ``entropy``) are the distillation trainer's; this swaps the per-token term.
+A loss strategy (:class:`~posttrain.trainers.distillation.DistillationLoss`) of
+:class:`~posttrain.trainers.distillation.DistillationTrainer`: the round (student samples / dataset / teacher
+completions), batching, normalisation (Σ over tokens / completion tokens of the optimizer step) and metrics
+(``distillation_loss``, ``entropy``) are the distillation trainer's; this swaps the per-token term. The teacher is
+local (``trainer.teacher_model``) or served (``trainer._uses_teacher_server(args)``: its client is
+``trainer.served_teacher``, made on first use by the strategy's ``make_teacher``).
 
 Like the distillation loss, every term is computed from the last hidden states ``chunk`` loss tokens at a time
 (``core.distill.chunked_token_map``, recomputed in backward): no ``(N, V)`` logits of the micro-batch are built.
@@ -11,6 +14,7 @@ Like the distillation loss, every term is computed from the last hidden states `
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -25,6 +29,7 @@ from posttrain.experimental._distill_support import (
     to_rows,
 )
 from posttrain.models.distillation_scoring import score_distillation_completions
+from posttrain.trainers.distillation import FullVocabularyDivergence
 
 
 def check_sparse_options(args: Any, uses_server: bool) -> None:
@@ -57,60 +62,64 @@ def check_sparse_options(args: Any, uses_server: bool) -> None:
         )
 
 
-class SparseDistillationMixin:
-    """Per-token teacher log-probs (local forward or ``POST /get_sequence_logprobs/``) → IW-OPD or sparse JSD."""
+def _served_teacher_client(trainer: Any) -> ServedTeacher:
+    """The ``POST /get_sequence_logprobs/`` client of ``args.teacher_model_server_url``."""
+    timeout = float(getattr(trainer.args, "vllm_server_timeout", 240.0) or 240.0)
+    return ServedTeacher(trainer.args.teacher_model_server_url, trainer.vocab_rows, timeout)
 
-    served_teacher: ServedTeacher | None = None
 
-    def _uses_teacher_server(self, args: Any) -> bool:
-        """Whether the teacher is served (``use_teacher_server``); ``ServerDistillationTrainer`` always is."""
-        return bool(getattr(args, "use_teacher_server", False))
+def _behaviour_logprobs(inputs: Any) -> torch.Tensor | None:
+    """``(N,)`` the sampler's log-probs of the loss tokens (TRL's ``rollout_logprobs``), or None."""
+    sampled = inputs.get("sampling_per_token_logps") if hasattr(inputs, "get") else None
+    if sampled is None:
+        return None
+    mask = inputs["completion_mask"].bool()
+    return sampled[:, : mask.shape[1]].to(mask.device)[mask].float()
 
-    def _objective(self) -> str:
-        return getattr(self.args, "distillation_objective", "jsd")
 
-    def _load_teacher(self, teacher_model: Any, args: Any) -> tuple[Any, Any]:
-        if not self._uses_teacher_server(args):
-            return super()._load_teacher(teacher_model, args)
-        if teacher_model is not None:
-            raise ValueError(
-                "teacher_model was passed but the teacher is served at teacher_model_server_url; pass one or the other."
-            )
-        return None, None
+class SparseDistillationLoss:
+    """Per-token teacher log-probs (local forward or ``POST /get_sequence_logprobs/``) → IW-OPD or sparse JSD.
 
-    def _teacher_server(self) -> ServedTeacher:
-        if self.served_teacher is None:
-            timeout = float(getattr(self.args, "vllm_server_timeout", 240.0) or 240.0)
-            self.served_teacher = ServedTeacher(self.args.teacher_model_server_url, self.vocab_rows, timeout)
-        return self.served_teacher
+    ``args.distillation_objective`` (default "jsd") picks IW-OPD's sampled-token objective or the generalized JSD on
+    the top-``loss_top_k`` support; ``"jsd"`` with a local teacher and ``loss_top_k=0`` is the exact
+    full-vocabulary divergence (:class:`~posttrain.trainers.distillation.FullVocabularyDivergence`).
 
-    def _behaviour_logprobs(self, inputs: Any) -> torch.Tensor | None:
-        """``(N,)`` the sampler's log-probs of the loss tokens (TRL's ``rollout_logprobs``), or None."""
-        sampled = inputs.get("sampling_per_token_logps") if hasattr(inputs, "get") else None
-        if sampled is None:
-            return None
-        mask = inputs["completion_mask"].bool()
-        return sampled[:, : mask.shape[1]].to(mask.device)[mask].float()
+    Args:
+        make_teacher: ``make_teacher(trainer)`` → the served teacher's client (anything with
+            ``score(inputs, top_k, temperature)`` → ``{"actual_logprobs", "topk_logprobs", "topk_token_ids"}`` per
+            loss token and ``close()``), kept in ``trainer.served_teacher``; default: a ``ServedTeacher`` of
+            ``args.teacher_model_server_url``.
+    """
 
-    def _compute_loss(self, model: torch.nn.Module, inputs: Any) -> torch.Tensor:
-        args = self.args
-        server = self._uses_teacher_server(args)
-        objective = self._objective()
+    def __init__(self, make_teacher: Callable[[Any], Any] | None = None):
+        self.make_teacher = make_teacher if make_teacher is not None else _served_teacher_client
+        self.full_vocabulary = FullVocabularyDivergence()
+
+    def teacher(self, trainer: Any) -> Any:
+        """The trainer's served-teacher client, made on first use."""
+        if trainer.served_teacher is None:
+            trainer.served_teacher = self.make_teacher(trainer)
+        return trainer.served_teacher
+
+    def __call__(self, trainer: Any, model: torch.nn.Module, inputs: Any) -> torch.Tensor:
+        args = trainer.args
+        server = trainer._uses_teacher_server(args)
+        objective = getattr(args, "distillation_objective", "jsd")
         if objective == "jsd" and not server and args.loss_top_k == 0:
-            return super()._compute_loss(model, inputs)  # the exact full-vocabulary generalized JSD
-        mode = self._mode()
-        student = score_distillation_completions(model, *self._scoring_inputs(model, inputs))
+            return self.full_vocabulary(trainer, model, inputs)  # the exact full-vocabulary generalized JSD
+        mode = trainer._mode()
+        student = score_distillation_completions(model, *trainer._scoring_inputs(model, inputs))
         tokens = student.tokens
         teacher: dict[str, torch.Tensor] | None = None
         teacher_logits_fn = None
         if server:
-            teacher = self._teacher_server().score(inputs, args.loss_top_k, args.temperature)
+            teacher = self.teacher(trainer).score(inputs, args.loss_top_k, args.temperature)
         else:
             with torch.no_grad():
                 scores = score_distillation_completions(
-                    self.teacher_model, *self._scoring_inputs(self.teacher_model, inputs)
+                    trainer.teacher_model, *trainer._scoring_inputs(trainer.teacher_model, inputs)
                 )
-            teacher_logits_fn = scores.logits_fn(self.vocab_rows)
+            teacher_logits_fn = scores.logits_fn(trainer.vocab_rows)
         temperature = args.temperature
 
         def teacher_log_probs(rows: torch.Tensor) -> torch.Tensor:
@@ -143,18 +152,18 @@ class SparseDistillationMixin:
 
         # Chunks of loss tokens, recomputed in backward: no (N, V) logits for the micro-batch (design §3.1).
         outputs = chunked_token_map(
-            student.logits_fn(self.vocab_rows),
+            student.logits_fn(trainer.vocab_rows),
             tokens.shape[0],
             per_chunk,
             temperature=temperature,
-            chunk_size=self._loss_chunk_size(),
+            chunk_size=trainer._loss_chunk_size(),
             device=tokens.device,
         )
         entropy = outputs[-1]
         if objective == "iw_opd":
             student_actual, teacher_actual = outputs[0], outputs[1]
             mask = inputs["completion_mask"].bool()
-            behaviour = self._behaviour_logprobs(inputs)
+            behaviour = _behaviour_logprobs(inputs)
             rows_loss, advantages, weights = iw_opd_loss(
                 to_rows(student_actual, mask),
                 to_rows(teacher_actual, mask),
@@ -168,21 +177,21 @@ class SparseDistillationMixin:
             adv, w = advantages[mask].detach(), weights[mask].detach()
             reference = student_actual if behaviour is None else behaviour.to(student_actual.dtype)
             abs_adv = (teacher_actual - reference).detach().abs()
-            self._record_token_means(
+            trainer._record_token_means(
                 mode,
                 **{"iw_opd/mean_advantage": adv, "iw_opd/mean_abs_advantage": abs_adv, "iw_opd/mean_weight": w},
             )
             empty = w.new_full((1,), float("nan"))
-            lows = gather_rows(self.accelerator, (w.min() if w.numel() else empty).float().reshape(1))
-            highs = gather_rows(self.accelerator, (w.max() if w.numel() else empty).float().reshape(1))
+            lows = gather_rows(trainer.accelerator, (w.min() if w.numel() else empty).float().reshape(1))
+            highs = gather_rows(trainer.accelerator, (w.max() if w.numel() else empty).float().reshape(1))
             if not torch.isnan(lows).all():
-                self.record_metric("iw_opd/min_weight", float(lows[~torch.isnan(lows)].min()), mode=mode)
-                self.record_metric("iw_opd/max_weight", float(highs[~torch.isnan(highs)].max()), mode=mode)
+                trainer.record_metric("iw_opd/min_weight", float(lows[~torch.isnan(lows)].min()), mode=mode)
+                trainer.record_metric("iw_opd/max_weight", float(highs[~torch.isnan(highs)].max()), mode=mode)
         else:
             per_token = outputs[0]
-        loss = per_token.sum() / self._token_normaliser(inputs, per_token, mode).clamp(min=1.0)
+        loss = per_token.sum() / trainer._token_normaliser(inputs, per_token, mode).clamp(min=1.0)
         if per_token.numel() == 0:
             loss = loss + 0.0 * sum(p.sum() for p in model.parameters() if p.requires_grad)
-        loss = self._finish_loss(loss, student.aux_loss, divide_by_grad_accum=False)
-        self._record_token_means(mode, distillation_loss=per_token, entropy=entropy)
+        loss = trainer._finish_loss(loss, student.aux_loss, divide_by_grad_accum=False)
+        trainer._record_token_means(mode, distillation_loss=per_token, entropy=entropy)
         return loss
