@@ -442,7 +442,7 @@ class DataCollatorForVisionUnpairedPreference(_ProcessorCollator):
 
     Returns (from ``__call__``):
         The keys of :class:`~posttrain.data.collators.DataCollatorForUnpairedPreference`: ``input_ids``,
-        ``attention_mask``, ``completion_mask`` ``(B, L)``, ``labels`` ``(B,)`` bool (True = desirable), with
+        ``attention_mask``, ``completion_mask`` ``(B, L)``, ``label`` ``(B,)`` bool (True = desirable), with
         ``calculate_kl`` ``KL_input_ids``, ``KL_attention_mask``, ``KL_completion_mask`` (and ``KL_`` copies of any
         other per-token processor output); plus the processor's image outputs (``pixel_values``, ...) shared by the
         rows and their KL rows, and ``ref_logps`` / ``ref_KL_logps`` passed through when present.
@@ -508,7 +508,7 @@ class DataCollatorForVisionUnpairedPreference(_ProcessorCollator):
 
         out: dict[str, Any] = {k: v for k, v in processed.items() if k not in _PER_TOKEN_KEYS}
         out.update(build(completions, ""))
-        out["labels"] = torch.tensor(labels, dtype=torch.bool)
+        out["label"] = torch.tensor(labels, dtype=torch.bool)
         if self.calculate_kl:  # row b's prompt (and images) with row b-1's completion
             out.update(build(completions[-1:] + completions[:-1], "KL_"))
         for key in ("ref_logps", "ref_KL_logps"):

@@ -286,8 +286,8 @@ def test_unpaired_batch_has_the_text_collator_keys_plus_images(processor):
     rows = [unpaired_row("Color?", "red", True), unpaired_row("What is it?", "a big square", False, (0, 0, 255))]
     batch = DataCollatorForVisionUnpairedPreference(processor)(rows)
     per_token = {"input_ids", "attention_mask", "completion_mask"}
-    assert set(batch) == per_token | {f"KL_{k}" for k in per_token} | {"labels", "pixel_values"}
-    assert batch["labels"].tolist() == [True, False] and batch["labels"].dtype == torch.bool
+    assert set(batch) == per_token | {f"KL_{k}" for k in per_token} | {"label", "pixel_values"}
+    assert batch["label"].tolist() == [True, False] and batch["label"].dtype == torch.bool
     assert batch["pixel_values"].shape[0] == 2  # one set of images, shared by the rows and their KL rows
     tok = processor.tokenizer
 
@@ -312,7 +312,7 @@ def test_unpaired_without_kl_standard_rows_and_limits(processor):
 
     row = {"image": image(), "prompt": "<image>Color? ", "completion": "red and more", "label": 0}
     batch = DataCollatorForVisionUnpairedPreference(processor, calculate_kl=False, pad_to_multiple_of=8)([row])
-    assert not any(k.startswith("KL_") for k in batch) and batch["labels"].tolist() == [False]
+    assert not any(k.startswith("KL_") for k in batch) and batch["label"].tolist() == [False]
     assert batch["input_ids"].shape[1] % 8 == 0
     completion = batch["input_ids"][0][batch["completion_mask"][0].bool()]
     assert processor.tokenizer.decode(completion) == "red and more" + processor.tokenizer.eos_token  # EOS appended
