@@ -153,3 +153,21 @@ def test_dataset_mixture_yaml_parses_like_trl(recipe):
     assert all(isinstance(d, DatasetConfig) for d in mixture.datasets)
     assert (mixture.datasets[0].path, mixture.datasets[0].name, mixture.datasets[0].columns) == ("a/b", "x", None)
     assert (mixture.datasets[1].columns, mixture.datasets[1].fraction) == (["prompt"], 0.5)
+
+
+@pytest.mark.parametrize("verb", ["sft", "dpo", "kto", "reward", "grpo", "rloo", "distillation"])
+def test_script_make_parser_takes_trls_subparsers_argument(verb, recipe):
+    """TRL's ``make_parser(subparsers=None, prog=None)``: a script's parser joins a parent's subcommands, and the
+    parent's --config defaults reach it."""
+    import importlib
+
+    script = importlib.import_module(f"posttrain.scripts.{verb}")
+    assert isinstance(script.make_parser(prog=f"my {verb}"), TrlParser)
+    parent = TrlParser()
+    subparsers = parent.add_subparsers(dest="command", parser_class=TrlParser)
+    assert isinstance(script.make_parser(subparsers), TrlParser)
+    path = recipe("output_dir: from_yaml\nlearning_rate: 0.5\n")
+    (ns,) = parent.parse_args_and_config(
+        [verb, "--config", path, "--learning_rate", "0.25"], fail_with_unknown_args=False
+    )
+    assert (ns.command, ns.output_dir, ns.learning_rate) == (verb, "from_yaml", 0.25)
