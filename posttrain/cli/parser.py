@@ -52,7 +52,9 @@ def load_yaml_config(path: str) -> dict[str, Any]:
     except OSError as err:
         raise ConfigError(f"Config file {path!r} cannot be read: {err}") from err
     if not isinstance(data, dict):
-        raise ConfigError(f"Config file {path!r} must contain a mapping of option: value, got {type(data).__name__}.")
+        raise ConfigError(
+            f"Config file {path} must contain a YAML mapping: `option: value` lines, got a {type(data).__name__}."
+        )
     return data
 
 
@@ -115,6 +117,40 @@ def docstring_field_help(cls: type) -> dict[str, str]:
     return found
 
 
+def _apply_defaults(parser: argparse.ArgumentParser, config: dict[str, Any]) -> set[str]:
+    """Make ``config`` the defaults of ``parser``'s options and, recursively, of its subparsers' (as TRL); return the
+    keys some option took. Values are converted with the option's type and checked against its choices."""
+    claimed: set[str] = set()
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for subparser in action.choices.values():
+                claimed |= _apply_defaults(subparser, config)
+            continue
+        if action.dest not in config or action.dest == "help":
+            continue
+        value = config[action.dest]
+        if action.type is not None and value is not None and not isinstance(value, (list, dict, bool)):
+            try:
+                value = action.type(value)
+            except (TypeError, ValueError, argparse.ArgumentTypeError) as err:
+                raise ConfigError(f"Invalid value {value!r} for {action.dest!r} in the config file: {err}") from err
+        if (
+            action.choices is not None
+            and value is not None
+            and not isinstance(value, (list, dict))
+            and value not in action.choices
+            and str(value) not in {str(c) for c in action.choices}
+        ):
+            raise ConfigError(
+                f"Invalid value {value!r} for {action.dest!r} in the config file; choose one of: "
+                f"{', '.join(str(c) for c in action.choices)}."
+            )
+        action.default = value
+        action.required = False
+        claimed.add(action.dest)
+    return claimed
+
+
 class TrlParser(HfArgumentParser):
     """``HfArgumentParser`` with TRL's ``--config`` YAML handling and complete ``--help`` (defaults shown).
 
@@ -135,8 +171,8 @@ class TrlParser(HfArgumentParser):
         for dc in dataclass_types:
             if "config" in {f.name for f in dataclasses.fields(dc)}:
                 raise ValueError(
-                    f"Dataclass {dc.__name__} has a field named 'config', which clashes with --config (the YAML "
-                    "recipe). Rename the field."
+                    f"Dataclass {dc.__name__} has a field named 'config'. This field is reserved for the config file "
+                    "path and should not be used in the dataclass. Rename the field (--config names the YAML recipe)."
                 )
         kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
         if kwargs.get("prog"):
@@ -187,74 +223,70 @@ class TrlParser(HfArgumentParser):
         raise ConfigError(f"{message}. Run `{self.prog} --help` for every option with its default.")
 
     def field_names(self) -> list[str]:
-        """Every option name the dataclasses define, sorted."""
-        return sorted({f.name for dc in self.dataclass_types for f in dataclasses.fields(dc) if f.init})
+        """Every option name the dataclasses define (this parser's and its subparsers'), sorted."""
+        names = {f.name for dc in self.dataclass_types for f in dataclasses.fields(dc) if f.init}
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for subparser in action.choices.values():
+                    if isinstance(subparser, TrlParser):
+                        names.update(subparser.field_names())
+        return sorted(names)
 
     def set_defaults_with_config(self, **kwargs: Any) -> list[str]:
-        """Make ``kwargs`` (e.g. a YAML recipe) the parser's defaults; return unclaimed keys as ``--key value``.
+        """Make ``kwargs`` (e.g. a YAML recipe) the defaults of this parser and of its subparsers, as TRL's.
 
         Options given defaults stop being required. Values are converted with the option's type and checked
-        against its choices, so a typo in a recipe fails here, naming the key.
+        against its choices, so a typo in a recipe fails here, naming the key. Returns the keys no parser claimed as
+        TRL does: ``["--key", str(value), ...]``.
         """
-        claimed: set[str] = set()
-        for action in self._actions:
-            if action.dest not in kwargs or action.dest == "help":
-                continue
-            value = kwargs[action.dest]
-            if action.type is not None and value is not None and not isinstance(value, (list, dict, bool)):
-                try:
-                    value = action.type(value)
-                except (TypeError, ValueError, argparse.ArgumentTypeError) as err:
-                    raise ConfigError(
-                        f"Invalid value {value!r} for {action.dest!r} in the config file: {err}"
-                    ) from err
-            if (
-                action.choices is not None
-                and value is not None
-                and not isinstance(value, (list, dict))
-                and value not in action.choices
-                and str(value) not in {str(c) for c in action.choices}
-            ):
+        return [item for key, value in self._apply_config(kwargs) for item in (f"--{key}", str(value))]
+
+    def _apply_config(self, config: dict[str, Any]) -> list[tuple[str, Any]]:
+        """Set ``config`` as defaults (here and in every subparser); return the unclaimed ``(key, value)`` items."""
+        claimed = _apply_defaults(self, config)
+        return [(key, value) for key, value in config.items() if key not in claimed]
+
+    def _read_config(self, args: list[str]) -> list[tuple[str, Any]]:
+        """Pop ``--config PATH`` from ``args``, export its ``env:`` block, apply the rest as defaults; return the
+        unclaimed items (empty without ``--config``)."""
+        self.yaml_extra_keys = []
+        config_path = _pop_config_path(args)
+        if config_path is None:
+            return []
+        config = load_yaml_config(config_path)
+        if "env" in config:
+            env = config.pop("env")
+            if not isinstance(env, dict):
                 raise ConfigError(
-                    f"Invalid value {value!r} for {action.dest!r} in the config file; choose one of: "
-                    f"{', '.join(str(c) for c in action.choices)}."
+                    f"`env` field should be a dict in the YAML file. In {config_path}, write `env:` followed by "
+                    f"indented `NAME: value` lines (got {type(env).__name__} {env!r})."
                 )
-            action.default = value
-            action.required = False
-            claimed.add(action.dest)
-        extra: list[str] = []
-        for key, value in kwargs.items():
-            if key not in claimed:
-                extra += _yaml_to_flags(key, value)
+            os.environ.update({str(k): str(v) for k, v in env.items()})
+        extra = self._apply_config(config)
+        self.yaml_extra_keys = [key for key, _ in extra]
         return extra
 
     def parse_namespace_and_config(self, args: Iterable[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
         """Check ``args`` (default ``sys.argv[1:]``) and the YAML named by ``--config``; build no dataclass.
 
         Returns the namespace of every option and the strings that matched no option: YAML keys first (as
-        ``--key value``), then command-line strings, so a flag repeated on the command line wins over the recipe.
+        ``--key value``, YAML switches as ``true``/``false`` and lists spread, for ``accelerate launch``), then
+        command-line strings, so a flag repeated on the command line wins over the recipe.
         """
         args = list(sys.argv[1:] if args is None else args)
-        extra: list[str] = []
-        self.yaml_extra_keys = []
-        config_path = _pop_config_path(args)
-        if config_path is not None:
-            config = load_yaml_config(config_path)
-            env = config.pop("env", None)
-            if env is not None:
-                if not isinstance(env, dict):
-                    raise ConfigError(f"`env` in {config_path!r} must be a mapping of NAME: value.")
-                os.environ.update({str(k): str(v) for k, v in env.items()})
-            extra = self.set_defaults_with_config(**config)
-            self.yaml_extra_keys = [s[2:] for s in extra if s.startswith("--")]
+        extra = [s for key, value in self._read_config(args) for s in _yaml_to_flags(key, value)]
         namespace, remaining = self.parse_known_args(args)
         if hasattr(namespace, "config"):
             delattr(namespace, "config")
         return namespace, extra + list(remaining)
 
     def namespace_to_dataclasses(self, namespace: argparse.Namespace) -> tuple:
-        """One instance per dataclass type, in order; ``__post_init__`` errors become :class:`ConfigError`."""
-        values = vars(namespace)
+        """One instance per dataclass type, in order; ``__post_init__`` errors become :class:`ConfigError`.
+
+        As ``HfArgumentParser``, values no dataclass takes (a subparser's options and its ``dest``, arguments added
+        with ``add_argument``) follow as one ``argparse.Namespace``.
+        """
+        values = dict(vars(namespace))
         outputs = []
         for dtype in self.dataclass_types:
             keys = {f.name for f in dataclasses.fields(dtype) if f.init}
@@ -265,6 +297,10 @@ class TrlParser(HfArgumentParser):
                 if isinstance(err, ConfigError):
                     raise
                 raise ConfigError(f"Invalid {dtype.__name__} options: {err}") from err
+        taken = {f.name for dtype in self.dataclass_types for f in dataclasses.fields(dtype) if f.init}
+        leftover = {k: v for k, v in values.items() if k not in taken}
+        if leftover:
+            outputs.append(argparse.Namespace(**leftover))
         return tuple(outputs)
 
     def parse_args_and_config(
@@ -272,19 +308,42 @@ class TrlParser(HfArgumentParser):
         args: Iterable[str] | None = None,
         return_remaining_strings: bool = False,
         fail_with_unknown_args: bool = True,
+        separate_remaining_strings: bool = False,
     ) -> tuple:
-        """Parse ``args`` (default ``sys.argv[1:]``) with the YAML named by ``--config`` as defaults.
+        """Parse ``args`` (default ``sys.argv[1:]``) with the YAML named by ``--config`` as defaults, as TRL's.
 
-        Returns the dataclass instances, plus the list of unrecognised strings when ``return_remaining_strings``
-        (as in TRL, they are then returned rather than rejected). Otherwise unrecognised strings raise
-        :class:`ConfigError` when ``fail_with_unknown_args`` (the default).
+        Values from the YAML become defaults (of subparsers too), command-line flags override them, and an ``env:``
+        mapping is exported to ``os.environ``. Returns the dataclass instances (plus a ``Namespace`` of values no
+        dataclass takes, e.g. a subparser's), then:
+
+        - with ``return_remaining_strings``: the strings no option claimed, YAML keys first as
+          ``["--key", str(value)]`` then the command line's (two lists, YAML's then the command line's, with
+          ``separate_remaining_strings``);
+        - otherwise unclaimed command-line strings raise :class:`ConfigError` (a ``ValueError``) starting "Some
+          specified arguments are not used by the HfArgumentParser", and unclaimed YAML keys raise one starting
+          "Unknown arguments from config file" unless ``fail_with_unknown_args=False``.
         """
-        namespace, remaining = self.parse_namespace_and_config(args)
-        if remaining and fail_with_unknown_args and not return_remaining_strings:
-            raise ConfigError(self.unknown_args_message(remaining))
+        args = list(sys.argv[1:] if args is None else args)
+        config_extra = self._read_config(args)
+        config_remaining = [item for key, value in config_extra for item in (f"--{key}", str(value))]
+        namespace, cli_remaining = self.parse_known_args(args)
+        if hasattr(namespace, "config"):
+            delattr(namespace, "config")
         outputs = self.namespace_to_dataclasses(namespace)
         if return_remaining_strings:
-            return (*outputs, remaining)
+            if separate_remaining_strings:
+                return (*outputs, config_remaining, list(cli_remaining))
+            return (*outputs, config_remaining + list(cli_remaining))
+        if cli_remaining:
+            raise ConfigError(
+                f"Some specified arguments are not used by the HfArgumentParser: {list(cli_remaining)}. "
+                + self.unknown_args_message(list(cli_remaining))
+            )
+        if config_remaining and fail_with_unknown_args:
+            raise ConfigError(
+                f"Unknown arguments from config file: {config_remaining}. Please remove them, add them to the "
+                "dataclass, or set `fail_with_unknown_args=False`. " + self.unknown_args_message(config_remaining)
+            )
         return outputs
 
     def unknown_args_message(self, remaining: list[str]) -> str:

@@ -2,18 +2,21 @@
 
 - ``DataCollatorForLanguageModeling`` (SFT): right padding, labels with -100, optional padding-free batches.
 - ``DataCollatorForPreference`` (DPO): prompt+chosen and prompt+rejected stacked into ``(2B, L)``.
-- ``DataCollatorForUnpairedPreference`` (KTO): prompt+completion, bool labels, optional KL completions.
+- ``DataCollatorForUnpairedPreference`` (KTO): prompt+completion, ``label``, optional KL completions.
 - ``DataCollatorForRewardPreference`` (reward modelling): full chosen and rejected sequences stacked into ``(2B, L)``.
+
+The public collators' default output is TRL 1.16's, key for key and tensor for tensor (checked against TRL's own
+output in ``tests/compat/test_trl_collator_fixture.py``); their fields are in TRL's order, posttrain's additions last.
 
 Padding-free batches put all sequences of a batch into one row with ``position_ids`` restarting at every sequence
 (and at every packed document, from ``seq_lengths``). Attention must still be kept inside each sequence. With
 ``transformers`` 5 the model derives that from the position ids only when it is given no ``attention_mask`` and
 builds no KV cache (``use_cache=False``; FlashAttention always uses them); with ``use_cache=True`` (the config default)
-sequences would attend to each other. So by default the collator also emits an explicit 4-D block-diagonal causal
-``attention_mask`` of shape ``(1, 1, L, L)``: boolean (True = attend) for ``sdpa``/``flex`` attention, or additive
-(0 / most negative value) when ``mask_dtype`` is a float dtype, which ``eager`` attention needs (it *adds* the mask to
-the scores, so a boolean mask would be silently wrong there). Set ``block_diagonal_mask=False`` for FlashAttention
-(it reads ``position_ids`` and does not take 4-D masks). The mask costs L² bytes per row.
+sequences would attend to each other. So posttrain's SFT trainer sets ``block_diagonal_mask=True`` (except with
+FlashAttention): the collator then emits an explicit 4-D block-diagonal causal ``attention_mask`` of shape
+``(1, 1, L, L)`` (or ``(B, 1, L, L)`` for packed rows kept apart): boolean (True = attend) for ``sdpa``/``flex``
+attention, or additive (0 / most negative value) when ``mask_dtype`` is a float dtype, which ``eager`` attention needs
+(it *adds* the mask to the scores, so a boolean mask would be silently wrong there). The mask costs L² bytes per row.
 """
 
 from __future__ import annotations
@@ -117,58 +120,86 @@ def _segments(lengths: Sequence[int], start: int = 0) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(start, start + len(lengths)), torch.tensor(lengths, dtype=torch.long))
 
 
+def _check_return_tensors(collator: Any, return_tensors: str | None) -> None:
+    kind = return_tensors if return_tensors is not None else collator.return_tensors
+    if kind != "pt":
+        raise ValueError(
+            f"{type(collator).__name__} supports only return_tensors='pt' (PyTorch tensors), got {kind!r}."
+        )
+
+
 @dataclass
 class DataCollatorForLanguageModeling:
-    """Collator for (packed or not) language-modeling rows: ``input_ids`` [+ ``labels`` | ``completion_mask`` |
-    ``assistant_masks``] [+ ``seq_lengths``].
+    """Collator for (packed or not) language-modeling rows: ``input_ids`` [+ ``labels``] [+ ``seq_lengths``].
 
-    Labels: the row's ``labels`` if present, else ``input_ids`` with -100 where ``completion_mask`` is 0 (only when
-    ``completion_only_loss``) or ``assistant_masks`` is 0; padding is always -100.
+    With its default options the output is TRL 1.16's, key for key (see ``tests/compat/test_trl_collator_fixture.py``):
+
+    - ``input_ids`` right-padded with ``pad_token_id``; ``labels`` (the row's ``labels``, else a copy of its
+      ``input_ids``) right-padded with -100; both ``(B, L)`` int64, ``L`` rounded up to ``pad_to_multiple_of``.
+    - padded mode: ``attention_mask`` ``(B, L)`` (1 on tokens, 0 on padding), and ``position_ids`` only when
+      ``return_position_ids`` (restarting at every ``seq_lengths`` document of a packed row; padding 0).
+    - ``padding_free``: the batch flattened into one row ``(1, L)``: ``position_ids`` restart at every sequence (every
+      packed document), the label at every position 0 is -100 (no prediction across a boundary), no attention mask,
+      plus the variable-length kernel inputs ``cu_seq_lens_q``/``cu_seq_lens_k`` (int32 boundaries),
+      ``max_length_q``/``max_length_k`` (an int) and ``seq_idx`` ``(1, L)`` int32. As in TRL, with
+      ``pad_to_multiple_of`` each padding position (position id 0) counts as a one-token sequence.
+
+    posttrain's trainer adds options whose defaults leave the output as above:
 
     Args:
         pad_token_id: Id used to pad ``input_ids``.
-        completion_only_loss: Apply ``completion_mask`` when rows have one.
-        padding_free: Concatenate the batch into one row ``(1, ΣT)``; ``position_ids`` restart per sequence (per
-            ``seq_lengths`` entry for packed rows) and the first label of every sequence is -100.
+        padding_free: Flatten the batch into one row (see above).
+        return_position_ids: Also return ``position_ids`` for padded batches.
         pad_to_multiple_of: Round the padded length up to a multiple of this.
-        return_position_ids: Also return ``position_ids`` for padded batches (always returned when padding-free or
-            when rows are packed).
-        block_diagonal_mask: When sequences share a row (padding-free or packed), return a 4-D block-diagonal causal
-            ``attention_mask`` ``(B, 1, L, L)`` instead of relying on ``position_ids`` alone (see module docstring);
-            ``False`` returns no mask for padding-free batches (FlashAttention), a 2-D padding mask otherwise.
-        mask_dtype: ``torch.bool`` for sdpa/flex attention; a float dtype (the model's) for eager attention.
-
-    Returns (from ``__call__``):
-        ``input_ids`` ``(B, L)``, ``labels`` ``(B, L)``, ``attention_mask`` ``(B, L)`` or ``(B, 1, L, L)`` (absent for
-        padding-free without block mask), ``position_ids`` ``(B, L)``.
+        return_tensors: Only ``"pt"``.
+        completion_only_loss: For rows without ``labels``, set -100 where the row's ``completion_mask`` is 0 (TRL's
+            collator ignores ``completion_mask``; its trainer folds it into ``labels`` beforehand).
+        assistant_only_loss: For rows without ``labels``, set -100 where the row's ``assistant_masks`` is 0.
+        block_diagonal_mask: When sequences share a row (padding-free, or packed rows with ``seq_lengths``), return a
+            4-D block-diagonal causal ``attention_mask`` ``(B, 1, L, L)`` and ``position_ids``, and set -100 on the
+            first label of every sequence, so that attention stays inside each sequence for sdpa/eager/flex attention
+            (see the module docstring); no variable-length kernel inputs are returned then.
+        mask_dtype: dtype of the block-diagonal mask: ``torch.bool`` for sdpa/flex, the model's float dtype for eager.
+        return_varlen_kwargs: Return ``cu_seq_lens_*``/``max_length_*``/``seq_idx`` with padding-free batches.
     """
 
     pad_token_id: int
-    completion_only_loss: bool = True
     padding_free: bool = False
+    return_position_ids: bool = False
     pad_to_multiple_of: int | None = None
-    return_position_ids: bool = True
-    block_diagonal_mask: bool = True
-    mask_dtype: torch.dtype = torch.bool
     return_tensors: str = "pt"
+    completion_only_loss: bool = False
+    assistant_only_loss: bool = False
+    block_diagonal_mask: bool = False
+    mask_dtype: torch.dtype = torch.bool
+    return_varlen_kwargs: bool = True
 
-    def __call__(self, examples: list[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+    def __call__(self, examples: list[Mapping[str, Any]], return_tensors: str | None = None) -> dict[str, Any]:
+        _check_return_tensors(self, return_tensors)
         if not examples:
             raise ValueError("Cannot collate an empty batch.")
         input_ids = [_as_long(ex["input_ids"]) for ex in examples]
-        if "labels" in examples[0]:
-            labels = [_as_long(ex["labels"]) for ex in examples]
-        else:
-            labels = [ids.clone() for ids in input_ids]
-            for ex, lab in zip(examples, labels):
-                if self.completion_only_loss and ex.get("completion_mask") is not None:
-                    lab[_as_long(ex["completion_mask"]) == 0] = IGNORE_INDEX
-                if ex.get("assistant_masks") is not None:
-                    lab[_as_long(ex["assistant_masks"]) == 0] = IGNORE_INDEX
-        lengths = [_seq_lengths(ex, len(ids), i) for i, (ex, ids) in enumerate(zip(examples, input_ids))]
-        packed = any(len(n) > 1 for n in lengths) or any("seq_lengths" in ex for ex in examples)
+        labels = []
+        for ex, ids in zip(examples, input_ids):
+            if ex.get("labels") is not None:
+                labels.append(_as_long(ex["labels"]))
+                continue
+            lab = ids.clone()
+            if self.completion_only_loss and ex.get("completion_mask") is not None:
+                lab[_as_long(ex["completion_mask"]) == 0] = IGNORE_INDEX
+            if self.assistant_only_loss and ex.get("assistant_masks") is not None:
+                lab[_as_long(ex["assistant_masks"]) == 0] = IGNORE_INDEX
+            labels.append(lab)
+        # as in TRL, a batch is packed when its first row carries seq_lengths
+        packed = "seq_lengths" in examples[0]
+        lengths = [
+            _seq_lengths(ex, len(ids), i) if packed else [len(ids)]
+            for i, (ex, ids) in enumerate(zip(examples, input_ids))
+        ]
         positions = [_positions(n) for n in lengths]
-        if self.padding_free or packed:
+        several_per_row = self.padding_free or packed
+        block_mask = self.block_diagonal_mask and several_per_row
+        if block_mask and not self.padding_free:
             # a sequence's first token must not be predicted from the previous sequence's last token
             for lab, pos in zip(labels, positions):
                 lab[pos == 0] = IGNORE_INDEX
@@ -179,21 +210,58 @@ class DataCollatorForLanguageModeling:
         else:
             segments = [_segments(n) for n in lengths]
 
-        out: dict[str, torch.Tensor] = {
-            "input_ids": pad(input_ids, self.pad_token_id, "right", self.pad_to_multiple_of),
-            "labels": pad(labels, IGNORE_INDEX, "right", self.pad_to_multiple_of),
+        multiple = self.pad_to_multiple_of
+        out: dict[str, Any] = {
+            "input_ids": pad(input_ids, self.pad_token_id, "right", multiple),
+            "labels": pad(labels, IGNORE_INDEX, "right", multiple),
         }
-        position_ids = pad(positions, 0, "right", self.pad_to_multiple_of)
-        # padding gets a segment of its own so that it never attends to (or is attended by) real tokens
-        segment_ids = pad(segments, -1, "right", self.pad_to_multiple_of)
-        several_per_row = self.padding_free or packed
-        if several_per_row and self.block_diagonal_mask:
-            out["attention_mask"] = block_diagonal_causal_mask(segment_ids, self.mask_dtype)
-        elif not self.padding_free:
-            out["attention_mask"] = (segment_ids >= 0).long()
-        if self.return_position_ids or several_per_row:
+        position_ids = pad(positions, 0, "right", multiple)
+        if self.padding_free:
             out["position_ids"] = position_ids
+            out["labels"][position_ids == 0] = IGNORE_INDEX
+            if block_mask:
+                # padding gets a segment of its own so that it never attends to (or is attended by) real tokens
+                out["attention_mask"] = block_diagonal_causal_mask(
+                    pad(segments, -1, "right", multiple), self.mask_dtype
+                )
+            elif self.return_varlen_kwargs:
+                out.update(_varlen_kwargs(position_ids))
+            return out
+        if block_mask:
+            out["position_ids"] = position_ids
+            out["attention_mask"] = block_diagonal_causal_mask(pad(segments, -1, "right", multiple), self.mask_dtype)
+            return out
+        if self.return_position_ids:
+            out["position_ids"] = position_ids
+        out["attention_mask"] = pad([torch.ones_like(ids) for ids in input_ids], 0, "right", multiple)
         return out
+
+    @staticmethod
+    def get_position_ids_from_packed_seq_lengths(batch_seq_lengths: list[list[int]]) -> list[torch.Tensor]:
+        """Position ids of packed rows: for each row's document lengths, ``arange`` per document, concatenated.
+
+        Args:
+            batch_seq_lengths: One list of document lengths per packed row, e.g. ``[[2, 3], [4]]``.
+
+        Returns:
+            One int64 tensor per row, e.g. ``[tensor([0, 1, 0, 1, 2]), tensor([0, 1, 2, 3])]``.
+        """
+        return [_positions([int(n) for n in row]) for row in batch_seq_lengths]
+
+
+def _varlen_kwargs(position_ids: torch.Tensor) -> dict[str, Any]:
+    """Sequence boundaries of a padding-free row ``(1, L)`` for variable-length attention kernels, as TRL builds them
+    (every position id 0 starts a sequence; computed here on the CPU, sparing the model a device sync per layer)."""
+    starts = (position_ids[0] == 0).nonzero().flatten()
+    cu_seq_lens = torch.cat([starts, torch.tensor([position_ids.size(1)])]).to(torch.int32)
+    lengths = cu_seq_lens.diff()
+    return {
+        "cu_seq_lens_q": cu_seq_lens,
+        "cu_seq_lens_k": cu_seq_lens,
+        "max_length_q": int(lengths.max()),
+        "max_length_k": int(lengths.max()),
+        "seq_idx": torch.repeat_interleave(torch.arange(lengths.numel(), dtype=torch.int32), lengths)[None],
+    }
 
 
 def _cat_truncate(parts: Sequence[Any], max_length: int | None, mode: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -218,35 +286,52 @@ class _PairedPadding:
     truncation_mode: Literal["keep_start", "keep_end"] = "keep_start"
 
     def _pad_sequences(self, seqs: list[torch.Tensor], masks: list[torch.Tensor] | None = None) -> dict:
-        out = {
-            "input_ids": pad(seqs, self.pad_token_id, "right", self.pad_to_multiple_of),
-            "attention_mask": pad([torch.ones_like(s) for s in seqs], 0, "right", self.pad_to_multiple_of),
-        }
-        if masks is not None:
-            out["completion_mask"] = pad(masks, 0, "right", self.pad_to_multiple_of)
-        return out
+        return _pad_rows(seqs, masks, self.pad_token_id, self.pad_to_multiple_of)
+
+
+def _pad_rows(
+    seqs: list[torch.Tensor], masks: list[torch.Tensor] | None, pad_token_id: int, multiple: int | None
+) -> dict[str, torch.Tensor]:
+    """``input_ids``, ``attention_mask`` [and ``completion_mask``] of right-padded rows."""
+    out = {
+        "input_ids": pad(seqs, pad_token_id, "right", multiple),
+        "attention_mask": pad([torch.ones_like(s) for s in seqs], 0, "right", multiple),
+    }
+    if masks is not None:
+        out["completion_mask"] = pad(masks, 0, "right", multiple)
+    return out
 
 
 @dataclass
-class DataCollatorForPreference(_PairedPadding):
-    """DPO collator: ``prompt_ids``, ``chosen_ids``, ``rejected_ids`` → one right-padded ``(2B, L)`` batch.
+class DataCollatorForPreference:
+    """DPO collator: ``prompt_ids``, ``chosen_ids``, ``rejected_ids`` → one right-padded ``(2B, L)`` batch, as TRL's.
 
     Rows ``0..B-1`` are prompt+chosen, rows ``B..2B-1`` prompt+rejected (same order). ``completion_mask`` is 1 on
     completion tokens. ``ref_chosen_logps``/``ref_rejected_logps`` (precomputed reference log-probs) are passed
-    through as ``(B,)`` float tensors.
+    through as ``(B,)`` tensors. Fields are in TRL's order, so positional construction means the same.
 
     Args:
         pad_token_id: Padding id for ``input_ids``.
-        pad_to_multiple_of: Round the padded length up to a multiple of this.
         max_length: Truncate each prompt+completion sequence to this many tokens (``None`` = no truncation).
         truncation_mode: ``"keep_start"`` or ``"keep_end"``.
+        pad_to_multiple_of: Round the padded length up to a multiple of this.
+        return_tensors: Only ``"pt"``.
 
     Returns:
-        ``input_ids``, ``attention_mask``, ``completion_mask`` ``(2B, L)`` [+ ``ref_chosen_logps``,
+        ``input_ids``, ``attention_mask``, ``completion_mask`` ``(2B, L)`` int64 [+ ``ref_chosen_logps``,
         ``ref_rejected_logps`` ``(B,)``].
     """
 
-    def __call__(self, examples: list[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+    pad_token_id: int
+    max_length: int | None = None
+    truncation_mode: Literal["keep_start", "keep_end"] = "keep_start"
+    pad_to_multiple_of: int | None = None
+    return_tensors: str = "pt"
+
+    def __call__(
+        self, examples: list[Mapping[str, Any]], return_tensors: str | None = None
+    ) -> dict[str, torch.Tensor]:
+        _check_return_tensors(self, return_tensors)
         seqs, masks = [], []
         for key in ("chosen_ids", "rejected_ids"):
             for ex in examples:
@@ -255,59 +340,83 @@ class DataCollatorForPreference(_PairedPadding):
                 )
                 seqs.append(ids)
                 masks.append(mask)
-        out = self._pad_sequences(seqs, masks)
+        out = _pad_rows(seqs, masks, self.pad_token_id, self.pad_to_multiple_of)
         for key in ("ref_chosen_logps", "ref_rejected_logps"):
             if key in examples[0]:
-                out[key] = torch.tensor([float(ex[key]) for ex in examples])
+                out[key] = torch.tensor([ex[key] for ex in examples])
         return out
 
 
 @dataclass
-class DataCollatorForUnpairedPreference(_PairedPadding):
-    """KTO collator: ``prompt_ids``, ``completion_ids``, ``label`` [+ ``KL_completion_ids``] → padded batch.
+class DataCollatorForUnpairedPreference:
+    """KTO collator: ``prompt_ids``, ``completion_ids``, ``label`` [+ ``KL_completion_ids``] → padded batch, as TRL's.
+
+    Fields are in TRL's order (``pad_token_id, max_length, pad_to_multiple_of, return_tensors``); ``truncation_mode``
+    is posttrain's addition (TRL always keeps the start).
 
     Returns:
-        ``input_ids``, ``attention_mask``, ``completion_mask`` ``(B, L)``, ``labels`` ``(B,)`` bool (True =
-        desirable); with ``KL_completion_ids``: ``KL_input_ids``, ``KL_attention_mask``, ``KL_completion_mask``
-        (prompt + the mismatched completion used for the KL estimate); ``ref_logps``/``ref_KL_logps`` passed through.
+        ``input_ids``, ``attention_mask``, ``completion_mask`` ``(B, L)`` int64; with ``KL_completion_ids``:
+        ``KL_input_ids``, ``KL_attention_mask``, ``KL_completion_mask`` (prompt + the mismatched completion used for
+        the KL estimate); ``ref_logps``/``ref_KL_logps`` ``(B,)`` when the rows have them; ``label`` ``(B,)`` (the
+        rows' values as a tensor: bool for True/False labels; True = desirable).
     """
 
-    def __call__(self, examples: list[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
-        def build(key: str) -> dict[str, torch.Tensor]:
+    pad_token_id: int
+    max_length: int | None = None
+    pad_to_multiple_of: int | None = None
+    return_tensors: str = "pt"
+    truncation_mode: Literal["keep_start", "keep_end"] = "keep_start"
+
+    def __call__(
+        self, examples: list[Mapping[str, Any]], return_tensors: str | None = None
+    ) -> dict[str, torch.Tensor]:
+        _check_return_tensors(self, return_tensors)
+        out: dict[str, torch.Tensor] = {}
+        for prefix, key in (("", "completion_ids"), ("KL_", "KL_completion_ids")):
+            if key not in examples[0]:
+                continue
             pairs = [
                 _cat_truncate((_to_list(ex["prompt_ids"]), _to_list(ex[key])), self.max_length, self.truncation_mode)
                 for ex in examples
             ]
-            return self._pad_sequences([p[0] for p in pairs], [p[1] for p in pairs])
-
-        out = build("completion_ids")
-        out["labels"] = torch.tensor([bool(ex["label"]) for ex in examples], dtype=torch.bool)
-        if "KL_completion_ids" in examples[0]:
-            out.update({f"KL_{k}": v for k, v in build("KL_completion_ids").items()})
+            rows = _pad_rows([p[0] for p in pairs], [p[1] for p in pairs], self.pad_token_id, self.pad_to_multiple_of)
+            out.update({f"{prefix}{k}": v for k, v in rows.items()})
         for key in ("ref_logps", "ref_KL_logps"):
             if key in examples[0]:
-                out[key] = torch.tensor([float(ex[key]) for ex in examples])
+                out[key] = torch.tensor([ex[key] for ex in examples])
+        out["label"] = torch.tensor([ex["label"] for ex in examples])
         return out
 
 
 @dataclass
-class DataCollatorForRewardPreference(_PairedPadding):
-    """Reward-model collator: ``chosen_ids``, ``rejected_ids`` [, ``margin``] → ``(2B, L)`` batch.
+class DataCollatorForRewardPreference:
+    """Reward-model collator (TRL's ``trl.trainer.reward_trainer.DataCollatorForPreference``): ``chosen_ids``,
+    ``rejected_ids`` [, ``margin``] → ``(2B, L)`` batch.
 
     Rows ``0..B-1`` are the chosen sequences, ``B..2B-1`` the rejected ones (right padding; the reward is read at
-    the last non-pad token).
+    the last non-pad token). Fields are in TRL's order; ``max_length``/``truncation_mode`` are posttrain's additions
+    (no truncation by default, as TRL).
 
     Returns:
-        ``input_ids``, ``attention_mask`` ``(2B, L)`` [+ ``margin`` ``(B,)`` float].
+        ``input_ids``, ``attention_mask`` ``(2B, L)`` int64 [+ ``margin`` ``(B,)`` float32].
     """
 
-    def __call__(self, examples: list[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+    pad_token_id: int
+    pad_to_multiple_of: int | None = None
+    return_tensors: str = "pt"
+    max_length: int | None = None
+    truncation_mode: Literal["keep_start", "keep_end"] = "keep_start"
+
+    def __call__(
+        self, examples: list[Mapping[str, Any]], return_tensors: str | None = None
+    ) -> dict[str, torch.Tensor]:
+        _check_return_tensors(self, return_tensors)
         seqs = [
             torch.tensor(truncate_sequence(_to_list(ex[key]), self.max_length, self.truncation_mode), dtype=torch.long)
             for key in ("chosen_ids", "rejected_ids")
             for ex in examples
         ]
-        out = self._pad_sequences(seqs)
+        out = _pad_rows(seqs, None, self.pad_token_id, self.pad_to_multiple_of)
         if "margin" in examples[0]:
             out["margin"] = torch.tensor([float(ex["margin"]) for ex in examples], dtype=torch.float)
         return out

@@ -10,15 +10,14 @@ are online). A name that cannot be resolved (offline mode, no connection, unknow
 mixture size is the largest N with w_i·N ≤ len_i for every source (no source is oversampled), and source i
 contributes round(w_i·N) rows: a seeded random subset (``Dataset.shuffle(seed=seed)`` then the first rows; per
 source ``shuffle: true`` and ``seed: 42`` by default, so reruns pick the same rows), or its first rows with
-``shuffle: false``. A source that keeps all its rows keeps their order.
+``shuffle: false`` (TRL 1.16 always takes the first rows). A source that keeps all its rows keeps their order. A
+``fraction`` of 0 drops the source, as in TRL.
 
-With ``streaming: true`` source lengths are unknown (streamed local files report no split sizes), so exact counts
-cannot be computed without reading every source once. Streaming fractions are therefore drawn row by row:
-``datasets.interleave_datasets`` picks source i with probability w_i (seeded with the first source's ``seed``) and
-stops when the first source runs out (``stopping_strategy="first_exhausted"``), the streaming counterpart of "no
-source is oversampled"; each source is first shuffled with ``IterableDataset.shuffle(seed=seed,
-buffer_size=1000)`` unless it sets ``shuffle: false``. Counts then match the weights on average, not exactly, and
-are the same on every run.
+``get_dataset`` raises where TRL's raises, with TRL's exception type and phrase first, then how to fix it: an empty
+mixture ("No datasets were loaded from the mixture configuration"), ``fraction`` on some entries only ("`fraction`
+must be set for either all datasets in the mixture or none of them."), and ``fraction`` with ``streaming: true``
+("Using a dataset `fraction` is not supported with streaming datasets.": streamed sources have no length to take a
+share of).
 """
 
 from __future__ import annotations
@@ -30,8 +29,6 @@ from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger(__name__)
-
-STREAMING_SHUFFLE_BUFFER_SIZE = 1000  # rows held by IterableDataset.shuffle for a streamed source with a fraction
 
 _EXTENSION_BUILDERS = {
     ".json": "json",
@@ -191,7 +188,8 @@ class DatasetConfig:
         data_files: Files to load.
         split: Split to use.
         columns: Keep only these columns (mixtures need the same columns in every source).
-        fraction: Share of this source in the mixture (all sources or none must set it; see module docstring).
+        fraction: Share of this source in the mixture (all sources or none must set it; not with streaming; see
+            module docstring).
         shuffle: With ``fraction``, draw the source's rows as a seeded random subset (``True``, the default) rather
             than taking its first rows (``False``, the behaviour before seeded subsets).
         seed: Seed of that random subset (42 by default, like TRL's default seeds); the same seed picks the same rows.
@@ -214,8 +212,7 @@ class DatasetMixtureConfig:
 
     Args:
         datasets: The sources, as ``DatasetConfig`` objects or dicts of its fields.
-        streaming: Load every source as an ``IterableDataset`` (fractions are then drawn row by row; see module
-            docstring).
+        streaming: Load every source as an ``IterableDataset`` (their rows are concatenated; no ``fraction``).
         test_split_size: If set, split the mixture into ``train``/``test`` with this test size (fraction or count),
             seeded with the first source's ``seed`` so every run holds out the same rows.
     """
@@ -245,24 +242,14 @@ class DatasetMixtureConfig:
                 raise ValueError(f"datasets[{i}].shuffle must be true or false, got {ds.shuffle!r} ({ds.path}).")
             if isinstance(ds.seed, bool) or not isinstance(ds.seed, int):
                 raise ValueError(f"datasets[{i}].seed must be an integer, got {ds.seed!r} ({ds.path}).")
-        fractions = [ds.fraction for ds in self.datasets]
-        given = [f is not None for f in fractions]
-        if any(given) and not all(given):
-            missing = [ds.path for ds in self.datasets if ds.fraction is None]
-            raise ValueError(
-                f"Either every dataset of the mixture sets `fraction` or none does; missing for {missing}."
-            )
-        if all(given) and self.datasets:
-            bad = [(ds.path, ds.fraction) for ds in self.datasets if not ds.fraction or ds.fraction <= 0]
-            if bad:
-                raise ValueError(f"Dataset fractions must be > 0, got {bad}.")
+        # fractions are checked by get_dataset, where TRL checks them (a config may be built, then edited)
 
 
 def _mixture_sizes(lengths: list[int], fractions: list[float]) -> list[int]:
-    """Rows taken per source: weights w_i = f_i/Σf, N = min_i len_i/w_i, n_i = min(round(w_i N), len_i)."""
+    """Rows taken per source: weights w_i = f_i/Σf, N = min over w_i > 0 of len_i/w_i, n_i = min(round(w_i N), len_i)."""
     total = sum(fractions)
     weights = [f / total for f in fractions]
-    n = min(length / w for length, w in zip(lengths, weights))
+    n = min(length / w for length, w in zip(lengths, weights) if w > 0)
     return [min(round(w * n), length) for w, length in zip(weights, lengths)]
 
 
@@ -273,21 +260,29 @@ def _fraction_subset(ds: Any, n: int, cfg: DatasetConfig) -> Any:
     return ds.select(range(n))
 
 
-def _streaming_mixture(loaded: list[Any], configs: list[DatasetConfig]) -> Any:
-    """Streamed sources drawn row by row with probabilities f_i/Σf until one runs out (see module docstring)."""
-    import datasets
-
-    total = sum(cfg.fraction for cfg in configs)
-    streams = [
-        ds.shuffle(seed=cfg.seed, buffer_size=STREAMING_SHUFFLE_BUFFER_SIZE) if cfg.shuffle else ds
-        for ds, cfg in zip(loaded, configs)
-    ]
-    return datasets.interleave_datasets(
-        streams,
-        probabilities=[cfg.fraction / total for cfg in configs],
-        seed=configs[0].seed,
-        stopping_strategy="first_exhausted",
-    )
+def _check_fractions(mixture_config: DatasetMixtureConfig) -> None:
+    """TRL's fraction errors (same type, TRL's phrase first), then which entries and how to fix them."""
+    configs = mixture_config.datasets
+    fractions = [cfg.fraction for cfg in configs]
+    if all(f is None for f in fractions):
+        return
+    if any(f is None for f in fractions):
+        missing = [cfg.path for cfg in configs if cfg.fraction is None]
+        raise ValueError(
+            "`fraction` must be set for either all datasets in the mixture or none of them. It is missing for "
+            f"{missing}: give every entry a fraction, or remove it from all of them to concatenate the datasets."
+        )
+    if mixture_config.streaming:
+        raise ValueError(
+            "Using a dataset `fraction` is not supported with streaming datasets. Set `streaming: false` to take "
+            "each dataset's share, or remove `fraction` from every entry to concatenate the streamed datasets."
+        )
+    bad = [(cfg.path, f) for cfg, f in zip(configs, fractions) if isinstance(f, bool) or not f >= 0]
+    if bad or sum(fractions) <= 0:
+        raise ValueError(
+            f"Dataset fractions must be numbers >= 0 with a positive sum (0 drops a dataset), got "
+            f"{[(cfg.path, f) for cfg, f in zip(configs, fractions)]}."
+        )
 
 
 def get_dataset(mixture_config: DatasetMixtureConfig) -> Any:
@@ -296,7 +291,11 @@ def get_dataset(mixture_config: DatasetMixtureConfig) -> Any:
     import datasets
 
     if not mixture_config.datasets:
-        raise ValueError("The dataset mixture is empty: add at least one entry to `datasets`.")
+        raise ValueError(
+            "No datasets were loaded from the mixture configuration: its `datasets` list is empty. Add at least one "
+            "entry (`- path: ...`, optionally with name, split, columns, fraction)."
+        )
+    _check_fractions(mixture_config)
     loaded = []
     for cfg in mixture_config.datasets:
         logger.info("Loading dataset for mixture: %s (config %s)", cfg.path, cfg.name)
@@ -315,7 +314,7 @@ def get_dataset(mixture_config: DatasetMixtureConfig) -> Any:
             ds = ds.select_columns(cfg.columns)
         loaded.append(ds)
     with_fractions = mixture_config.datasets[0].fraction is not None
-    if with_fractions and not mixture_config.streaming:
+    if with_fractions:
         sizes = _mixture_sizes([len(ds) for ds in loaded], [cfg.fraction for cfg in mixture_config.datasets])
         loaded = [_fraction_subset(ds, n, cfg) for ds, n, cfg in zip(loaded, sizes, mixture_config.datasets)]
     names = [ds.column_names for ds in loaded]
@@ -325,10 +324,7 @@ def get_dataset(mixture_config: DatasetMixtureConfig) -> Any:
             + "; ".join(f"{cfg.path}: {n}" for cfg, n in zip(mixture_config.datasets, names))
             + ". Use `columns` on each entry to keep the same ones."
         )
-    if with_fractions and mixture_config.streaming:
-        combined = _streaming_mixture(loaded, mixture_config.datasets)
-    else:
-        combined = datasets.concatenate_datasets(loaded) if len(loaded) > 1 else loaded[0]
+    combined = datasets.concatenate_datasets(loaded) if len(loaded) > 1 else loaded[0]
     if mixture_config.test_split_size is not None:
         if mixture_config.streaming:
             raise ValueError("test_split_size needs a map-style dataset; it is not supported with streaming=True.")

@@ -18,6 +18,7 @@ O(log seq_length).
 from __future__ import annotations
 
 import warnings
+from collections import deque
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -26,6 +27,14 @@ import numpy as np
 from posttrain.data.formats import DataFormatError
 
 PACKING_STRATEGIES = ("bfd", "bfd_split", "wrapped")
+
+
+class PackingColumnsError(DataFormatError, TypeError):
+    """A column that is not a list column was given to ``pack_dataset``: a ``TypeError`` as in TRL (whose message
+    starts the same way) and a :class:`DataFormatError` as posttrain's other dataset errors."""
+
+    def __reduce__(self):
+        return type(self), (self.problem,)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -68,13 +77,14 @@ def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]
     """Assign items to bins of size ``capacity`` by Best-Fit Decreasing.
 
     Items are taken longest first (ties: original order); each goes to the open bin with the least remaining room
-    that fits it, else to a new bin. Returns, per bin in creation order, the item indices in placement order.
+    that fits it (among bins with equal room, the one that reached that room first, as TRL), else to a new bin.
+    Returns, per bin in creation order, the item indices in placement order.
     Every item must satisfy ``1 <= length <= capacity``.
     """
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     tree = _RoomTree(capacity)
     bins: list[list[int]] = []
-    by_room: dict[int, list[int]] = {}
+    by_room: dict[int, deque[int]] = {}
     for item in order:
         n = lengths[item]
         if not 1 <= n <= capacity:
@@ -84,12 +94,12 @@ def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]
             bins.append([item])
             b, new_room = len(bins) - 1, capacity - n
         else:
-            b = by_room[room].pop()
+            b = by_room[room].popleft()
             tree.add(room, -1)
             bins[b].append(item)
             new_room = room - n
         if new_room > 0:
-            by_room.setdefault(new_room, []).append(b)
+            by_room.setdefault(new_room, deque()).append(b)
             tree.add(new_room, +1)
     return bins
 
@@ -130,8 +140,9 @@ def _pack_table(table: Any, indices: list[int], seq_length: int, strategy: str) 
 
     lists, others = _list_columns(table)
     if others:
-        raise DataFormatError(
-            f"pack_dataset packs list columns only, but the dataset also has {others}. Remove them first, e.g. "
+        raise PackingColumnsError(
+            f"Packing requires all columns to be lists of lists. pack_dataset packs list columns only, but the "
+            f"dataset also has {others}. Remove them first, e.g. "
             f"dataset.select_columns({lists}) or dataset.remove_columns({others})."
         )
     if not lists:
@@ -144,8 +155,9 @@ def _pack_table(table: Any, indices: list[int], seq_length: int, strategy: str) 
         if len(bad):
             i = int(bad[0])
             raise DataFormatError(
-                f"has {int(other[i])} items but {lists[0]!r} has {int(lengths[i])}; every list column of a row must "
-                "have the same length to be packed.",
+                f"All columns must have values of the same length: {name!r} has {int(other[i])} items but "
+                f"{lists[0]!r} has {int(lengths[i])}; every list column of a row must have the same length to be "
+                "packed.",
                 row=indices[i],
                 column=name,
             )
@@ -217,7 +229,10 @@ def pack_dataset(
         warnings.warn("packing_strategy 'bfd-requeue' was renamed 'bfd_split'.", FutureWarning, stacklevel=2)
         strategy = "bfd_split"
     if strategy not in PACKING_STRATEGIES:
-        raise ValueError(f"Unknown packing strategy {strategy!r}. Valid: {', '.join(PACKING_STRATEGIES)}.")
+        raise ValueError(
+            f"Invalid packing strategy '{strategy}', must be one of {PACKING_STRATEGIES}. (posttrain also accepts "
+            "'bfd-requeue', the old name of 'bfd_split'.)"
+        )
     if not isinstance(seq_length, (int, np.integer)) or seq_length < 1:
         raise ValueError(f"seq_length must be a positive int, got {seq_length!r} (set max_length when packing).")
     map_kwargs = dict(map_kwargs or {})
@@ -235,11 +250,13 @@ def pack_dataset(
         return packed.with_format(
             fmt["type"], columns=columns, output_all_columns=fmt["output_all_columns"], **fmt["format_kwargs"]
         )
-    # IterableDataset: same function on Arrow batches
+    # IterableDataset: same function on Arrow batches, then back to the input's format (as TRL: "torch" stays "torch")
+    formatting = getattr(dataset, "_formatting", None)
+    format_type = formatting.format_type if formatting is not None else None
     return (
         dataset.with_format("arrow")
         .map(_pack_table, batched=True, with_indices=True, fn_kwargs=fn_kwargs, **map_kwargs)
-        .with_format(None)
+        .with_format(format_type)
     )
 
 

@@ -101,9 +101,13 @@ class _ProcessorCollator:
         return ids
 
     def _render(self, messages: list[dict], **kwargs: Any) -> str:
-        """Render one conversation with the processor's chat template (the tokenizer's when the processor has none)."""
+        """Render one conversation with the collator's ``chat_template`` when it has one, else the processor's (the
+        tokenizer's when the processor has none)."""
         owner = self.processor if getattr(self.processor, "chat_template", None) else self.tokenizer
-        if not getattr(owner, "chat_template", None):
+        template = getattr(self, "chat_template", None)
+        if template is not None:
+            kwargs["chat_template"] = template
+        elif not getattr(owner, "chat_template", None):
             raise ValueError(
                 "The processor has no chat template to render conversational rows; set processor.chat_template."
             )
@@ -194,7 +198,13 @@ class DataCollatorForVisionLanguageModeling(_ProcessorCollator):
         completion_only_loss: For prompt-completion rows, -100 on the prompt tokens (no effect on other rows).
         pad_to_multiple_of: Round the padded length up to a multiple of this.
         dataset_text_field: Column holding the text of standard (non-conversational) language-modelling rows.
+        assistant_only_loss: For conversational ``messages`` rows, -100 on every token outside the assistant turns
+            (the ``{% generation %}`` blocks of the chat template, which must have them).
+        chat_template: Chat template used to render ``messages`` rows (default: the processor's).
         return_tensors: Only ``"pt"``.
+
+    Fields are in TRL's order. As in TRL, ``completion_only_loss=True`` on language-modelling rows and
+    ``assistant_only_loss=True`` on non-conversational rows raise ``ValueError``.
 
     Returns (from ``__call__``):
         ``input_ids``, ``attention_mask``, ``labels`` ``(B, L)`` (right padded), any other per-token output of the
@@ -205,6 +215,8 @@ class DataCollatorForVisionLanguageModeling(_ProcessorCollator):
     completion_only_loss: bool = False
     pad_to_multiple_of: int | None = None
     dataset_text_field: str = "text"
+    assistant_only_loss: bool = False
+    chat_template: str | None = None
     return_tensors: str = "pt"
 
     def __post_init__(self):
@@ -248,8 +260,19 @@ class DataCollatorForVisionLanguageModeling(_ProcessorCollator):
                 f"A batch mixes row formats ({', '.join(sorted(set(kinds)))}); rows 0 and "
                 f"{next(i for i, k in enumerate(kinds) if k != kinds[0])} differ. Use one format per dataset."
             )
+        if self.assistant_only_loss and kinds[0] != "messages":
+            raise ValueError(
+                "The `assistant_only_loss` argument is only supported for conversational language modeling datasets. "
+                f"These rows are {kinds[0]} rows; give them a `messages` column or set assistant_only_loss=False."
+            )
+        if self.completion_only_loss and kinds[0] != "prompt-completion":
+            raise ValueError(
+                "The `completion_only_loss` argument is not supported for language modeling datasets. Use "
+                "prompt-completion rows (`prompt` and `completion` columns) or set completion_only_loss=False."
+            )
         # processors need images=None when no row has one
         batch_images = images if any(images) else None
+        assistant_masks = None
         if kinds[0] == "prompt-completion":
             pairs = [
                 self._prompt_completion_texts(ex["prompt"], ex["completion"], imgs, i)
@@ -270,9 +293,46 @@ class DataCollatorForVisionLanguageModeling(_ProcessorCollator):
                 texts = [ex[self.dataset_text_field] for ex in examples]
             processed = self._process(texts, batch_images, rows)
             completions = None
-        return self._finish(processed, completions)
+            if self.assistant_only_loss:
+                assistant_masks = self._assistant_masks(examples, images, processed)
+        return self._finish(processed, completions, assistant_masks)
 
-    def _finish(self, processed: Any, completions: Any) -> dict[str, torch.Tensor]:
+    def _assistant_masks(self, examples: Sequence[Mapping[str, Any]], images: list, processed: Any) -> list:
+        """Per row (unpadded), 1 on the tokens the chat template's ``{% generation %}`` blocks produce."""
+        from posttrain.data.chat_templates import has_generation_markers
+
+        template = self.chat_template or getattr(self.processor, "chat_template", None)
+        if not has_generation_markers(template):
+            raise ValueError(
+                "assistant_only_loss=True needs a chat template with `{% generation %}` ... `{% endgeneration %}` "
+                "around the assistant turns, to know which tokens are the assistant's; this one has none. Pass "
+                "chat_template= with such markers, or set assistant_only_loss=False."
+            )
+        marked = self.processor.apply_chat_template(
+            [prepare_multimodal_messages(ex["messages"], imgs) for ex, imgs in zip(examples, images)],
+            chat_template=template,
+            tokenize=True,
+            return_dict=True,
+            return_tensors="pt",
+            return_assistant_tokens_mask=True,
+            processor_kwargs={"padding": True, "padding_side": "right", "add_special_tokens": False},
+        )
+        masks = []
+        for b in range(processed["input_ids"].shape[0]):
+            ids = processed["input_ids"][b][processed["attention_mask"][b].bool()]
+            keep = marked["attention_mask"][b].bool()
+            if not torch.equal(marked["input_ids"][b][keep], ids):
+                raise ValueError(
+                    f"Row {b}: the chat template tokenizes differently with and without assistant masks; "
+                    "assistant_only_loss cannot align them. Use a chat_template whose rendering does not depend on "
+                    "tokenization."
+                )
+            masks.append(marked["assistant_masks"][b][keep].bool())
+        return masks
+
+    def _finish(
+        self, processed: Any, completions: Any, assistant_masks: list[torch.Tensor] | None = None
+    ) -> dict[str, torch.Tensor]:
         """Split rows out of the processor's padding, append completions, truncate, re-pad, build labels."""
         keys = [k for k in _PER_TOKEN_KEYS if k in processed]
         image_ids = torch.tensor(sorted(self._image_token_ids()), dtype=torch.long)
@@ -289,6 +349,9 @@ class DataCollatorForVisionLanguageModeling(_ProcessorCollator):
                     extra = cids if k == "input_ids" else torch.ones_like(cids) if k == "attention_mask" else None
                     row[k] = torch.cat([row[k], extra if extra is not None else torch.zeros_like(cids)])
                 is_prompt = torch.cat([is_prompt, torch.zeros_like(cids, dtype=torch.bool)])
+            if assistant_masks is not None:
+                # "prompt" here: every token outside the assistant turns
+                is_prompt = ~assistant_masks[b]
             if self.max_length is not None and len(row["input_ids"]) > self.max_length:
                 _check_keeps_image_tokens(row["input_ids"], image_ids, self.max_length, "max_length", b)
                 row = {k: v[: self.max_length] for k, v in row.items()}
@@ -304,7 +367,7 @@ class DataCollatorForVisionLanguageModeling(_ProcessorCollator):
         labels = out["input_ids"].clone()
         labels[out["attention_mask"] == 0] = IGNORE_INDEX
         labels[torch.isin(labels, image_ids)] = IGNORE_INDEX
-        if self.completion_only_loss and completions is not None:
+        if (self.completion_only_loss and completions is not None) or assistant_masks is not None:
             labels[pad(prompt_flags, False, "right", self.pad_to_multiple_of)] = IGNORE_INDEX
         out["labels"] = labels
         return out
@@ -322,12 +385,13 @@ class DataCollatorForVisionPreference(_ProcessorCollator):
 
     Args:
         processor: A multimodal processor (e.g. ``LlavaProcessor``) with a chat template and a tokenizer.
-        max_prompt_length: Keep the last this-many prompt tokens; raises when that would cut image tokens.
-        max_completion_length: Keep the first this-many tokens of each completion.
-        pad_to_multiple_of: Round the padded length up to a multiple of this.
         max_length: Keep the first this-many tokens of each prompt+completion (DPOConfig's ``max_length``); raises
             when that would cut image tokens or leave no completion token.
+        pad_to_multiple_of: Round the padded length up to a multiple of this.
         return_tensors: Only ``"pt"``.
+        max_prompt_length: posttrain's: keep the last this-many prompt tokens; raises when that would cut image
+            tokens.
+        max_completion_length: posttrain's: keep the first this-many tokens of each completion.
 
     Returns (from ``__call__``):
         ``input_ids``, ``attention_mask``, ``completion_mask`` ``(2B, L)`` (right padded; rows ``0..B-1`` are
@@ -336,11 +400,12 @@ class DataCollatorForVisionPreference(_ProcessorCollator):
         repeated for the chosen and rejected halves.
     """
 
+    # TRL's fields first, in TRL's order (positional arguments mean the same); posttrain's additions after them
+    max_length: int | None = None
+    pad_to_multiple_of: int | None = None
+    return_tensors: str = "pt"
     max_prompt_length: int | None = None
     max_completion_length: int | None = None
-    pad_to_multiple_of: int | None = None
-    max_length: int | None = None
-    return_tensors: str = "pt"
 
     def __post_init__(self):
         if self.return_tensors != "pt":
@@ -442,7 +507,7 @@ class DataCollatorForVisionUnpairedPreference(_ProcessorCollator):
 
     Returns (from ``__call__``):
         The keys of :class:`~posttrain.data.collators.DataCollatorForUnpairedPreference`: ``input_ids``,
-        ``attention_mask``, ``completion_mask`` ``(B, L)``, ``labels`` ``(B,)`` bool (True = desirable), with
+        ``attention_mask``, ``completion_mask`` ``(B, L)``, ``label`` ``(B,)`` bool (True = desirable), with
         ``calculate_kl`` ``KL_input_ids``, ``KL_attention_mask``, ``KL_completion_mask`` (and ``KL_`` copies of any
         other per-token processor output); plus the processor's image outputs (``pixel_values``, ...) shared by the
         rows and their KL rows, and ``ref_logps`` / ``ref_KL_logps`` passed through when present.
@@ -508,7 +573,7 @@ class DataCollatorForVisionUnpairedPreference(_ProcessorCollator):
 
         out: dict[str, Any] = {k: v for k, v in processed.items() if k not in _PER_TOKEN_KEYS}
         out.update(build(completions, ""))
-        out["labels"] = torch.tensor(labels, dtype=torch.bool)
+        out["label"] = torch.tensor(labels, dtype=torch.bool)
         if self.calculate_kl:  # row b's prompt (and images) with row b-1's completion
             out.update(build(completions[-1:] + completions[:-1], "KL_"))
         for key in ("ref_logps", "ref_KL_logps"):

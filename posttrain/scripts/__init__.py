@@ -1,7 +1,8 @@
 """TRL-layout training scripts, one module per verb: ``python -m posttrain.scripts.<verb> [options]``.
 
-Each module has ``make_parser(prog)`` and ``main(script_args, training_args, model_args, dataset_args=None)``;
-``posttrain <verb>`` parses with the same parser and runs ``main`` here or in launched worker processes.
+Each module has ``make_parser(subparsers=None, prog=...)`` (TRL's signature) and ``main(script_args, training_args,
+model_args, dataset_args=None)``; ``posttrain <verb>`` parses with the same parser and runs ``main`` here or in
+launched worker processes.
 ``TrlParser``, ``ScriptArguments``, ``DatasetMixtureConfig``, ``get_dataset`` and ``init_zero_verbose`` are importable
 from here, as from ``trl.scripts`` (lazily: ``python -m posttrain.scripts.<verb>`` imports nothing extra).
 """

@@ -1,6 +1,7 @@
 """What the training scripts share: the parser, model-loading kwargs, dataset splits, rewards, progress, train+save.
 
-Each ``posttrain/scripts/<verb>.py`` is TRL's script of the same name: ``make_parser(prog)`` returns a
+Each ``posttrain/scripts/<verb>.py`` is TRL's script of the same name: ``make_parser(subparsers=None, prog=...)``
+returns a
 ``TrlParser`` over ``(ScriptArguments, <X>Config, ModelConfig, DatasetMixtureConfig)`` and ``main(script_args,
 training_args, model_args, dataset_args)`` trains. The pieces they have in common live here so the scripts stay a
 short recipe.
@@ -39,11 +40,26 @@ def _epilog() -> str:
     )
 
 
-def make_trl_parser(prog: str | None, dataclass_types: tuple, description: str | None = None) -> TrlParser:
-    """The ``TrlParser`` a script's ``make_parser`` returns (help with defaults and the launch options)."""
-    return TrlParser(
-        dataclass_types, prog=prog, description=description, epilog=_epilog(), formatter_class=_HelpFormatter
-    )
+def make_trl_parser(
+    prog: str | None,
+    dataclass_types: tuple,
+    description: str | None = None,
+    subparsers: argparse._SubParsersAction | None = None,
+    name: str | None = None,
+) -> TrlParser:
+    """The ``TrlParser`` a script's ``make_parser`` returns (help with defaults and the launch options).
+
+    As TRL's scripts: with ``subparsers`` (an ``add_subparsers(parser_class=TrlParser)`` action), the parser is added
+    to it as the subcommand ``name`` (so a parent parser's ``--config`` defaults reach it) instead of standing alone.
+    """
+    options = dict(description=description, epilog=_epilog(), formatter_class=_HelpFormatter)
+    if subparsers is not None:
+        if name is None:
+            raise ValueError("make_trl_parser(subparsers=...) needs the subcommand name.")
+        return subparsers.add_parser(
+            name, help=f"Run the {name} training script", dataclass_types=dataclass_types, **options
+        )
+    return TrlParser(dataclass_types, prog=prog, **options)
 
 
 def require_model(model_args: ModelConfig) -> str:

@@ -12,6 +12,7 @@ Examples:
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from posttrain.cli.configs import DistillationScriptArguments, ModelConfig
@@ -19,13 +20,17 @@ from posttrain.cli.parser import ConfigError
 from posttrain.scripts._common import apply_model_args, build_and_train, make_trl_parser
 
 
-def make_parser(prog: str | None = "posttrain distillation"):
+def make_parser(subparsers: argparse._SubParsersAction | None = None, prog: str | None = "posttrain distillation"):
     """``TrlParser`` over ``(DistillationScriptArguments, DistillationConfig, ModelConfig, DatasetMixtureConfig)``."""
     from posttrain.data.loading import DatasetMixtureConfig
     from posttrain.trainers.distillation import DistillationConfig
 
     return make_trl_parser(
-        prog, (DistillationScriptArguments, DistillationConfig, ModelConfig, DatasetMixtureConfig), __doc__
+        prog,
+        (DistillationScriptArguments, DistillationConfig, ModelConfig, DatasetMixtureConfig),
+        __doc__,
+        subparsers,
+        "distillation",
     )
 
 

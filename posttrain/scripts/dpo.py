@@ -8,18 +8,21 @@ Examples:
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from posttrain.cli.configs import ModelConfig, ScriptArguments
 from posttrain.scripts._common import apply_model_args, build_and_train, make_trl_parser, require_model
 
 
-def make_parser(prog: str | None = "posttrain dpo"):
+def make_parser(subparsers: argparse._SubParsersAction | None = None, prog: str | None = "posttrain dpo"):
     """``TrlParser`` over ``(ScriptArguments, DPOConfig, ModelConfig, DatasetMixtureConfig)``."""
     from posttrain.data.loading import DatasetMixtureConfig
     from posttrain.trainers.dpo import DPOConfig
 
-    return make_trl_parser(prog, (ScriptArguments, DPOConfig, ModelConfig, DatasetMixtureConfig), __doc__)
+    return make_trl_parser(
+        prog, (ScriptArguments, DPOConfig, ModelConfig, DatasetMixtureConfig), __doc__, subparsers, "dpo"
+    )
 
 
 def main(script_args, training_args, model_args, dataset_args=None) -> None:

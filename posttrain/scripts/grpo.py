@@ -15,6 +15,7 @@ Examples:
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import sys
 from collections.abc import Callable
@@ -34,11 +35,11 @@ def reward_script(verb: str, script_args_class: type, method: str, doc: str | No
     def trainer_attr(suffix: str) -> Any:
         return getattr(importlib.import_module(f"posttrain.trainers.{verb}"), f"{method}{suffix}")
 
-    def make_parser(prog: str | None = f"posttrain {verb}"):
+    def make_parser(subparsers: argparse._SubParsersAction | None = None, prog: str | None = f"posttrain {verb}"):
         from posttrain.data.loading import DatasetMixtureConfig
 
         classes = (script_args_class, trainer_attr("Config"), ModelConfig, DatasetMixtureConfig)
-        return make_trl_parser(prog, classes, doc)
+        return make_trl_parser(prog, classes, doc, subparsers, verb)
 
     def main(script_args, training_args, model_args, dataset_args=None) -> None:
         reward_funcs = reward_funcs_from_args(verb, script_args)

@@ -8,18 +8,21 @@ Examples:
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from posttrain.cli.configs import ModelConfig, ScriptArguments
 from posttrain.scripts._common import build_and_train, make_trl_parser
 
 
-def make_parser(prog: str | None = "posttrain kto"):
+def make_parser(subparsers: argparse._SubParsersAction | None = None, prog: str | None = "posttrain kto"):
     """``TrlParser`` over ``(ScriptArguments, KTOConfig, ModelConfig, DatasetMixtureConfig)``."""
     from posttrain.data.loading import DatasetMixtureConfig
     from posttrain.trainers.kto import KTOConfig
 
-    return make_trl_parser(prog, (ScriptArguments, KTOConfig, ModelConfig, DatasetMixtureConfig), __doc__)
+    return make_trl_parser(
+        prog, (ScriptArguments, KTOConfig, ModelConfig, DatasetMixtureConfig), __doc__, subparsers, "kto"
+    )
 
 
 def main(script_args, training_args, model_args, dataset_args=None) -> None:

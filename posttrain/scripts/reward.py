@@ -11,18 +11,21 @@ Examples:
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from posttrain.cli.configs import ModelConfig, ScriptArguments
 from posttrain.scripts._common import build_and_train, logger, make_trl_parser
 
 
-def make_parser(prog: str | None = "posttrain reward"):
+def make_parser(subparsers: argparse._SubParsersAction | None = None, prog: str | None = "posttrain reward"):
     """``TrlParser`` over ``(ScriptArguments, RewardConfig, ModelConfig, DatasetMixtureConfig)``."""
     from posttrain.data.loading import DatasetMixtureConfig
     from posttrain.trainers.reward import RewardConfig
 
-    return make_trl_parser(prog, (ScriptArguments, RewardConfig, ModelConfig, DatasetMixtureConfig), __doc__)
+    return make_trl_parser(
+        prog, (ScriptArguments, RewardConfig, ModelConfig, DatasetMixtureConfig), __doc__, subparsers, "reward"
+    )
 
 
 def main(script_args, training_args, model_args, dataset_args=None) -> None:

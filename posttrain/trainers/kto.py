@@ -361,7 +361,8 @@ class KTOTrainer(PreferenceTrainer):
                 **_model_inputs(inputs),
             )
         policy_logps = scores.sequence_sums()
-        labels = inputs["labels"].to(torch.bool)
+        # TRL's collators name the desirability column "label"; "labels" is what older posttrain collators returned
+        labels = (inputs["label"] if "label" in inputs else inputs["labels"]).to(torch.bool)
         loss, _, _ = kto_loss(
             policy_logps,
             ref_logps.to(policy_logps.dtype),
@@ -421,7 +422,9 @@ def _record_masked_mean(
 # Raw columns the vision collator reads.
 _VISION_COLUMNS = ("prompt", "completion", "image", "images")
 # Batch keys the loss reads itself; every other key (pixel_values, image_sizes, token_type_ids, ...) is a model input.
-_LOSS_KEYS = frozenset({"input_ids", "attention_mask", "completion_mask", "labels", "ref_logps", "ref_KL_logps"})
+_LOSS_KEYS = frozenset(
+    {"input_ids", "attention_mask", "completion_mask", "label", "labels", "ref_logps", "ref_KL_logps"}
+)
 
 
 def _model_inputs(inputs: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -599,6 +599,12 @@ class SFTTrainer(BaseTrainer):
             pad_to_multiple_of=args.pad_to_multiple_of,
             # FlashAttention reads sequence boundaries from position_ids and takes no 4-D mask.
             block_diagonal_mask="flash" not in impl,
+            # posttrain's choices where the public collator's defaults reproduce TRL's output: rows carry
+            # assistant_masks only when the dataset asked for them; position ids always; the model derives
+            # variable-length boundaries from position_ids.
+            assistant_only_loss=True,
+            return_position_ids=True,
+            return_varlen_kwargs=False,
         )
 
     # -- data ----------------------------------------------------------------------------------------------------

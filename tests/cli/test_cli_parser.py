@@ -151,7 +151,7 @@ def test_post_init_errors_become_config_errors():
     ("text", "match"),
     [
         ("a: [unclosed\n", "not valid YAML"),
-        ("- just\n- a list\n", "must contain a mapping"),
+        ("- just\n- a list\n", "must contain a YAML mapping"),
     ],
 )
 def test_unreadable_recipes(tmp_path, text, match):
@@ -176,7 +176,7 @@ def test_field_named_config_is_refused():
     class Bad:
         config: str = "x"
 
-    with pytest.raises(ValueError, match="clashes with --config"):
+    with pytest.raises(ValueError, match="^Dataclass Bad has a field named .config.. This field is reserved"):
         TrlParser(Bad)
 
 

@@ -57,13 +57,36 @@ def test_block_diagonal_causal_mask():
 
 # ------------------------------------------------------------------------------------ language modeling
 
+# The options posttrain's SFT trainer sets (its defaults reproduce TRL's output, tested against TRL itself in
+# tests/compat/test_trl_collator_fixture.py): masks folded into labels, position ids, block-diagonal masks.
+TRAINER_OPTIONS = dict(completion_only_loss=True, assistant_only_loss=True, return_position_ids=True,
+                       block_diagonal_mask=True)  # fmt: skip
+
+
+def LM(*args, **kwargs):
+    return DataCollatorForLanguageModeling(*args, **{**TRAINER_OPTIONS, **kwargs})
+
+
+def test_lm_collator_defaults_are_trls():
+    """Without posttrain's options, masks are ignored and packed rows get a plain 2-D mask (TRL's output)."""
+    ex = [{"input_ids": [1, 2, 3], "completion_mask": [0, 1, 1], "assistant_masks": [0, 0, 1], "seq_lengths": [1, 2]}]
+    out = DataCollatorForLanguageModeling(PAD)(ex)
+    assert list(out) == ["input_ids", "labels", "attention_mask"]
+    assert out["labels"].tolist() == [[1, 2, 3]] and out["attention_mask"].tolist() == [[1, 1, 1]]
+    free = DataCollatorForLanguageModeling(PAD, padding_free=True)(ex + ex)
+    assert free["cu_seq_lens_q"].tolist() == [0, 1, 3, 4, 6] and free["max_length_q"] == 2
+    assert free["seq_idx"].tolist() == [[0, 1, 1, 2, 3, 3]] and "attention_mask" not in free
+    assert DataCollatorForLanguageModeling.get_position_ids_from_packed_seq_lengths([[1, 2]])[0].tolist() == [0, 0, 1]
+    with pytest.raises(ValueError, match="return_tensors='pt'"):
+        DataCollatorForLanguageModeling(PAD)(ex, return_tensors="np")
+
 
 @SETTINGS
 @given(sequences, st.data())
 def test_lm_collator_padded(seqs, data):
     masks = [data.draw(st.lists(st.integers(0, 1), min_size=len(s), max_size=len(s))) for s in seqs]
     examples = [{"input_ids": s, "completion_mask": m} for s, m in zip(seqs, masks)]
-    out = DataCollatorForLanguageModeling(PAD, pad_to_multiple_of=4)(examples)
+    out = LM(PAD, pad_to_multiple_of=4)(examples)
     length = max(map(len, seqs))
     assert out["input_ids"].shape == (len(seqs), -(-length // 4) * 4)
     for i, (s, m) in enumerate(zip(seqs, masks)):
@@ -74,14 +97,14 @@ def test_lm_collator_padded(seqs, data):
         assert set(out["labels"][i, n:].tolist()) <= {-100}
         assert out["position_ids"][i, :n].tolist() == list(range(n))
     # completion_only_loss=False ignores completion_mask
-    plain = DataCollatorForLanguageModeling(PAD, completion_only_loss=False)(examples)
+    plain = LM(PAD, completion_only_loss=False)(examples)
     assert all(plain["labels"][i, : len(s)].tolist() == s for i, s in enumerate(seqs))
 
 
 @SETTINGS
 @given(sequences)
 def test_lm_collator_padding_free(seqs):
-    out = DataCollatorForLanguageModeling(PAD, padding_free=True)([{"input_ids": s} for s in seqs])
+    out = LM(PAD, padding_free=True)([{"input_ids": s} for s in seqs])
     total = sum(map(len, seqs))
     assert out["input_ids"].shape == (1, total)
     assert out["input_ids"][0].tolist() == [t for s in seqs for t in s]
@@ -99,20 +122,20 @@ def test_lm_collator_padding_free(seqs):
 
 def test_lm_collator_labels_column_assistant_masks_and_flash_mode():
     ex = [{"input_ids": [1, 2, 3], "labels": [-100, 2, 3], "completion_mask": [0, 0, 0]}]
-    assert DataCollatorForLanguageModeling(PAD)(ex)["labels"].tolist() == [[-100, 2, 3]]  # labels kept as given
+    assert LM(PAD)(ex)["labels"].tolist() == [[-100, 2, 3]]  # labels kept as given
     ex = [{"input_ids": [1, 2, 3, 4], "assistant_masks": [0, 1, 1, 0]}]
-    assert DataCollatorForLanguageModeling(PAD)(ex)["labels"].tolist() == [[-100, 2, 3, -100]]
-    out = DataCollatorForLanguageModeling(PAD, padding_free=True, block_diagonal_mask=False)(ex + ex)
+    assert LM(PAD)(ex)["labels"].tolist() == [[-100, 2, 3, -100]]
+    out = LM(PAD, padding_free=True, block_diagonal_mask=False)(ex + ex)
     assert "attention_mask" not in out and out["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2, 3]]
-    out = DataCollatorForLanguageModeling(PAD, return_position_ids=False)(ex)
+    out = LM(PAD, return_position_ids=False)(ex)
     assert "position_ids" not in out
     with pytest.raises(ValueError, match="seq_lengths sum to 3"):
-        DataCollatorForLanguageModeling(PAD)([{"input_ids": [1, 2], "seq_lengths": [3]}])
+        LM(PAD)([{"input_ids": [1, 2], "seq_lengths": [3]}])
 
 
 def test_lm_collator_packed_rows_padded():
     ex = [{"input_ids": [1, 2, 3, 4, 5], "seq_lengths": [2, 3]}, {"input_ids": [6, 7], "seq_lengths": [2]}]
-    out = DataCollatorForLanguageModeling(PAD)(ex)
+    out = LM(PAD)(ex)
     assert out["position_ids"].tolist() == [[0, 1, 0, 1, 2], [0, 1, 0, 0, 0]]
     assert out["labels"].tolist() == [[-100, 2, -100, 4, 5], [-100, 7, -100, -100, -100]]
     mask = out["attention_mask"]
@@ -151,8 +174,8 @@ def test_padding_free_loss_equals_padded_loss(attn, mask_kwargs):
     model = build_tiny_model("qwen2").eval()
     model.set_attn_implementation(attn)
     examples = lm_examples()
-    padded = token_losses(model, DataCollatorForLanguageModeling(PAD)(examples))
-    free = DataCollatorForLanguageModeling(PAD, padding_free=True, **mask_kwargs)(examples)
+    padded = token_losses(model, LM(PAD)(examples))
+    free = LM(PAD, padding_free=True, **mask_kwargs)(examples)
     if "attention_mask" not in free:
         # position_ids alone separate sequences only when transformers builds no KV cache
         kwargs = {"position_ids": free["position_ids"], "use_cache": False}
@@ -173,8 +196,8 @@ def test_packed_dataset_loss_equals_padded_loss():
     examples = [{"input_ids": ex["input_ids"], "labels": ex["input_ids"]} for ex in lm_examples()]
     packed = pack_dataset(Dataset.from_list(examples), 16, "bfd")
     rows = [packed[i] for i in range(len(packed))]
-    free = token_losses(model, DataCollatorForLanguageModeling(PAD, padding_free=True)(rows))
-    padded_rows = token_losses(model, DataCollatorForLanguageModeling(PAD)(rows))
+    free = token_losses(model, LM(PAD, padding_free=True)(rows))
+    padded_rows = token_losses(model, LM(PAD)(rows))
     # unpacked reference, in the packed documents' order
     docs = []
     for row in rows:
@@ -182,7 +205,7 @@ def test_packed_dataset_loss_equals_padded_loss():
         for n in row["seq_lengths"]:
             docs.append({"input_ids": row["input_ids"][start : start + n]})
             start += n
-    reference = token_losses(model, DataCollatorForLanguageModeling(PAD)(docs))
+    reference = token_losses(model, LM(PAD)(docs))
     torch.testing.assert_close(free, reference, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(padded_rows, reference, rtol=1e-4, atol=1e-5)
 
@@ -247,7 +270,7 @@ def test_unpaired_collator_with_kl():
     out = DataCollatorForUnpairedPreference(PAD)(ex)
     assert out["input_ids"].tolist() == [[1, 2, 2], [1, 1, 3]]
     assert out["completion_mask"].tolist() == [[0, 1, 1], [0, 0, 1]]
-    assert out["labels"].tolist() == [True, False] and out["labels"].dtype == torch.bool
+    assert out["label"].tolist() == [True, False] and out["label"].dtype == torch.bool
     assert out["KL_input_ids"].tolist() == [[1, 3, PAD, PAD], [1, 1, 2, 2]]
     assert out["KL_attention_mask"].tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
     assert out["KL_completion_mask"].tolist() == [[0, 1, 0, 0], [0, 0, 1, 1]]

@@ -122,10 +122,8 @@ def test_mixture_config_validation():
     assert [d.path for d in mix.datasets] == ["a", "b"] and mix.datasets[0].split == "train"
     with pytest.raises(ValueError, match=r"datasets\[0\] has unknown keys \['paht'\]"):
         DatasetMixtureConfig(datasets=[{"paht": "a"}])
-    with pytest.raises(ValueError, match=r"every dataset .* sets `fraction` or none.*\['b'\]"):
-        DatasetMixtureConfig(datasets=[{"path": "a", "fraction": 0.5}, {"path": "b"}])
-    with pytest.raises(ValueError, match="must be > 0"):
-        DatasetMixtureConfig(datasets=[{"path": "a", "fraction": 0.0}])
+    # as in TRL, fractions are checked by get_dataset, not when the config is built
+    assert DatasetMixtureConfig(datasets=[{"path": "a", "fraction": 0.5}, {"path": "b"}]).datasets[1].fraction is None
     streamed = DatasetMixtureConfig(datasets=[{"path": "a", "fraction": 1.0}], streaming=True)
     assert streamed.datasets[0].shuffle is True and streamed.datasets[0].seed == 42
     with pytest.raises(ValueError, match=r"datasets\[1\]\.shuffle must be true or false, got 'no' \(b\)"):
@@ -202,28 +200,35 @@ def test_get_dataset_fractions_draw_seeded_random_subsets(big):
     assert skewed["prompt"][2:] == [f"p{i}" for i in range(10)]  # all 10 rows: kept in order
 
 
-def test_get_dataset_streaming_fractions_are_seeded_and_stop_at_the_first_exhausted_source(big):
-    mixed = _mix(big, ("data.jsonl", 1, {}), ("big.jsonl", 1, {}), streaming=True)
-    assert isinstance(mixed, datasets.IterableDataset)
-    rows = [row["prompt"] for row in mixed]
-    assert rows == [row["prompt"] for row in mixed]  # the same rows in the same order when iterated again
-    again = _mix(big, ("data.jsonl", 1, {}), ("big.jsonl", 1, {}), streaming=True)
-    assert [row["prompt"] for row in again] == rows  # and in a new mixture (a new run)
-    small = [p for p in rows if p in ROWS["prompt"]]
-    assert sorted(small) == ROWS["prompt"]  # the 4-row source runs out first and ends the mixture
-    assert len(rows) == len(set(rows)) and len(rows) < 4 + 10  # no row twice; the big source is not used up
-    first_rows = _mix(big, ("data.jsonl", 1, {"shuffle": False}), ("big.jsonl", 1, {"shuffle": False}), streaming=True)
-    ordered = [row["prompt"] for row in first_rows]
-    assert [p for p in ordered if p in ROWS["prompt"]] == ROWS["prompt"]
-    big_rows = [p for p in ordered if p.startswith("p")]
-    assert big_rows == [f"p{i}" for i in range(len(big_rows))]  # shuffle: false keeps each source's order
-    assert ordered != rows  # while the default shuffles the sources
-    other = _mix(big, ("data.jsonl", 1, {"seed": 1}), ("big.jsonl", 1, {"seed": 1}), streaming=True)
-    assert [row["prompt"] for row in other] != rows
+def test_get_dataset_fraction_errors_are_trls(big):
+    """Where TRL 1.16 raises, get_dataset raises the same type with TRL's phrase first, then the fix."""
+    with pytest.raises(
+        ValueError, match=r"^`fraction` must be set for either all datasets in the mixture or none of them\. .*big"
+    ):
+        get_dataset(
+            DatasetMixtureConfig(
+                datasets=[{"path": str(big / "data.jsonl"), "fraction": 0.5}, {"path": str(big / "big.jsonl")}]
+            )
+        )
+    with pytest.raises(
+        ValueError, match=r"^Using a dataset `fraction` is not supported with streaming datasets\. Set"
+    ):
+        _mix(big, ("data.jsonl", 1, {}), ("big.jsonl", 1, {}), streaming=True)
+    with pytest.raises(ValueError, match=r"^`fraction` must be set for either all"):  # TRL checks this one first
+        get_dataset(
+            DatasetMixtureConfig(
+                datasets=[{"path": str(big / "data.jsonl"), "fraction": 1}, {"path": str(big / "big.jsonl")}],
+                streaming=True,
+            )
+        )
+    with pytest.raises(ValueError, match=r">= 0 with a positive sum"):
+        _mix(big, ("data.jsonl", -1, {}), ("big.jsonl", 1, {}))
+    # a fraction of 0 drops the source (TRL: round(0 * N) rows)
+    assert _mix(big, ("data.jsonl", 1, {}), ("big.jsonl", 0, {}))["prompt"] == ROWS["prompt"]
 
 
 def test_get_dataset_errors(files):
-    with pytest.raises(ValueError, match="empty"):
+    with pytest.raises(ValueError, match=r"^No datasets were loaded from the mixture configuration: .* empty"):
         get_dataset(DatasetMixtureConfig())
     Dataset.from_dict({"text": ["x"]}).to_json(files / "text.jsonl")
     with pytest.raises(ValueError, match="different columns"):

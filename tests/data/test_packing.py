@@ -135,15 +135,67 @@ def test_pack_dataset_per_batch_and_iterable():
 
 
 def test_pack_dataset_errors():
+    # TRL's exception types and phrases first (TypeError / ValueError), then posttrain's fix
+    with pytest.raises(TypeError, match=r"^Packing requires all columns to be lists of lists\..*also has \['text'\]"):
+        pack_dataset(Dataset.from_dict({"input_ids": [[1]], "text": ["a"]}), 4)
     with pytest.raises(DataFormatError, match=r"also has \['text'\].*select_columns"):
         pack_dataset(Dataset.from_dict({"input_ids": [[1]], "text": ["a"]}), 4)
     bad = Dataset.from_dict({"input_ids": [[1], [1, 2], [3]], "labels": [[1], [1], [3]]})
-    with pytest.raises(DataFormatError, match=r"Row 1, column 'labels': has 1 items but 'input_ids' has 2"):
+    with pytest.raises(
+        DataFormatError,
+        match=r"Row 1, column 'labels': All columns must have values of the same length: 'labels' has 1 items but "
+        r"'input_ids' has 2",
+    ):
         pack_dataset(bad, 4, map_kwargs={"batch_size": 1})
     ok = Dataset.from_dict({"input_ids": [[1, 2, 3]]})
-    with pytest.raises(ValueError, match="Unknown packing strategy 'ffd'"):
+    with pytest.raises(ValueError, match=r"^Invalid packing strategy 'ffd', must be one of \('bfd', 'bfd_split'"):
         pack_dataset(ok, 4, "ffd")
     with pytest.raises(ValueError, match="seq_length must be a positive int"):
         pack_dataset(ok, 0)
     with pytest.warns(FutureWarning, match="renamed 'bfd_split'"):
         assert pack_dataset(ok, 2, "bfd-requeue")["seq_lengths"] == [[2], [1]]
+
+
+def test_pack_dataset_matches_trl_outputs():
+    """TRL 1.16's outputs (its pack_dataset docstring, checked by running TRL): equal-room bins are filled first come,
+    first served, so bfd_split puts the overflow token 5 after [8, 9, 10] and 11 after [6, 7]."""
+    ds = Dataset.from_dict(
+        {
+            "input_ids": [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10], [11]],
+            "attention_mask": [[1, 1, 1, 0, 0], [1, 0], [1, 1, 0], [1]],
+        }
+    )
+    assert pack_dataset(ds, 4, "bfd")[:] == {
+        "input_ids": [[1, 2, 3, 4], [8, 9, 10, 11], [6, 7]],
+        "attention_mask": [[1, 1, 1, 0], [1, 1, 0, 1], [1, 0]],
+        "seq_lengths": [[4], [3, 1], [2]],
+    }
+    assert pack_dataset(ds, 4, "bfd_split")[:] == {
+        "input_ids": [[1, 2, 3, 4], [8, 9, 10, 5], [6, 7, 11]],
+        "attention_mask": [[1, 1, 1, 0], [1, 1, 0, 0], [1, 0, 1]],
+        "seq_lengths": [[4], [3, 1], [2, 1]],
+    }
+    # two bins with room 1: the first one opened ([16, 17, 18], the earlier row's chunk among equal lengths) takes
+    # the next item (TRL's first come, first served; the last-opened bin would give [8, 9, 10, 5])
+    ties = Dataset.from_dict({"input_ids": [[1, 2, 3, 4, 5], [12, 13, 14, 15, 16, 17, 18], [8, 9, 10], [6, 7]]})
+    assert pack_dataset(ties, 4, "bfd_split")["input_ids"] == [
+        [1, 2, 3, 4], [12, 13, 14, 15], [16, 17, 18, 5], [8, 9, 10], [6, 7],
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("strategy", ["bfd", "bfd_split", "wrapped"])
+def test_pack_iterable_dataset_keeps_trl_format(strategy):
+    """An IterableDataset packs like a Dataset (same rows, ``seq_lengths`` for BFD) and keeps its format type."""
+    ds = Dataset.from_dict(
+        {
+            "input_ids": [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10], [11]],
+            "labels": [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10], [11]],
+        }
+    )
+    expected = pack_dataset(ds, 4, strategy).to_list()
+    plain = pack_dataset(ds.to_iterable_dataset(), 4, strategy)
+    assert list(plain) == expected
+    assert list(next(iter(plain))) == (["input_ids", "labels"] + (["seq_lengths"] if strategy != "wrapped" else []))
+    torch_rows = pack_dataset(ds.to_iterable_dataset().with_format("torch"), 4, strategy)
+    assert torch_rows._formatting is not None and torch_rows._formatting.format_type == "torch"
+    assert [{k: v.tolist() for k, v in row.items()} for row in torch_rows] == expected

@@ -102,9 +102,49 @@ def test_prompt_completion(processor, completion_only_loss):
         assert decode_labels(processor, labels[1]).startswith("<|im_start|>user\nhello")
 
 
-def test_completion_only_loss_leaves_language_modeling_rows_whole(processor):
-    batch = DataCollatorForVisionLanguageModeling(processor, completion_only_loss=True)([lm_row("hi", "yo")])
+def test_completion_only_loss_on_language_modeling_rows_raises_as_trl(processor):
+    with pytest.raises(ValueError, match=r"^The `completion_only_loss` argument is not supported for language mod"):
+        DataCollatorForVisionLanguageModeling(processor, completion_only_loss=True)([lm_row("hi", "yo")])
+    batch = DataCollatorForVisionLanguageModeling(processor)([lm_row("hi", "yo")])
     assert decode_labels(processor, batch["labels"][0]).startswith("<|im_start|>user\nhi")
+
+
+# the tiny VLM's template with {% generation %} around the assistant turns
+GENERATION_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% if message['role'] == 'assistant' %}"
+    "{% generation %}{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for block in "
+    "message['content'] %}{% if block['type'] == 'text' %}{{ block['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>{% endgeneration %}\n{% else %}{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for block in message['content'] %}{% if block['type'] == 'image' %}<image>{% elif block['type'] == 'text' %}"
+    "{{ block['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endif %}{% endfor %}"
+)
+
+
+def test_assistant_only_loss_and_chat_template(processor):
+    """TRL's fields (in TRL's order): labels only on the assistant turns, rendered with the given template."""
+    collator = DataCollatorForVisionLanguageModeling(
+        processor, None, False, None, "text", True, GENERATION_TEMPLATE
+    )  # positional, as TRL's dataclass
+    assert collator.assistant_only_loss and collator.chat_template == GENERATION_TEMPLATE
+    batch = collator([lm_row("What?", "Red."), lm_row("Color of this long one?", "Blue sky.")])
+    assert decode_labels(processor, batch["labels"][0]) == "Red.<|im_end|>"
+    assert decode_labels(processor, batch["labels"][1]) == "Blue sky.<|im_end|>"
+    assert (batch["labels"][batch["attention_mask"] == 0] == -100).all()
+    truncated = DataCollatorForVisionLanguageModeling(
+        processor, max_length=30, assistant_only_loss=True, chat_template=GENERATION_TEMPLATE
+    )([lm_row("What?", "Red.")])
+    assert decode_labels(processor, truncated["labels"][0]) == "Re"  # the assistant tokens inside max_length
+    with pytest.raises(ValueError, match=r"^The `assistant_only_loss` argument is only supported for conversational"):
+        DataCollatorForVisionLanguageModeling(processor, assistant_only_loss=True)([pc_row("hi", "yo")])
+    with pytest.raises(ValueError, match=r"needs a chat template with `\{% generation %\}`"):
+        DataCollatorForVisionLanguageModeling(processor, assistant_only_loss=True)([lm_row("hi", "yo")])
+
+
+def test_vision_preference_fields_in_trl_order(processor):
+    from posttrain.data.vision_collators import DataCollatorForVisionPreference
+
+    collator = DataCollatorForVisionPreference(processor, 64, 8)  # TRL: (processor, max_length, pad_to_multiple_of)
+    assert (collator.max_length, collator.pad_to_multiple_of, collator.max_prompt_length) == (64, 8, None)
 
 
 def test_standard_text_rows(processor):
@@ -286,8 +326,8 @@ def test_unpaired_batch_has_the_text_collator_keys_plus_images(processor):
     rows = [unpaired_row("Color?", "red", True), unpaired_row("What is it?", "a big square", False, (0, 0, 255))]
     batch = DataCollatorForVisionUnpairedPreference(processor)(rows)
     per_token = {"input_ids", "attention_mask", "completion_mask"}
-    assert set(batch) == per_token | {f"KL_{k}" for k in per_token} | {"labels", "pixel_values"}
-    assert batch["labels"].tolist() == [True, False] and batch["labels"].dtype == torch.bool
+    assert set(batch) == per_token | {f"KL_{k}" for k in per_token} | {"label", "pixel_values"}
+    assert batch["label"].tolist() == [True, False] and batch["label"].dtype == torch.bool
     assert batch["pixel_values"].shape[0] == 2  # one set of images, shared by the rows and their KL rows
     tok = processor.tokenizer
 
@@ -312,7 +352,7 @@ def test_unpaired_without_kl_standard_rows_and_limits(processor):
 
     row = {"image": image(), "prompt": "<image>Color? ", "completion": "red and more", "label": 0}
     batch = DataCollatorForVisionUnpairedPreference(processor, calculate_kl=False, pad_to_multiple_of=8)([row])
-    assert not any(k.startswith("KL_") for k in batch) and batch["labels"].tolist() == [False]
+    assert not any(k.startswith("KL_") for k in batch) and batch["label"].tolist() == [False]
     assert batch["input_ids"].shape[1] % 8 == 0
     completion = batch["input_ids"][0][batch["completion_mask"][0].bool()]
     assert processor.tokenizer.decode(completion) == "red and more" + processor.tokenizer.eos_token  # EOS appended
