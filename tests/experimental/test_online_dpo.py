@@ -103,14 +103,35 @@ def test_reward_model_and_judge_sources(tmp_path, tiny_model_path, tiny_reward_m
         return [0 if len(a) >= len(b) else 1 for a, b in completion_pairs]
 
     assert JudgeReward(prefer_longer)(["p", "p"], ["aa", "a"]) == [1.0, 0.0]
-    args = _config(tmp_path, reward_model_path=tiny_reward_model_path, max_steps=1)
-    trainer = OnlineDPOTrainer(tiny_model_path, args=args, train_dataset=_dataset(), judge=prefer_longer)
+    args = _config(tmp_path, max_steps=1)
+    trainer = OnlineDPOTrainer(
+        tiny_model_path, reward_funcs=tiny_reward_model_path, args=args, train_dataset=_dataset(), judge=prefer_longer
+    )
     assert len(trainer.reward_funcs) == 2 and isinstance(trainer.reward_funcs[0], torch.nn.Module)
     before = trainable_params(trainer.model)
     trainer.train()
     assert params_changed(before, trainer.model) and calls == [1, 2]  # the direct call above, then 2 prompts
     with pytest.raises(ValueError, match="reward_funcs"):
         OnlineDPOTrainer(tiny_model_path, args=_config(tmp_path), train_dataset=_dataset())
+
+
+def test_reward_model_path_is_not_a_second_reward_source(tmp_path, tiny_model_path, tiny_reward_model_path):
+    """TRL's examples/scripts/online_dpo.py: the script loads `reward_model_path` and passes the model (and its
+    tokenizer) as `reward_funcs`; the trainer must not add the path again (TRL 1.16 never reads it there)."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    args = _config(tmp_path, reward_model_path=tiny_reward_model_path, max_steps=1)
+    reward_model = AutoModelForSequenceClassification.from_pretrained(args.reward_model_path, num_labels=1)
+    reward_tokenizer = AutoTokenizer.from_pretrained(args.reward_model_path, truncation_side="left")
+    trainer = OnlineDPOTrainer(
+        tiny_model_path, reward_funcs=reward_model, args=args, train_dataset=_dataset(),
+        reward_processing_classes=reward_tokenizer,
+    )  # fmt: skip
+    assert trainer.reward_funcs == [reward_model]
+    trainer.train()
+    # As in TRL, the path alone is no reward source.
+    with pytest.raises(ValueError, match="`reward_funcs` must be provided"):
+        OnlineDPOTrainer(tiny_model_path, args=args, train_dataset=_dataset())
 
 
 def test_beta_is_chosen_per_epoch(tmp_path, tiny_model_path):
