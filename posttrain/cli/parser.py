@@ -26,6 +26,8 @@ from typing import Any, NoReturn
 import yaml
 from transformers import HfArgumentParser
 
+import posttrain.legacy as legacy
+
 
 class ConfigError(ValueError):
     """A recipe or command line that cannot be parsed: unreadable YAML, unknown keys, bad values."""
@@ -123,8 +125,10 @@ class TrlParser(HfArgumentParser):
         **kwargs: Passed to ``argparse.ArgumentParser`` (``prog``, ``description``, ``epilog``...).
 
     Bad values and unknown options raise :class:`ConfigError` (a one-paragraph message) instead of printing the full
-    usage line and exiting. A field declared by several dataclasses (e.g. ``trust_remote_code`` in ``ModelConfig`` and
-    ``GRPOConfig``) is one option, registered by the first dataclass, whose value fills all of them.
+    usage line and exiting. A field declared by several dataclasses (e.g. a script dataclass repeating a trainer
+    config's field) is one option, registered by the first dataclass, whose value fills all of them. Keys of older
+    TRL / transformers releases (``torch_dtype``, ``max_seq_length``, ``warmup_ratio`` ...) are mapped by
+    :mod:`posttrain.legacy` with a ``FutureWarning``.
     """
 
     def __init__(self, dataclass_types: Iterable[type] | type | None = None, **kwargs):
@@ -237,6 +241,7 @@ class TrlParser(HfArgumentParser):
         args = list(sys.argv[1:] if args is None else args)
         extra: list[str] = []
         self.yaml_extra_keys = []
+        self._legacy_held: dict[str, Any] = {}
         config_path = _pop_config_path(args)
         if config_path is not None:
             config = load_yaml_config(config_path)
@@ -245,8 +250,12 @@ class TrlParser(HfArgumentParser):
                 if not isinstance(env, dict):
                     raise ConfigError(f"`env` in {config_path!r} must be a mapping of NAME: value.")
                 os.environ.update({str(k): str(v) for k, v in env.items()})
+            config, held = legacy.translate_recipe(self, config)  # older TRL / transformers keys
+            self._legacy_held.update(held)
             extra = self.set_defaults_with_config(**config)
             self.yaml_extra_keys = [s[2:] for s in extra if s.startswith("--")]
+        args, held = legacy.translate_argv(self, args)
+        self._legacy_held.update(held)
         namespace, remaining = self.parse_known_args(args)
         if hasattr(namespace, "config"):
             delattr(namespace, "config")
@@ -260,11 +269,13 @@ class TrlParser(HfArgumentParser):
             keys = {f.name for f in dataclasses.fields(dtype) if f.init}
             inputs = {k: v for k, v in values.items() if k in keys}
             try:
+                inputs.update(legacy.held_kwargs(self, dtype, getattr(self, "_legacy_held", {})))
                 outputs.append(dtype(**inputs))
             except (TypeError, ValueError) as err:
                 if isinstance(err, ConfigError):
                     raise
                 raise ConfigError(f"Invalid {dtype.__name__} options: {err}") from err
+        legacy.link_model_configs(outputs)
         return tuple(outputs)
 
     def parse_args_and_config(
