@@ -327,3 +327,12 @@ def test_completion_only_collator_trains_with_sft_trainer(tmp_path, tiny_model_p
     assert answer_tokens.tolist() == [3, 3, 3, 3] or answer_tokens.tolist() == [4, 4, 4, 4]  # " A<i>" (+ EOS)
     trainer.train()
     assert trainer.state.global_step == 2
+
+
+def test_readme_table_lists_every_old_name():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    table = readme.split("### Switching from older TRL", 1)[1].split("\n## ", 1)[0]
+    for name in (*legacy.LEGACY_KEYS, *legacy.TOP_LEVEL, "trust_remote_code"):
+        assert f"`{name}" in table or f"{name}`" in table, name
