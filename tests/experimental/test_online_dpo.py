@@ -204,3 +204,24 @@ def test_a2po_also_scores_under_the_raw_logits(tmp_path, tiny_model_path):
     batch = _one_row_batch(prompt, completion)
     logps = trainer._token_stats(trainer.model, batch).logps.detach()
     assert torch.allclose(logps, _raw_logps(trainer.model, prompt, completion), atol=1e-5)
+
+
+def test_experimental_run_passes_reward_model_path_as_the_reward(tmp_path, tiny_model_path, tiny_reward_model_path,
+                                                                 monkeypatch):  # fmt: skip
+    """`python -m posttrain.experimental.run online_dpo --reward_model_path PATH` (no --reward_funcs) trains with
+    that model as the one reward source, as TRL's online_dpo.py script does."""
+    import json
+
+    import posttrain.experimental.run as run
+    from posttrain.experimental.online_dpo import OnlineDPOTrainer as Trainer
+
+    seen = []
+    monkeypatch.setattr(Trainer, "train", lambda self, *a, **k: seen.append(list(self.reward_funcs)))
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Question {i}:"}) + "\n" for i in range(4)))
+    monkeypatch.setenv("POSTTRAIN_NO_REPORT", "1")
+    argv = ["online_dpo", "--model_name_or_path", tiny_model_path, "--reward_model_path", tiny_reward_model_path,
+            "--dataset_name", str(data), "--max_steps", "1", "--output_dir", str(tmp_path / "out"),
+            "--report_to", "none", "--per_device_train_batch_size", "2", "--max_new_tokens", "4"]  # fmt: skip
+    assert run.main(argv) == 0
+    assert len(seen) == 1 and len(seen[0]) == 1 and isinstance(seen[0][0], torch.nn.Module)
