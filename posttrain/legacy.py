@@ -15,9 +15,9 @@ TRL" is the table of everything below.
   ``use_liger`` → ``use_liger_kernel``, ``torch_dtype`` → ``dtype`` (ModelConfig), ``warmup_ratio`` →
   ``warmup_steps`` (a value below 1 is a fraction of the training steps in transformers 5), ``overwrite_output_dir``
   (removed in transformers 5; it never changed what ``Trainer`` does, so it is accepted and kept as an attribute),
-  ``max_prompt_length`` where TRL 0.28/0.29 removed it: GRPO/RLOO keep the last ``max_prompt_length`` prompt tokens
-  as TRL 0.x did; the preference trainers (DPO, KTO, ORPO, CPO, ...) raise, because TRL 1.x truncates prompt and
-  completion together and the old two-budget cut cannot be reproduced.
+  ``max_prompt_length`` where TRL 0.28/0.29 removed it: GRPO/RLOO and DPO keep the last ``max_prompt_length`` prompt
+  tokens as TRL 0.x did (a plain cut there); KTO, ORPO, CPO ... raise, because their old rule (cut the prompt only
+  when the pair is too long, then the completion) cannot be reproduced.
 - ``setup_chat_format`` (ChatML tokens + template, embeddings resized), ``DataCollatorForCompletionOnlyLM`` (loss
   only after the response template) and ``get_kbit_device_map`` are the old helpers, re-implemented.
 - ``posttrain.ORPOConfig`` / ``ORPOTrainer`` / ``CPOConfig`` / ``CPOTrainer`` (top level in TRL ≤ 0.28) resolve to
@@ -67,11 +67,34 @@ def _is_training_config(cls: type) -> bool:
 
 
 def _truncates_prompts(cls: type) -> bool:
-    """GRPO/RLOO and their subclasses: TRL 0.x cut prompts to the last ``max_prompt_length`` tokens there."""
+    """Where TRL 0.x's ``max_prompt_length`` was a plain cut of each prompt to its last tokens, which posttrain keeps:
+    GRPO/RLOO (before generation, TRL ≤ 0.27) and DPO (at tokenization, TRL ≤ 0.28), with their subclasses."""
+    from posttrain.trainers.dpo import DPOConfig
     from posttrain.trainers.grpo import GRPOConfig
     from posttrain.trainers.rloo import RLOOConfig
 
-    return issubclass(cls, (GRPOConfig, RLOOConfig))
+    return issubclass(cls, (GRPOConfig, RLOOConfig, DPOConfig))
+
+
+class KeepLastPromptTokens:
+    """Picklable ``dataset.map`` function: ``prompt_ids`` cut to their last ``n`` tokens (TRL 0.x DPO's
+    ``max_prompt_length``, applied right after tokenization as TRL's ``tokenize_row`` did)."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __call__(self, row: dict[str, Any]) -> dict[str, Any]:
+        return {"prompt_ids": list(row["prompt_ids"])[-self.n :]}
+
+
+def truncate_prompt_ids(dataset: Any, args: Any, name: str) -> Any:
+    """A tokenized preference dataset with TRL 0.x's ``max_prompt_length`` applied (unchanged when not given)."""
+    n = getattr(args, "_legacy_max_prompt_length", None)
+    if n is None or dataset is None:
+        return dataset
+    from posttrain.data.dataset_ops import map_dataset
+
+    return map_dataset(dataset, KeepLastPromptTokens(n), args, f"Keeping the last {n} prompt tokens ({name})")
 
 
 def _warmup_steps_from_ratio(cls_name: str, ratio: Any, warmup_steps: Any) -> float | None:
@@ -147,15 +170,15 @@ def translate_config_kwargs(cls: type, kwargs: dict[str, Any]) -> tuple[dict[str
                 if not _truncates_prompts(cls):
                     raise ValueError(
                         f"{name}: `max_prompt_length` was removed in TRL 0.29. Prompt and completion are now truncated "
-                        "together to `max_length` (see `truncation_mode`), and the old separate prompt budget "
-                        "cannot be reproduced. Remove the key and set `max_length` to the whole sequence budget, or "
-                        "shorten long prompts in the dataset."
+                        "together to `max_length` (see `truncation_mode`), and the old rule (cut the prompt only when "
+                        "the pair is too long, then the completion) cannot be reproduced. Remove the key and set "
+                        "`max_length` to the whole sequence budget, or shorten long prompts in the dataset."
                     )
                 warn_once(
                     "max_prompt_length",
-                    f"{name}: `max_prompt_length` was removed in TRL 0.28 (prompts are no longer truncated). posttrain "
-                    "keeps TRL 0.x's behaviour: each prompt is cut to its last `max_prompt_length` tokens. Drop the "
-                    "key (and filter long prompts from the dataset) to match TRL 1.16.",
+                    f"{name}: `max_prompt_length` was removed in TRL 0.28/0.29 (prompts are no longer cut on their "
+                    "own). posttrain keeps TRL 0.x's behaviour: each prompt is cut to its last `max_prompt_length` "
+                    "tokens. Drop the key (and filter long prompts from the dataset) to match TRL 1.16.",
                 )
                 # the attribute answers old scripts; the private one is what the rollout reads (OnlineTrainerBase)
                 attrs["max_prompt_length"] = attrs["_legacy_max_prompt_length"] = int(value)

@@ -103,11 +103,32 @@ def test_overwrite_output_dir_is_kept_as_an_attribute(tmp_path):
 
 
 def test_max_prompt_length_raises_where_it_cannot_be_reproduced(tmp_path):
-    for config in (posttrain.DPOConfig, posttrain.KTOConfig):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from posttrain.experimental.orpo import ORPOConfig
+    for config in (posttrain.KTOConfig, ORPOConfig):
         with pytest.raises(ValueError, match="`max_prompt_length` was removed in TRL 0.29"):
             config(output_dir=str(tmp_path), report_to="none", max_prompt_length=128)
     # None (the old "no limit") is harmless
-    posttrain.DPOConfig(output_dir=str(tmp_path), report_to="none", max_prompt_length=None)
+    posttrain.KTOConfig(output_dir=str(tmp_path), report_to="none", max_prompt_length=None)
+
+
+def test_dpo_max_prompt_length_keeps_the_last_prompt_tokens(tmp_path, tiny_model_path):
+    """TRL ≤ 0.28's DPO cut each tokenized prompt to its last max_prompt_length tokens; the pair is then truncated to
+    max_length as today."""
+    rows = [{"prompt": "a fairly long prompt " * 3, "chosen": " yes", "rejected": " no"}] * 4
+    with pytest.warns(FutureWarning, match="cut to its last `max_prompt_length` tokens"):
+        args = posttrain.DPOConfig(output_dir=str(tmp_path), report_to="none", max_prompt_length=5, max_steps=1,
+                                   per_device_train_batch_size=2, use_cpu=True)  # fmt: skip
+    trainer = posttrain.DPOTrainer(tiny_model_path, args=args, train_dataset=Dataset.from_list(rows))
+    full = posttrain.DPOTrainer(
+        tiny_model_path, args=posttrain.DPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True),
+        train_dataset=Dataset.from_list(rows),
+    )  # fmt: skip
+    cut, whole = trainer.train_dataset[0]["prompt_ids"], full.train_dataset[0]["prompt_ids"]
+    assert len(whole) > 5 and cut == whole[-5:]
+    assert trainer.train_dataset[0]["chosen_ids"] == full.train_dataset[0]["chosen_ids"]
+    trainer.train()
 
 
 def test_grpo_max_prompt_length_keeps_the_last_prompt_tokens(tmp_path, tiny_model_path):
@@ -187,9 +208,9 @@ def test_recipe_max_prompt_length(tmp_path):
     with pytest.warns(FutureWarning, match="max_prompt_length"):
         _, training_args, _ = grpo.parse_args_and_config(["--config", recipe])
     assert training_args.max_prompt_length == 256
-    dpo = TrlParser((ScriptArguments, posttrain.DPOConfig, ModelConfig))
+    kto = TrlParser((ScriptArguments, posttrain.KTOConfig, ModelConfig))
     with pytest.raises(ConfigError, match="`max_prompt_length` was removed"):
-        dpo.parse_args_and_config(["--config", recipe])
+        kto.parse_args_and_config(["--config", recipe])
 
 
 # -- old helpers ------------------------------------------------------------------------------------------------------
