@@ -180,7 +180,7 @@ def translate_config_kwargs(cls: type, kwargs: dict[str, Any]) -> tuple[dict[str
                     "own). posttrain keeps TRL 0.x's behaviour: each prompt is cut to its last `max_prompt_length` "
                     "tokens. Drop the key (and filter long prompts from the dataset) to match TRL 1.16.",
                 )
-                # the attribute answers old scripts; the private one is what the rollout reads (OnlineTrainerBase)
+                # the attribute answers old scripts; the private one is what the trainers read (rollout settings, DPO)
                 attrs["max_prompt_length"] = attrs["_legacy_max_prompt_length"] = int(value)
     return kwargs, attrs
 
