@@ -7,6 +7,7 @@ transformers load only when a trainer, config or utility is first touched.
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import Any
 
 from posttrain._version import __version__
@@ -28,6 +29,9 @@ _LAZY: dict[str, str] = {
     "RLOOTrainer": "posttrain.trainers.rloo",
     "DistillationConfig": "posttrain.trainers.distillation",
     "DistillationTrainer": "posttrain.trainers.distillation",
+    # stable since TRL 1.18 (still importable from posttrain.experimental.async_grpo)
+    "AsyncGRPOConfig": "posttrain.experimental.async_grpo",
+    "AsyncGRPOTrainer": "posttrain.experimental.async_grpo",
     # data utilities (TRL's trl.data_utils names)
     "apply_chat_template": "posttrain.data_utils",
     "maybe_apply_chat_template": "posttrain.data_utils",
@@ -53,7 +57,6 @@ _LAZY: dict[str, str] = {
     "ScriptArguments": "posttrain.cli.configs",
     "get_peft_config": "posttrain.cli.configs",
     "get_quantization_config": "posttrain.cli.configs",
-    "get_kbit_device_map": "posttrain.cli.configs",
     "DatasetConfig": "posttrain.data.loading",
     "DatasetMixtureConfig": "posttrain.data.loading",
     "get_dataset": "posttrain.data.loading",
@@ -69,14 +72,25 @@ _LAZY: dict[str, str] = {
     "disable_dropout_in_model": "posttrain.models.loading",
 }
 
+# names TRL made stable that posttrain keeps under posttrain.experimental: no experimental warning from here
+_STABLE_FROM_EXPERIMENTAL = {"AsyncGRPOConfig", "AsyncGRPOTrainer"}
+
 __all__ = ["__version__", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:
     module_name = _LAZY.get(name)
     if module_name is None:
+        legacy = importlib.import_module("posttrain.legacy")  # older TRL's names (setup_chat_format, ORPOConfig)
+        if name in legacy.TOP_LEVEL:
+            return getattr(legacy, name)  # not cached: each first use of an old name warns once
         raise AttributeError(f"module 'posttrain' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module_name), name)
+    if name in _STABLE_FROM_EXPERIMENTAL:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="You are importing from 'posttrain.experimental'")
+            value = getattr(importlib.import_module(module_name), name)
+    else:
+        value = getattr(importlib.import_module(module_name), name)
     globals()[name] = value
     return value
 

@@ -9,10 +9,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from posttrain.legacy import LegacyKwargsMeta, LegacyModelConfigAttributes, legacy_trust_remote_code
+
 
 @dataclass
-class ModelConfig:
-    """Which model to train and how to load/adapt it."""
+class ModelConfig(LegacyModelConfigAttributes, metaclass=LegacyKwargsMeta):
+    """Which model to train and how to load/adapt it (TRL 1.16's fields).
+
+    ``trust_remote_code`` lives on the trainer configs (``SFTConfig.trust_remote_code`` ...), as in TRL 1.16, so
+    ``HfArgumentParser((ScriptArguments, SFTConfig, ModelConfig))`` has no conflicting option. The old spellings
+    ``ModelConfig(trust_remote_code=...)``, ``model_args.trust_remote_code`` and ``torch_dtype`` still work with a
+    ``FutureWarning`` (:mod:`posttrain.legacy`).
+    """
 
     model_name_or_path: str | None = field(default=None, metadata={"help": "Hub id or local path of the model."})
     model_revision: str = field(default="main", metadata={"help": "Branch, tag or commit of the model."})
@@ -20,7 +28,6 @@ class ModelConfig:
         default="float32",
         metadata={"help": "Weights dtype.", "choices": ["auto", "bfloat16", "float16", "float32"]},
     )
-    trust_remote_code: bool = field(default=False, metadata={"help": "Allow custom model code from the hub."})
     attn_implementation: str | None = field(
         default=None, metadata={"help": "Attention implementation: eager, sdpa, flash_attention_2, flex_attention..."}
     )
@@ -50,11 +57,15 @@ class ModelConfig:
         if isinstance(self.lora_target_modules, list) and len(self.lora_target_modules) == 1:
             self.lora_target_modules = self.lora_target_modules[0]
 
-    def model_init_kwargs(self) -> dict[str, Any]:
-        """kwargs for ``from_pretrained`` as TRL's scripts build them."""
+    def model_init_kwargs(self, trust_remote_code: bool = False) -> dict[str, Any]:
+        """kwargs for ``from_pretrained`` as TRL's scripts build them.
+
+        ``trust_remote_code`` is the trainer config's (``training_args.trust_remote_code``, as in TRL 1.16); a value
+        given to ``ModelConfig(trust_remote_code=True)`` (deprecated) also turns it on.
+        """
         kwargs: dict[str, Any] = {
             "revision": self.model_revision,
-            "trust_remote_code": self.trust_remote_code,
+            "trust_remote_code": bool(trust_remote_code) or legacy_trust_remote_code(self),
             "dtype": self.dtype,
         }
         if self.attn_implementation is not None:

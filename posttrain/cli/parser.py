@@ -26,6 +26,8 @@ from typing import Any, NoReturn
 import yaml
 from transformers import HfArgumentParser
 
+import posttrain.legacy as legacy
+
 
 class ConfigError(ValueError):
     """A recipe or command line that cannot be parsed: unreadable YAML, unknown keys, bad values."""
@@ -159,8 +161,10 @@ class TrlParser(HfArgumentParser):
         **kwargs: Passed to ``argparse.ArgumentParser`` (``prog``, ``description``, ``epilog``...).
 
     Bad values and unknown options raise :class:`ConfigError` (a one-paragraph message) instead of printing the full
-    usage line and exiting. A field declared by several dataclasses (e.g. ``trust_remote_code`` in ``ModelConfig`` and
-    ``GRPOConfig``) is one option, registered by the first dataclass, whose value fills all of them.
+    usage line and exiting. A field declared by several dataclasses (e.g. a script dataclass repeating a trainer
+    config's field) is one option, registered by the first dataclass, whose value fills all of them. Keys of older
+    TRL / transformers releases (``torch_dtype``, ``max_seq_length``, ``warmup_ratio`` ...) are mapped by
+    :mod:`posttrain.legacy` with a ``FutureWarning``.
     """
 
     def __init__(self, dataclass_types: Iterable[type] | type | None = None, **kwargs):
@@ -195,6 +199,7 @@ class TrlParser(HfArgumentParser):
             action.help = re.sub(r"(?<!%)%(?![(%])", "%%", action.help)
         self.add_argument("--config", type=str, default=None, help="Path to a YAML recipe; flags override it.")
         self.yaml_extra_keys: list[str] = []
+        self._legacy_held: dict[str, Any] = {}
 
     def _add_dataclass_arguments(self, dtype: type) -> None:
         """One ``--help`` section per dataclass, titled with its name and the first line of its docstring."""
@@ -262,6 +267,8 @@ class TrlParser(HfArgumentParser):
                     f"indented `NAME: value` lines (got {type(env).__name__} {env!r})."
                 )
             os.environ.update({str(k): str(v) for k, v in env.items()})
+        config, held = legacy.translate_recipe(self, config)  # older TRL / transformers keys
+        self._legacy_held.update(held)
         extra = self._apply_config(config)
         self.yaml_extra_keys = [key for key, _ in extra]
         return extra
@@ -274,7 +281,10 @@ class TrlParser(HfArgumentParser):
         command-line strings, so a flag repeated on the command line wins over the recipe.
         """
         args = list(sys.argv[1:] if args is None else args)
+        self._legacy_held = {}
         extra = [s for key, value in self._read_config(args) for s in _yaml_to_flags(key, value)]
+        args, held = legacy.translate_argv(self, args)
+        self._legacy_held.update(held)
         namespace, remaining = self.parse_known_args(args)
         if hasattr(namespace, "config"):
             delattr(namespace, "config")
@@ -292,11 +302,13 @@ class TrlParser(HfArgumentParser):
             keys = {f.name for f in dataclasses.fields(dtype) if f.init}
             inputs = {k: v for k, v in values.items() if k in keys}
             try:
+                inputs.update(legacy.held_kwargs(self, dtype, getattr(self, "_legacy_held", {})))
                 outputs.append(dtype(**inputs))
             except (TypeError, ValueError) as err:
                 if isinstance(err, ConfigError):
                     raise
                 raise ConfigError(f"Invalid {dtype.__name__} options: {err}") from err
+        legacy.link_model_configs(outputs)
         taken = {f.name for dtype in self.dataclass_types for f in dataclasses.fields(dtype) if f.init}
         leftover = {k: v for k, v in values.items() if k not in taken}
         if leftover:
@@ -324,7 +336,10 @@ class TrlParser(HfArgumentParser):
           "Unknown arguments from config file" unless ``fail_with_unknown_args=False``.
         """
         args = list(sys.argv[1:] if args is None else args)
+        self._legacy_held = {}
         config_extra = self._read_config(args)
+        args, held = legacy.translate_argv(self, args)  # older TRL / transformers flags
+        self._legacy_held.update(held)
         config_remaining = [item for key, value in config_extra for item in (f"--{key}", str(value))]
         namespace, cli_remaining = self.parse_known_args(args)
         if hasattr(namespace, "config"):

@@ -162,8 +162,13 @@ def _train(method: str, argv: list[str]) -> int:
     script_args, training_args, model_args, dataset_args = configs[:4]
     extra = {"callbacks": [configs[4].callback()]} if method == "bema_dpo" else {}
     if method in REWARD_METHODS:
-        config_reward_model = getattr(training_args, "reward_model_path", None)  # OnlineDPOConfig's own field
-        if config_reward_model and not (script_args.reward_funcs or script_args.reward_model_name_or_path):
+        config_reward_model = getattr(training_args, "reward_model_path", None)  # OnlineDPOConfig's / PPOConfig's
+        has_script_rewards = bool(script_args.reward_funcs or script_args.reward_model_name_or_path)
+        if method == "online_dpo" and config_reward_model:
+            # OnlineDPOTrainer never reads reward_model_path (TRL); like TRL's online_dpo.py, pass it as a reward
+            funcs = reward_funcs_from_args(f"experimental.run {method}", script_args) if has_script_rewards else []
+            extra["reward_funcs"] = [*funcs, config_reward_model]
+        elif config_reward_model and not has_script_rewards:  # PPOTrainer reads its reward_model_path itself
             extra["reward_funcs"] = None
         else:
             extra["reward_funcs"] = reward_funcs_from_args(f"experimental.run {method}", script_args)

@@ -72,9 +72,10 @@ def require_model(model_args: ModelConfig) -> str:
 def apply_model_args(training_args: Any, model_args: ModelConfig) -> None:
     """Put ``ModelConfig``'s loading options into ``training_args.model_init_kwargs`` (as TRL's scripts do).
 
-    Keys the recipe already set in ``model_init_kwargs`` win over those derived from ``ModelConfig``.
+    ``trust_remote_code`` comes from ``training_args`` (TRL 1.16 keeps it on the trainer config). Keys the recipe
+    already set in ``model_init_kwargs`` win over those derived from ``ModelConfig``.
     """
-    kwargs = model_args.model_init_kwargs()
+    kwargs = model_args.model_init_kwargs(trust_remote_code=getattr(training_args, "trust_remote_code", False))
     explicit = getattr(training_args, "model_init_kwargs", None) or {}
     training_args.model_init_kwargs = {**kwargs, **explicit}
 

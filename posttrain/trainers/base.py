@@ -40,6 +40,7 @@ from transformers import Trainer, TrainingArguments
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
 
+from posttrain.legacy import LegacyConfigAttributes, LegacyKwargsMeta
 from posttrain.models.loading import model_name
 from posttrain.reliability import checkpointing, validation
 from posttrain.reliability.numerics import NAN_POLICIES, NumericsGuard
@@ -85,8 +86,12 @@ def resolve_pad_to_multiple_of(value: int | str | None) -> int | None:
 
 
 @dataclass
-class BaseConfig(TrainingArguments):
-    """TrainingArguments with TRL's shared overrides. Subclasses set their own ``learning_rate`` default."""
+class BaseConfig(LegacyConfigAttributes, TrainingArguments, metaclass=LegacyKwargsMeta):
+    """TrainingArguments with TRL's shared overrides. Subclasses set their own ``learning_rate`` default.
+
+    Keys older TRL / transformers releases used (``max_seq_length``, ``warmup_ratio``, ``use_liger``,
+    ``overwrite_output_dir``, ``max_prompt_length``) are mapped by :mod:`posttrain.legacy` with a ``FutureWarning``.
+    """
 
     logging_steps: float = field(
         default=10,

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from transformers import TrainingArguments
 
+from posttrain import legacy
 from posttrain.core.preference import (
     DPO_LOSSES,
     F_DIVERGENCES,
@@ -303,6 +304,10 @@ class DPOTrainer(PreferenceTrainer):
         from posttrain.data.tokenization import tokenize_preference
 
         if self._vision:
+            if getattr(args, "_legacy_max_prompt_length", None) is not None:
+                warnings.warn(  # TRL 0.x ignored it for vision data too: a cut could drop image tokens
+                    "max_prompt_length is ignored for vision-language data.", UserWarning, stacklevel=3
+                )
             validate_format(dataset, [PREFERENCE], trainer="DPOTrainer")
             check_preference_pairs(dataset, "DPOTrainer", name)
             return dataset
@@ -319,6 +324,7 @@ class DPOTrainer(PreferenceTrainer):
             )
         elif fmt.implicit_prompt:
             dataset = map_dataset(dataset, _add_empty_prompt, args, f"Adding empty prompt_ids to {name} dataset")
+        dataset = legacy.truncate_prompt_ids(dataset, args, name)  # TRL 0.x's max_prompt_length, if given
         if args.max_length is not None and args.truncation_mode == "keep_start":
             dataset = filter_dataset(dataset, PromptFits(args.max_length), args, f"Dropping long prompts ({name})")
         return dataset

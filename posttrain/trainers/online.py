@@ -436,6 +436,8 @@ class OnlineTrainerBase(BaseTrainer):
             compute_ref_logps=args.beta != 0.0,
             importance_sampling=self._importance_sampling(),
             keep_completions=args.log_completions,
+            # TRL 0.x's GRPO/RLOO `max_prompt_length` (posttrain.legacy keeps it as a plain attribute)
+            max_prompt_length=getattr(args, "_legacy_max_prompt_length", None),
         )
 
     # -- log-probs ---------------------------------------------------------------------------------------------

@@ -180,9 +180,10 @@ class SFTConfig(BaseConfig):
     )
     assistant_only_loss: bool = field(
         default=False,
+        # no percent sign in help texts: transformers.HfArgumentParser's --help %-formats them
         metadata={
             "help": "Train only on assistant turns of conversational data (needs a chat template with "
-            "`{% generation %}` markers; a known family's training template is swapped in when missing)."
+            "`generation` block markers; a known family's training template is swapped in when missing)."
         },
     )
     loss_type: str | None = field(

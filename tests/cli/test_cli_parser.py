@@ -167,8 +167,24 @@ def test_missing_recipe_and_missing_path():
 
 
 def test_shared_field_is_one_option_filling_every_dataclass():
+    @dataclass
+    class _Script:
+        learning_rate: float = 0.5  # repeats _Train's field
+
+    train, script = TrlParser((_Train, _Script)).parse_args_and_config(["--learning_rate", "0.25"])
+    assert train.learning_rate == 0.25 and script.learning_rate == 0.25
+
+
+def test_old_model_args_trust_remote_code_reads_the_trainer_config(monkeypatch):
+    """ModelConfig has no trust_remote_code (TRL 1.16); old scripts reading model_args.trust_remote_code get the
+    trainer config's value, with a FutureWarning naming where it lives now."""
+    from posttrain import legacy
+
+    monkeypatch.setattr(legacy, "_WARNED", set())
     _, train, model = _parser().parse_args_and_config(["--trust_remote_code", "true"])
-    assert train.trust_remote_code is True and model.trust_remote_code is True
+    assert train.trust_remote_code is True and "trust_remote_code" not in vars(model)
+    with pytest.warns(FutureWarning, match="training_args.trust_remote_code"):
+        assert model.trust_remote_code is True
 
 
 def test_field_named_config_is_refused():

@@ -100,14 +100,35 @@ def test_reward_model_and_judge_sources(tmp_path, tiny_model_path, tiny_reward_m
         return [0 if len(a) >= len(b) else 1 for a, b in completion_pairs]
 
     assert JudgeReward(prefer_longer)(["p", "p"], ["aa", "a"]) == [1.0, 0.0]
-    args = _config(tmp_path, reward_model_path=tiny_reward_model_path, max_steps=1)
-    trainer = OnlineDPOTrainer(tiny_model_path, args=args, train_dataset=_dataset(), judge=prefer_longer)
+    args = _config(tmp_path, max_steps=1)
+    trainer = OnlineDPOTrainer(
+        tiny_model_path, reward_funcs=tiny_reward_model_path, args=args, train_dataset=_dataset(), judge=prefer_longer
+    )
     assert len(trainer.reward_funcs) == 2 and isinstance(trainer.reward_funcs[0], torch.nn.Module)
     before = trainable_params(trainer.model)
     trainer.train()
     assert params_changed(before, trainer.model) and calls == [1, 2]  # the direct call above, then 2 prompts
     with pytest.raises(ValueError, match="reward_funcs"):
         OnlineDPOTrainer(tiny_model_path, args=_config(tmp_path), train_dataset=_dataset())
+
+
+def test_reward_model_path_is_not_a_second_reward_source(tmp_path, tiny_model_path, tiny_reward_model_path):
+    """TRL's examples/scripts/online_dpo.py: the script loads `reward_model_path` and passes the model (and its
+    tokenizer) as `reward_funcs`; the trainer must not add the path again (TRL 1.16 never reads it there)."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    args = _config(tmp_path, reward_model_path=tiny_reward_model_path, max_steps=1)
+    reward_model = AutoModelForSequenceClassification.from_pretrained(args.reward_model_path, num_labels=1)
+    reward_tokenizer = AutoTokenizer.from_pretrained(args.reward_model_path, truncation_side="left")
+    trainer = OnlineDPOTrainer(
+        tiny_model_path, reward_funcs=reward_model, args=args, train_dataset=_dataset(),
+        reward_processing_classes=reward_tokenizer,
+    )  # fmt: skip
+    assert trainer.reward_funcs == [reward_model]
+    trainer.train()
+    # As in TRL, the path alone is no reward source.
+    with pytest.raises(ValueError, match="`reward_funcs` must be provided"):
+        OnlineDPOTrainer(tiny_model_path, args=args, train_dataset=_dataset())
 
 
 def test_beta_is_chosen_per_epoch(tmp_path, tiny_model_path):
@@ -180,3 +201,24 @@ def test_a2po_also_scores_under_the_raw_logits(tmp_path, tiny_model_path):
     batch = _one_row_batch(prompt, completion)
     logps = trainer._token_stats(trainer.model, batch).logps.detach()
     assert torch.allclose(logps, _raw_logps(trainer.model, prompt, completion), atol=1e-5)
+
+
+def test_experimental_run_passes_reward_model_path_as_the_reward(tmp_path, tiny_model_path, tiny_reward_model_path,
+                                                                 monkeypatch):  # fmt: skip
+    """`python -m posttrain.experimental.run online_dpo --reward_model_path PATH` (no --reward_funcs) trains with
+    that model as the one reward source, as TRL's online_dpo.py script does."""
+    import json
+
+    import posttrain.experimental.run as run
+    from posttrain.experimental.online_dpo import OnlineDPOTrainer as Trainer
+
+    seen = []
+    monkeypatch.setattr(Trainer, "train", lambda self, *a, **k: seen.append(list(self.reward_funcs)))
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Question {i}:"}) + "\n" for i in range(4)))
+    monkeypatch.setenv("POSTTRAIN_NO_REPORT", "1")
+    argv = ["online_dpo", "--model_name_or_path", tiny_model_path, "--reward_model_path", tiny_reward_model_path,
+            "--dataset_name", str(data), "--max_steps", "1", "--output_dir", str(tmp_path / "out"),
+            "--report_to", "none", "--per_device_train_batch_size", "2", "--max_new_tokens", "4"]  # fmt: skip
+    assert run.main(argv) == 0
+    assert len(seen) == 1 and len(seen[0]) == 1 and isinstance(seen[0][0], torch.nn.Module)

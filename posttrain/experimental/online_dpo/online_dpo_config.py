@@ -25,7 +25,11 @@ class OnlineDPOConfig(OnlineRLConfig):
 
     learning_rate: float = field(default=5e-7, metadata={"help": "The initial learning rate for AdamW."})
     reward_model_path: str | None = field(
-        default=None, metadata={"help": "Path to the reward model (a sequence classifier), used as a reward source."}
+        default=None,
+        metadata={
+            "help": "Path to the reward model. As in TRL, the trainer does not read it: scripts load it and pass it "
+            "in `reward_funcs` (`python -m posttrain.experimental.run online_dpo` does)."
+        },
     )
     max_new_tokens: int = field(default=64, metadata={"help": "Maximum number of tokens to generate per completion."})
     max_length: int = field(

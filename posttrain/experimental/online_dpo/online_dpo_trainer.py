@@ -78,7 +78,8 @@ class OnlineDPOTrainer(OnlineTrainerBase):
         ref_model: The reference policy; None = a frozen copy of ``model`` (or the base with adapters disabled
             under PEFT). Must not be ``model`` itself.
         reward_funcs: Reward functions (TRL's keyword contract), reward-model ids/paths or sequence classifiers,
-            registered names; ``args.reward_model_path`` is added as a reward model.
+            registered names. As in TRL, ``args.reward_model_path`` is not read here: pass that model (or its path)
+            in ``reward_funcs``, as TRL's ``online_dpo.py`` example does.
         args: :class:`OnlineDPOConfig`.
         train_dataset: Prompt-only dataset (``"prompt"``: text or messages).
         processing_class / reward_processing_classes / peft_config / callbacks / optimizers: as ``GRPOTrainer``.
@@ -119,12 +120,14 @@ class OnlineDPOTrainer(OnlineTrainerBase):
                 "`model`, either omit the `ref_model` argument or pass `None`."
             )
         self._ref_model_arg = ref_model
-        funcs = reward_sources(
-            reward_funcs,
-            last=(getattr(args, "reward_model_path", None) or None, JudgeReward(judge) if judge is not None else None),
-        )
+        # As TRL 1.16, the trainer never reads `args.reward_model_path`: TRL's online_dpo.py example loads that model
+        # itself and passes it in `reward_funcs`, so adding it here too would score it twice.
+        funcs = reward_sources(reward_funcs, last=(JudgeReward(judge) if judge is not None else None,))
         if not funcs:
-            raise ValueError("`reward_funcs` must be provided (or `args.reward_model_path`, or a `judge`).")
+            raise ValueError(
+                "`reward_funcs` must be provided. (`args.reward_model_path` is not read by the trainer, as in TRL: "
+                "pass the path or the loaded model as `reward_funcs`, or give a `judge`.)"
+            )
         super().__init__(
             model,
             funcs,
