@@ -81,6 +81,8 @@ __all__ = ["__version__", *_LAZY]
 def __getattr__(name: str) -> Any:
     module_name = _LAZY.get(name)
     if module_name is None:
+        if name == "DataCollatorForCompletionOnlyLM":  # TRL <= 0.19's collator, built over posttrain.legacy
+            return importlib.import_module("posttrain._legacy_collator").DataCollatorForCompletionOnlyLM
         legacy = importlib.import_module("posttrain.legacy")  # older TRL's names (setup_chat_format, ORPOConfig)
         if name in legacy.TOP_LEVEL:
             return getattr(legacy, name)  # not cached: each first use of an old name warns once

@@ -69,11 +69,7 @@ def _is_training_config(cls: type) -> bool:
 def _truncates_prompts(cls: type) -> bool:
     """Where TRL 0.x's ``max_prompt_length`` was a plain cut of each prompt to its last tokens, which posttrain keeps:
     GRPO/RLOO (before generation, TRL ≤ 0.27) and DPO (at tokenization, TRL ≤ 0.28), with their subclasses."""
-    from posttrain.trainers.dpo import DPOConfig
-    from posttrain.trainers.grpo import GRPOConfig
-    from posttrain.trainers.rloo import RLOOConfig
-
-    return issubclass(cls, (GRPOConfig, RLOOConfig, DPOConfig))
+    return bool(getattr(cls, "legacy_truncates_prompts", False))  # set on GRPOConfig, RLOOConfig and DPOConfig
 
 
 class KeepLastPromptTokens:
@@ -409,18 +405,18 @@ def get_kbit_device_map() -> dict[str, int] | None:
         "still returns the old device map.",
         stacklevel=2,
     )
-    from posttrain.cli.configs import get_kbit_device_map as current
+    import torch
 
-    return current()
+    if not torch.cuda.is_available():
+        return None
+    from accelerate import PartialState
+
+    return {"": PartialState().local_process_index}
 
 
 def __getattr__(name: str) -> Any:
-    """``DataCollatorForCompletionOnlyLM`` and the old top-level ORPO/CPO names, built on first use (they import
-    torch / transformers)."""
-    if name == "DataCollatorForCompletionOnlyLM":
-        from posttrain._legacy_collator import DataCollatorForCompletionOnlyLM
-
-        return DataCollatorForCompletionOnlyLM
+    """The old top-level ORPO/CPO names, imported on first use (``DataCollatorForCompletionOnlyLM`` lives in
+    ``posttrain._legacy_collator``, above this module, and ``posttrain.__getattr__`` resolves it)."""
     if name in _EXPERIMENTAL_AT_TOP:
         module = _EXPERIMENTAL_AT_TOP[name]
         warn_once(

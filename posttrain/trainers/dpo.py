@@ -34,7 +34,7 @@ import functools
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from transformers import TrainingArguments
@@ -95,6 +95,9 @@ class DPOConfig(BaseConfig):
     Only DPO-specific fields are listed; everything else is ``transformers.TrainingArguments`` with TRL's overrides
     (``logging_steps=10``, ``gradient_checkpointing=True``, ``bf16`` automatic, ``learning_rate=1e-6``).
     """
+
+    # older TRL's `max_prompt_length` (a plain cut to the last tokens) is reproduced for this config: posttrain.legacy
+    legacy_truncates_prompts: ClassVar[bool] = True
 
     learning_rate: float = field(default=1e-6, metadata={"help": "Initial AdamW learning rate."})
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -69,6 +69,9 @@ class GRPOConfig(ObjectiveArguments, OnlineRLConfig):
     ``core.policy_objectives.ObjectiveArguments``, beside the objectives that read them. ``generation_backend``
     ("posttrain" | "transformers") and ``rollout_importance_sampling`` are posttrain additions.
     """
+
+    # older TRL's `max_prompt_length` (a plain cut to the last tokens) is reproduced for this config: posttrain.legacy
+    legacy_truncates_prompts: ClassVar[bool] = True
 
     cast_lm_head_to_fp32: bool = field(
         default=False,

@@ -14,7 +14,7 @@ RLOO is a preset of the shared online-RL pipeline, not a copy of GRPO. What diff
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -33,6 +33,9 @@ class RLOOConfig(OnlineRLConfig):
 
     The shared online-RL fields (generation, batch arithmetic, vLLM, logging) are documented on ``OnlineRLConfig``.
     """
+
+    # older TRL's `max_prompt_length` (a plain cut to the last tokens) is reproduced for this config: posttrain.legacy
+    legacy_truncates_prompts: ClassVar[bool] = True
 
     num_generations: int | None = field(
         default=2, metadata={"help": "Completions sampled per prompt (>= 2: the leave-one-out baseline needs one)."}
