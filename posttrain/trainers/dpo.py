@@ -67,7 +67,9 @@ from posttrain.reliability.validation import (
     ALLOW_NEGATIVE_BETA_HELP,
     check_beta,
     check_datasets,
+    check_liger_peft_head,
     check_preference_pairs,
+    require_train_dataset,
 )
 from posttrain.trainers.base import BaseConfig
 from posttrain.trainers.preference import (
@@ -248,6 +250,7 @@ class DPOTrainer(PreferenceTrainer):
         preprocess_logits_for_metrics: Callable | None = None,
     ):
         args = self.resolve_args(args, model, DPOConfig, "DPO")
+        require_train_dataset(train_dataset, "DPOTrainer")
         check_datasets(train_dataset, eval_dataset)
         self._vision = is_vision_dataset(train_dataset)
         if self._vision:
@@ -257,6 +260,7 @@ class DPOTrainer(PreferenceTrainer):
         processing_class, policy, self.reference = load_policy_and_reference(
             model, ref_model, args, processing_class, peft_config, quantization_config
         )
+        check_liger_peft_head(policy, args)
         configure_streaming(args, train_dataset)
 
         self.pad_token_id = resolve_pad_token(processing_class, args.pad_token)

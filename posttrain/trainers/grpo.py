@@ -24,6 +24,7 @@ loop of ``posttrain.agents`` around the generation backend; tool-result tokens a
 
 from __future__ import annotations
 
+import logging
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +49,8 @@ from posttrain.rollout.buffer import RolloutBatch
 from posttrain.rollout.estimators import GroupRelativeEstimator
 from posttrain.rollout.pipeline import ImportanceSamplingSettings, RolloutSettings
 from posttrain.trainers.online import OnlineRLConfig, OnlineTrainerBase
+
+logger = logging.getLogger(__name__)
 
 ENTROPY_CTRL_STATE = "entropy_ctrl_state.json"
 _IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
@@ -320,7 +323,7 @@ class GRPOTrainer(OnlineTrainerBase):
             epsilon_high=args.epsilon_high,
             vllm_importance_sampling_mode=is_settings.mode if is_settings is not None else None,
         ):
-            warnings.warn(message, UserWarning, stacklevel=3)
+            logger.warning(message)  # through `logging`, as TRL's configuration warnings
         self.entropy_ctrl = EntropyController(
             coef=args.entropy_coef,
             adaptive=args.use_adaptive_entropy,

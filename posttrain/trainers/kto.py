@@ -53,7 +53,12 @@ from posttrain.distributed import gather_masked_mean
 from posttrain.models.loading import load_processor
 from posttrain.models.preference_scoring import PreferenceScores, score_preference_completions
 from posttrain.models.reference import precompute_reference_columns
-from posttrain.reliability.validation import check_datasets, check_preference_pairs
+from posttrain.reliability.validation import (
+    check_datasets,
+    check_liger_peft_head,
+    check_preference_pairs,
+    require_train_dataset,
+)
 from posttrain.trainers.base import BaseConfig
 from posttrain.trainers.preference import (
     PreferenceTrainer,
@@ -185,6 +190,7 @@ class KTOTrainer(PreferenceTrainer):
         preprocess_logits_for_metrics: Callable | None = None,
     ):
         args = self.resolve_args(args, model, KTOConfig, "KTO")
+        require_train_dataset(train_dataset, "KTOTrainer")
         check_datasets(train_dataset, eval_dataset)
         if args.loss_type == "kto" and args.per_device_train_batch_size <= 1:
             raise ValueError(BATCH_SIZE_ERROR)
@@ -196,6 +202,7 @@ class KTOTrainer(PreferenceTrainer):
         processing_class, policy, self.reference = load_policy_and_reference(
             model, ref_model, args, processing_class, peft_config, quantization_config
         )
+        check_liger_peft_head(policy, args)
         configure_streaming(args, train_dataset)
         tok = getattr(processing_class, "tokenizer", processing_class)
         if data_collator is None and self._vision:

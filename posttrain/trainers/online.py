@@ -51,7 +51,7 @@ from posttrain.models.loading import (
 )
 from posttrain.models.reference import SyncRefModelCallback, create_reference_policy
 from posttrain.models.unwrap import unwrap_base_model
-from posttrain.reliability.validation import check_datasets, check_text_only
+from posttrain.reliability.validation import check_datasets, check_liger_peft_head, check_text_only
 from posttrain.rollout.buffer import RolloutBatch, RolloutBuffer
 from posttrain.rollout.completions_log import print_completions_table, write_completions_parquet
 from posttrain.rollout.metrics import clip_ratio_metrics
@@ -340,6 +340,7 @@ class OnlineTrainerBase(BaseTrainer):
             train_dataset = self._environment_placeholder_dataset(args, environment_factory)
         model_id = model if isinstance(model, str) else None
         model, processing_class = self._setup_policy(model, args, processing_class, peft_config, quantization_config)
+        check_liger_peft_head(model, args)
         self._prepare_model(model, args)
         # Agent training (tools / environment_factory): checks (and may swap) the chat template, adds the
         # environments' get_reward columns.
@@ -530,7 +531,11 @@ class OnlineTrainerBase(BaseTrainer):
     def _environment_placeholder_dataset(self, args: OnlineRLConfig, environment_factory: Any) -> Any:
         """TRL: with a single ``environment_factory`` the dataset may be omitted; rows of empty prompts stand in."""
         if environment_factory is None:
-            raise ValueError(f"{self._trainer_name}Trainer needs a train_dataset with a 'prompt' column.")
+            unless = " unless an `environment_factory` is provided" if self._trainer_name == "GRPO" else ""
+            raise ValueError(
+                f"`train_dataset` is required{unless}: {self._trainer_name}Trainer generates completions for the "
+                "prompts of its 'prompt' column. Pass train_dataset=... (a Dataset or IterableDataset)."
+            )
         if isinstance(environment_factory, dict):
             raise ValueError(
                 "train_dataset is required with a dict environment_factory: every row needs an 'environment' "
