@@ -44,7 +44,9 @@ def test_reward_model_with_several_labels(tmp_path):
         num_key_value_heads=1, num_labels=2, pad_token_id=tok.pad_token_id,
     )  # fmt: skip
     model = AutoModelForSequenceClassification.from_config(config)
-    with pytest.raises(ValueError, match=_start("The model has `num_labels=2`, but reward models require `num_labels=1`")):
+    with pytest.raises(
+        ValueError, match=_start("The model has `num_labels=2`, but reward models require `num_labels=1`")
+    ):
         RewardTrainer(model, args=fast_config(RewardConfig, tmp_path), train_dataset=CASES["reward"][2](),
                       processing_class=tok)  # fmt: skip
 
@@ -63,7 +65,9 @@ def test_sft_with_transform(tiny_model_path, tmp_path):
     text = Dataset.from_dict({"text": ["hello there", "general kenobi"]})
     phrase = "SFTTrainer cannot prepare a dataset that uses `Dataset.with_transform()`"
     with pytest.raises(ValueError, match=_start(phrase)):
-        SFTTrainer(tiny_model_path, args=fast_config(SFTConfig, tmp_path), train_dataset=text.with_transform(lambda b: b))
+        SFTTrainer(
+            tiny_model_path, args=fast_config(SFTConfig, tmp_path), train_dataset=text.with_transform(lambda b: b)
+        )
     # as TRL: with skip_prepare_dataset nothing is prepared, so a transform returning ready rows is accepted
     ready = Dataset.from_dict({"input_ids": [[1, 2, 3]], "labels": [[1, 2, 3]]}).with_transform(lambda b: b)
     args = fast_config(SFTConfig, tmp_path, dataset_kwargs={"skip_prepare_dataset": True})
@@ -101,7 +105,9 @@ def test_sequence_level_is_with_a_token_summed_loss_is_logged(loss_type, tiny_mo
     with caplog.at_level(logging.WARNING, logger="posttrain"):
         GRPOTrainer(tiny_model_path, reward_funcs=_reward, args=args, train_dataset=CASES["grpo"][2]())
     messages = [r.getMessage() for r in caplog.records]
-    phrase = f"When using `importance_sampling_level='sequence'`, the `'{loss_type}'` loss sums per-token contributions"
+    phrase = (
+        f"When using `importance_sampling_level='sequence'`, the `'{loss_type}'` loss sums per-token contributions"
+    )
     assert any(m.startswith(phrase) for m in messages), messages
 
 
