@@ -84,15 +84,16 @@ def check_datasets(train_dataset: Any, eval_dataset: Any = None) -> None:
     """What every trainer checks first: ``train_dataset`` is one ``datasets`` split (not a list, DataFrame or dict of
     splits); ``eval_dataset`` is a dataset or a dict of them."""
     check_single_split(train_dataset, "train_dataset")
-    _check_not_empty(train_dataset, "train_dataset")
+    check_not_empty(train_dataset, "train_dataset")
     splits = eval_dataset.items() if isinstance(eval_dataset, dict) else [(None, eval_dataset)]
     for name, split in splits:
         arg = "eval_dataset" if name is None else f"eval_dataset[{name!r}]"
         check_dataset_type(split, arg)
-        _check_not_empty(split, arg)
+        check_not_empty(split, arg)
 
 
-def _check_not_empty(dataset: Any, arg_name: str) -> None:
+def check_not_empty(dataset: Any, arg_name: str) -> None:
+    """Raise ValueError when a sized dataset has 0 rows, naming ``arg_name`` (streams pass: they have no length)."""
     if _sized_length(dataset) == 0:
         columns = getattr(dataset, "column_names", None)
         raise ValueError(

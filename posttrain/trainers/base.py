@@ -191,6 +191,8 @@ class BaseTrainer(Trainer):
 
     def __init__(self, *args, **kwargs):
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
+        # evaluate(eval_dataset=raw): id(raw) -> (raw, prepared); raw is kept so that its id cannot be reused
+        self._prepared_eval_datasets: dict[int, tuple[Any, Any]] = {}
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         if training_args is not None and getattr(training_args, "should_save", True):
             # HF's __init__ creates output_dir; fail first with an error that names the option and the fix.
@@ -293,6 +295,56 @@ class BaseTrainer(Trainer):
         logs.update(averaged)  # in place, as TRL: evaluate() returns this dict, eval_rewards/... included
         self._metrics[mode].clear()
         super().log(logs, start_time)
+
+    # -- evaluation datasets -------------------------------------------------------------------------------------
+    def _prepare_eval_dataset(self, dataset: Any, name: str) -> Any:
+        """One evaluation dataset prepared exactly as the constructor prepares ``eval_dataset`` (validated,
+        tokenized, packed...). Trainers that prepare their datasets set ``self._eval_preparer`` (a function of
+        ``(dataset, name)``) in their constructor, before the datasets are prepared; without one it is unchanged."""
+        preparer = getattr(self, "_eval_preparer", None)
+        return dataset if preparer is None else preparer(dataset, name)
+
+    def _is_prepared_eval_dataset(self, dataset: Any) -> bool:
+        """Whether ``dataset`` is one this trainer prepared (from the constructor or an earlier ``evaluate``)."""
+        own = self.eval_dataset
+        known = list(own.values()) if isinstance(own, dict) else [own]
+        known += [prepared for _, prepared in self._prepared_eval_datasets.values()]
+        return any(dataset is d for d in known)
+
+    def _prepared_eval_split(self, dataset: Any, name: str) -> Any:
+        """``dataset`` prepared for evaluation once (cached by identity); datasets already prepared pass as they are."""
+        if self._is_prepared_eval_dataset(dataset):
+            return dataset
+        cached = self._prepared_eval_datasets.get(id(dataset))
+        if cached is not None and cached[0] is dataset:
+            return cached[1]
+        arg = "eval_dataset" if name == "eval" else f"eval_dataset[{name.split('/', 1)[1]!r}]"
+        validation.check_dataset_type(dataset, arg)
+        validation.check_not_empty(dataset, arg)
+        prepared = self._prepare_eval_dataset(dataset, name)
+        self._prepared_eval_datasets[id(dataset)] = (dataset, prepared)
+        return prepared
+
+    def evaluate(
+        self, eval_dataset: Any = None, ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval"
+    ) -> dict[str, float]:
+        """HF's ``evaluate``; a dataset given here is prepared exactly as the constructor prepares ``eval_dataset``
+        (as TRL): a ``Dataset``, an ``IterableDataset``, or a dict of them (``DatasetDict``, ``IterableDatasetDict``),
+        evaluated per split with HF's ``{metric_key_prefix}_{name}_`` prefixes. Prepared datasets are cached, so
+        evaluating the same object again does not prepare it again; a string names one of the constructor's sets."""
+        if eval_dataset is None or isinstance(eval_dataset, str):
+            return super().evaluate(eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+        if isinstance(eval_dataset, dict):
+            # one evaluation per split here: handing the dict to HF would re-enter this method per split
+            metrics: dict[str, float] = {}
+            for key, split in eval_dataset.items():
+                prepared = self._prepared_eval_split(split, f"eval/{key}")
+                metrics.update(
+                    super().evaluate(prepared, ignore_keys=ignore_keys, metric_key_prefix=f"{metric_key_prefix}_{key}")
+                )
+            return metrics
+        prepared = self._prepared_eval_split(eval_dataset, "eval")
+        return super().evaluate(prepared, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
 
     # -- saving --------------------------------------------------------------------------------------------------
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:

@@ -285,6 +285,7 @@ class DPOTrainer(PreferenceTrainer):
         def prepare_eval(dataset: Any, name: str) -> Any:
             return self._prepare_dataset(dataset, processing_class, args, name)
 
+        self._eval_preparer = prepare_eval  # evaluate(eval_dataset=...) prepares its argument the same way
         eval_dataset = prepare_splits(eval_dataset, prepare_eval, "eval")
         if self._vision:  # raw rows go to the vision collator: keep what it reads
             self._signature_columns_extra = (*self._signature_columns_extra, *_VISION_COLUMNS)
@@ -358,16 +359,19 @@ class DPOTrainer(PreferenceTrainer):
         chosen, rejected = self._sequence_logps(scores)
         return chosen.detach(), rejected.detach()
 
-    def _precompute_reference(self) -> None:
-        """Add ``ref_chosen_logps`` / ``ref_rejected_logps`` columns to the datasets, then free the reference."""
+    def _reference_columns(self) -> tuple[Callable, tuple[str, ...], str]:
+        """(batch → ``ref_chosen_logps`` / ``ref_rejected_logps``, the columns it reads, the marker column)."""
 
         def compute(batch: dict[str, Any]) -> dict[str, torch.Tensor]:
             chosen, rejected = self._reference_logps(self.model, batch)
             return {"ref_chosen_logps": chosen, "ref_rejected_logps": rejected}
 
-        precompute_reference_columns(
-            self, compute, input_columns=self._signature_columns_extra[:3], marker_column="ref_chosen_logps"
-        )
+        return compute, self._signature_columns_extra[:3], "ref_chosen_logps"
+
+    def _precompute_reference(self) -> None:
+        """Add ``ref_chosen_logps`` / ``ref_rejected_logps`` columns to the datasets, then free the reference."""
+        compute, input_columns, marker = self._reference_columns()
+        precompute_reference_columns(self, compute, input_columns=input_columns, marker_column=marker)
 
     # -- loss ----------------------------------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

@@ -227,6 +227,7 @@ class KTOTrainer(PreferenceTrainer):
         def prepare_eval(dataset: Any, name: str) -> Any:
             return self._prepare_dataset(dataset, tok, args, name, args.per_device_eval_batch_size)
 
+        self._eval_preparer = prepare_eval  # evaluate(eval_dataset=...) prepares its argument the same way
         eval_dataset = prepare_splits(eval_dataset, prepare_eval, "eval")
         self._warn_weight_range(train_dataset, args)
         if self._vision:  # raw rows go to the vision collator: keep what it reads
@@ -323,17 +324,20 @@ class KTOTrainer(PreferenceTrainer):
         ref_kl = self._ref_forward(model, inputs, "KL_") if need_kl else None
         return ref_logps, ref_kl
 
-    def _precompute_reference(self) -> None:
-        """Add ``ref_logps`` (and, with the KL term, ``ref_KL_logps``) columns to the datasets, then free the
-        reference."""
+    def _reference_columns(self) -> tuple[Callable, tuple[str, ...], str]:
+        """(batch → ``ref_logps`` (+ ``ref_KL_logps`` with the KL term), the columns it reads, the marker column)."""
 
         def compute(batch: dict[str, Any]) -> dict[str, torch.Tensor]:
             ref_logps, ref_kl = self._reference_logps(self.model, batch)
             return {"ref_logps": ref_logps} if ref_kl is None else {"ref_logps": ref_logps, "ref_KL_logps": ref_kl}
 
-        precompute_reference_columns(
-            self, compute, input_columns=self._signature_columns_extra[:4], marker_column="ref_logps"
-        )
+        return compute, self._signature_columns_extra[:4], "ref_logps"
+
+    def _precompute_reference(self) -> None:
+        """Add ``ref_logps`` (and, with the KL term, ``ref_KL_logps``) columns to the datasets, then free the
+        reference."""
+        compute, input_columns, marker = self._reference_columns()
+        precompute_reference_columns(self, compute, input_columns=input_columns, marker_column=marker)
 
     # -- loss ----------------------------------------------------------------------------------------------------
     def _kl_reference_point(self, model, inputs, ref_kl: torch.Tensor | None) -> torch.Tensor:

@@ -794,7 +794,14 @@ class OnlineTrainerBase(BaseTrainer):
             num_workers=0,  # several workers would each replay the stream
             pin_memory=self.args.dataloader_pin_memory,
         )
-        return self.accelerator.prepare(loader)
+        # Raw rows (strings) cannot be dispatched from the main process: each process reads its own share, as the
+        # constructor sets up for a stream given there (a stream given to evaluate() arrives after that set-up).
+        config = self.accelerator.dataloader_config
+        dispatch_batches, config.dispatch_batches = config.dispatch_batches, False
+        try:
+            return self.accelerator.prepare(loader)
+        finally:
+            config.dispatch_batches = dispatch_batches
 
     def _prepare_inputs(self, inputs: list[dict[str, Any]]) -> RolloutBatch:
         mode = self._mode()

@@ -190,6 +190,7 @@ class RewardTrainer(PreferenceTrainer):
         def prepare_eval(dataset: Any, name: str) -> Any:
             return self._prepare_dataset(dataset, tok, args, name)
 
+        self._eval_preparer = prepare_eval  # evaluate(eval_dataset=...) prepares its argument the same way
         eval_dataset = prepare_splits(eval_dataset, prepare_eval, "eval")
         check_text_only(train_dataset, "RewardTrainer")
         train_dataset = self._prepare_dataset(train_dataset, tok, args, "train")

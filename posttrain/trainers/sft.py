@@ -395,17 +395,16 @@ class SFTTrainer(BaseTrainer):
         train_dataset = self._prepare_dataset(
             train_dataset, tokenizer, args, args.packing, formatting_func, "train", skip_prepare
         )
-        if eval_dataset is not None:
-            eval_packing = args.packing if args.eval_packing is None else args.eval_packing
-            if isinstance(eval_dataset, dict):
-                eval_dataset = {
-                    key: self._prepare_dataset(ds, tokenizer, args, eval_packing, formatting_func, key, skip_prepare)
-                    for key, ds in eval_dataset.items()
-                }
-            else:
-                eval_dataset = self._prepare_dataset(
-                    eval_dataset, tokenizer, args, eval_packing, formatting_func, "eval", skip_prepare
-                )
+        eval_packing = args.packing if args.eval_packing is None else args.eval_packing
+
+        def prepare_eval(dataset: Any, name: str) -> Any:
+            return self._prepare_dataset(dataset, tokenizer, args, eval_packing, formatting_func, name, skip_prepare)
+
+        self._eval_preparer = prepare_eval  # evaluate(eval_dataset=...) prepares its argument the same way
+        if isinstance(eval_dataset, dict):
+            eval_dataset = {key: prepare_eval(ds, key) for key, ds in eval_dataset.items()}
+        elif eval_dataset is not None:
+            eval_dataset = prepare_eval(eval_dataset, "eval")
 
         self.loss_type = args.loss_type
         self._loss_fn = SFT_LOSSES.get(args.loss_type)
