@@ -23,7 +23,9 @@ TIMING = ("runtime", "samples_per_second", "steps_per_second", "model_preparatio
 
 def _metrics(kind, tmp_path, model_path, raw, at_init):
     config_class, trainer_class, data = CASES[kind]
-    args = fast_config(config_class, tmp_path, max_steps=1, per_device_train_batch_size=2, per_device_eval_batch_size=2)
+    args = fast_config(
+        config_class, tmp_path, max_steps=1, per_device_train_batch_size=2, per_device_eval_batch_size=2
+    )
     torch.manual_seed(0)  # PRM's token-classification head is newly initialised from the global RNG
     trainer = trainer_class(model_path, args=args, train_dataset=data(), eval_dataset=raw if at_init else None)
     metrics = trainer.evaluate() if at_init else trainer.evaluate(eval_dataset=raw)
