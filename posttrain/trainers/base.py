@@ -161,6 +161,55 @@ class BaseConfig(TrainingArguments):
         super().__post_init__()
 
 
+class ConfigAttribute:
+    """A trainer attribute that TRL copies from the config in its constructor (``self.beta = args.beta``), which
+    subclasses written for TRL read (e.g. the DPO customization guide's ``self.beta``).
+
+    posttrain reads its settings from ``self.args``, so this attribute reads the config field (optionally
+    transformed, e.g. ``epsilon_low`` from ``epsilon``) and assigning it sets that field, so that a subclass's
+    ``self.beta = 0.2`` takes effect wherever posttrain reads ``args.beta``."""
+
+    def __init__(self, field: str | None = None, read: Any = None, *, writable: bool = True):
+        self.field = field
+        self.read = read  # (trainer, value) -> what TRL's attribute holds; None: the value itself
+        self.writable = writable  # False: derived from the field (assigning would not mean the same)
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+        self.field = self.field or name
+
+    def __get__(self, trainer: Any, owner: type | None = None) -> Any:
+        if trainer is None:
+            return self
+        args = trainer.__dict__.get("args")
+        if args is None:  # before HF's constructor has set args
+            raise AttributeError(
+                f"{owner.__name__ if owner else 'trainer'}.{self.name} is read from args, not set yet"
+            )
+        value = getattr(args, self.field)
+        return value if self.read is None else self.read(trainer, value)
+
+    def __set__(self, trainer: Any, value: Any) -> None:
+        args = trainer.__dict__.get("args")
+        if args is None or not self.writable:
+            raise AttributeError(
+                f"{type(trainer).__name__}.{self.name} is read from the config field args.{self.field}; set that "
+                "field instead."
+            )
+        setattr(args, self.field, value)
+
+
+def router_aux_loss_coef_attribute(trainer: Any, value: float | None) -> float:
+    """TRL's ``router_aux_loss_coef`` attribute: the config's value, or the model's own coefficient when None."""
+    if value is not None:
+        return value
+    from posttrain.models.unwrap import unwrap_base_model
+
+    config = getattr(unwrap_base_model(trainer.model), "config", None)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return float(getattr(text_config, "router_aux_loss_coef", 0.0) or 0.0)
+
+
 def nanmean_or_none(values: list[float]) -> float | None:
     """Average of the finite values (NaN ignored); None when nothing finite remains."""
     finite = [float(v) for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]

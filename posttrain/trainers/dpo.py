@@ -71,7 +71,7 @@ from posttrain.reliability.validation import (
     check_preference_pairs,
     require_train_dataset,
 )
-from posttrain.trainers.base import BaseConfig
+from posttrain.trainers.base import BaseConfig, ConfigAttribute, router_aux_loss_coef_attribute
 from posttrain.trainers.preference import (
     PreferenceTrainer,
     activation_offloading_context,
@@ -231,6 +231,23 @@ class DPOTrainer(PreferenceTrainer):
 
     _tag_names = ["trl", "dpo"]
     _signature_columns_extra = ("prompt_ids", "chosen_ids", "rejected_ids", "ref_chosen_logps", "ref_rejected_logps")
+
+    # TRL's attributes copied from the config, which subclasses written for TRL read (``ConfigAttribute``)
+    beta = ConfigAttribute()
+    label_smoothing = ConfigAttribute()
+    ld_alpha = ConfigAttribute()
+    f_divergence_type = ConfigAttribute()
+    f_alpha_divergence_coef = ConfigAttribute()
+    use_weighting = ConfigAttribute()
+    padding_free = ConfigAttribute()
+    precompute_ref_logps = ConfigAttribute("precompute_ref_log_probs")
+    loss_types = ConfigAttribute(
+        "loss_type", lambda trainer, value: [value] if isinstance(value, str) else list(value)
+    )
+    loss_weights = ConfigAttribute(
+        read=lambda trainer, value: list(value) if value else [1.0] * len(trainer.loss_types)
+    )
+    router_aux_loss_coef = ConfigAttribute(read=router_aux_loss_coef_attribute)
 
     def __init__(
         self,

@@ -48,6 +48,7 @@ from posttrain.reliability.validation import ALLOW_NEGATIVE_BETA_HELP, check_bet
 from posttrain.rollout.buffer import RolloutBatch
 from posttrain.rollout.estimators import GroupRelativeEstimator
 from posttrain.rollout.pipeline import ImportanceSamplingSettings, RolloutSettings
+from posttrain.trainers.base import ConfigAttribute
 from posttrain.trainers.online import OnlineRLConfig, OnlineTrainerBase
 
 logger = logging.getLogger(__name__)
@@ -305,6 +306,20 @@ class GRPOTrainer(OnlineTrainerBase):
     config_class = GRPOConfig
     _trainer_name = "GRPO"
     _tag_names = ["posttrain", "grpo"]
+
+    # TRL's attributes copied from the config, which subclasses written for TRL read (``ConfigAttribute``)
+    loss_type = ConfigAttribute()
+    importance_sampling_level = ConfigAttribute()
+    scale_rewards = ConfigAttribute()
+    multi_objective_aggregation = ConfigAttribute()
+    off_policy_mask_threshold = ConfigAttribute()
+    top_entropy_quantile = ConfigAttribute()
+    use_adaptive_entropy = ConfigAttribute()
+    max_tool_calling_iterations = ConfigAttribute()
+    vllm_importance_sampling_correction = ConfigAttribute()
+    vllm_importance_sampling_mode = ConfigAttribute()
+    vllm_importance_sampling_clip_min = ConfigAttribute()
+    vllm_importance_sampling_clip_max = ConfigAttribute()
 
     def _setup_loss(self) -> None:
         """The loss of ``loss_type``, its config warnings and the entropy controller (after the shared setup)."""

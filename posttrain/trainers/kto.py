@@ -59,7 +59,7 @@ from posttrain.reliability.validation import (
     check_preference_pairs,
     require_train_dataset,
 )
-from posttrain.trainers.base import BaseConfig
+from posttrain.trainers.base import BaseConfig, ConfigAttribute, router_aux_loss_coef_attribute
 from posttrain.trainers.preference import (
     PreferenceTrainer,
     activation_offloading_context,
@@ -163,6 +163,15 @@ class KTOTrainer(PreferenceTrainer):
     """
 
     _tag_names = ["trl", "kto"]
+
+    # TRL's attributes copied from the config, which subclasses written for TRL read (``ConfigAttribute``)
+    beta = ConfigAttribute()
+    loss_type = ConfigAttribute()
+    desirable_weight = ConfigAttribute()
+    undesirable_weight = ConfigAttribute()
+    precompute_ref_logps = ConfigAttribute("precompute_ref_log_probs")
+    calculate_KL = ConfigAttribute("loss_type", lambda trainer, value: value != "apo_zero_unpaired", writable=False)
+    router_aux_loss_coef = ConfigAttribute(read=router_aux_loss_coef_attribute)
     _signature_columns_extra = (
         "prompt_ids",
         "completion_ids",

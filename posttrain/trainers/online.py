@@ -62,7 +62,13 @@ from posttrain.rollout.sampler import (
     repeat_iterable_dataset,
     resolve_generation_batch,
 )
-from posttrain.trainers.base import PAD_TO_MULTIPLE_OF_HELP, BaseConfig, BaseTrainer
+from posttrain.trainers.base import (
+    PAD_TO_MULTIPLE_OF_HELP,
+    BaseConfig,
+    BaseTrainer,
+    ConfigAttribute,
+    router_aux_loss_coef_attribute,
+)
 
 GENERATION_BACKENDS = ("posttrain", "transformers")
 logger = logging.getLogger(__name__)
@@ -294,6 +300,67 @@ class OnlineRLConfig(BaseConfig):
             )
 
 
+def _completion_logs(size: int | None) -> dict[str, Any]:
+    """TRL's ``self._logs``: the last ``size`` (the generation batch) prompts, completions, rewards per function,
+    advantages and ``log_extra`` columns."""
+    from collections import defaultdict, deque
+
+    return {
+        "images": deque(maxlen=size),
+        "prompt": deque(maxlen=size),
+        "completion": deque(maxlen=size),
+        "rewards": defaultdict(lambda: deque(maxlen=size)),
+        "advantages": deque(maxlen=size),
+        "extra": defaultdict(lambda: deque(maxlen=size)),
+    }
+
+
+class _GenerateHookBackend:
+    """A trainer subclass's ``_generate(prompts)`` (TRL's rollout dispatch) as the generation backend: it receives
+    the raw prompts, one per completion (as a ``rollout_func``), and returns TRL's tuple (``_generate_fields``), or a
+    dict with those names. ``inner`` is the backend posttrain would have used (``super()._generate`` runs it)."""
+
+    def __init__(self, trainer: Any, inner: Any):
+        self.trainer = trainer
+        self.inner = inner
+
+    def sync_weights(self, model: Any) -> None:
+        self.inner.sync_weights(model)
+
+    def generate_from_prompts(self, prompts: list[Any], sampling: Any = None, num_generations: int = 1) -> Any:
+        from posttrain.generation.rollout_func import RolloutFuncBackend
+
+        trainer = self.trainer
+        prompts = [p for p in prompts for _ in range(num_generations)]
+        output = trainer._generate(prompts)
+        fields = trainer._generate_fields
+        if isinstance(output, dict):
+            values = dict(output)
+        elif isinstance(output, (tuple, list)) and len(output) == len(fields):
+            values = dict(zip(fields, output))
+        else:
+            got = f"{len(output)} values" if isinstance(output, (tuple, list)) else type(output).__name__
+            raise ValueError(
+                f"{type(trainer).__name__}._generate must return TRL's tuple {fields} ({len(fields)} values), or a "
+                f"dict with those names; got {got}."
+            )
+        for name in ("prompt_ids", "completion_ids"):
+            if name not in values:
+                raise ValueError(f"{type(trainer).__name__}._generate returned no {name!r}.")
+        result = {
+            "prompt_ids": values["prompt_ids"],
+            "completion_ids": values["completion_ids"],
+            "logprobs": values.get("logprobs"),
+            **(values.get("extra_fields") or {}),
+        }
+        if values.get("tool_mask") is not None:
+            result["env_mask"] = values["tool_mask"]
+        # the rollout-function adapter validates the rows (one per prompt, per-token lengths) and builds Completions
+        adapter = RolloutFuncBackend(lambda _prompts, _trainer: result, trainer, tokenizer=trainer.processing_class)
+        adapter.warn_experimental = False
+        return adapter.generate_from_prompts(prompts, sampling, 1)
+
+
 def _identity_collator(features: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Rows go to ``_prepare_inputs`` untouched (the rollout pipeline does its own batching)."""
     return features
@@ -316,6 +383,45 @@ class OnlineTrainerBase(BaseTrainer):
     # Score completions under π / temperature (GRPO/RLOO: the sampling distribution); False scores under π itself
     # (TRL's Online DPO and A2PO take log_softmax of the raw logits whatever the sampling temperature).
     scores_at_sampling_temperature = True
+    # What TRL's `_generate(prompts)` returns, in order (GRPO's; RLOO returns three of them). A subclass that
+    # overrides `_generate` is called for every generation (see `_generate`).
+    _generate_fields: tuple[str, ...] = (
+        "prompt_ids", "completion_ids", "tool_mask", "completions", "logprobs", "extra_fields", "images", "tool_images",
+    )  # fmt: skip
+
+    # TRL's attributes copied from the config, which subclasses written for TRL read (``ConfigAttribute``)
+    beta = ConfigAttribute()
+    num_iterations = ConfigAttribute()
+    temperature = ConfigAttribute()
+    top_p = ConfigAttribute()
+    top_k = ConfigAttribute()
+    min_p = ConfigAttribute()
+    repetition_penalty = ConfigAttribute()
+    max_completion_length = ConfigAttribute()
+    mask_truncated_completions = ConfigAttribute()
+    shuffle_dataset = ConfigAttribute()
+    pad_to_multiple_of = ConfigAttribute()
+    log_completions = ConfigAttribute()
+    log_unique_prompts = ConfigAttribute()
+    log_multimodal = ConfigAttribute()
+    num_completions_to_print = ConfigAttribute()
+    use_vllm = ConfigAttribute()
+    vllm_mode = ConfigAttribute()
+    vllm_gpu_memory_utilization = ConfigAttribute()
+    vllm_tensor_parallel_size = ConfigAttribute()
+    use_transformers_continuous_batching = ConfigAttribute()
+    epsilon_low = ConfigAttribute("epsilon")
+    epsilon_high = ConfigAttribute(read=lambda trainer, value: trainer.args.epsilon if value is None else value)
+    chat_template_kwargs = ConfigAttribute(read=lambda trainer, value: value or {})
+    router_aux_loss_coef = ConfigAttribute(read=router_aux_loss_coef_attribute)
+    reward_weights = ConfigAttribute(
+        read=lambda trainer, value: trainer.scorer.weights.detach().clone(), writable=False
+    )
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """TRL's attribute: the token ids that end a completion (the tokenizer's EOS, or the generation config's)."""
+        return list(self.sampling.eos_token_ids)
 
     def __init__(
         self,
@@ -481,6 +587,9 @@ class OnlineTrainerBase(BaseTrainer):
         self.sampling = SamplingConfig.from_args(args, self.processing_class).resolved()
         self.rollout_func = rollout_func
         self.backend = self._make_backend(rollout_func)
+        if type(self)._generate is not OnlineTrainerBase._generate:
+            # TRL's rollout dispatch: a subclass's `_generate(prompts)` produces every completion
+            self.backend = _GenerateHookBackend(self, self.backend)
         if self.agent is not None:
             self.backend = self.agent.wrap(self.backend)
         self._make_rollout()
@@ -489,6 +598,7 @@ class OnlineTrainerBase(BaseTrainer):
         )
         self._last_synced_step = -1
         self._pending_completions = None
+        self._logs = _completion_logs(getattr(args, "generation_batch_size", None))
 
     # -- construction helpers ----------------------------------------------------------------------------------
     def _resolve_reward_funcs(
@@ -668,7 +778,7 @@ class OnlineTrainerBase(BaseTrainer):
             compute_old_logps=self._needs_old_logps(),
             compute_ref_logps=args.beta != 0.0,
             importance_sampling=self._importance_sampling(),
-            keep_completions=args.log_completions,
+            keep_completions=True,  # every round, for TRL's `self._logs` (printed only with log_completions)
         )
 
     # -- log-probs ---------------------------------------------------------------------------------------------
@@ -837,7 +947,72 @@ class OnlineTrainerBase(BaseTrainer):
         )
         if self.pipeline.last_completions is not None:
             self._pending_completions = self.pipeline.last_completions
+            self._record_completion_logs(rows, self.pipeline.last_completions)
         return batch
+
+    def _record_completion_logs(self, rows: list[dict[str, Any]], table: Any) -> None:
+        """Keep the round's prompts, completions, rewards, advantages and ``log_extra`` columns (over every process)
+        in ``self._logs``, where TRL keeps them: raw prompts, completions as text (or one assistant message for
+        conversational prompts), ``rewards[name]``, ``advantages`` and ``extra[column]``, each the last
+        ``generation_batch_size`` values."""
+        from posttrain.data.utils import is_conversational
+
+        columns = dict(table.columns)
+        prompts = self.pipeline.gather_object([row.get("prompt") for row in rows])
+        texts, advantages = columns.pop("completion"), columns.pop("advantage")
+        columns.pop("prompt")
+        logs = self._logs
+        logs["prompt"].extend(prompts)
+        logs["completion"].extend(
+            [{"role": "assistant", "content": text}] if is_conversational({"prompt": prompt}) else text
+            for prompt, text in zip(prompts, texts)
+        )
+        for name in self.reward_func_names:
+            logs["rewards"][name].extend(columns.pop(name, []))
+        for column, values in columns.items():
+            logs["extra"][column].extend(values)
+        logs["advantages"].extend(advantages)
+
+    def _generate(self, prompts: list) -> tuple:
+        """TRL's generation hook: completions for ``prompts``, this process's raw prompts (text or message lists, each
+        repeated once per completion, as the sampler laid them out).
+
+        Returns TRL's tuple (``_generate_fields``): GRPO's ``(prompt_ids, completion_ids, tool_mask, completions,
+        logprobs, extra_fields, images, tool_images)``, RLOO's ``(prompt_ids, completion_ids, completions)``.
+
+        A subclass that overrides it (as in TRL) is called for every generation, and may call ``super()._generate``
+        to use posttrain's generation; from what it returns posttrain uses ``prompt_ids``, ``completion_ids``,
+        ``logprobs`` (None: none), ``tool_mask`` (1 = model token) and ``extra_fields`` (per-row reward kwargs).
+        Completions are decoded from ``completion_ids`` for the reward functions. Without an override, posttrain's
+        pipeline generates directly (this method is not called).
+        """
+        from posttrain.rollout.pipeline import completions_as_messages, render_prompts
+
+        backend = self.backend.inner if isinstance(self.backend, _GenerateHookBackend) else self.backend
+        _, prompt_ids = render_prompts(
+            [{"prompt": p} for p in prompts], self.processing_class, self.args.chat_template_kwargs
+        )
+        num_generations = self.num_generations if self._mode() == "train" else self.num_generations_eval
+        pipeline_backend, self.pipeline.backend = self.pipeline.backend, backend
+        try:
+            generated = self.pipeline.generate(prompts, prompt_ids, num_generations)
+        finally:
+            self.pipeline.backend = pipeline_backend
+        texts = self.processing_class.batch_decode(generated.completion_ids, skip_special_tokens=True)
+        extra = dict(generated.extra)
+        values = {
+            "prompt_ids": generated.prompt_ids,
+            "completion_ids": generated.completion_ids,
+            "tool_mask": extra.pop("env_mask", None),
+            "completions": completions_as_messages(
+                prompts, texts, tokenizer=self.processing_class, completion_ids=generated.completion_ids
+            ),
+            "logprobs": generated.logprobs,
+            "extra_fields": extra,
+            "images": None,
+            "tool_images": [],
+        }
+        return tuple(values[name] for name in self._generate_fields)
 
     # -- loss --------------------------------------------------------------------------------------------------
     def _grad_accum_divisor(self) -> int:

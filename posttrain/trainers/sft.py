@@ -48,7 +48,13 @@ from posttrain.models.forward import (
 from posttrain.models.loading import load_processor, resolve_router_aux_loss_coef
 from posttrain.models.unwrap import unwrap_base_model
 from posttrain.registry import Registry
-from posttrain.trainers.base import PAD_TO_MULTIPLE_OF_HELP, BaseConfig, BaseTrainer
+from posttrain.trainers.base import (
+    PAD_TO_MULTIPLE_OF_HELP,
+    BaseConfig,
+    BaseTrainer,
+    ConfigAttribute,
+    router_aux_loss_coef_attribute,
+)
 
 IGNORE_INDEX = -100
 _PACKING_STRATEGIES = ("bfd", "bfd_split", "wrapped")
@@ -321,6 +327,7 @@ class SFTTrainer(BaseTrainer):
     """
 
     _tag_names = ["posttrain", "sft"]
+    router_aux_loss_coef = ConfigAttribute(read=router_aux_loss_coef_attribute)  # TRL's attribute
     # Tokens per chunk of the chunked log-prob path (TRL's chunked_nll uses 256): scratch is ~2 × 256 × V floats.
     chunk_size: int = 256
 
