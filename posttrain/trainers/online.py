@@ -647,13 +647,16 @@ class OnlineTrainerBase(BaseTrainer):
                 "prompts of its 'prompt' column. Pass train_dataset=... (a Dataset or IterableDataset)."
             )
         if isinstance(environment_factory, dict):
-            raise ValueError(
-                "train_dataset is required with a dict environment_factory: every row needs an 'environment' "
-                "column naming its environment."
+            raise ValueError(  # TRL's phrase first
+                "A `dict` `environment_factory` (multiple environments) requires a `train_dataset` with an "
+                "`environment` column to route each example to its environment: every row needs an 'environment' "
+                "column naming its environment. Provide a dataset, or pass a single environment factory."
             )
         if args.max_steps is None or args.max_steps <= 0:
-            raise ValueError(
-                "Without a train_dataset (the environment provides the task) set max_steps to a positive number."
+            raise ValueError(  # TRL's phrase first
+                "When training without a `train_dataset` (the environment owns the data and returns the prompt from "
+                "`reset()`), `max_steps` must be set to a positive value to define the training length: set "
+                "max_steps to a positive number."
             )
         from posttrain.agents.environments import placeholder_dataset
 
