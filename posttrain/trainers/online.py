@@ -588,9 +588,10 @@ class OnlineTrainerBase(BaseTrainer):
         self.rollout_func = rollout_func
         self.backend = self._make_backend(rollout_func)
         if type(self)._generate is not OnlineTrainerBase._generate:
-            # TRL's rollout dispatch: a subclass's `_generate(prompts)` produces every completion
+            # TRL's rollout dispatch: a subclass's `_generate(prompts)` produces every completion (in TRL the tool
+            # loop runs inside `_generate`, so an override replaces it too)
             self.backend = _GenerateHookBackend(self, self.backend)
-        if self.agent is not None:
+        elif self.agent is not None:
             self.backend = self.agent.wrap(self.backend)
         self._make_rollout()
         self.buffer = RolloutBuffer(
@@ -987,7 +988,8 @@ class OnlineTrainerBase(BaseTrainer):
         to use posttrain's generation; from what it returns posttrain uses ``prompt_ids``, ``completion_ids``,
         ``logprobs`` (None: none), ``tool_mask`` (1 = model token) and ``extra_fields`` (per-row reward kwargs).
         Completions are decoded from ``completion_ids`` for the reward functions. Without an override, posttrain's
-        pipeline generates directly (this method is not called).
+        pipeline generates directly (this method is not called). With ``tools`` the override replaces the tool loop
+        too (as in TRL, where it runs inside ``_generate``); ``super()._generate`` here generates without it.
         """
         from posttrain.rollout.pipeline import completions_as_messages, render_prompts
 
@@ -995,6 +997,9 @@ class OnlineTrainerBase(BaseTrainer):
         _, prompt_ids = render_prompts(
             [{"prompt": p} for p in prompts], self.processing_class, self.args.chat_template_kwargs
         )
+        max_prompt_length = getattr(self.pipeline.settings, "max_prompt_length", None)
+        if max_prompt_length:  # as the pipeline does
+            prompt_ids = [ids[-max_prompt_length:] for ids in prompt_ids]
         num_generations = self.num_generations if self._mode() == "train" else self.num_generations_eval
         pipeline_backend, self.pipeline.backend = self.pipeline.backend, backend
         try:

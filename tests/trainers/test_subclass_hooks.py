@@ -199,3 +199,20 @@ def test_generate_override_with_a_wrong_return_is_named(tiny_model_path, tmp_pat
     trainer = Broken(tiny_model_path, reward_funcs=_reward, args=args, train_dataset=CASES["grpo"][2]())
     with pytest.raises(ValueError, match=r"Broken._generate must return TRL's tuple"):
         trainer.train()
+
+
+@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+def test_default_generate_returns_trls_tuple(kind, tiny_model_path, tmp_path):
+    config_class, trainer_class, data, extra = CASES[kind]
+    args = fast_config(config_class, tmp_path, per_device_train_batch_size=4, max_steps=1, **extra)
+    trainer = trainer_class(tiny_model_path, reward_funcs=_reward, args=args, train_dataset=data())
+    prompts = ["Q0:", "Q0:", "Q1:", "Q1:"]  # as the sampler lays them out: each prompt once per completion
+    output = trainer._generate(prompts)
+    expected_length = 8 if kind == "grpo" else 3
+    assert isinstance(output, tuple) and len(output) == expected_length
+    prompt_ids, completion_ids = output[0], output[1]
+    completions = output[3] if kind == "grpo" else output[2]
+    tok = trainer.processing_class
+    assert prompt_ids == [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    assert len(completion_ids) == 4 and all(1 <= len(ids) <= 4 for ids in completion_ids)
+    assert completions == tok.batch_decode(completion_ids, skip_special_tokens=True)
