@@ -45,6 +45,7 @@ from posttrain.reliability import checkpointing, validation
 from posttrain.reliability.numerics import NAN_POLICIES, NumericsGuard
 
 RESUME_STATE_FILE = "posttrain_state_{process_index}.pt"
+MAX_CACHED_EVAL_DATASETS = 16  # evaluate(eval_dataset=...) keeps this many prepared datasets (oldest dropped first)
 
 
 def _bf16_supported() -> bool:
@@ -371,6 +372,8 @@ class BaseTrainer(Trainer):
         validation.check_dataset_type(dataset, arg)
         validation.check_not_empty(dataset, arg)
         prepared = self._prepare_eval_dataset(dataset, name)
+        if len(self._prepared_eval_datasets) >= MAX_CACHED_EVAL_DATASETS:  # a loop over new objects stays bounded
+            del self._prepared_eval_datasets[next(iter(self._prepared_eval_datasets))]
         self._prepared_eval_datasets[id(dataset)] = (dataset, prepared)
         return prepared
 

@@ -135,3 +135,15 @@ def test_evaluate_after_training_with_a_peft_reference(tiny_model_path, tmp_path
     # the reference is the base model: the trained adapter does not change its log-probs
     assert trainer._prepared_eval_datasets[id(raw)][1]["ref_chosen_logps"] == pytest.approx(at_init, abs=1e-5)
     assert not trainer.reference.needs_forward
+
+
+def test_the_cache_of_prepared_datasets_is_bounded(tiny_model_path, tmp_path, monkeypatch):
+    import posttrain.trainers.base as base
+
+    monkeypatch.setattr(base, "MAX_CACHED_EVAL_DATASETS", 2)
+    trainer = _build("sft", tmp_path, tiny_model_path, None)
+    trainer._prepare_eval_dataset = lambda dataset, name: dataset  # only the bookkeeping is under test
+    raws = [_raw("sft", "plain") for _ in range(3)]
+    for raw in raws:
+        trainer._prepared_eval_split(raw, "eval")
+    assert [entry[0] for entry in trainer._prepared_eval_datasets.values()] == raws[1:]
