@@ -376,6 +376,14 @@ class DPOTrainer(PreferenceTrainer):
         chosen, rejected = self._sequence_logps(scores)
         return chosen.detach(), rejected.detach()
 
+    def compute_ref_log_probs(
+        self, model: torch.nn.Module, inputs: dict[str, Any]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """TRL's method: the reference ``(chosen, rejected)`` log-probs of one collated batch. ``model`` is taken for
+        TRL's signature; the reference is the trainer's (``ref_model``, or the policy with its adapters off)."""
+        with torch.no_grad():
+            return self._reference_logps(self.model, self._prepare_inputs(inputs))
+
     def _reference_columns(self) -> tuple[Callable, tuple[str, ...], str]:
         """(batch → ``ref_chosen_logps`` / ``ref_rejected_logps``, the columns it reads, the marker column)."""
 

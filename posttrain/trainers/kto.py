@@ -333,6 +333,12 @@ class KTOTrainer(PreferenceTrainer):
         ref_kl = self._ref_forward(model, inputs, "KL_") if need_kl else None
         return ref_logps, ref_kl
 
+    def compute_ref_log_probs(self, model: torch.nn.Module, inputs: dict[str, Any]) -> tuple[torch.Tensor, Any]:
+        """TRL's method: the reference log-probs of one collated batch's completions and of its KL completions
+        (None without the KL term). ``model`` is taken for TRL's signature; the reference is the trainer's."""
+        with torch.no_grad():
+            return self._reference_logps(self.model, self._prepare_inputs(inputs))
+
     def _reference_columns(self) -> tuple[Callable, tuple[str, ...], str]:
         """(batch → ``ref_logps`` (+ ``ref_KL_logps`` with the KL term), the columns it reads, the marker column)."""
 

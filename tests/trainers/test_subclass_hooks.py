@@ -216,3 +216,17 @@ def test_default_generate_returns_trls_tuple(kind, tiny_model_path, tmp_path):
     assert prompt_ids == [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
     assert len(completion_ids) == 4 and all(1 <= len(ids) <= 4 for ids in completion_ids)
     assert completions == tok.batch_decode(completion_ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("kind", ["dpo", "kto"])
+def test_compute_ref_log_probs_equals_the_precomputed_columns(kind, tiny_model_path, tmp_path):
+    config_class, trainer_class, data, extra = CASES[kind]
+    rows = data().select(range(4))
+    on_the_fly = trainer_class(tiny_model_path, args=fast_config(config_class, tmp_path / "a"), train_dataset=rows)
+    batch = on_the_fly.data_collator([on_the_fly.train_dataset[i] for i in range(4)])
+    first, second = on_the_fly.compute_ref_log_probs(on_the_fly.ref_model, batch)
+    args = fast_config(config_class, tmp_path / "b", precompute_ref_log_probs=True, precompute_ref_batch_size=4)
+    precomputed = trainer_class(tiny_model_path, args=args, train_dataset=rows).train_dataset
+    columns = ("ref_chosen_logps", "ref_rejected_logps") if kind == "dpo" else ("ref_logps", "ref_KL_logps")
+    assert first.tolist() == pytest.approx(precomputed[columns[0]], abs=1e-4)
+    assert second.tolist() == pytest.approx(precomputed[columns[1]], abs=1e-4)
