@@ -182,8 +182,9 @@ def validate_grpo_loss_config(
         )
     if importance_sampling_level == "sequence" and loss_type in _SEQUENCE_LEVEL_DISCOURAGED:
         warnings.append(
-            f"Sequence-level importance sampling (GSPO) with loss_type={loss_type!r} mixes a per-sequence ratio "
-            "with per-token normalisation; GSPO uses per-sequence normalisation, so loss_type='grpo' is recommended."
+            f"When using `importance_sampling_level='sequence'`, the `'{loss_type}'` loss sums per-token "
+            "contributions, which weights each sequence by its completion length instead of optimizing the "
+            "per-sequence objective (GSPO). To reproduce the GSPO paper's setup, set loss_type='grpo'."
         )
     if loss_type == "cispo" and epsilon_high is None:
         warnings.append(

@@ -84,8 +84,10 @@ def configure_streaming(args: Any, train_dataset: Any) -> bool:
     if train_dataset is None or not is_iterable_dataset(train_dataset):
         return False
     if args.max_steps is None or args.max_steps <= 0:
-        raise ValueError(
-            "A streaming (IterableDataset) train_dataset has no length: set max_steps to a positive number."
+        raise ValueError(  # HF Trainer's phrase (what TRL raises, at train()), then why and the fix
+            "args.max_steps must be set to a positive value if dataloader does not have a length, was "
+            f"{args.max_steps}: a streaming (IterableDataset) train_dataset has no length; set max_steps to a "
+            "positive number."
         )
     if args.dataloader_num_workers:
         warnings.warn("IterableDataset training forces dataloader_num_workers=0.", UserWarning, stacklevel=3)

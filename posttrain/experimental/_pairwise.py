@@ -128,6 +128,7 @@ class ReferenceFreePairwiseTrainer(PreferenceTrainer):
         def prepare_eval(dataset: Any, name: str) -> Any:
             return self._prepare_dataset(dataset, processing_class, args, name)
 
+        self._eval_preparer = prepare_eval  # evaluate(eval_dataset=...) prepares its argument the same way
         eval_dataset = prepare_splits(eval_dataset, prepare_eval, "eval")
         super().__init__(
             model=policy, args=args, data_collator=data_collator, train_dataset=train_dataset,

@@ -42,6 +42,8 @@ class RolloutFuncBackend:
             defaults to ``trainer.processing_class``.
     """
 
+    warn_experimental = True  # False where the function is a trainer's own `_generate` (not TRL's experimental API)
+
     def __init__(self, rollout_func: Callable[[list, Any], Mapping[str, Any]], trainer: Any, tokenizer: Any = None):
         if not callable(rollout_func):
             raise TypeError(f"rollout_func must be callable, got {type(rollout_func).__name__}.")
@@ -75,7 +77,7 @@ class RolloutFuncBackend:
             ``extra``.
         """
         global _warned
-        if not _warned and os.environ.get("TRL_EXPERIMENTAL_SILENCE") != "1":
+        if self.warn_experimental and not _warned and os.environ.get("TRL_EXPERIMENTAL_SILENCE") != "1":
             _warned = True
             warnings.warn(
                 "rollout_func is experimental and its contract may change (set TRL_EXPERIMENTAL_SILENCE=1 to "

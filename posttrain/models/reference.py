@@ -273,6 +273,37 @@ def precompute_columns(
     return dict(columns)
 
 
+def add_reference_columns(
+    trainer: Any,
+    dataset: Any,
+    compute_fn: Callable[[dict[str, Any]], dict[str, torch.Tensor]],
+    *,
+    input_columns: tuple[str, ...],
+    marker_column: str,
+    batch_size: int,
+) -> Any:
+    """``dataset`` with the precomputed reference columns of ``compute_fn`` added (unchanged when it is None or
+    already has ``marker_column``): the ``input_columns`` it has are collated with ``trainer.data_collator`` in
+    batches of ``batch_size`` and scored under the trainer's autocast."""
+    if dataset is None or marker_column in dataset.column_names:
+        return dataset
+
+    def compute(batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        with trainer.compute_loss_context_manager(), trainer.accelerator.autocast():
+            return compute_fn(batch)
+
+    values = precompute_columns(
+        dataset.select_columns([c for c in input_columns if c in dataset.column_names]),
+        collate_fn=trainer.data_collator,
+        batch_size=batch_size,
+        compute_fn=compute,
+        prepare_fn=trainer._prepare_inputs,
+    )
+    for column, column_values in values.items():
+        dataset = dataset.add_column(column, column_values)
+    return dataset
+
+
 def precompute_reference_columns(
     trainer: Any,
     compute_fn: Callable[[dict[str, Any]], dict[str, torch.Tensor]],
@@ -289,23 +320,11 @@ def precompute_reference_columns(
     """
     args = trainer.args
 
-    def compute(batch: dict[str, Any]) -> dict[str, torch.Tensor]:
-        with trainer.compute_loss_context_manager(), trainer.accelerator.autocast():
-            return compute_fn(batch)
-
     def add(dataset: Any, batch_size: int) -> Any:
-        if dataset is None or marker_column in dataset.column_names:
-            return dataset
-        values = precompute_columns(
-            dataset.select_columns([c for c in input_columns if c in dataset.column_names]),
-            collate_fn=trainer.data_collator,
+        return add_reference_columns(
+            trainer, dataset, compute_fn, input_columns=input_columns, marker_column=marker_column,
             batch_size=batch_size,
-            compute_fn=compute,
-            prepare_fn=trainer._prepare_inputs,
-        )
-        for column, column_values in values.items():
-            dataset = dataset.add_column(column, column_values)
-        return dataset
+        )  # fmt: skip
 
     trainer.train_dataset = add(
         trainer.train_dataset, args.precompute_ref_batch_size or args.per_device_train_batch_size

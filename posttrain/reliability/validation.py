@@ -84,15 +84,16 @@ def check_datasets(train_dataset: Any, eval_dataset: Any = None) -> None:
     """What every trainer checks first: ``train_dataset`` is one ``datasets`` split (not a list, DataFrame or dict of
     splits); ``eval_dataset`` is a dataset or a dict of them."""
     check_single_split(train_dataset, "train_dataset")
-    _check_not_empty(train_dataset, "train_dataset")
+    check_not_empty(train_dataset, "train_dataset")
     splits = eval_dataset.items() if isinstance(eval_dataset, dict) else [(None, eval_dataset)]
     for name, split in splits:
         arg = "eval_dataset" if name is None else f"eval_dataset[{name!r}]"
         check_dataset_type(split, arg)
-        _check_not_empty(split, arg)
+        check_not_empty(split, arg)
 
 
-def _check_not_empty(dataset: Any, arg_name: str) -> None:
+def check_not_empty(dataset: Any, arg_name: str) -> None:
+    """Raise ValueError when a sized dataset has 0 rows, naming ``arg_name`` (streams pass: they have no length)."""
     if _sized_length(dataset) == 0:
         columns = getattr(dataset, "column_names", None)
         raise ValueError(
@@ -111,6 +112,21 @@ def check_text_only(dataset: Any, trainer_name: str, arg_name: str = "train_data
             f"{arg_name} has the image column(s) {found}, but posttrain's {trainer_name} trains text-only models: the "
             "images would be ignored. Drop them (dataset.remove_columns(...)) to train on the text alone; "
             "vision-language training is available in SFTTrainer, DPOTrainer and KTOTrainer."
+        )
+
+
+TRAIN_DATASET_REQUIRED = "`train_dataset` is required"  # TRL's phrase; users and TRL's tests match on it
+
+
+def require_train_dataset(dataset: Any, trainer_name: str) -> None:
+    """Raise at construction, as TRL does, when no ``train_dataset`` is given (ValueError, TRL's phrase first).
+
+    Evaluation-only runs pass a train dataset too (TRL's trainers need one); ``evaluate(eval_dataset=...)`` then
+    prepares any evaluation set it is given."""
+    if dataset is None:
+        raise ValueError(
+            f"{TRAIN_DATASET_REQUIRED}: {trainer_name} prepares and trains on it. Pass train_dataset=... (a Dataset "
+            "or IterableDataset); to only evaluate, pass one too and call trainer.evaluate(eval_dataset=...)."
         )
 
 
@@ -244,3 +260,28 @@ def check_beta(config: Any, meaning: str) -> None:
     raise ValueError(
         f"beta={beta} is negative: {meaning}. Use beta >= 0, or set allow_negative_beta=True if you mean it."
     )
+
+
+def check_liger_peft_head(model: Any, args: Any) -> None:
+    """Refuse ``use_liger_kernel=True`` with a PEFT adapter on ``lm_head`` (ValueError, TRL's phrase first).
+
+    Liger's fused kernels read ``lm_head.weight`` directly, so the adapter on the head would never be trained.
+    Without Liger, posttrain trains such an adapter through the model's logits, so only this combination is refused
+    (TRL refuses an adapter on ``lm_head`` whatever the kernel)."""
+    if not getattr(args, "use_liger_kernel", False):
+        return
+    get_output_embeddings = getattr(model, "get_output_embeddings", None)
+    head = get_output_embeddings() if callable(get_output_embeddings) else None
+    if head is None:
+        return
+    try:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+    except ImportError:  # no peft: no adapter
+        return
+    if isinstance(head, BaseTunerLayer):
+        raise ValueError(
+            "Applying a PEFT adapter to `lm_head` is not supported: with use_liger_kernel=True the fused kernels "
+            "compute the loss from `lm_head.weight` directly, so the adapter would never be trained. Remove "
+            "'lm_head' from the adapter's `target_modules`, or set use_liger_kernel=False (posttrain then trains "
+            "the adapter through the model's logits)."
+        )

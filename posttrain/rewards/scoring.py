@@ -29,7 +29,6 @@ import numbers
 import os
 import reprlib
 import threading
-import warnings
 from collections.abc import Callable, Coroutine, Iterable
 from typing import Any, Literal
 
@@ -349,11 +348,14 @@ class RewardScorer:
             for key, value in kwargs.items()
             if isinstance(value, (list, tuple)) and len(value) == n and key != "environments"
         }
-        warnings.warn(
-            f"All reward functions returned None for {len(rows)} of {n} completions (warned once). First such row's "
-            f"kwargs: {_truncate(row_kwargs, 1000)}. These rows get reward NaN and advantage 0; make sure at least "
-            "one reward function scores every row.",
-            stacklevel=3,
+        # through `logging`, as TRL (handlers and caplog see it), with TRL's phrase first
+        logger.warning(
+            "All reward functions returned None for the following kwargs:\n%s\nPlease ensure that at least one "
+            "reward function returns a valid reward. (%d of %d completions in this batch; warned once, later ones are "
+            "counted in unscorable_count. These rows get reward NaN and advantage 0.)",
+            _truncate(row_kwargs, 1000),
+            len(rows),
+            n,
         )
 
 

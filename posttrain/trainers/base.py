@@ -46,6 +46,7 @@ from posttrain.reliability import checkpointing, validation
 from posttrain.reliability.numerics import NAN_POLICIES, NumericsGuard
 
 RESUME_STATE_FILE = "posttrain_state_{process_index}.pt"
+MAX_CACHED_EVAL_DATASETS = 16  # evaluate(eval_dataset=...) keeps this many prepared datasets (oldest dropped first)
 
 
 def _bf16_supported() -> bool:
@@ -166,6 +167,55 @@ class BaseConfig(LegacyConfigAttributes, TrainingArguments, metaclass=LegacyKwar
         super().__post_init__()
 
 
+class ConfigAttribute:
+    """A trainer attribute that TRL copies from the config in its constructor (``self.beta = args.beta``), which
+    subclasses written for TRL read (e.g. the DPO customization guide's ``self.beta``).
+
+    posttrain reads its settings from ``self.args``, so this attribute reads the config field (optionally
+    transformed, e.g. ``epsilon_low`` from ``epsilon``) and assigning it sets that field, so that a subclass's
+    ``self.beta = 0.2`` takes effect wherever posttrain reads ``args.beta``."""
+
+    def __init__(self, field: str | None = None, read: Any = None, *, writable: bool = True):
+        self.field = field
+        self.read = read  # (trainer, value) -> what TRL's attribute holds; None: the value itself
+        self.writable = writable  # False: derived from the field (assigning would not mean the same)
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+        self.field = self.field or name
+
+    def __get__(self, trainer: Any, owner: type | None = None) -> Any:
+        if trainer is None:
+            return self
+        args = trainer.__dict__.get("args")
+        if args is None:  # before HF's constructor has set args
+            raise AttributeError(
+                f"{owner.__name__ if owner else 'trainer'}.{self.name} is read from args, not set yet"
+            )
+        value = getattr(args, self.field)
+        return value if self.read is None else self.read(trainer, value)
+
+    def __set__(self, trainer: Any, value: Any) -> None:
+        args = trainer.__dict__.get("args")
+        if args is None or not self.writable:
+            raise AttributeError(
+                f"{type(trainer).__name__}.{self.name} is read from the config field args.{self.field}; set that "
+                "field instead."
+            )
+        setattr(args, self.field, value)
+
+
+def router_aux_loss_coef_attribute(trainer: Any, value: float | None) -> float:
+    """TRL's ``router_aux_loss_coef`` attribute: the config's value, or the model's own coefficient when None."""
+    if value is not None:
+        return value
+    from posttrain.models.unwrap import unwrap_base_model
+
+    config = getattr(unwrap_base_model(trainer.model), "config", None)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return float(getattr(text_config, "router_aux_loss_coef", 0.0) or 0.0)
+
+
 def nanmean_or_none(values: list[float]) -> float | None:
     """Average of the finite values (NaN ignored); None when nothing finite remains."""
     finite = [float(v) for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
@@ -196,6 +246,8 @@ class BaseTrainer(Trainer):
 
     def __init__(self, *args, **kwargs):
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
+        # evaluate(eval_dataset=raw): id(raw) -> (raw, prepared); raw is kept so that its id cannot be reused
+        self._prepared_eval_datasets: dict[int, tuple[Any, Any]] = {}
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         if training_args is not None and getattr(training_args, "should_save", True):
             # HF's __init__ creates output_dir; fail first with an error that names the option and the fix.
@@ -298,6 +350,58 @@ class BaseTrainer(Trainer):
         logs.update(averaged)  # in place, as TRL: evaluate() returns this dict, eval_rewards/... included
         self._metrics[mode].clear()
         super().log(logs, start_time)
+
+    # -- evaluation datasets -------------------------------------------------------------------------------------
+    def _prepare_eval_dataset(self, dataset: Any, name: str) -> Any:
+        """One evaluation dataset prepared exactly as the constructor prepares ``eval_dataset`` (validated,
+        tokenized, packed...). Trainers that prepare their datasets set ``self._eval_preparer`` (a function of
+        ``(dataset, name)``) in their constructor, before the datasets are prepared; without one it is unchanged."""
+        preparer = getattr(self, "_eval_preparer", None)
+        return dataset if preparer is None else preparer(dataset, name)
+
+    def _is_prepared_eval_dataset(self, dataset: Any) -> bool:
+        """Whether ``dataset`` is one this trainer prepared (from the constructor or an earlier ``evaluate``)."""
+        own = self.eval_dataset
+        known = list(own.values()) if isinstance(own, dict) else [own]
+        known += [prepared for _, prepared in self._prepared_eval_datasets.values()]
+        return any(dataset is d for d in known)
+
+    def _prepared_eval_split(self, dataset: Any, name: str) -> Any:
+        """``dataset`` prepared for evaluation once (cached by identity); datasets already prepared pass as they are."""
+        if self._is_prepared_eval_dataset(dataset):
+            return dataset
+        cached = self._prepared_eval_datasets.get(id(dataset))
+        if cached is not None and cached[0] is dataset:
+            return cached[1]
+        arg = "eval_dataset" if name == "eval" else f"eval_dataset[{name.split('/', 1)[1]!r}]"
+        validation.check_dataset_type(dataset, arg)
+        validation.check_not_empty(dataset, arg)
+        prepared = self._prepare_eval_dataset(dataset, name)
+        if len(self._prepared_eval_datasets) >= MAX_CACHED_EVAL_DATASETS:  # a loop over new objects stays bounded
+            del self._prepared_eval_datasets[next(iter(self._prepared_eval_datasets))]
+        self._prepared_eval_datasets[id(dataset)] = (dataset, prepared)
+        return prepared
+
+    def evaluate(
+        self, eval_dataset: Any = None, ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval"
+    ) -> dict[str, float]:
+        """HF's ``evaluate``; a dataset given here is prepared exactly as the constructor prepares ``eval_dataset``
+        (as TRL): a ``Dataset``, an ``IterableDataset``, or a dict of them (``DatasetDict``, ``IterableDatasetDict``),
+        evaluated per split with HF's ``{metric_key_prefix}_{name}_`` prefixes. Prepared datasets are cached, so
+        evaluating the same object again does not prepare it again; a string names one of the constructor's sets."""
+        if eval_dataset is None or isinstance(eval_dataset, str):
+            return super().evaluate(eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+        if isinstance(eval_dataset, dict):
+            # one evaluation per split here: handing the dict to HF would re-enter this method per split
+            metrics: dict[str, float] = {}
+            for key, split in eval_dataset.items():
+                prepared = self._prepared_eval_split(split, f"eval/{key}")
+                metrics.update(
+                    super().evaluate(prepared, ignore_keys=ignore_keys, metric_key_prefix=f"{metric_key_prefix}_{key}")
+                )
+            return metrics
+        prepared = self._prepared_eval_split(eval_dataset, "eval")
+        return super().evaluate(prepared, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
 
     # -- saving --------------------------------------------------------------------------------------------------
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:

@@ -68,9 +68,11 @@ from posttrain.reliability.validation import (
     ALLOW_NEGATIVE_BETA_HELP,
     check_beta,
     check_datasets,
+    check_liger_peft_head,
     check_preference_pairs,
+    require_train_dataset,
 )
-from posttrain.trainers.base import BaseConfig
+from posttrain.trainers.base import BaseConfig, ConfigAttribute, router_aux_loss_coef_attribute
 from posttrain.trainers.preference import (
     PreferenceTrainer,
     activation_offloading_context,
@@ -234,6 +236,23 @@ class DPOTrainer(PreferenceTrainer):
     _tag_names = ["trl", "dpo"]
     _signature_columns_extra = ("prompt_ids", "chosen_ids", "rejected_ids", "ref_chosen_logps", "ref_rejected_logps")
 
+    # TRL's attributes copied from the config, which subclasses written for TRL read (``ConfigAttribute``)
+    beta = ConfigAttribute()
+    label_smoothing = ConfigAttribute()
+    ld_alpha = ConfigAttribute()
+    f_divergence_type = ConfigAttribute()
+    f_alpha_divergence_coef = ConfigAttribute()
+    use_weighting = ConfigAttribute()
+    padding_free = ConfigAttribute()
+    precompute_ref_logps = ConfigAttribute("precompute_ref_log_probs")
+    loss_types = ConfigAttribute(
+        "loss_type", lambda trainer, value: [value] if isinstance(value, str) else list(value)
+    )
+    loss_weights = ConfigAttribute(
+        read=lambda trainer, value: list(value) if value else [1.0] * len(trainer.loss_types)
+    )
+    router_aux_loss_coef = ConfigAttribute(read=router_aux_loss_coef_attribute)
+
     def __init__(
         self,
         model: str | torch.nn.Module,
@@ -252,6 +271,7 @@ class DPOTrainer(PreferenceTrainer):
         preprocess_logits_for_metrics: Callable | None = None,
     ):
         args = self.resolve_args(args, model, DPOConfig, "DPO")
+        require_train_dataset(train_dataset, "DPOTrainer")
         check_datasets(train_dataset, eval_dataset)
         self._vision = is_vision_dataset(train_dataset)
         if self._vision:
@@ -261,6 +281,7 @@ class DPOTrainer(PreferenceTrainer):
         processing_class, policy, self.reference = load_policy_and_reference(
             model, ref_model, args, processing_class, peft_config, quantization_config
         )
+        check_liger_peft_head(policy, args)
         configure_streaming(args, train_dataset)
 
         self.pad_token_id = resolve_pad_token(processing_class, args.pad_token)
@@ -285,6 +306,7 @@ class DPOTrainer(PreferenceTrainer):
         def prepare_eval(dataset: Any, name: str) -> Any:
             return self._prepare_dataset(dataset, processing_class, args, name)
 
+        self._eval_preparer = prepare_eval  # evaluate(eval_dataset=...) prepares its argument the same way
         eval_dataset = prepare_splits(eval_dataset, prepare_eval, "eval")
         if self._vision:  # raw rows go to the vision collator: keep what it reads
             self._signature_columns_extra = (*self._signature_columns_extra, *_VISION_COLUMNS)
@@ -363,16 +385,27 @@ class DPOTrainer(PreferenceTrainer):
         chosen, rejected = self._sequence_logps(scores)
         return chosen.detach(), rejected.detach()
 
-    def _precompute_reference(self) -> None:
-        """Add ``ref_chosen_logps`` / ``ref_rejected_logps`` columns to the datasets, then free the reference."""
+    def compute_ref_log_probs(
+        self, model: torch.nn.Module, inputs: dict[str, Any]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """TRL's method: the reference ``(chosen, rejected)`` log-probs of one collated batch. ``model`` is taken for
+        TRL's signature; the reference is the trainer's (``ref_model``, or the policy with its adapters off)."""
+        with torch.no_grad():
+            return self._reference_logps(self.model, self._prepare_inputs(inputs))
+
+    def _reference_columns(self) -> tuple[Callable, tuple[str, ...], str]:
+        """(batch → ``ref_chosen_logps`` / ``ref_rejected_logps``, the columns it reads, the marker column)."""
 
         def compute(batch: dict[str, Any]) -> dict[str, torch.Tensor]:
             chosen, rejected = self._reference_logps(self.model, batch)
             return {"ref_chosen_logps": chosen, "ref_rejected_logps": rejected}
 
-        precompute_reference_columns(
-            self, compute, input_columns=self._signature_columns_extra[:3], marker_column="ref_chosen_logps"
-        )
+        return compute, self._signature_columns_extra[:3], "ref_chosen_logps"
+
+    def _precompute_reference(self) -> None:
+        """Add ``ref_chosen_logps`` / ``ref_rejected_logps`` columns to the datasets, then free the reference."""
+        compute, input_columns, marker = self._reference_columns()
+        precompute_reference_columns(self, compute, input_columns=input_columns, marker_column=marker)
 
     # -- loss ----------------------------------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

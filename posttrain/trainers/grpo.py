@@ -24,6 +24,7 @@ loop of ``posttrain.agents`` around the generation backend; tool-result tokens a
 
 from __future__ import annotations
 
+import logging
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -52,7 +53,10 @@ from posttrain.reliability.validation import ALLOW_NEGATIVE_BETA_HELP, check_bet
 from posttrain.rollout.buffer import RolloutBatch
 from posttrain.rollout.estimators import GroupRelativeEstimator
 from posttrain.rollout.pipeline import ImportanceSamplingSettings, RolloutSettings
+from posttrain.trainers.base import ConfigAttribute
 from posttrain.trainers.online import OnlineRLConfig, OnlineTrainerBase
+
+logger = logging.getLogger(__name__)
 
 ENTROPY_CTRL_STATE = "entropy_ctrl_state.json"
 _IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
@@ -311,6 +315,20 @@ class GRPOTrainer(OnlineTrainerBase):
     _trainer_name = "GRPO"
     _tag_names = ["posttrain", "grpo"]
 
+    # TRL's attributes copied from the config, which subclasses written for TRL read (``ConfigAttribute``)
+    loss_type = ConfigAttribute()
+    importance_sampling_level = ConfigAttribute()
+    scale_rewards = ConfigAttribute()
+    multi_objective_aggregation = ConfigAttribute()
+    off_policy_mask_threshold = ConfigAttribute()
+    top_entropy_quantile = ConfigAttribute()
+    use_adaptive_entropy = ConfigAttribute()
+    max_tool_calling_iterations = ConfigAttribute()
+    vllm_importance_sampling_correction = ConfigAttribute()
+    vllm_importance_sampling_mode = ConfigAttribute()
+    vllm_importance_sampling_clip_min = ConfigAttribute()
+    vllm_importance_sampling_clip_max = ConfigAttribute()
+
     def _setup_loss(self) -> None:
         """The loss of ``loss_type``, its config warnings and the entropy controller (after the shared setup)."""
         args = self.args
@@ -328,7 +346,7 @@ class GRPOTrainer(OnlineTrainerBase):
             epsilon_high=args.epsilon_high,
             vllm_importance_sampling_mode=is_settings.mode if is_settings is not None else None,
         ):
-            warnings.warn(message, UserWarning, stacklevel=3)
+            logger.warning(message)  # through `logging`, as TRL's configuration warnings
         self.entropy_ctrl = EntropyController(
             coef=args.entropy_coef,
             adaptive=args.use_adaptive_entropy,

@@ -53,8 +53,13 @@ from posttrain.distributed import gather_masked_mean
 from posttrain.models.loading import load_processor
 from posttrain.models.preference_scoring import PreferenceScores, score_preference_completions
 from posttrain.models.reference import precompute_reference_columns
-from posttrain.reliability.validation import check_datasets, check_preference_pairs
-from posttrain.trainers.base import BaseConfig
+from posttrain.reliability.validation import (
+    check_datasets,
+    check_liger_peft_head,
+    check_preference_pairs,
+    require_train_dataset,
+)
+from posttrain.trainers.base import BaseConfig, ConfigAttribute, router_aux_loss_coef_attribute
 from posttrain.trainers.preference import (
     PreferenceTrainer,
     activation_offloading_context,
@@ -158,6 +163,15 @@ class KTOTrainer(PreferenceTrainer):
     """
 
     _tag_names = ["trl", "kto"]
+
+    # TRL's attributes copied from the config, which subclasses written for TRL read (``ConfigAttribute``)
+    beta = ConfigAttribute()
+    loss_type = ConfigAttribute()
+    desirable_weight = ConfigAttribute()
+    undesirable_weight = ConfigAttribute()
+    precompute_ref_logps = ConfigAttribute("precompute_ref_log_probs")
+    calculate_KL = ConfigAttribute("loss_type", lambda trainer, value: value != "apo_zero_unpaired", writable=False)
+    router_aux_loss_coef = ConfigAttribute(read=router_aux_loss_coef_attribute)
     _signature_columns_extra = (
         "prompt_ids",
         "completion_ids",
@@ -185,6 +199,7 @@ class KTOTrainer(PreferenceTrainer):
         preprocess_logits_for_metrics: Callable | None = None,
     ):
         args = self.resolve_args(args, model, KTOConfig, "KTO")
+        require_train_dataset(train_dataset, "KTOTrainer")
         check_datasets(train_dataset, eval_dataset)
         if args.loss_type == "kto" and args.per_device_train_batch_size <= 1:
             raise ValueError(BATCH_SIZE_ERROR)
@@ -196,6 +211,7 @@ class KTOTrainer(PreferenceTrainer):
         processing_class, policy, self.reference = load_policy_and_reference(
             model, ref_model, args, processing_class, peft_config, quantization_config
         )
+        check_liger_peft_head(policy, args)
         configure_streaming(args, train_dataset)
         tok = getattr(processing_class, "tokenizer", processing_class)
         if data_collator is None and self._vision:
@@ -220,6 +236,7 @@ class KTOTrainer(PreferenceTrainer):
         def prepare_eval(dataset: Any, name: str) -> Any:
             return self._prepare_dataset(dataset, tok, args, name, args.per_device_eval_batch_size)
 
+        self._eval_preparer = prepare_eval  # evaluate(eval_dataset=...) prepares its argument the same way
         eval_dataset = prepare_splits(eval_dataset, prepare_eval, "eval")
         self._warn_weight_range(train_dataset, args)
         if self._vision:  # raw rows go to the vision collator: keep what it reads
@@ -316,17 +333,26 @@ class KTOTrainer(PreferenceTrainer):
         ref_kl = self._ref_forward(model, inputs, "KL_") if need_kl else None
         return ref_logps, ref_kl
 
-    def _precompute_reference(self) -> None:
-        """Add ``ref_logps`` (and, with the KL term, ``ref_KL_logps``) columns to the datasets, then free the
-        reference."""
+    def compute_ref_log_probs(self, model: torch.nn.Module, inputs: dict[str, Any]) -> tuple[torch.Tensor, Any]:
+        """TRL's method: the reference log-probs of one collated batch's completions and of its KL completions
+        (None without the KL term). ``model`` is taken for TRL's signature; the reference is the trainer's."""
+        with torch.no_grad():
+            return self._reference_logps(self.model, self._prepare_inputs(inputs))
+
+    def _reference_columns(self) -> tuple[Callable, tuple[str, ...], str]:
+        """(batch → ``ref_logps`` (+ ``ref_KL_logps`` with the KL term), the columns it reads, the marker column)."""
 
         def compute(batch: dict[str, Any]) -> dict[str, torch.Tensor]:
             ref_logps, ref_kl = self._reference_logps(self.model, batch)
             return {"ref_logps": ref_logps} if ref_kl is None else {"ref_logps": ref_logps, "ref_KL_logps": ref_kl}
 
-        precompute_reference_columns(
-            self, compute, input_columns=self._signature_columns_extra[:4], marker_column="ref_logps"
-        )
+        return compute, self._signature_columns_extra[:4], "ref_logps"
+
+    def _precompute_reference(self) -> None:
+        """Add ``ref_logps`` (and, with the KL term, ``ref_KL_logps``) columns to the datasets, then free the
+        reference."""
+        compute, input_columns, marker = self._reference_columns()
+        precompute_reference_columns(self, compute, input_columns=input_columns, marker_column=marker)
 
     # -- loss ----------------------------------------------------------------------------------------------------
     def _kl_reference_point(self, model, inputs, ref_kl: torch.Tensor | None) -> torch.Tensor:

@@ -50,7 +50,7 @@ from posttrain.models.loading import (
 )
 from posttrain.models.reference import SyncRefModelCallback, create_reference_policy
 from posttrain.models.unwrap import unwrap_base_model
-from posttrain.reliability.validation import check_datasets, check_text_only
+from posttrain.reliability.validation import check_datasets, check_liger_peft_head, check_text_only
 from posttrain.rollout.buffer import RolloutBatch, RolloutBuffer
 from posttrain.rollout.completions_log import print_completions_table, write_completions_parquet
 from posttrain.rollout.metrics import clip_ratio_metrics
@@ -59,11 +59,72 @@ from posttrain.rollout.sampler import (
     RepeatSampler,
     repeat_iterable_dataset,
 )
-from posttrain.trainers.base import BaseTrainer
+from posttrain.trainers.base import BaseTrainer, ConfigAttribute, router_aux_loss_coef_attribute
 from posttrain.trainers.online_config import GENERATION_BACKENDS, OnlineRLConfig
 
 __all__ = ["GENERATION_BACKENDS", "OnlineRLConfig", "OnlineTrainerBase"]
 logger = logging.getLogger(__name__)
+
+
+def _completion_logs(size: int | None) -> dict[str, Any]:
+    """TRL's ``self._logs``: the last ``size`` (the generation batch) prompts, completions, rewards per function,
+    advantages and ``log_extra`` columns."""
+    from collections import defaultdict, deque
+
+    return {
+        "images": deque(maxlen=size),
+        "prompt": deque(maxlen=size),
+        "completion": deque(maxlen=size),
+        "rewards": defaultdict(lambda: deque(maxlen=size)),
+        "advantages": deque(maxlen=size),
+        "extra": defaultdict(lambda: deque(maxlen=size)),
+    }
+
+
+class _GenerateHookBackend:
+    """A trainer subclass's ``_generate(prompts)`` (TRL's rollout dispatch) as the generation backend: it receives
+    the raw prompts, one per completion (as a ``rollout_func``), and returns TRL's tuple (``_generate_fields``), or a
+    dict with those names. ``inner`` is the backend posttrain would have used (``super()._generate`` runs it)."""
+
+    def __init__(self, trainer: Any, inner: Any):
+        self.trainer = trainer
+        self.inner = inner
+
+    def sync_weights(self, model: Any) -> None:
+        self.inner.sync_weights(model)
+
+    def generate_from_prompts(self, prompts: list[Any], sampling: Any = None, num_generations: int = 1) -> Any:
+        from posttrain.generation.rollout_func import RolloutFuncBackend
+
+        trainer = self.trainer
+        prompts = [p for p in prompts for _ in range(num_generations)]
+        output = trainer._generate(prompts)
+        fields = trainer._generate_fields
+        if isinstance(output, dict):
+            values = dict(output)
+        elif isinstance(output, (tuple, list)) and len(output) == len(fields):
+            values = dict(zip(fields, output))
+        else:
+            got = f"{len(output)} values" if isinstance(output, (tuple, list)) else type(output).__name__
+            raise ValueError(
+                f"{type(trainer).__name__}._generate must return TRL's tuple {fields} ({len(fields)} values), or a "
+                f"dict with those names; got {got}."
+            )
+        for name in ("prompt_ids", "completion_ids"):
+            if name not in values:
+                raise ValueError(f"{type(trainer).__name__}._generate returned no {name!r}.")
+        result = {
+            "prompt_ids": values["prompt_ids"],
+            "completion_ids": values["completion_ids"],
+            "logprobs": values.get("logprobs"),
+            **(values.get("extra_fields") or {}),
+        }
+        if values.get("tool_mask") is not None:
+            result["env_mask"] = values["tool_mask"]
+        # the rollout-function adapter validates the rows (one per prompt, per-token lengths) and builds Completions
+        adapter = RolloutFuncBackend(lambda _prompts, _trainer: result, trainer, tokenizer=trainer.processing_class)
+        adapter.warn_experimental = False
+        return adapter.generate_from_prompts(prompts, sampling, 1)
 
 
 def _identity_collator(features: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -88,6 +149,45 @@ class OnlineTrainerBase(BaseTrainer):
     # Score completions under π / temperature (GRPO/RLOO: the sampling distribution); False scores under π itself
     # (TRL's Online DPO and A2PO take log_softmax of the raw logits whatever the sampling temperature).
     scores_at_sampling_temperature = True
+    # What TRL's `_generate(prompts)` returns, in order (GRPO's; RLOO returns three of them). A subclass that
+    # overrides `_generate` is called for every generation (see `_generate`).
+    _generate_fields: tuple[str, ...] = (
+        "prompt_ids", "completion_ids", "tool_mask", "completions", "logprobs", "extra_fields", "images", "tool_images",
+    )  # fmt: skip
+
+    # TRL's attributes copied from the config, which subclasses written for TRL read (``ConfigAttribute``)
+    beta = ConfigAttribute()
+    num_iterations = ConfigAttribute()
+    temperature = ConfigAttribute()
+    top_p = ConfigAttribute()
+    top_k = ConfigAttribute()
+    min_p = ConfigAttribute()
+    repetition_penalty = ConfigAttribute()
+    max_completion_length = ConfigAttribute()
+    mask_truncated_completions = ConfigAttribute()
+    shuffle_dataset = ConfigAttribute()
+    pad_to_multiple_of = ConfigAttribute()
+    log_completions = ConfigAttribute()
+    log_unique_prompts = ConfigAttribute()
+    log_multimodal = ConfigAttribute()
+    num_completions_to_print = ConfigAttribute()
+    use_vllm = ConfigAttribute()
+    vllm_mode = ConfigAttribute()
+    vllm_gpu_memory_utilization = ConfigAttribute()
+    vllm_tensor_parallel_size = ConfigAttribute()
+    use_transformers_continuous_batching = ConfigAttribute()
+    epsilon_low = ConfigAttribute("epsilon")
+    epsilon_high = ConfigAttribute(read=lambda trainer, value: trainer.args.epsilon if value is None else value)
+    chat_template_kwargs = ConfigAttribute(read=lambda trainer, value: value or {})
+    router_aux_loss_coef = ConfigAttribute(read=router_aux_loss_coef_attribute)
+    reward_weights = ConfigAttribute(
+        read=lambda trainer, value: trainer.scorer.weights.detach().clone(), writable=False
+    )
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """TRL's attribute: the token ids that end a completion (the tokenizer's EOS, or the generation config's)."""
+        return list(self.sampling.eos_token_ids)
 
     def __init__(
         self,
@@ -112,6 +212,7 @@ class OnlineTrainerBase(BaseTrainer):
             train_dataset = self._environment_placeholder_dataset(args, environment_factory)
         model_id = model if isinstance(model, str) else None
         model, processing_class = self._setup_policy(model, args, processing_class, peft_config, quantization_config)
+        check_liger_peft_head(model, args)
         self._prepare_model(model, args)
         # Agent training (tools / environment_factory): checks (and may swap) the chat template, adds the
         # environments' get_reward columns.
@@ -252,7 +353,11 @@ class OnlineTrainerBase(BaseTrainer):
         self.sampling = SamplingConfig.from_args(args, self.processing_class).resolved()
         self.rollout_func = rollout_func
         self.backend = self._make_backend(rollout_func)
-        if self.agent is not None:
+        if type(self)._generate is not OnlineTrainerBase._generate:
+            # TRL's rollout dispatch: a subclass's `_generate(prompts)` produces every completion (in TRL the tool
+            # loop runs inside `_generate`, so an override replaces it too)
+            self.backend = _GenerateHookBackend(self, self.backend)
+        elif self.agent is not None:
             self.backend = self.agent.wrap(self.backend)
         self._make_rollout()
         self.buffer = RolloutBuffer(
@@ -260,6 +365,7 @@ class OnlineTrainerBase(BaseTrainer):
         )
         self._last_synced_step = -1
         self._pending_completions = None
+        self._logs = _completion_logs(getattr(args, "generation_batch_size", None))
 
     # -- construction helpers ----------------------------------------------------------------------------------
     def _resolve_reward_funcs(
@@ -302,15 +408,22 @@ class OnlineTrainerBase(BaseTrainer):
     def _environment_placeholder_dataset(self, args: OnlineRLConfig, environment_factory: Any) -> Any:
         """TRL: with a single ``environment_factory`` the dataset may be omitted; rows of empty prompts stand in."""
         if environment_factory is None:
-            raise ValueError(f"{self._trainer_name}Trainer needs a train_dataset with a 'prompt' column.")
-        if isinstance(environment_factory, dict):
+            unless = " unless an `environment_factory` is provided" if self._trainer_name == "GRPO" else ""
             raise ValueError(
-                "train_dataset is required with a dict environment_factory: every row needs an 'environment' "
-                "column naming its environment."
+                f"`train_dataset` is required{unless}: {self._trainer_name}Trainer generates completions for the "
+                "prompts of its 'prompt' column. Pass train_dataset=... (a Dataset or IterableDataset)."
+            )
+        if isinstance(environment_factory, dict):
+            raise ValueError(  # TRL's phrase first
+                "A `dict` `environment_factory` (multiple environments) requires a `train_dataset` with an "
+                "`environment` column to route each example to its environment: every row needs an 'environment' "
+                "column naming its environment. Provide a dataset, or pass a single environment factory."
             )
         if args.max_steps is None or args.max_steps <= 0:
-            raise ValueError(
-                "Without a train_dataset (the environment provides the task) set max_steps to a positive number."
+            raise ValueError(  # TRL's phrase first
+                "When training without a `train_dataset` (the environment owns the data and returns the prompt from "
+                "`reset()`), `max_steps` must be set to a positive value to define the training length: set "
+                "max_steps to a positive number."
             )
         from posttrain.agents.environments import placeholder_dataset
 
@@ -435,7 +548,7 @@ class OnlineTrainerBase(BaseTrainer):
             compute_old_logps=self._needs_old_logps(),
             compute_ref_logps=args.beta != 0.0,
             importance_sampling=self._importance_sampling(),
-            keep_completions=args.log_completions,
+            keep_completions=True,  # every round, for TRL's `self._logs` (printed only with log_completions)
             # TRL 0.x's GRPO/RLOO `max_prompt_length` (posttrain.legacy keeps it as a plain attribute)
             max_prompt_length=getattr(args, "_legacy_max_prompt_length", None),
         )
@@ -563,7 +676,14 @@ class OnlineTrainerBase(BaseTrainer):
             num_workers=0,  # several workers would each replay the stream
             pin_memory=self.args.dataloader_pin_memory,
         )
-        return self.accelerator.prepare(loader)
+        # Raw rows (strings) cannot be dispatched from the main process: each process reads its own share, as the
+        # constructor sets up for a stream given there (a stream given to evaluate() arrives after that set-up).
+        config = self.accelerator.dataloader_config
+        dispatch_batches, config.dispatch_batches = config.dispatch_batches, False
+        try:
+            return self.accelerator.prepare(loader)
+        finally:
+            config.dispatch_batches = dispatch_batches
 
     def _prepare_inputs(self, inputs: list[dict[str, Any]]) -> RolloutBatch:
         mode = self._mode()
@@ -599,7 +719,76 @@ class OnlineTrainerBase(BaseTrainer):
         )
         if self.pipeline.last_completions is not None:
             self._pending_completions = self.pipeline.last_completions
+            self._record_completion_logs(rows, self.pipeline.last_completions)
         return batch
+
+    def _record_completion_logs(self, rows: list[dict[str, Any]], table: Any) -> None:
+        """Keep the round's prompts, completions, rewards, advantages and ``log_extra`` columns (over every process)
+        in ``self._logs``, where TRL keeps them: raw prompts, completions as text (or one assistant message for
+        conversational prompts), ``rewards[name]``, ``advantages`` and ``extra[column]``, each the last
+        ``generation_batch_size`` values."""
+        from posttrain.data.utils import is_conversational
+
+        columns = dict(table.columns)
+        prompts = self.pipeline.gather_object([row.get("prompt") for row in rows])
+        texts, advantages = columns.pop("completion"), columns.pop("advantage")
+        columns.pop("prompt")
+        logs = self._logs
+        logs["prompt"].extend(prompts)
+        logs["completion"].extend(
+            [{"role": "assistant", "content": text}] if is_conversational({"prompt": prompt}) else text
+            for prompt, text in zip(prompts, texts)
+        )
+        for name in self.reward_func_names:
+            logs["rewards"][name].extend(columns.pop(name, []))
+        for column, values in columns.items():
+            logs["extra"][column].extend(values)
+        logs["advantages"].extend(advantages)
+
+    def _generate(self, prompts: list) -> tuple:
+        """TRL's generation hook: completions for ``prompts``, this process's raw prompts (text or message lists, each
+        repeated once per completion, as the sampler laid them out).
+
+        Returns TRL's tuple (``_generate_fields``): GRPO's ``(prompt_ids, completion_ids, tool_mask, completions,
+        logprobs, extra_fields, images, tool_images)``, RLOO's ``(prompt_ids, completion_ids, completions)``.
+
+        A subclass that overrides it (as in TRL) is called for every generation, and may call ``super()._generate``
+        to use posttrain's generation; from what it returns posttrain uses ``prompt_ids``, ``completion_ids``,
+        ``logprobs`` (None: none), ``tool_mask`` (1 = model token) and ``extra_fields`` (per-row reward kwargs).
+        Completions are decoded from ``completion_ids`` for the reward functions. Without an override, posttrain's
+        pipeline generates directly (this method is not called). With ``tools`` the override replaces the tool loop
+        too (as in TRL, where it runs inside ``_generate``); ``super()._generate`` here generates without it.
+        """
+        from posttrain.rollout.pipeline import completions_as_messages, render_prompts
+
+        backend = self.backend.inner if isinstance(self.backend, _GenerateHookBackend) else self.backend
+        _, prompt_ids = render_prompts(
+            [{"prompt": p} for p in prompts], self.processing_class, self.args.chat_template_kwargs
+        )
+        max_prompt_length = getattr(self.pipeline.settings, "max_prompt_length", None)
+        if max_prompt_length:  # as the pipeline does
+            prompt_ids = [ids[-max_prompt_length:] for ids in prompt_ids]
+        num_generations = self.num_generations if self._mode() == "train" else self.num_generations_eval
+        pipeline_backend, self.pipeline.backend = self.pipeline.backend, backend
+        try:
+            generated = self.pipeline.generate(prompts, prompt_ids, num_generations)
+        finally:
+            self.pipeline.backend = pipeline_backend
+        texts = self.processing_class.batch_decode(generated.completion_ids, skip_special_tokens=True)
+        extra = dict(generated.extra)
+        values = {
+            "prompt_ids": generated.prompt_ids,
+            "completion_ids": generated.completion_ids,
+            "tool_mask": extra.pop("env_mask", None),
+            "completions": completions_as_messages(
+                prompts, texts, tokenizer=self.processing_class, completion_ids=generated.completion_ids
+            ),
+            "logprobs": generated.logprobs,
+            "extra_fields": extra,
+            "images": None,
+            "tool_images": [],
+        }
+        return tuple(values[name] for name in self._generate_fields)
 
     # -- loss --------------------------------------------------------------------------------------------------
     def _grad_accum_divisor(self) -> int:

@@ -243,7 +243,58 @@ class PreferenceTrainer(BaseTrainer):
         if self.args.sync_ref_model:
             self.add_callback(SyncRefModelCallback(ref_model=self.reference.model, accelerator=self.accelerator))
         if self.args.precompute_ref_log_probs:
+            # what the reference was, so that evaluate(eval_dataset=...) can precompute a new set's columns later
+            self._reference_before_precompute = (self.reference.kind, self.reference.adapter_name)
             self._precompute_reference()
+
+    def _prepare_eval_dataset(self, dataset: Any, name: str) -> Any:
+        """The constructor's preparation; with ``precompute_ref_log_probs`` also the precomputed reference columns
+        (as the constructor adds them), computed with the reference the trainer had (as TRL)."""
+        prepared = super()._prepare_eval_dataset(dataset, name)
+        if not getattr(self.args, "precompute_ref_log_probs", False) or prepared is None:
+            return prepared
+        from posttrain.data.dataset_ops import check_precompute_supported
+        from posttrain.models.reference import add_reference_columns
+
+        check_precompute_supported(self.args, None, prepared)
+        compute, input_columns, marker = self._reference_columns()
+        if marker in prepared.column_names:
+            return prepared
+        batch_size = self.args.precompute_ref_batch_size or self.args.per_device_eval_batch_size
+        with self._reference_for_precompute():
+            return add_reference_columns(
+                self, prepared, compute, input_columns=input_columns, marker_column=marker, batch_size=batch_size
+            )
+
+    @contextlib.contextmanager
+    def _reference_for_precompute(self):
+        """The reference policy back for one more precompute pass, where it can be had after it was released:
+        the policy with its adapters off or its reference adapter (PEFT), or the policy itself before the first
+        training step. A separate reference module was freed (posttrain keeps no second copy of the weights)."""
+        if self.reference.needs_forward:
+            yield
+            return
+        kind, adapter_name = getattr(self, "_reference_before_precompute", ("precomputed", None))
+        recoverable = kind in ("adapters_disabled", "adapter") or (
+            kind == "initial_policy" and self.state.global_step == 0
+        )
+        if not recoverable:
+            raise ValueError(
+                "Cannot compute reference log-probs for a dataset passed to `evaluate()`: with "
+                "precompute_ref_log_probs=True posttrain frees the reference once its log-probs are precomputed"
+                + (
+                    ", and after training has started the policy is no longer the reference"
+                    if kind == "initial_policy"
+                    else " (the separate ref_model)"
+                )
+                + ". Provide this dataset as `eval_dataset` at initialization, or set precompute_ref_log_probs=False."
+            )
+        released = self.reference
+        self.reference = ReferencePolicy(kind, adapter_name=adapter_name)
+        try:
+            yield
+        finally:
+            self.reference = released
 
     def _count_train_tokens(self, inputs: dict[str, Any], mode: str) -> None:
         """TRL's ``num_tokens``: cumulative count of attended (non-pad) tokens over every process, training only."""

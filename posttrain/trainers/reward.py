@@ -38,6 +38,7 @@ from posttrain.reliability.validation import (
     check_datasets,
     check_preference_pairs,
     check_text_only,
+    require_train_dataset,
 )
 from posttrain.trainers.base import BaseConfig
 from posttrain.trainers.preference import (
@@ -139,15 +140,18 @@ class RewardTrainer(PreferenceTrainer):
         from posttrain.models.peft_utils import prepare_peft_model
 
         args = self.resolve_args(args, model, RewardConfig, "Reward")
+        require_train_dataset(train_dataset, "RewardTrainer")
         check_datasets(train_dataset, eval_dataset)
         reward_model = resolve_model(
             model, args, task="sequence-classification", quantization_config=quantization_config
         )
         num_labels = getattr(getattr(reward_model, "config", None), "num_labels", None)
         if num_labels != 1:
-            raise ValueError(
-                f"RewardTrainer needs a sequence-classification model with one label (the reward), got num_labels="
-                f"{num_labels}. Load it with AutoModelForSequenceClassification.from_pretrained(..., num_labels=1)."
+            raise ValueError(  # TRL's phrase first
+                f"The model has `num_labels={num_labels}`, but reward models require `num_labels=1` to output a "
+                "single scalar reward per sequence. Load it with "
+                "AutoModelForSequenceClassification.from_pretrained(..., num_labels=1), or pass the model's name or "
+                "path as a string to have it configured automatically."
             )
         processing_class = resolve_processing_class(
             model, processing_class, trust_remote_code=args.trust_remote_code
@@ -186,6 +190,7 @@ class RewardTrainer(PreferenceTrainer):
         def prepare_eval(dataset: Any, name: str) -> Any:
             return self._prepare_dataset(dataset, tok, args, name)
 
+        self._eval_preparer = prepare_eval  # evaluate(eval_dataset=...) prepares its argument the same way
         eval_dataset = prepare_splits(eval_dataset, prepare_eval, "eval")
         check_text_only(train_dataset, "RewardTrainer")
         train_dataset = self._prepare_dataset(train_dataset, tok, args, "train")

@@ -24,6 +24,7 @@ from posttrain.core.presets import RLOO_LOSS_PRESET
 from posttrain.reliability.validation import ALLOW_NEGATIVE_BETA_HELP, check_beta
 from posttrain.rollout.buffer import RolloutBatch
 from posttrain.rollout.estimators import LeaveOneOutEstimator
+from posttrain.trainers.base import ConfigAttribute
 from posttrain.trainers.online import OnlineRLConfig, OnlineTrainerBase
 
 
@@ -101,6 +102,11 @@ class RLOOTrainer(OnlineTrainerBase):
     config_class = RLOOConfig
     _trainer_name = "RLOO"
     _tag_names = ["posttrain", "rloo"]
+    _generate_fields = ("prompt_ids", "completion_ids", "completions")  # what TRL's RLOO `_generate` returns
+
+    # TRL's attributes copied from the config, which subclasses written for TRL read (``ConfigAttribute``)
+    normalize_advantages = ConfigAttribute()
+    reward_clip_range = ConfigAttribute()
 
     def __init__(
         self,

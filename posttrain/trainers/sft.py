@@ -48,7 +48,13 @@ from posttrain.models.forward import (
 from posttrain.models.loading import load_processor, resolve_router_aux_loss_coef
 from posttrain.models.unwrap import unwrap_base_model
 from posttrain.registry import Registry
-from posttrain.trainers.base import PAD_TO_MULTIPLE_OF_HELP, BaseConfig, BaseTrainer
+from posttrain.trainers.base import (
+    PAD_TO_MULTIPLE_OF_HELP,
+    BaseConfig,
+    BaseTrainer,
+    ConfigAttribute,
+    router_aux_loss_coef_attribute,
+)
 
 IGNORE_INDEX = -100
 _PACKING_STRATEGIES = ("bfd", "bfd_split", "wrapped")
@@ -322,6 +328,7 @@ class SFTTrainer(BaseTrainer):
     """
 
     _tag_names = ["posttrain", "sft"]
+    router_aux_loss_coef = ConfigAttribute(read=router_aux_loss_coef_attribute)  # TRL's attribute
     # Tokens per chunk of the chunked log-prob path (TRL's chunked_nll uses 256): scratch is ~2 × 256 × V floats.
     chunk_size: int = 256
 
@@ -344,11 +351,10 @@ class SFTTrainer(BaseTrainer):
         formatting_func: Callable[[dict], str] | None = None,
     ):
         from posttrain.models.loading import model_name, resolve_model, resolve_processing_class
-        from posttrain.reliability.validation import check_datasets
+        from posttrain.reliability.validation import check_datasets, check_liger_peft_head, require_train_dataset
 
         args = self.resolve_args(args, model, SFTConfig, "SFT")
-        if train_dataset is None:
-            raise ValueError("SFTTrainer needs a train_dataset.")
+        require_train_dataset(train_dataset, "SFTTrainer")
         check_datasets(train_dataset, eval_dataset)
         configure_streaming(args, train_dataset)  # a stream: max_steps required, no workers, no batch dispatch
         quantized = quantization_config is not None or "quantization_config" in (args.model_init_kwargs or {})
@@ -376,6 +382,7 @@ class SFTTrainer(BaseTrainer):
         if args.assistant_only_loss:
             self._ensure_training_template(tokenizer)
         model = self._wrap_peft(model, peft_config, added_token_ids, args)
+        check_liger_peft_head(model, args)
         self.aux_loss_enabled = self._enable_router_aux_loss(model, args)
 
         self.padding_free = self._resolve_padding_free(model, args)
@@ -396,17 +403,16 @@ class SFTTrainer(BaseTrainer):
         train_dataset = self._prepare_dataset(
             train_dataset, tokenizer, args, args.packing, formatting_func, "train", skip_prepare
         )
-        if eval_dataset is not None:
-            eval_packing = args.packing if args.eval_packing is None else args.eval_packing
-            if isinstance(eval_dataset, dict):
-                eval_dataset = {
-                    key: self._prepare_dataset(ds, tokenizer, args, eval_packing, formatting_func, key, skip_prepare)
-                    for key, ds in eval_dataset.items()
-                }
-            else:
-                eval_dataset = self._prepare_dataset(
-                    eval_dataset, tokenizer, args, eval_packing, formatting_func, "eval", skip_prepare
-                )
+        eval_packing = args.packing if args.eval_packing is None else args.eval_packing
+
+        def prepare_eval(dataset: Any, name: str) -> Any:
+            return self._prepare_dataset(dataset, tokenizer, args, eval_packing, formatting_func, name, skip_prepare)
+
+        self._eval_preparer = prepare_eval  # evaluate(eval_dataset=...) prepares its argument the same way
+        if isinstance(eval_dataset, dict):
+            eval_dataset = {key: prepare_eval(ds, key) for key, ds in eval_dataset.items()}
+        elif eval_dataset is not None:
+            eval_dataset = prepare_eval(eval_dataset, "eval")
 
         self.loss_type = args.loss_type
         self._loss_fn = SFT_LOSSES.get(args.loss_type)
@@ -519,7 +525,7 @@ class SFTTrainer(BaseTrainer):
             )
         if args.padding_free and not args.packing and args.max_length is not None:
             raise ValueError(
-                "When padding_free=True without packing, max_length is not enforced. Either enable packing (e.g. "
+                "When `padding_free=True` without packing, `max_length` is not enforced. Either enable packing (e.g. "
                 "packing=True, packing_strategy='bfd'), provide already truncated inputs, or set max_length=None."
             )
         if args.padding_free and args.per_device_train_batch_size == 1 and not args.packing:
@@ -628,13 +634,6 @@ class SFTTrainer(BaseTrainer):
         )
         from posttrain.data.tokenization import map_with_row_index, tokenize_lm, tokenize_prompt_completion
 
-        fmt_info = getattr(dataset, "format", None) or {}
-        if fmt_info.get("type") == "custom":
-            raise ValueError(
-                f"The {name} dataset uses `with_transform`/`set_transform`, which SFTTrainer cannot prepare. Apply the "
-                "transform with `dataset.map(...)`, or set dataset_kwargs={'skip_prepare_dataset': True} and provide "
-                "input_ids and labels."
-            )
         columns = _columns(dataset)
         if skip_prepare:
             if "labels" not in columns and ({"completion_mask", "assistant_masks"} & set(columns)):
@@ -643,6 +642,15 @@ class SFTTrainer(BaseTrainer):
                     "ignored. Build `labels` (-100 on tokens not to train on) or let SFTTrainer prepare the dataset."
                 )
             return dataset
+        # after skip_prepare, as TRL: a transform that returns trainer-ready rows is fine when nothing is prepared
+        fmt_info = getattr(dataset, "format", None) or {}
+        if fmt_info.get("type") == "custom":
+            raise ValueError(  # TRL's phrase first
+                "SFTTrainer cannot prepare a dataset that uses `Dataset.with_transform()`: the "
+                f"{name} dataset uses `with_transform`/`set_transform`, and preparing it would bake the transform's "
+                "output into the tokenized columns. Apply a deterministic transform with `dataset.map(...)`, or set "
+                "dataset_kwargs={'skip_prepare_dataset': True} and make the transform return input_ids and labels."
+            )
         if {"image", "images"} & set(columns):
             raise ValueError(
                 f"The {name} dataset has image columns but the train dataset has none: vision-language SFT is chosen "

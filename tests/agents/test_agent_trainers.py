@@ -192,7 +192,7 @@ def test_environment_factory_without_dataset_or_reward_funcs(tiny_model_path, tm
     assert logs["rewards/CounterEnv/mean"] == 1.0 and logs["tools/call_frequency"] == 1.0
     # The environment's task reached the model through the (empty) user message.
     assert any(last_user(c) == "Set the counter to 3." for c in scripted.contexts)
-    with pytest.raises(ValueError, match="set max_steps"):
+    with pytest.raises(ValueError, match=r"^When training without a `train_dataset` .* `max_steps` must be set"):
         GRPOTrainer(tiny_model_path, None, _config(tmp_path, max_steps=-1), environment_factory=CounterEnv)
 
 
@@ -221,7 +221,7 @@ def test_dict_of_environments_rewards_and_tools_per_row(tiny_model_path, tmp_pat
     # Each prompt rendered only its own environment's tool.
     tool_blocks = {c.split("<tools>", 1)[1].split("</tools>", 1)[0] for c in scripted.contexts}
     assert {("increment" in b, "shout" in b) for b in tool_blocks} == {(True, False), (False, True)}
-    with pytest.raises(ValueError, match="train_dataset is required with a dict environment_factory"):
+    with pytest.raises(ValueError, match=r"^A `dict` `environment_factory` \(multiple environments\) requires"):
         GRPOTrainer(tiny_model_path, None, _config(tmp_path), environment_factory={"echo": EchoEnv})
 
 

@@ -194,7 +194,9 @@ def test_on_error_none_records_failures_and_counts_them(caplog):
     assert sum("'crashes'" in m for m in warned) == 1  # warned once per function, then only counted
 
 
-def test_rows_nobody_scores_warn_once():
+def test_rows_nobody_scores_warn_once(caplog):
+    """Logged through `logging` with TRL's phrase first (TRL logs it with logger.warning), once per scorer."""
+
     def only_first(completions, **kwargs):
         return [1.0, None]
 
@@ -202,14 +204,16 @@ def test_rows_nobody_scores_warn_once():
         return [None, None]
 
     scorer = RewardScorer([only_first, never])
-    with pytest.warns(UserWarning, match=r"All reward functions returned None for 1 of 2.*'prompts': 'Say bye.'"):
+    with caplog.at_level(logging.WARNING, logger="posttrain.rewards.scoring"):
         rewards = score(scorer, columns={"solution": ["1", "2"]})
+    messages = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(messages) == 1
+    assert messages[0].startswith("All reward functions returned None for the following kwargs:\n")
+    assert "'prompts': 'Say bye.'" in messages[0] and "1 of 2 completions" in messages[0]
     assert torch.isnan(rewards[1]).all() and rewards[0, 0] == 1.0
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        score(scorer)
+    caplog.clear()
+    score(scorer)
+    assert not [r for r in caplog.records if "returned None" in r.getMessage()]
     assert scorer.unscorable_count == 2
 
 

@@ -442,7 +442,7 @@ def test_packing_flattens_batches_only_for_flash_attention(tmp_path):
 
 def test_trainer_validation_errors(tiny_model_path, tmp_path):
     text = Dataset.from_dict({"text": TEXTS})
-    with pytest.raises(ValueError, match="max_length is not enforced"):
+    with pytest.raises(ValueError, match="`max_length` is not enforced"):
         SFTTrainer(tiny_model_path, args=args_for(tmp_path, padding_free=True), train_dataset=text)
     with pytest.raises(ValueError, match="formatting_func"):
         SFTTrainer(

@@ -1,6 +1,6 @@
 """Attributes and methods TRL users and callbacks touch (issue 18, item 7): ``ref_model``, ``aux_loss_enabled``,
 ``reward_processing_classes``, ``GRPOTrainer.get_high_entropy_mask`` / ``get_off_policy_mask``, ``entropy_coef``,
-model tags, and DPO/KTO/Reward without a train dataset (evaluation only)."""
+model tags. (Without a train dataset every trainer raises as TRL: tests/trainers/test_trl_errors.py.)"""
 
 from __future__ import annotations
 
@@ -84,13 +84,3 @@ def test_model_tags(kind, tiny_model_path, tiny_reward_model_path, tmp_path):
     assert trainer.model.model_tags is not None
     for tag in trainer._tag_names:
         assert tag in trainer.model.model_tags
-
-
-@pytest.mark.parametrize("kind", ["dpo", "kto", "reward"])
-def test_no_train_dataset_for_evaluation_only(kind, tiny_model_path, tiny_reward_model_path, tmp_path):
-    config_class, trainer_class, data, _ = CASES[kind]
-    model = tiny_reward_model_path if kind == "reward" else tiny_model_path
-    trainer = trainer_class(model, args=fast_config(config_class, tmp_path), train_dataset=None, eval_dataset=data())
-    assert "eval_loss" in trainer.evaluate()
-    with pytest.raises(ValueError, match="train"):
-        trainer.train()

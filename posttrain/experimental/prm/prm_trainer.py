@@ -168,6 +168,7 @@ class PRMTrainer(BaseTrainer):
         def prepare_eval(dataset: Any, name: str) -> Any:
             return self._prepare_dataset(dataset, tok, args, name, is_eval=True)
 
+        self._eval_preparer = prepare_eval  # evaluate(eval_dataset=...) prepares its argument the same way
         eval_dataset = prepare_splits(eval_dataset, prepare_eval, "eval")
         super().__init__(
             model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
