@@ -7,7 +7,8 @@ import math
 
 import pytest
 from datasets import Dataset
-from test_epoch_remainder import CASES, _reward
+from reward_helpers import varied_reward as _reward
+from test_epoch_remainder import CASES
 from trainer_helpers import fast_config, quiet_single_thread  # noqa: F401
 
 # Metric names TRL's evaluate() returns for each trainer (besides eval_loss), prefixed "eval_"
@@ -17,8 +18,8 @@ EXPECTED = {
             "logps/rejected"],
     "kto": ["rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "kl"],
     "reward": ["accuracy", "margin", "min_reward", "mean_reward", "max_reward"],
-    "grpo": ["reward", "reward_std", "rewards/_reward/mean", "completions/mean_length"],
-    "rloo": ["reward", "reward_std", "rewards/_reward/mean", "completions/mean_length"],
+    "grpo": ["reward", "reward_std", "rewards/varied_reward/mean", "completions/mean_length"],
+    "rloo": ["reward", "reward_std", "rewards/varied_reward/mean", "completions/mean_length"],
     "distillation": ["completions/mean_length"],
 }  # fmt: skip
 

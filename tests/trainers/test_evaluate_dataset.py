@@ -9,7 +9,8 @@ import re
 
 import pytest
 from datasets import DatasetDict, IterableDatasetDict
-from test_epoch_remainder import CASES, _reward
+from reward_helpers import varied_reward as _reward
+from test_epoch_remainder import CASES
 from trainer_helpers import fast_config, quiet_single_thread  # noqa: F401
 
 KINDS = ["sft", "dpo", "kto", "reward", "grpo", "rloo"]

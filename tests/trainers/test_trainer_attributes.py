@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_epoch_remainder import CASES, _reward
+from reward_helpers import varied_reward as _reward
+from test_epoch_remainder import CASES
 from trainer_helpers import fast_config, quiet_single_thread  # noqa: F401
 
 from posttrain import GRPOConfig, GRPOTrainer
