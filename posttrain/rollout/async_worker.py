@@ -382,6 +382,7 @@ class AsyncRolloutMixin(abc.ABC):
             prompts_per_round=self._prompts_per_round(), shuffle=bool(args.shuffle_dataset), seed=int(args.seed),
             start_round=self._next_round, ahead=max(0, inflight // rows), request_timeout=float(args.request_timeout),
             server_timeout=float(args.vllm_server_timeout), seed_requests=bool(args.seed_requests),
+            client_kwargs={"health_check_interval": getattr(args, "vllm_server_health_check_interval", 10.0)},
         )  # fmt: skip
 
     def _checked_worker_spec(self) -> AsyncWorkerSpec:
@@ -408,7 +409,11 @@ class AsyncRolloutMixin(abc.ABC):
         if self._push_client is None:
             sync_timeout = getattr(self.args, "weight_sync_timeout", None)
             push_timeout = float(sync_timeout if sync_timeout is not None else self.args.request_timeout)
-            self._push_client = GenerationClient(self._inner_backend().base_url, request_timeout=push_timeout)
+            self._push_client = GenerationClient(
+                self._inner_backend().base_url, request_timeout=push_timeout,
+                health_check_interval=getattr(self.args, "vllm_server_health_check_interval", 10.0),
+                timeout_hint="weight_sync_timeout" if sync_timeout is not None else "request_timeout",
+            )  # fmt: skip
         self._push_weights(wait=True)  # the server must hold this step's weights before the worker reads its version
         spec = self._checked_worker_spec()
         context = multiprocessing.get_context("spawn")
