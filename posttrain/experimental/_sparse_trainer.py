@@ -81,7 +81,8 @@ class SparseDistillationMixin:
     def _teacher_server(self) -> ServedTeacher:
         if self.served_teacher is None:
             timeout = float(getattr(self.args, "vllm_server_timeout", 240.0) or 240.0)
-            self.served_teacher = ServedTeacher(self.args.teacher_model_server_url, self.vocab_rows, timeout)
+            self.served_teacher = ServedTeacher(self.args.teacher_model_server_url, self.vocab_rows, timeout,
+                                               "vllm_server_timeout")
         return self.served_teacher
 
     def _behaviour_logprobs(self, inputs: Any) -> torch.Tensor | None:
