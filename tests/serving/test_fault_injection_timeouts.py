@@ -239,6 +239,17 @@ def test_a_silent_server_is_noticed_by_the_health_probe_long_before_request_time
     assert 0.5 <= elapsed < 10, elapsed
 
 
+def test_waiting_for_a_silent_server_at_start_up_is_bounded_by_vllm_server_timeout():
+    """Each /health poll of wait_until_ready is bounded too: a server that accepts but never answers is reported
+    after the start-up timeout, not after request_timeout (600 s) per poll."""
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        client = GenerationClient(f"http://127.0.0.1:{silent.getsockname()[1]}", health_check_interval=None)
+        err, elapsed = _timed(lambda: client.wait_until_ready(timeout=1.0, poll_interval=0.1))
+        client.close()
+    assert isinstance(err, ServerUnavailableError) and "did not become ready within 1 s" in str(err), repr(err)
+    assert 0.9 <= elapsed < 10, elapsed
+
+
 def test_a_slow_but_alive_server_passes_the_probe_and_is_bounded_by_request_timeout(engine):
     """The engine holds the generation (the server still answers /health): the probe does not cut the request
     short, request_timeout does."""
