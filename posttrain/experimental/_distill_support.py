@@ -96,10 +96,11 @@ class ServedTeacher:
     """The teacher behind ``posttrain serve`` (or ``trl vllm-serve``): ``POST /get_sequence_logprobs/`` for the
     student's ``[prompt | completion]`` sequences, flattened to the loss tokens."""
 
-    def __init__(self, base_url: str, vocab_rows: int, timeout: float = 240.0):
+    def __init__(self, base_url: str, vocab_rows: int, timeout: float = 240.0, timeout_hint: str = "request_timeout"):
         from posttrain.generation.client import GenerationClient
 
-        self.client = GenerationClient(base_url.rstrip("/"), request_timeout=timeout)
+        # timeout_hint: the config field a timeout error tells the user to raise
+        self.client = GenerationClient(base_url.rstrip("/"), request_timeout=timeout, timeout_hint=timeout_hint)
         self.vocab_rows = vocab_rows
 
     def score(self, inputs: dict[str, Any], top_k: int, temperature: float) -> dict[str, torch.Tensor]:

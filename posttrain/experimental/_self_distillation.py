@@ -263,7 +263,8 @@ class SelfDistillationMixin:
             if base_url is None:
                 args = self.args
                 base_url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
-            self.served_teacher = ServedTeacher(base_url, self.vocab_rows, float(self.args.vllm_server_timeout))
+            self.served_teacher = ServedTeacher(base_url, self.vocab_rows, float(self.args.vllm_server_timeout),
+                                               "vllm_server_timeout")
         return self.served_teacher
 
     def _served_per_token_loss(

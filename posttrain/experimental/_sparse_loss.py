@@ -65,7 +65,7 @@ def check_sparse_options(args: Any, uses_server: bool) -> None:
 def _served_teacher_client(trainer: Any) -> ServedTeacher:
     """The ``POST /get_sequence_logprobs/`` client of ``args.teacher_model_server_url``."""
     timeout = float(getattr(trainer.args, "vllm_server_timeout", 240.0) or 240.0)
-    return ServedTeacher(trainer.args.teacher_model_server_url, trainer.vocab_rows, timeout)
+    return ServedTeacher(trainer.args.teacher_model_server_url, trainer.vocab_rows, timeout, "vllm_server_timeout")
 
 
 def _behaviour_logprobs(inputs: Any) -> torch.Tensor | None:

@@ -6,16 +6,26 @@ result carries the weight ``version`` the server generated with. Failures are ty
 
 - ``ServerUnavailableError`` (a ``ConnectionError``): the server cannot be reached, or went away mid-request, after
   ``max_retries`` quick retries; the message names the URL and says how to start a server;
+- ``ServerTimeoutError`` (a ``ServerUnavailableError`` and a ``TimeoutError``): no answer within ``request_timeout``,
+  or the server stopped answering its ``/health`` probe while a request was in flight; the message names the URL,
+  the request, how long it waited and what to check;
 - ``ServerRequestError`` (a ``ValueError``): a 4xx; the message is the server's, naming the bad field;
 - ``ServerError`` (a ``RuntimeError``): any other non-200 answer.
 
-A busy server (429/503) is retried after its ``Retry-After`` for up to ``busy_timeout`` seconds. Every loop here
-is bounded.
+Every wait is bounded. ``request_timeout`` (default 600 s) is the budget of one call, retries included: a busy server
+(429/503, e.g. one shutting down) is retried after its ``Retry-After`` (at most 5 s apart, for up to ``busy_timeout``
+seconds) and a reset or refused connection up to ``max_retries`` times with exponential backoff, all inside it. Once
+a request has been in flight for ``health_check_interval`` seconds (default 10), the client probes ``GET /health``
+on a separate connection every ``health_check_interval`` seconds, each probe waiting at most that long: a server
+that is stopped (SIGSTOP), frozen or cut off is reported within about two intervals instead of at the end of
+``request_timeout``, while a server that is alive but slow (a long generation) answers its probe and is waited for.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 import time
 import uuid
 from collections.abc import Iterable
@@ -27,6 +37,15 @@ import httpx
 
 class ServerUnavailableError(ConnectionError):
     """The generation server cannot be reached (not started, stopped, or crashed)."""
+
+
+class ServerTimeoutError(ServerUnavailableError, TimeoutError):
+    """The server did not answer a request in time, or stopped answering ``/health`` while it was in flight."""
+
+
+DEFAULT_REQUEST_TIMEOUT = 600.0
+DEFAULT_HEALTH_CHECK_INTERVAL = 10.0
+_RETRYABLE = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 
 
 class ServerRequestError(ValueError):
@@ -138,30 +157,47 @@ class GenerationClient:
 
     Args:
         base_url: e.g. ``"http://127.0.0.1:8000"``.
-        request_timeout: Seconds a generation or weight push may take (``None`` = no limit).
+        request_timeout: Seconds one call (a generation, one weight-push request) may take, retries included; on
+            expiry ``ServerTimeoutError``. ``None`` = no limit (then only the health probe ends a hung request).
         connect_timeout: Seconds to establish a connection.
         max_retries: Quick retries (with ``retry_backoff`` × 2^k sleeps) when the connection fails mid-run.
         retry_backoff: First retry delay, in seconds.
-        busy_timeout: How long to keep retrying 429/503 answers.
+        busy_timeout: How long to keep retrying 429/503 answers (inside ``request_timeout``).
+        health_check_interval: Once a request has been in flight this many seconds, probe ``/health`` every this
+            many seconds (each probe waits at most this long); a probe without answer ends the request with
+            ``ServerTimeoutError``. ``None`` = no probe.
+        timeout_hint: The setting that timeout errors tell the user to raise (e.g. a trainer config's field).
     """
 
     def __init__(
         self,
         base_url: str,
         *,
-        request_timeout: float | None = None,
+        request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT,
         connect_timeout: float = 5.0,
         max_retries: int = 3,
         retry_backoff: float = 0.25,
         busy_timeout: float = 600.0,
+        health_check_interval: float | None = DEFAULT_HEALTH_CHECK_INTERVAL,
+        timeout_hint: str = "request_timeout",
     ):
+        if request_timeout is not None and not request_timeout > 0:
+            raise ValueError(f"request_timeout must be > 0 seconds (or None), got {request_timeout}.")
+        if health_check_interval is not None and not health_check_interval > 0:
+            raise ValueError(f"health_check_interval must be > 0 seconds (or None), got {health_check_interval}.")
         self.base_url = base_url.rstrip("/")
+        self.request_timeout = None if request_timeout is None else float(request_timeout)
+        self.connect_timeout = float(connect_timeout)
         self.timeout = httpx.Timeout(request_timeout, connect=connect_timeout)
         self.max_retries = max_retries
         self.retry_backoff = retry_backoff
         self.busy_timeout = busy_timeout
+        self.health_check_interval = None if health_check_interval is None else float(health_check_interval)
+        self.timeout_hint = timeout_hint
         self._client: httpx.Client | None = None
         self._aclient: httpx.AsyncClient | None = None
+        self._probe_client: httpx.Client | None = None
+        self._aprobe_client: httpx.AsyncClient | None = None
 
     # -- plumbing -----------------------------------------------------------------------------------------------
     @property
@@ -183,52 +219,157 @@ class GenerationClient:
             "--port PORT` (or `vllm serve`) and check vllm_server_base_url / vllm_server_host / vllm_server_port."
         )
 
+    def _timed_out(self, method: str, path: str, start: float, why: str) -> ServerTimeoutError:
+        limit = "none" if self.request_timeout is None else f"{self.request_timeout:g} s"
+        return ServerTimeoutError(
+            f"The generation server at {self.base_url} did not answer {method} {path} in time: {why} (waited "
+            f"{time.monotonic() - start:.1f} s; {self.timeout_hint}={limit}). Check that the server process is "
+            "running and not stopped (SIGSTOP: `kill -CONT <pid>`), stuck or overloaded (its log, GET "
+            f"{self.base_url}/health) and that the network path to it is up; raise {self.timeout_hint} if a "
+            "generation or weight push legitimately takes longer."
+        )
+
     def _delay(self, attempt: int, resp: httpx.Response | None = None) -> float:
         if resp is not None and resp.headers.get("Retry-After", "").replace(".", "", 1).isdigit():
             return float(resp.headers["Retry-After"])
         return self.retry_backoff * (2**attempt)
 
+    def _start(self) -> tuple[float, float | None]:
+        """``(start, deadline)`` of a call (monotonic seconds; no deadline without ``request_timeout``)."""
+        start = time.monotonic()
+        return start, None if self.request_timeout is None else start + self.request_timeout
+
+    def _left(self, method: str, path: str, start: float, deadline: float | None, last: str) -> float | None:
+        """Seconds left before ``deadline`` (None: no limit); raise ``ServerTimeoutError`` when none are."""
+        if deadline is None:
+            return None
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise self._timed_out(method, path, start, f"no answer within {self.timeout_hint}{last}")
+        return left
+
+    def _attempt_timeout(self, left: float | None) -> httpx.Timeout:
+        return httpx.Timeout(left, connect=self.connect_timeout if left is None else min(self.connect_timeout, left))
+
+    def _probe_wait(self, deadline: float | None) -> float:
+        """How long to wait for the request before (the next) health probe."""
+        interval = float(self.health_check_interval or 0.0)
+        return interval if deadline is None else max(0.0, min(interval, deadline - time.monotonic()))
+
+    def _stopped(self, method: str, path: str, start: float, err: Exception) -> ServerTimeoutError:
+        return self._timed_out(
+            method, path, start,
+            f"the server stopped answering GET /health while the request was in flight (probe every "
+            f"{self.health_check_interval:g} s: {type(err).__name__}: {err})",
+        )  # fmt: skip
+
+    def _send(self, method: str, path: str, start: float, deadline: float | None, last: str, kwargs: dict) -> Any:
+        """One attempt, bounded by the deadline and, with ``health_check_interval``, watched by the health probe
+        (the attempt runs on a daemon thread that ends by its own timeout when abandoned)."""
+        timeout = self._attempt_timeout(self._left(method, path, start, deadline, last))
+        if self.health_check_interval is None:
+            return self.client.request(method, path, timeout=timeout, **kwargs)
+        outcome: list[tuple[bool, Any]] = []
+        done = threading.Event()
+
+        def attempt() -> None:
+            try:
+                outcome.append((True, self.client.request(method, path, timeout=timeout, **kwargs)))
+            except BaseException as err:  # re-raised in the caller's thread
+                outcome.append((False, err))
+            finally:
+                done.set()
+
+        threading.Thread(target=attempt, name="posttrain-http-request", daemon=True).start()
+        while not done.wait(self._probe_wait(deadline)):
+            self._left(method, path, start, deadline, last)
+            if self._probe_client is None:
+                self._probe_client = httpx.Client(base_url=self.base_url)
+            try:
+                self._probe_client.get("/health", timeout=self.health_check_interval)
+            except httpx.HTTPError as err:
+                if not done.is_set():
+                    raise self._stopped(method, path, start, err) from err
+        ok, value = outcome[0]
+        if ok:
+            return value
+        raise value
+
+    async def _asend(
+        self, method: str, path: str, start: float, deadline: float | None, last: str, kwargs: dict
+    ) -> Any:
+        timeout = self._attempt_timeout(self._left(method, path, start, deadline, last))
+        if self.health_check_interval is None:
+            return await self.aclient.request(method, path, timeout=timeout, **kwargs)
+        task = asyncio.ensure_future(self.aclient.request(method, path, timeout=timeout, **kwargs))
+        try:
+            while True:
+                finished, _ = await asyncio.wait({task}, timeout=self._probe_wait(deadline))
+                if finished:
+                    return task.result()
+                self._left(method, path, start, deadline, last)
+                if self._aprobe_client is None:
+                    self._aprobe_client = httpx.AsyncClient(base_url=self.base_url)
+                try:
+                    await self._aprobe_client.get("/health", timeout=self.health_check_interval)
+                except httpx.HTTPError as err:
+                    if not task.done():
+                        raise self._stopped(method, path, start, err) from err
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+
     def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        """Send with bounded retries; returns a 200 response or raises one of the typed errors."""
-        attempt, busy_deadline = 0, time.monotonic() + self.busy_timeout
+        """Send with bounded retries inside ``request_timeout``; returns a 200 response or raises a typed error."""
+        start, deadline = self._start()
+        attempt, busy_until, last = 0, start + self.busy_timeout, ""
         while True:
             try:
-                resp = self.client.request(method, path, **kwargs)
-            except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as err:
+                resp = self._send(method, path, start, deadline, last, kwargs)
+            except _RETRYABLE as err:
                 if attempt >= self.max_retries:
                     raise self._unavailable(path, err) from err
-                time.sleep(self._delay(attempt))
+                last = f"; last error: {type(err).__name__}: {err}"
+                left = self._left(method, path, start, deadline, last)
+                time.sleep(self._delay(attempt) if left is None else min(self._delay(attempt), left))
                 attempt += 1
                 continue
             except httpx.TimeoutException as err:
-                raise ServerUnavailableError(
-                    f"The generation server at {self.base_url} did not answer {path} within the timeout ({err})."
-                ) from err
-            if resp.status_code in (429, 503) and time.monotonic() < busy_deadline:
-                time.sleep(min(self._delay(0, resp), 5.0))
+                raise self._timed_out(method, path, start, f"{type(err).__name__}: {err}{last}") from err
+            if resp.status_code in (429, 503) and time.monotonic() < busy_until:
+                last = f"; the server last answered {resp.status_code} (busy or shutting down)"
+                left = self._left(method, path, start, deadline, last)
+                pause = min(self._delay(0, resp), 5.0)
+                time.sleep(pause if left is None else min(pause, left))
                 continue
             if resp.status_code != 200:
                 raise _error_from(resp)
             return resp
 
     async def arequest(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        """``request`` for asyncio code (same retries and errors)."""
-        attempt, busy_deadline = 0, time.monotonic() + self.busy_timeout
+        """``request`` for asyncio code (same deadline, probe, retries and errors)."""
+        start, deadline = self._start()
+        attempt, busy_until, last = 0, start + self.busy_timeout, ""
         while True:
             try:
-                resp = await self.aclient.request(method, path, **kwargs)
-            except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as err:
+                resp = await self._asend(method, path, start, deadline, last, kwargs)
+            except _RETRYABLE as err:
                 if attempt >= self.max_retries:
                     raise self._unavailable(path, err) from err
-                await asyncio.sleep(self._delay(attempt))
+                last = f"; last error: {type(err).__name__}: {err}"
+                left = self._left(method, path, start, deadline, last)
+                await asyncio.sleep(self._delay(attempt) if left is None else min(self._delay(attempt), left))
                 attempt += 1
                 continue
             except httpx.TimeoutException as err:
-                raise ServerUnavailableError(
-                    f"The generation server at {self.base_url} did not answer {path} within the timeout ({err})."
-                ) from err
-            if resp.status_code in (429, 503) and time.monotonic() < busy_deadline:
-                await asyncio.sleep(min(self._delay(0, resp), 5.0))
+                raise self._timed_out(method, path, start, f"{type(err).__name__}: {err}{last}") from err
+            if resp.status_code in (429, 503) and time.monotonic() < busy_until:
+                last = f"; the server last answered {resp.status_code} (busy or shutting down)"
+                left = self._left(method, path, start, deadline, last)
+                pause = min(self._delay(0, resp), 5.0)
+                await asyncio.sleep(pause if left is None else min(pause, left))
                 continue
             if resp.status_code != 200:
                 raise _error_from(resp)
@@ -248,8 +389,9 @@ class GenerationClient:
         deadline = time.monotonic() + timeout
         last: Exception | None = None
         while True:
-            try:
-                resp = self.client.get("/health")
+            try:  # each poll is bounded too: a stopped server accepts connections but never answers
+                poll = httpx.Timeout(max(0.1, min(10.0, deadline - time.monotonic())))
+                resp = self.client.get("/health", timeout=poll)
                 if resp.status_code == 200:
                     return resp.json() if resp.content else {}
                 last = ServerError(f"/health answered {resp.status_code}")
@@ -346,14 +488,18 @@ class GenerationClient:
         return int(result["version"])
 
     def close(self) -> None:
-        if self._client is not None:
-            self._client.close()
-            self._client = None
+        for name in ("_client", "_probe_client"):
+            client = getattr(self, name)
+            if client is not None:
+                client.close()
+                setattr(self, name, None)
 
     async def aclose(self) -> None:
-        if self._aclient is not None:
-            await self._aclient.aclose()
-            self._aclient = None
+        for name in ("_aclient", "_aprobe_client"):
+            client = getattr(self, name)
+            if client is not None:
+                await client.aclose()
+                setattr(self, name, None)
 
     def __enter__(self) -> GenerationClient:
         return self
@@ -362,4 +508,4 @@ class GenerationClient:
         self.close()
 
     def __getstate__(self) -> dict[str, Any]:  # picklable for a spawned rollout worker: no live connections
-        return {**self.__dict__, "_client": None, "_aclient": None}
+        return {**self.__dict__, "_client": None, "_aclient": None, "_probe_client": None, "_aprobe_client": None}

@@ -2,6 +2,10 @@
 
 The trainer is an HTTP client of a generation server at ``vllm_server_base_url`` (or
 ``http://{vllm_server_host}:{vllm_server_port}``), waiting up to ``vllm_server_timeout`` seconds for it at start-up.
+After that every request (a generation, each weight-push request) is bounded by the config's ``request_timeout``
+(default 600 s, retries of 429/503 and reset connections included) and watched by a ``/health`` probe every
+``vllm_server_health_check_interval`` seconds (default 10) while in flight, so a server that stops mid-run ends the
+step with a ``ServerTimeoutError`` naming the server, the request and the wait (``GenerationClient``).
 Three kinds of server are recognised from their ``/health`` answer (or forced with ``protocol=``):
 
 - ``"posttrain"`` — ``posttrain serve`` / ``posttrain vllm-serve`` (either engine). Generation: ``/v1/completions``
@@ -70,7 +74,8 @@ class VLLMServerBackend:
         protocol: ``"posttrain"``, ``"vllm"`` or ``"trl"``; ``None`` = detect.
         timeout: Seconds to wait for the server to come up.
         chunk_bytes: Most bytes per weight-push request (posttrain protocol).
-        client_kwargs: Extra ``GenerationClient`` arguments (retries, timeouts).
+        client_kwargs: Extra ``GenerationClient`` arguments (retries, timeouts); by default ``request_timeout`` and
+            ``health_check_interval`` come from ``args.request_timeout`` / ``args.vllm_server_health_check_interval``.
         seed_requests: Send each request a seed (reproducible runs). Unseeded requests can share an engine call with
             other clients' requests on ``posttrain serve``; seeded ones cannot.
     """
@@ -109,7 +114,12 @@ class VLLMServerBackend:
         self.group_port = int(getattr(args, "vllm_group_port", 51216))
         self.regex = getattr(args, "vllm_structured_outputs_regex", None)
         self.chunk_bytes = chunk_bytes or DEFAULT_CHUNK_BYTES
-        self.client = GenerationClient(self.base_url, **(client_kwargs or {}))
+        bounds: dict[str, Any] = {}
+        if args is not None and hasattr(args, "request_timeout"):
+            bounds["request_timeout"] = args.request_timeout
+        if args is not None and hasattr(args, "vllm_server_health_check_interval"):
+            bounds["health_check_interval"] = args.vllm_server_health_check_interval
+        self.client = GenerationClient(self.base_url, **{**bounds, **(client_kwargs or {})})
         wait = float(timeout if timeout is not None else getattr(args, "vllm_server_timeout", 240.0))
         info = self.client.wait_until_ready(timeout=wait)
         self.protocol = protocol or self._detect(info)
@@ -324,10 +334,20 @@ class VLLMServerBackend:
         thread.start()
         return thread, errors
 
-    @staticmethod
-    def _join(handle: tuple[threading.Thread, list]) -> None:
+    def _join(self, handle: tuple[threading.Thread, list]) -> None:
+        """Wait for a request sent by ``_in_thread`` (bounded: its own request is bounded by ``request_timeout``, the
+        join by that plus a margin, so a stuck collective ends in ``ServerTimeoutError``, not a hang)."""
+        from posttrain.generation.client import ServerTimeoutError
+
         thread, errors = handle
-        thread.join()
+        limit = self.client.request_timeout
+        thread.join(None if limit is None else limit + 30.0)
+        if thread.is_alive():
+            raise ServerTimeoutError(
+                f"The generation server at {self.base_url} did not finish its side of the weight transfer within "
+                f"request_timeout={limit:g} s (+30 s). Check the server's log (NCCL errors, a stopped process) or "
+                "raise request_timeout."
+            )
         if errors:
             raise errors[0]
 

@@ -409,6 +409,7 @@ class AsyncRollout:
             prompts_per_round=trainer._prompts_per_round(), shuffle=bool(args.shuffle_dataset), seed=int(args.seed),
             start_round=self.next_round, ahead=max(0, inflight // rows), request_timeout=float(args.request_timeout),
             server_timeout=float(args.vllm_server_timeout), seed_requests=bool(args.seed_requests),
+            client_kwargs={"health_check_interval": getattr(args, "vllm_server_health_check_interval", 10.0)},
         )  # fmt: skip
 
     def checked_spec(self) -> AsyncWorkerSpec:
@@ -436,7 +437,11 @@ class AsyncRollout:
         if self.push_client is None:
             sync_timeout = getattr(self.args, "weight_sync_timeout", None)
             push_timeout = float(sync_timeout if sync_timeout is not None else self.args.request_timeout)
-            self.push_client = GenerationClient(server.base_url, request_timeout=push_timeout)
+            self.push_client = GenerationClient(
+                server.base_url, request_timeout=push_timeout,
+                health_check_interval=getattr(self.args, "vllm_server_health_check_interval", 10.0),
+                timeout_hint="weight_sync_timeout" if sync_timeout is not None else "request_timeout",
+            )  # fmt: skip
         self.push_weights(wait=True)  # the server must hold this step's weights before the worker reads its version
         spec = self.checked_spec()
         context = multiprocessing.get_context("spawn")

@@ -30,7 +30,10 @@ Errors: a bad request gets a 400 in OpenAI's error shape, ``{"error": {"message"
 get a 429 with ``Retry-After`` (backpressure; the client retries). A client that disconnects while its request
 waits has the request dropped before it runs; one that disconnects while it runs costs that one generation and
 nothing else. SIGTERM / Ctrl-C shut down gracefully: no new connections, in-flight requests finish (up to
-``graceful_timeout`` seconds), then the worker stops.
+``graceful_timeout`` seconds), then the worker stops. A request still running or queued when ``graceful_timeout``
+runs out gets a 503 with ``Retry-After`` (``_ShutdownAs503``; uvicorn would answer a bare 500), so a client retries it
+on the next server inside its own deadline; the engine thread is then given ``graceful_timeout`` more to finish its
+current job before the process exits without it.
 """
 
 from __future__ import annotations
@@ -133,6 +136,50 @@ def _validation_message(err: RequestValidationError) -> tuple[str, str | None]:
         parts.append(f"{name}: {e.get('msg')}")
     unique = list(dict.fromkeys(parts))
     return "Invalid request: " + "; ".join(unique[:5]), param
+
+
+SHUTDOWN_RETRY_AFTER_S = 1
+
+
+class _ShutdownAs503:
+    """ASGI middleware: a request cancelled before its response started gets a 503 + ``Retry-After``.
+
+    uvicorn cancels the requests still running when ``timeout_graceful_shutdown`` runs out, and answers a cancelled
+    request with a bare 500, which a client must treat as a server bug; the work was simply not finished before
+    shutdown, which is what 503 + ``Retry-After`` says (``GenerationClient`` retries it inside its deadline). The
+    engine skips a cancelled job that has not started (its future is cancelled with the request).
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked(message: dict) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except asyncio.CancelledError:
+            if started:
+                raise
+            logger.warning("%s %s not finished before shutdown: answered 503", scope.get("method"), scope.get("path"))
+            body = (
+                b'{"error": {"message": "The server is shutting down and could not finish this request; retry '
+                b'shortly (on the restarted server).", "type": "ServiceUnavailable", "param": null, "code": 503}}'
+            )
+            await send({"type": "http.response.start", "status": 503, "headers": [
+                (b"content-type", b"application/json"), (b"retry-after", str(SHUTDOWN_RETRY_AFTER_S).encode()),
+                (b"connection", b"close"), (b"content-length", str(len(body)).encode()),
+            ]})  # fmt: skip
+            await send({"type": "http.response.body", "body": body})
 
 
 # -- server state ---------------------------------------------------------------------------------------------------
@@ -254,10 +301,14 @@ class ServerState:
             job.future.set_result(result)
             self.release()
 
-    def shutdown(self) -> None:
-        """Let the queued jobs finish, then stop the engine thread."""
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Let the queued jobs finish, then stop the engine thread; wait at most ``timeout`` seconds (None: no
+        limit) and log an engine job still running then (the thread is a daemon: the process exits without it)."""
         self._queue.put(None)
-        self._thread.join()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.error("The engine thread is still running a job %s s after shutdown began; exiting without it.",
+                         timeout)  # fmt: skip
 
     # -- scheduling from the event loop ---------------------------------------------------------------------------
     async def run(self, request: Request | None, fn: Callable[[], Any], gen: GenerationRequest | None = None) -> Any:
@@ -368,20 +419,25 @@ def trl_request(engine: Any, body: TRLGenerateBody) -> GenerationRequest:
 
 
 # -- the app --------------------------------------------------------------------------------------------------------
-def create_app(engine: Any, *, max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE, version: int = 0) -> FastAPI:
-    """The FastAPI application serving ``engine`` (see the module docstring)."""
+def create_app(
+    engine: Any, *, max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE, version: int = 0, graceful_timeout: float = 30.0
+) -> FastAPI:
+    """The FastAPI application serving ``engine`` (see the module docstring); ``graceful_timeout`` bounds the wait
+    for the engine's last job at shutdown."""
     state = ServerState(engine, max_queue_size, version)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
-        # Graceful shutdown: uvicorn has let in-flight requests finish; stop the worker after its last job.
-        state.shutdown()
+        # Graceful shutdown: uvicorn has let in-flight requests finish (or cancelled them: 503s); stop the worker
+        # after its last job, without blocking the event loop, for at most graceful_timeout.
+        await asyncio.to_thread(state.shutdown, graceful_timeout)
         with contextlib.suppress(Exception):
             engine.close()
 
     app = FastAPI(title="posttrain generation server", lifespan=lifespan, redirect_slashes=False)
     app.state.server = state
+    app.add_middleware(_ShutdownAs503)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, err: RequestValidationError):
@@ -629,7 +685,7 @@ def run_server(
     """Serve ``engine`` until SIGTERM/SIGINT (uvicorn's graceful shutdown)."""
     import uvicorn
 
-    app = create_app(engine, max_queue_size=max_queue_size)
+    app = create_app(engine, max_queue_size=max_queue_size, graceful_timeout=graceful_timeout)
     uvicorn.Server(uvicorn_config(app, host, port, log_level, graceful_timeout)).run()
 
 
@@ -657,7 +713,7 @@ class ServerInThread:
 
         if self._thread is not None:
             raise RuntimeError("This server was started already; call serve_in_thread(...) again for another one.")
-        app = create_app(self.engine, max_queue_size=self.max_queue_size)
+        app = create_app(self.engine, max_queue_size=self.max_queue_size, graceful_timeout=self.graceful_timeout)
         config = uvicorn_config(app, self.host, self.port, self.log_level, graceful_timeout=self.graceful_timeout)
         server = uvicorn.Server(config)
         server.install_signal_handlers = lambda: None  # older uvicorn; newer ones skip it off the main thread

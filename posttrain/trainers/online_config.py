@@ -138,6 +138,22 @@ class OnlineRLConfig(BaseConfig):
     vllm_server_timeout: float = field(
         default=240.0, metadata={"help": "Seconds to wait for the server at start-up, then ConnectionError."}
     )
+    request_timeout: float | None = field(
+        default=600.0,
+        metadata={
+            "help": "posttrain (server mode; TRL's AsyncGRPO name): seconds one generation request or one weight-push "
+            "request to the server may take, retries of 429/503 answers and reset connections included; then "
+            "ServerTimeoutError naming the server, the request and the wait. None = no limit."
+        },
+    )
+    vllm_server_health_check_interval: float | None = field(
+        default=10.0,
+        metadata={
+            "help": "posttrain (server mode): once a request has been in flight this many seconds, probe the "
+            "server's /health every this many seconds; a probe without answer (server stopped, frozen or cut off) "
+            "ends the request with ServerTimeoutError well before request_timeout. None = no probe."
+        },
+    )
     vllm_group_port: int = field(default=51216, metadata={"help": "Port of the weight-update group."})
     vllm_gpu_memory_utilization: float = field(default=0.3, metadata={"help": "Colocate: GPU memory fraction."})
     vllm_max_model_length: int | None = field(default=None, metadata={"help": "Colocate: context window."})
@@ -216,6 +232,10 @@ class OnlineRLConfig(BaseConfig):
             raise ValueError(f"vllm_mode must be 'colocate' or 'server', got {self.vllm_mode!r}.")
         if self.auto_find_batch_size:
             raise ValueError(self._AUTO_BATCH_SIZE_ERROR.format(name=self._trainer_name))
+        for name in ("request_timeout", "vllm_server_health_check_interval"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0 seconds (or None for no limit), got {value}.")
         pc = self.parallelism_config
         if pc is not None and (getattr(pc, "cp_size", 1) > 1 or getattr(pc, "sp_size", 1) > 1):
             raise ValueError(

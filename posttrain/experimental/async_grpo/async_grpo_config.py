@@ -6,6 +6,10 @@ The asynchronous pipeline's fields are TRL's (``max_staleness`` 4, ``weight_sync
 3, ``ignore_data_skip`` True); every GRPO loss field (``loss_type``, ``beta``, ``epsilon``, the
 ``vllm_importance_sampling_*`` correction, ...) carries over from ``GRPOConfig``. Generation always goes through a
 server (``use_vllm=True, vllm_mode="server"``: ``posttrain serve`` or ``posttrain vllm-serve``).
+
+posttrain adds ``heartbeat_stale_after_s`` (300, as AsyncDistillation): the trainer aborts with
+``RolloutWorkerError`` when the rollout worker has made no progress for that long; with ``request_timeout`` and the
+``/health`` probe of ``vllm_server_health_check_interval`` (GRPOConfig's) no wait on the server is unbounded.
 """
 
 from __future__ import annotations
@@ -50,6 +54,14 @@ class AsyncGRPOConfig(AsyncRolloutConfig, GRPOConfig):
     max_staleness: int = async_rollout_field("max_staleness")
     queue_maxsize: int = async_rollout_field("queue_maxsize")
     weight_sync_steps: int = async_rollout_field("weight_sync_steps")
+    heartbeat_stale_after_s: float | None = field(
+        default=300.0,
+        metadata={
+            "help": "posttrain: seconds since the rollout worker's last progress (a server answer, an admission poll, "
+            "a queued round) after which the trainer treats it as hung and aborts with RolloutWorkerError. None = "
+            "no heartbeat check."
+        },
+    )
     seed_requests: bool = async_rollout_field("seed_requests")
 
     _trainer_name = "AsyncGRPO"
@@ -57,6 +69,8 @@ class AsyncGRPOConfig(AsyncRolloutConfig, GRPOConfig):
     def __post_init__(self):
         super().__post_init__()
         self.check_async_rollout()
+        if self.heartbeat_stale_after_s is not None and not self.heartbeat_stale_after_s > 0:
+            raise ValueError(f"heartbeat_stale_after_s must be > 0 (or None), got {self.heartbeat_stale_after_s}.")
         if self.steps_per_generation != self.gradient_accumulation_steps:
             raise ValueError(
                 "AsyncGRPO generates one optimizer step's worth of samples per round: leave steps_per_generation / "
