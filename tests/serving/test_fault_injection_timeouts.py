@@ -357,4 +357,4 @@ def test_async_grpo_with_a_stalled_server_raises_within_the_heartbeat_bound(tiny
         release.set()
     assert isinstance(err, RolloutWorkerError) and "heartbeat_stale_after_s=3" in str(err), repr(err)
     assert held.entered.is_set() and elapsed < 3 + 60 + 30, elapsed
-    assert trainer._worker is None and not multiprocessing.active_children()
+    assert trainer.async_rollout.worker is None and not multiprocessing.active_children()
