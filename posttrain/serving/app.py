@@ -36,6 +36,7 @@ nothing else. SIGTERM / Ctrl-C shut down gracefully: no new connections, in-flig
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -156,6 +157,113 @@ def _batch_key(request: GenerationRequest) -> tuple | None:
             request.repetition_penalty, tuple(request.stop_token_ids), request.ignore_eos, request.logprobs)  # fmt: skip
 
 
+@dataclasses.dataclass
+class _StagedUpdate:
+    """The chunks of one weight update received so far (checked, not yet applied)."""
+
+    update_id: str
+    tensors: dict[str, Any] = dataclasses.field(default_factory=dict)
+    digests: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def chunks(self) -> int:
+        return len(self.digests)
+
+
+class WeightUpdateConflict(RequestError):
+    """A chunk that does not continue the update being staged (answered 409)."""
+
+
+class WeightStaging:
+    """Which weight update is being staged, and which were applied or aborted (bounded memories of both).
+
+    One update is staged at a time. Its chunks must arrive in order (``chunk`` = 0, 1, ...); a chunk 0 of a *new*
+    ``update_id`` aborts a half-staged one (its writer gave up, or a second writer started), and every later chunk of
+    an aborted update is refused with 409, so two interleaved updates can never be applied as a mixture: at most the
+    one that started last is applied, whole. A chunk sent again with the same index and digest (a client retry after
+    a lost answer) is answered as the first time, and so is a finished update's last chunk.
+    """
+
+    MEMORY = 64
+
+    def __init__(self) -> None:
+        self.current: _StagedUpdate | None = None
+        self._aborted: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self._applied: collections.OrderedDict[str, dict[str, Any]] = collections.OrderedDict()
+
+    @staticmethod
+    def _remember(memory: collections.OrderedDict, key: str, value: Any) -> None:
+        memory[key] = value
+        while len(memory) > WeightStaging.MEMORY:
+            memory.popitem(last=False)
+
+    def abort(self, update_id: str, reason: str) -> None:
+        """Discard ``update_id`` (staged chunks dropped); its later chunks get 409 naming ``reason``."""
+        if self.current is not None and self.current.update_id == update_id:
+            self.current = None
+        self._remember(self._aborted, update_id, reason)
+
+    def finished(self, update_id: str, last: bool, digest: str | None) -> dict[str, Any] | None:
+        """The earlier answer to a repeated last chunk of an applied update; 409 for chunks of a finished one."""
+        if update_id in self._aborted:
+            raise WeightUpdateConflict(
+                "update_id",
+                f"Weight update {update_id!r} was aborted ({self._aborted[update_id]}); nothing of it is applied. "
+                "Push the weights again under a new update_id.",
+            )
+        if update_id in self._applied:
+            result = self._applied[update_id]
+            if last and (digest is None or digest.lower() == result["digest"]):
+                return result
+            raise WeightUpdateConflict(
+                "update_id", f"Weight update {update_id!r} was applied already; push new weights under a new update_id."
+            )
+        return None
+
+    def stage(self, update_id: str, chunk: int | None, digest: str, tensors: dict[str, Any]) -> _StagedUpdate:
+        """Add a checked chunk to ``update_id`` (``WeightUpdateConflict`` when it does not continue it)."""
+        current = self.current
+        if current is not None and current.update_id == update_id:
+            index = current.chunks if chunk is None else chunk
+            if index == current.chunks - 1 and current.digests[-1] == digest:
+                return current  # the same chunk again: a retry
+            if index != current.chunks:
+                self.abort(update_id, f"chunk {index} arrived where chunk {current.chunks} was expected")
+                raise WeightUpdateConflict(
+                    "chunk",
+                    f"Weight update {update_id!r}: chunk {index} arrived where chunk {current.chunks} was expected; "
+                    "the update is discarded (nothing applied). Push it again from chunk 0 under a new update_id.",
+                )
+        else:
+            index = 0 if chunk is None else chunk
+            if index != 0:
+                raise WeightUpdateConflict(
+                    "chunk",
+                    f"Weight update {update_id!r}: chunk {index} arrived but the server holds no earlier chunk of it "
+                    "(the server restarted, or another update superseded it). Push it again from chunk 0.",
+                )
+            if current is not None:
+                logger.warning("Weight update %s aborted after %d chunk(s): update %s started.",
+                               current.update_id, current.chunks, update_id)  # fmt: skip
+                self.abort(current.update_id, f"superseded by weight update {update_id!r} before its last chunk")
+            current = self.current = _StagedUpdate(update_id)
+        twice = sorted(set(tensors) & set(current.tensors))
+        if twice:
+            self.abort(update_id, f"tensor {twice[0]!r} was sent twice")
+            raise RequestError("body", f"Weight update {update_id!r} sends {twice[0]!r} twice; it is discarded.")
+        current.tensors.update(tensors)
+        current.digests.append(digest)
+        return current
+
+    def take(self, update_id: str) -> None:
+        """The staged update is complete: stop staging it (the caller applies it)."""
+        if self.current is not None and self.current.update_id == update_id:
+            self.current = None
+
+    def applied(self, update_id: str, result: dict[str, Any]) -> None:
+        self._remember(self._applied, update_id, result)
+
+
 class ServerState:
     """The engine, the weight version, the engine thread with its FIFO queue, and the admission counter.
 
@@ -179,8 +287,7 @@ class ServerState:
         self.pending = 0
         self.stats = {"completed": 0, "dropped_disconnected": 0, "rejected_busy": 0, "weight_updates": 0,
                       "engine_calls": 0}  # fmt: skip
-        self.staged_id: str | None = None
-        self.staged: dict[str, Any] = {}
+        self.weights = WeightStaging()
         self.nccl_params_since_version = False
 
     def admit(self) -> bool:
@@ -390,6 +497,8 @@ def create_app(engine: Any, *, max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE, ver
 
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, err: RequestError):
+        if isinstance(err, WeightUpdateConflict):
+            return error_response(409, str(err), err.param, "ConflictError")
         return error_response(400, str(err), err.param)
 
     def busy() -> JSONResponse:
@@ -524,37 +633,80 @@ def create_app(engine: Any, *, max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE, ver
         return JSONResponse({**scored, "version": version})
 
     @app.post("/v1/load_weights")
-    async def load_weights(request: Request, update_id: str | None = None, last: bool = True, version: int | None = None):
-        from posttrain.generation.weights import deserialize
+    async def load_weights(
+        request: Request, update_id: str | None = None, last: bool = True, version: int | None = None,
+        chunk: int | None = None, chunk_digest: str | None = None, update_digest: str | None = None,
+    ):  # fmt: skip
+        """Stage one chunk of a weight update and, on ``last``, apply the whole update at once (see
+        ``WeightStaging``): every chunk is checked (digest, names, shapes, dtypes, finite values) before it is
+        staged, and any failure discards the update and keeps the current weights serving."""
+        from posttrain.generation import weights as W
 
+        if update_id is None and not last:
+            raise RequestError("update_id", "A chunked weight update (last=false) needs an update_id.")
+        uid = update_id or f"_single-{uuid.uuid4().hex}"
         body = await request.body()
         if not body:
             raise RequestError("body", "The request body is empty; send a safetensors payload of named tensors.")
+        done = state.weights.finished(uid, last, update_digest)
+        if done is not None:
+            return done
+        digest = await run_in_threadpool(W.chunk_digest, body)
+        if chunk_digest is not None and chunk_digest.lower() != digest:
+            state.weights.abort(uid, "a chunk's digest did not match its bytes")
+            raise RequestError(
+                "chunk_digest",
+                f"Chunk {chunk if chunk is not None else 0} of weight update {uid!r} is corrupted: its bytes hash to "
+                f"{digest} but the client sent chunk_digest={chunk_digest}. The update is discarded and the previous "
+                "weights keep serving; push it again.",
+            )
+
+        def parse() -> dict[str, Any]:
+            tensors = W.deserialize(body)
+            specs = engine.weight_specs() if hasattr(engine, "weight_specs") else None
+            W.check_tensors(tensors, specs)
+            return tensors
+
         try:
-            tensors = await run_in_threadpool(deserialize, body)
-        except ValueError as err:
-            raise RequestError("body", str(err)) from err
-        uid = update_id or "_single"
-        if state.staged_id != uid:  # a new update discards an unfinished earlier one (its client gave up)
-            state.staged_id, state.staged = uid, {}
-        state.staged.update(tensors)
+            tensors = await run_in_threadpool(parse)
+        except ValueError as err:  # WeightUpdateError and malformed payloads
+            state.weights.abort(uid, str(err))
+            raise RequestError("body", f"{err} Weight update {uid!r} is discarded; the previous weights keep serving.") from err
+        # No await from here to the hand-over below: staging decisions see one consistent state.
+        done = state.weights.finished(uid, last, update_digest)
+        if done is not None:
+            return done
+        staged = state.weights.stage(uid, chunk, digest, tensors)
         if not last:
-            return {"version": state.version, "staged": len(state.staged), "applied": False}
-        staged, state.staged_id, state.staged = state.staged, None, {}
-        if not state.admit():
+            return {"version": state.version, "staged": len(staged.tensors), "applied": False, "update_id": uid,
+                    "chunk": staged.chunks - 1, "chunk_digest": digest}  # fmt: skip
+        whole = W.update_digest(staged.digests)
+        if update_digest is not None and update_digest.lower() != whole:
+            state.weights.abort(uid, "the update digest did not match its chunks")
+            raise RequestError(
+                "update_digest",
+                f"Weight update {uid!r} does not match its digest: its {staged.chunks} chunk(s) hash to {whole} but "
+                f"the client sent update_digest={update_digest}. Nothing was applied; push it again.",
+            )
+        if not state.admit():  # staging kept: the client's retry of this last chunk counts as a repeat
             return busy()
+        state.weights.take(uid)
 
-        def apply() -> int:
-            count = engine.load_weights(staged)
-            state.version = version if version is not None else state.version + 1
+        def apply() -> dict[str, Any]:
+            count = engine.load_weights(staged.tensors)
+            previous = state.version
+            state.version = version if version is not None else previous + 1
             state.count("weight_updates")
-            return count
+            return {"version": state.version, "previous_version": previous, "loaded": count, "applied": True,
+                    "update_id": uid, "chunks": staged.chunks, "digest": whole}  # fmt: skip
 
         try:
-            count = await state.run(None, apply)
+            result = await state.run(None, apply)
         except ValueError as err:
-            raise RequestError("body", str(err)) from err
-        return {"version": state.version, "loaded": count, "applied": True}
+            state.weights.abort(uid, str(err))
+            raise RequestError("body", f"{err} Nothing was applied; the previous weights keep serving.") from err
+        state.weights.applied(uid, result)
+        return result
 
     @app.post("/reset_prefix_cache/")
     async def reset_prefix_cache():

@@ -3,7 +3,8 @@
 ``GenerationRequest`` is what ``/v1/completions`` (and TRL's ``/generate/``) asks for, already validated and with
 token-id prompts. An engine implements ``check(request)`` (raise ``RequestError`` naming the field it cannot serve),
 ``generate(request) -> [[GeneratedSequence] * n per prompt]``, ``load_weights({name: tensor})`` and the attributes
-``name``, ``model_name``, ``max_model_len``, ``world_size``. Engines are called from one worker thread at a time
+``name``, ``model_name``, ``max_model_len``, ``world_size``; optionally ``weight_specs() -> {name: (shape, dtype)}``
+(the server then checks pushed names and shapes before staging; without it, dtypes and finiteness only). Engines are called from one worker thread at a time
 (the server serialises requests and weight loads), so they need no locking of their own.
 
 ``PosttrainEngine`` is posttrain's group sampler (``GroupSampler``: one prefill per prompt, its KV cache expanded
@@ -256,7 +257,14 @@ class PosttrainEngine:
             out["logprob_token_ids"].append(top.indices.tolist() if top is not None else [[] for _ in ids[p:]])
         return out
 
+    def weight_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """``{name: (shape, dtype)}`` a weight update may write: the server checks every staged chunk against it."""
+        from posttrain.generation.weights import weight_specs
+
+        return weight_specs(self.model)
+
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> int:
+        """Copy a verified update into the model (``load_into`` checks everything again before copying anything)."""
         from posttrain.generation.weights import load_into
 
         return load_into(self.model, tensors)
