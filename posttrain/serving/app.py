@@ -59,6 +59,11 @@ from posttrain.serving.engine import GenerationRequest, RequestError
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_QUEUE_SIZE = 64
+DEFAULT_MAX_REQUEST_BYTES = 16 * 1024 * 1024
+MAX_SEED = 2**64 - 1  # a sampling seed is an unsigned 64-bit integer (torch.Generator.manual_seed's range)
+# A temperature in (0, TEMPERATURE_FLOOR) is served as greedy (temperature 0): dividing logits by it overflows to
+# inf/NaN, and sampling at it is argmax up to exact ties anyway. Scoring (/get_sequence_logprobs/) refuses it.
+TEMPERATURE_FLOOR = 1e-5
 
 
 # -- request bodies -------------------------------------------------------------------------------------------------
@@ -71,15 +76,15 @@ class CompletionBody(BaseModel):
     prompt: list[list[int]] | list[int] | list[str] | str
     n: int = Field(1, ge=1, le=4096)
     max_tokens: int | None = Field(16, ge=1)
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    temperature: float = Field(1.0, ge=0.0, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = Field(0, ge=-1)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(1.0, gt=0.0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)
+    repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False)
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = Field(None, ge=0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
     return_token_ids: bool | None = None
     skip_special_tokens: bool = True
     stream: bool = False
@@ -96,7 +101,7 @@ class SequenceLogprobsBody(BaseModel):
     sequences: list[list[int]]
     prompt_lengths: list[int]
     top_logprobs: int = Field(1, ge=0)
-    temperature: float = Field(1.0, gt=0)
+    temperature: float = Field(1.0, ge=TEMPERATURE_FLOOR, allow_inf_nan=False)
 
 
 class TRLGenerateBody(BaseModel):
@@ -107,11 +112,11 @@ class TRLGenerateBody(BaseModel):
     prompts: list[list[int]] | list[str]
     images: list[Any] | None = None
     n: int = Field(1, ge=1, le=4096)
-    repetition_penalty: float = Field(1.0, gt=0.0)
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False)
+    temperature: float = Field(1.0, ge=0.0, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = Field(0, ge=-1)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)
     max_tokens: int = Field(16, ge=1)
     logprobs: int | None = Field(0, ge=0)
     structured_outputs_regex: str | None = None
@@ -134,6 +139,71 @@ def _validation_message(err: RequestValidationError) -> tuple[str, str | None]:
         parts.append(f"{name}: {e.get('msg')}")
     unique = list(dict.fromkeys(parts))
     return "Invalid request: " + "; ".join(unique[:5]), param
+
+
+class BodySizeLimit:
+    """ASGI middleware: a request body above ``max_bytes`` gets 413 before any of it is parsed.
+
+    A ``Content-Length`` over the limit is refused before the body is read; a body without one (chunked) is counted
+    as it streams and refused as soon as it passes the limit, so an oversized JSON prompt never reaches the JSON
+    parser (whose Python objects cost ~70 times the body's bytes). ``exempt`` paths (the weight pushes, bounded by
+    the client's ``chunk_bytes``) are passed through unread.
+    """
+
+    def __init__(self, app: Any, max_bytes: int, exempt: tuple[str, ...] = ("/v1/load_weights",)):
+        if max_bytes < 1:
+            raise ValueError(f"max_request_bytes must be >= 1 (or None for no limit), got {max_bytes}.")
+        self.app, self.max_bytes, self.exempt = app, int(max_bytes), exempt
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http" or scope.get("path") in self.exempt:
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await self._refuse(scope, send, int(length))
+            return
+        parts, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left: let the app see it
+                first = message
+                break
+            body = message.get("body", b"")
+            size += len(body)
+            if size > self.max_bytes:
+                await self._refuse(scope, send, None)
+                return
+            parts.append(body)
+            if not message.get("more_body", False):
+                first = {"type": "http.request", "body": b"".join(parts), "more_body": False}
+                break
+        sent = False
+
+        async def replay() -> dict:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return first
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope: dict, send: Callable, length: int | None) -> None:
+        got = f"{length} bytes" if length is not None else f"more than {self.max_bytes} bytes"
+        response = error_response(
+            413,
+            f"The request body ({got}) is larger than this server's limit of {self.max_bytes} bytes; send fewer or "
+            "shorter prompts per request, or restart the server with a larger --max_request_bytes.",
+            "body",
+            "RequestTooLarge",
+        )
+        response.headers["Connection"] = "close"
+
+        async def no_body() -> dict:
+            return {"type": "http.disconnect"}
+
+        await response(scope, no_body, send)
 
 
 # -- server state ---------------------------------------------------------------------------------------------------
@@ -417,6 +487,11 @@ def _token_prompts(engine: Any, prompt: Any) -> list[list[int]]:
     return out
 
 
+def _temperature(value: float) -> float:
+    """The temperature a request is served with: below ``TEMPERATURE_FLOOR`` it is greedy (0)."""
+    return 0.0 if value < TEMPERATURE_FLOOR else value
+
+
 def completion_request(engine: Any, body: CompletionBody) -> GenerationRequest:
     if body.stream:
         raise RequestError("stream", "stream=true is not supported; send stream=false (the default).")
@@ -438,7 +513,7 @@ def completion_request(engine: Any, body: CompletionBody) -> GenerationRequest:
         prompts=_token_prompts(engine, body.prompt),
         n=body.n,
         max_tokens=body.max_tokens or 16,
-        temperature=body.temperature,
+        temperature=_temperature(body.temperature),
         top_p=body.top_p,
         top_k=body.top_k,
         min_p=body.min_p,
@@ -458,11 +533,13 @@ def trl_request(engine: Any, body: TRLGenerateBody) -> GenerationRequest:
         raise RequestError("logprobs", f"logprobs={body.logprobs} is not supported: use 0 (sampled token only).")
     extra = dict(body.generation_kwargs)
     seed = extra.pop("seed", None)
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED):
+        raise RequestError("seed", f"generation_kwargs.seed must be an integer in [0, 2**64 - 1], got {seed!r}.")
     return GenerationRequest(
         prompts=_token_prompts(engine, body.prompts),
         n=body.n,
         max_tokens=body.max_tokens,
-        temperature=body.temperature,
+        temperature=_temperature(body.temperature),
         top_p=body.top_p,
         top_k=body.top_k,
         min_p=body.min_p,
@@ -475,8 +552,14 @@ def trl_request(engine: Any, body: TRLGenerateBody) -> GenerationRequest:
 
 
 # -- the app --------------------------------------------------------------------------------------------------------
-def create_app(engine: Any, *, max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE, version: int = 0) -> FastAPI:
-    """The FastAPI application serving ``engine`` (see the module docstring)."""
+def create_app(
+    engine: Any, *, max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE, version: int = 0,
+    max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES,
+) -> FastAPI:  # fmt: skip
+    """The FastAPI application serving ``engine`` (see the module docstring); ``max_request_bytes`` bounds every
+    request body but the weight pushes' (413 above it, ``None`` = no limit)."""
+    if max_request_bytes is not None and max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes must be >= 1 (or None for no limit), got {max_request_bytes}.")
     state = ServerState(engine, max_queue_size, version)
 
     @contextlib.asynccontextmanager
@@ -489,6 +572,8 @@ def create_app(engine: Any, *, max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE, ver
 
     app = FastAPI(title="posttrain generation server", lifespan=lifespan, redirect_slashes=False)
     app.state.server = state
+    if max_request_bytes is not None:
+        app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, err: RequestValidationError):
@@ -777,11 +862,12 @@ def run_server(
     log_level: str = "info",
     max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE,
     graceful_timeout: float = 30.0,
+    max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES,
 ) -> None:
     """Serve ``engine`` until SIGTERM/SIGINT (uvicorn's graceful shutdown)."""
     import uvicorn
 
-    app = create_app(engine, max_queue_size=max_queue_size)
+    app = create_app(engine, max_queue_size=max_queue_size, max_request_bytes=max_request_bytes)
     uvicorn.Server(uvicorn_config(app, host, port, log_level, graceful_timeout)).run()
 
 
@@ -796,8 +882,10 @@ class ServerInThread:
     def __init__(
         self, engine: Any, host: str = "127.0.0.1", port: int = 0, *, max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE,
         startup_timeout: float = 30.0, log_level: str = "warning", graceful_timeout: float = 10.0,
+        max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES,
     ) -> None:  # fmt: skip
         self.engine, self.host, self.port = engine, host, port
+        self.max_request_bytes = max_request_bytes
         self.max_queue_size, self.startup_timeout = max_queue_size, startup_timeout
         self.log_level, self.graceful_timeout = log_level, graceful_timeout
         self.url: str | None = None
@@ -809,7 +897,7 @@ class ServerInThread:
 
         if self._thread is not None:
             raise RuntimeError("This server was started already; call serve_in_thread(...) again for another one.")
-        app = create_app(self.engine, max_queue_size=self.max_queue_size)
+        app = create_app(self.engine, max_queue_size=self.max_queue_size, max_request_bytes=self.max_request_bytes)
         config = uvicorn_config(app, self.host, self.port, self.log_level, graceful_timeout=self.graceful_timeout)
         server = uvicorn.Server(config)
         server.install_signal_handlers = lambda: None  # older uvicorn; newer ones skip it off the main thread
@@ -846,6 +934,7 @@ class ServerInThread:
 def serve_in_thread(
     engine: Any, host: str = "127.0.0.1", port: int = 0, *, max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE,
     startup_timeout: float = 30.0, log_level: str = "warning", graceful_timeout: float = 10.0,
+    max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES,
 ) -> ServerInThread:  # fmt: skip
     """Run the server in a background thread (tests, notebooks): ``with serve_in_thread(engine) as url:`` gives its
     base URL and always stops it.
@@ -856,5 +945,5 @@ def serve_in_thread(
     """
     return ServerInThread(
         engine, host, port, max_queue_size=max_queue_size, startup_timeout=startup_timeout, log_level=log_level,
-        graceful_timeout=graceful_timeout,
+        graceful_timeout=graceful_timeout, max_request_bytes=max_request_bytes,
     )  # fmt: skip

@@ -234,6 +234,11 @@ class PosttrainEngine:
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 raise RequestError("sequences", f"sequences[{i}] has token ids outside [0, {vocab}): {bad[:5]}.")
+            if self.max_model_len is not None and len(ids) > self.max_model_len:
+                raise RequestError(
+                    "sequences",
+                    f"sequences[{i}] has {len(ids)} tokens, more than the model's context length {self.max_model_len}.",
+                )
         out: dict[str, list] = {"logprobs": [], "logprob_token_ids": [], "actual_logprobs": []}
         if not sequences:
             return out
