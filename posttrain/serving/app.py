@@ -5,8 +5,10 @@ Endpoints (FastAPI on uvicorn):
 - ``POST /v1/completions`` — vLLM's completions request with token-id prompts (``prompt``: ids, a list of id lists,
   or text), ``n``, ``max_tokens`` (16), ``temperature`` (0 = greedy), ``top_p``, ``top_k`` (0/-1 = off), ``min_p``,
   ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``logprobs`` (0 = the sampled token's log-prob under
-  the processed sampling distribution, vLLM's ``processed_logprobs``; null = none), ``seed``,
-  ``return_token_ids``. Each choice (``index = prompt * n + j``) carries ``token_ids``, ``prompt_token_ids``,
+  the processed sampling distribution, vLLM's ``processed_logprobs``; N in 1..20 = that and, as vLLM returns it,
+  ``logprobs.top_logprobs``: per token a dict of the sampled token and the top-N, ``-9999.0`` for filtered-out
+  tokens; null = none), ``seed`` (0 <= seed < 2**64), ``return_token_ids``. A ``temperature`` below 1e-5 is served
+  as greedy (0). Each choice (``index = prompt * n + j``) carries ``token_ids``, ``prompt_token_ids``,
   ``text``, ``logprobs.token_logprobs`` and ``finish_reason`` (``"stop"``/``"length"``).
 - ``GET /health`` (and TRL's ``/health/``) — ``{"status": "ok", "server": "posttrain", "version": ...}``;
   ``GET /v1/models``; ``GET /get_world_size`` (and ``/get_world_size/``).
@@ -14,8 +16,12 @@ Endpoints (FastAPI on uvicorn):
   ids), ``prompt_lengths``, ``top_logprobs`` (K), ``temperature``; returns, per completion token, the top-K
   ``logprobs`` / ``logprob_token_ids`` and the ``actual_logprobs`` of the sequence's own tokens (posttrain engine).
 - ``POST /v1/load_weights`` — a safetensors payload as the body (see ``posttrain.generation.weights`` for why);
-  query ``update_id`` + ``last=false`` stage a chunk of a larger update, ``last=true`` (default) applies everything
-  staged for that ``update_id`` at once; ``version=N`` sets the new weight version (default: previous + 1).
+  query ``update_id`` + ``chunk`` (0, 1, ...) + ``last=false`` stage a chunk of a larger update, ``last=true``
+  (default) applies everything staged for that ``update_id`` at once; ``version=N`` sets the new weight version
+  (default: previous + 1). ``chunk_digest`` (SHA-256 of the body) and, on the last chunk, ``update_digest`` are
+  checked; every chunk is checked for names, shapes, dtypes and finite values before it is staged (``WeightStaging``:
+  a refused chunk discards its update, 400/409 with the reason, and the previous weights keep serving). The answer
+  echoes ``update_id``, the digests and the new ``version`` (with ``previous_version``).
 - TRL's ``trl vllm-serve`` API: ``POST /generate/`` (same sampling fields, TRL's response shape),
   ``/reset_prefix_cache/``, and ``/init_communicator/``, ``/update_named_param/``, ``/close_communicator/`` (NCCL
   weight broadcast: served by the vLLM engine; the posttrain engine answers 400 pointing at ``/v1/load_weights``).
@@ -29,7 +35,8 @@ Errors: a bad request gets a 400 in OpenAI's error shape, ``{"error": {"message"
 ``param`` and message name the field. At most ``max_queue_size`` requests are admitted (running or waiting); more
 get a 429 with ``Retry-After`` (backpressure; the client retries). A client that disconnects while its request
 waits has the request dropped before it runs; one that disconnects while it runs costs that one generation and
-nothing else. SIGTERM / Ctrl-C shut down gracefully: no new connections, in-flight requests finish (up to
+nothing else. A request body above ``max_request_bytes`` (16 MiB; weight pushes exempt) gets a 413 before it is
+parsed. SIGTERM / Ctrl-C shut down gracefully: no new connections, in-flight requests finish (up to
 ``graceful_timeout`` seconds), then the worker stops.
 """
 
@@ -64,6 +71,8 @@ MAX_SEED = 2**64 - 1  # a sampling seed is an unsigned 64-bit integer (torch.Gen
 # A temperature in (0, TEMPERATURE_FLOOR) is served as greedy (temperature 0): dividing logits by it overflows to
 # inf/NaN, and sampling at it is argmax up to exact ties anyway. Scoring (/get_sequence_logprobs/) refuses it.
 TEMPERATURE_FLOOR = 1e-5
+MAX_LOGPROBS = 20  # most top log-probs per token (vLLM's default --max-logprobs)
+LOGPROB_FLOOR = -9999.0  # what -inf (a token the warpers filtered out) is reported as, as vLLM and OpenAI do
 
 
 # -- request bodies -------------------------------------------------------------------------------------------------
@@ -224,7 +233,8 @@ def _batch_key(request: GenerationRequest) -> tuple | None:
     if request.seed is not None or request.extra or request.structured_outputs_regex is not None:
         return None
     return (request.n, request.max_tokens, request.temperature, request.top_p, request.top_k, request.min_p,
-            request.repetition_penalty, tuple(request.stop_token_ids), request.ignore_eos, request.logprobs)  # fmt: skip
+            request.repetition_penalty, tuple(request.stop_token_ids), request.ignore_eos, request.logprobs,
+            request.top_logprobs)  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -487,6 +497,18 @@ def _token_prompts(engine: Any, prompt: Any) -> list[list[int]]:
     return out
 
 
+def _top_logprobs(seq: Any) -> list[dict[str, float]]:
+    """Per token, vLLM's ``top_logprobs`` entry: the sampled token first, then the top-N by decreasing log-prob
+    (N or N + 1 entries: the sampled token appears once), keyed ``token_id:<id>`` like ``tokens``."""
+    out = []
+    for token, lp, top in zip(seq.token_ids, seq.logprobs, seq.top_logprobs or []):
+        entry = {f"token_id:{token}": max(lp, LOGPROB_FLOOR)}
+        for t, v in top:
+            entry.setdefault(f"token_id:{t}", max(v, LOGPROB_FLOOR))
+        out.append(entry)
+    return out
+
+
 def _temperature(value: float) -> float:
     """The temperature a request is served with: below ``TEMPERATURE_FLOOR`` it is greedy (0)."""
     return 0.0 if value < TEMPERATURE_FLOOR else value
@@ -497,10 +519,11 @@ def completion_request(engine: Any, body: CompletionBody) -> GenerationRequest:
         raise RequestError("stream", "stream=true is not supported; send stream=false (the default).")
     if body.echo:
         raise RequestError("echo", "echo=true is not supported; the prompt ids are returned in prompt_token_ids.")
-    if body.logprobs not in (None, 0):
+    if body.logprobs is not None and body.logprobs > MAX_LOGPROBS:
         raise RequestError(
-            "logprobs", f"logprobs={body.logprobs} is not supported: use 0 (the sampled token's log-prob) or null."
-        )
+            "logprobs", f"logprobs={body.logprobs} is more than this server returns ({MAX_LOGPROBS}, vLLM's default "
+            "--max-logprobs); ask for fewer top log-probs per token.",
+        )  # fmt: skip
     if body.model is not None and body.model != engine.model_name:
         raise RequestError("model", f"The model {body.model!r} is not served here; this server serves {engine.model_name!r}.")
     regex = None
@@ -521,6 +544,7 @@ def completion_request(engine: Any, body: CompletionBody) -> GenerationRequest:
         stop_token_ids=list(body.stop_token_ids or []),
         ignore_eos=body.ignore_eos,
         logprobs=body.logprobs is not None,
+        top_logprobs=body.logprobs or 0,
         seed=body.seed,
         structured_outputs_regex=regex,
     )
@@ -646,7 +670,7 @@ def create_app(
                     logprobs = {
                         "token_logprobs": seq.logprobs,
                         "tokens": [f"token_id:{t}" for t in seq.token_ids],
-                        "top_logprobs": None,
+                        "top_logprobs": _top_logprobs(seq) if gen.top_logprobs else None,
                         "text_offset": None,
                     }
                 choices.append(

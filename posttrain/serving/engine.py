@@ -39,7 +39,8 @@ class GenerationRequest:
     """What to generate, in vLLM ``SamplingParams`` terms (``top_k`` 0 and ``min_p`` 0 = off).
 
     ``stop_token_ids`` end a completion in addition to the tokenizer's EOS (unless ``ignore_eos``); the stop token is
-    kept as the completion's last token, as vLLM's ``token_ids`` keep it. ``structured_outputs_regex`` and ``extra``
+    kept as the completion's last token, as vLLM's ``token_ids`` keep it. ``top_logprobs`` (with ``logprobs``) asks
+    for each step's most likely tokens too (vLLM's ``logprobs=N``). ``structured_outputs_regex`` and ``extra``
     (more ``SamplingParams`` fields) are served by the vLLM engine only.
     """
 
@@ -54,6 +55,7 @@ class GenerationRequest:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: bool = True
+    top_logprobs: int = 0
     seed: int | None = None
     structured_outputs_regex: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -61,12 +63,14 @@ class GenerationRequest:
 
 @dataclass
 class GeneratedSequence:
-    """One completion: its ids (stop token kept), per-token processed sampling log-probs, why it ended."""
+    """One completion: its ids (stop token kept), per-token processed sampling log-probs, why it ended, and (when
+    asked) each step's top log-probs as ``(token id, log-prob)`` pairs by decreasing log-prob."""
 
     token_ids: list[int]
     logprobs: list[float] | None
     finish_reason: str  # "stop" | "length"
     stop_reason: int | None = None  # the stop_token_id that ended it (None for EOS / length), as vLLM
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -188,8 +192,9 @@ class PosttrainEngine:
         if request.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(request.seed)
         sampler = GroupSampler(
-            self.model, return_logprobs=request.logprobs, max_batch_tokens=self.max_batch_tokens, generator=generator
-        )
+            self.model, return_logprobs=request.logprobs, max_batch_tokens=self.max_batch_tokens, generator=generator,
+            top_logprobs=request.top_logprobs if request.logprobs else 0,
+        )  # fmt: skip
         out = sampler.generate(request.prompts, sampling, request.n)
         stop_set = set(stops)
         results: list[list[GeneratedSequence]] = []
@@ -205,6 +210,7 @@ class PosttrainEngine:
                         out.logprobs[r] if out.logprobs is not None else None,
                         "stop" if out.finished[r] else "length",
                         stop_reason,
+                        sampler.last_top_logprobs[r] if sampler.last_top_logprobs is not None else None,
                     )
                 )
             results.append(group)
