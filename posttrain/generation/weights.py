@@ -264,3 +264,34 @@ def load_into(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> int:
             target = targets[name]
             target.copy_(tensor.to(device=target.device, dtype=target.dtype))
     return len(tensors)
+
+
+# -- the post-sync probe ----------------------------------------------------------------------------------------------
+PROBE_PROMPT_LENGTH = 8
+PROBE_TOKENS = 4
+PROBE_SEED = 20_240_601
+
+
+def probe_prompt(vocab_size: int) -> list[int]:
+    """The fixed prompt of the post-sync probe: ``PROBE_PROMPT_LENGTH`` ids spread over the vocabulary."""
+    return [(17 + 7_919 * i) % int(vocab_size) for i in range(PROBE_PROMPT_LENGTH)]
+
+
+@torch.no_grad()
+def probe_logprobs(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> list[float]:
+    """The trainer's log-probs of ``tokens`` following ``prompt`` (one full forward, eval mode, float32
+    log-softmax): what a server holding the same weights reports for them at temperature 1 with no filtering."""
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+        model = model.module  # DDP
+    if not tokens:
+        return []
+    device = next(model.parameters()).device
+    training = model.training
+    model.eval()
+    try:
+        ids = torch.tensor([list(prompt) + list(tokens)], dtype=torch.long, device=device)
+        logits = model(input_ids=ids, use_cache=False).logits[0, len(prompt) - 1 : -1].float()
+    finally:
+        model.train(training)
+    targets = torch.tensor(tokens, dtype=torch.long, device=logits.device)
+    return torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1).tolist()

@@ -244,3 +244,88 @@ def test_async_client_checks_the_echo_too():
 
     with pytest.raises(WeightSyncError, match="digest"):
         asyncio.run(push())
+
+
+# -- the post-sync probe ------------------------------------------------------------------------------------------
+@pytest.fixture()
+def trainer_model(tiny_model_path):
+    """The trainer's policy after some training: the tiny model's weights moved by noise."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.2)
+    return model.train()
+
+
+def _backend(url, **kwargs):
+    from posttrain.generation.vllm_server import VLLMServerBackend
+
+    return VLLMServerBackend(base_url=url, timeout=30, client_kwargs={"request_timeout": 60}, **kwargs)
+
+
+def test_probe_passes_when_the_server_serves_the_pushed_weights(served, trainer_model):
+    url, engine = served
+    backend = _backend(url, weight_sync_probe=True, weight_sync_probe_atol=1e-3)
+    try:
+        backend.sync_weights(trainer_model)  # pushes, then probes
+        report = backend.probe(trainer_model)
+    finally:
+        backend.close()
+    assert backend.version == 1 and len(report["tokens"]) == 4 and report["max_abs_diff"] < 1e-3
+    assert trainer_model.training  # the probe's eval-mode forward restores train mode
+
+
+def test_probe_catches_a_server_that_ignored_the_push(tiny_model_path, trainer_model):
+    """A fault-injected engine answers 200 (digest and version echoed) but keeps its old weights."""
+    from posttrain.generation.vllm_server import VLLMServerBackend
+    from posttrain.serving.engine import PosttrainEngine
+
+    engine = PosttrainEngine.from_pretrained(tiny_model_path, device="cpu")
+    engine.load_weights = lambda tensors: len(tensors)  # drops the update, reports success
+    with serve_in_thread(engine) as url:
+        silent = _backend(url)  # without the probe the push "succeeds"
+        try:
+            silent.sync_weights(trainer_model)
+            assert silent.version == 1
+        finally:
+            silent.close()
+        backend = VLLMServerBackend(
+            args=type("Args", (), {"vllm_weight_sync_probe": True, "vllm_weight_sync_probe_atol": 0.02})(),
+            base_url=url, timeout=30,
+        )  # fmt: skip
+        try:
+            assert backend.weight_sync_probe and backend.weight_sync_probe_atol == 0.02  # from the config fields
+            with pytest.raises(WeightSyncError, match="not generating with the pushed weights") as err:
+                backend.sync_weights(trainer_model)
+        finally:
+            backend.close()
+    message = str(err.value)
+    assert url in message and "vllm_weight_sync_probe_atol=0.02" in message and "version 2" in message
+
+
+def test_probe_checks_the_nccl_protocol_too(served, trainer_model, monkeypatch):
+    """TRL's NCCL path cannot run on CPU, but its probe can: a broadcast that never reached the server is caught,
+    and one that did (simulated by loading the tensors into the served engine) passes."""
+    from posttrain.generation.vllm_server import VLLMServerBackend
+
+    url, engine = served
+    backend = _backend(url, protocol="trl", weight_sync_probe=True, weight_sync_probe_atol=1e-3)
+    try:
+        monkeypatch.setattr(VLLMServerBackend, "_push_trl", lambda self, tensors: None)  # lost broadcast
+        with pytest.raises(WeightSyncError, match="trl protocol"):
+            backend.sync_weights(trainer_model)
+        monkeypatch.setattr(VLLMServerBackend, "_push_trl", lambda self, tensors: engine.load_weights(dict(tensors)))
+        backend.sync_weights(trainer_model)
+    finally:
+        backend.close()
+
+
+def test_probe_config_fields_exist_with_defaults():
+    from posttrain import GRPOConfig, RLOOConfig
+
+    for config in (GRPOConfig, RLOOConfig):
+        args = config(output_dir="unused", report_to="none")
+        assert args.vllm_weight_sync_probe is False and args.vllm_weight_sync_probe_atol == 0.02
