@@ -270,6 +270,8 @@ class WeightStaging:
         self.current: _StagedUpdate | None = None
         self._aborted: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._applied: collections.OrderedDict[str, dict[str, Any]] = collections.OrderedDict()
+        self.applying: dict[str, asyncio.Future] = {}  # updates handed to the engine, by id: their answer to come
+        self._last_digest: dict[str, str] = {}
 
     @staticmethod
     def _remember(memory: collections.OrderedDict, key: str, value: Any) -> None:
@@ -336,11 +338,23 @@ class WeightStaging:
         return current
 
     def take(self, update_id: str) -> None:
-        """The staged update is complete: stop staging it (the caller applies it)."""
+        """The staged update is complete: stop staging it (the caller applies it and registers its answer in
+        ``applying`` until it is known)."""
         if self.current is not None and self.current.update_id == update_id:
+            self._last_digest[update_id] = self.current.digests[-1]
             self.current = None
 
+    def last_digest(self, update_id: str) -> str | None:
+        """The digest of the last chunk of an update being applied."""
+        return self._last_digest.get(update_id)
+
+    def settled(self, update_id: str) -> None:
+        """The update handed to the engine has its answer (applied or failed)."""
+        self.applying.pop(update_id, None)
+        self._last_digest.pop(update_id, None)
+
     def applied(self, update_id: str, result: dict[str, Any]) -> None:
+        self.settled(update_id)
         self._remember(self._applied, update_id, result)
 
 
@@ -782,6 +796,9 @@ def create_app(
             state.weights.abort(uid, str(err))
             raise RequestError("body", f"{err} Weight update {uid!r} is discarded; the previous weights keep serving.") from err
         # No await from here to the hand-over below: staging decisions see one consistent state.
+        applying = state.weights.applying.get(uid)
+        if applying is not None and last and digest == state.weights.last_digest(uid):
+            return await asyncio.shield(applying)  # a repeat of a last chunk being applied: the same answer
         done = state.weights.finished(uid, last, update_digest)
         if done is not None:
             return done
@@ -800,6 +817,8 @@ def create_app(
         if not state.admit():  # staging kept: the client's retry of this last chunk counts as a repeat
             return busy()
         state.weights.take(uid)
+        answer: asyncio.Future = asyncio.get_running_loop().create_future()
+        state.weights.applying[uid] = answer
 
         def apply() -> dict[str, Any]:
             count = engine.load_weights(staged.tensors)
@@ -811,10 +830,16 @@ def create_app(
 
         try:
             result = await state.run(None, apply)
-        except ValueError as err:
-            state.weights.abort(uid, str(err))
-            raise RequestError("body", f"{err} Nothing was applied; the previous weights keep serving.") from err
+        except BaseException as err:
+            state.weights.settled(uid)
+            if isinstance(err, ValueError):
+                state.weights.abort(uid, str(err))
+                err = RequestError("body", f"{err} Nothing was applied; the previous weights keep serving.")
+            answer.set_exception(err)
+            answer.exception()  # retrieved: a repeat of this chunk may never come to await it
+            raise err
         state.weights.applied(uid, result)
+        answer.set_result(result)
         return result
 
     @app.post("/reset_prefix_cache/")

@@ -329,3 +329,45 @@ def test_probe_config_fields_exist_with_defaults():
     for config in (GRPOConfig, RLOOConfig):
         args = config(output_dir="unused", report_to="none")
         assert args.vllm_weight_sync_probe is False and args.vllm_weight_sync_probe_atol == 0.02
+
+
+def test_a_repeated_last_chunk_while_applying_gets_the_same_answer(monkeypatch):
+    """A retry of the last chunk that arrives while the engine is still applying the update waits for that
+    application's answer (no 409, no second application)."""
+    import threading
+
+    from posttrain.serving.app import WeightStaging
+
+    repeat_seen = threading.Event()
+    original = WeightStaging.last_digest
+
+    def last_digest(self, update_id):
+        repeat_seen.set()
+        return original(self, update_id)
+
+    monkeypatch.setattr(WeightStaging, "last_digest", last_digest)
+
+    class SlowLoadEngine:
+        name, model_name, max_model_len, world_size = "fake", "fake", None, 1
+        loads = 0
+
+        def load_weights(self, tensors):
+            assert repeat_seen.wait(timeout=30)  # the repeat reached the server while this load runs
+            SlowLoadEngine.loads += 1
+            return len(tensors)
+
+        def close(self):
+            pass
+
+    body = next(serialize_chunks({"w": torch.ones(3)}))
+    params = dict(update_id="S", chunk=0, last=True, chunk_digest=chunk_digest(body), update_digest=update_digest([chunk_digest(body)]))
+    with serve_in_thread(SlowLoadEngine()) as url:
+        answers = []
+        first = threading.Thread(target=lambda: answers.append(_push(url, body, **params)))
+        first.start()
+        second = _push(url, body, **params)
+        first.join(timeout=60)
+        assert not first.is_alive()
+    assert second.status_code == answers[0].status_code == 200, second.text
+    assert second.json() == answers[0].json() and second.json()["version"] == 1
+    assert SlowLoadEngine.loads == 1
