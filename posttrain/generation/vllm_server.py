@@ -51,6 +51,36 @@ def request_seed(seed: int, rank: int, k: int) -> int:
     return (int(seed) * 1_000_003 + int(rank) * 7_919 + int(k) * 104_729 + 12_345) % (2**31 - 1)
 
 
+def check_probe(
+    server: list[float] | None, trainer: list[float], atol: float, *, prompt: list[int], tokens: list[int], where: str,
+    version: Any,
+) -> dict[str, Any]:
+    """Compare the post-sync probe's log-probs (server's vs trainer's, same tokens); ``WeightSyncError`` naming both
+    lists when they differ by more than ``atol`` (or the server gave none). Returns the comparison."""
+    from posttrain.generation.client import WeightSyncError
+
+    if server is None or len(server) != len(tokens):
+        raise WeightSyncError(
+            f"Weight-sync probe: the server at {where} returned no log-probs for the {len(tokens)} probe tokens; "
+            "serve with log-probs enabled (vLLM: --logprobs-mode processed_logprobs) or turn vllm_weight_sync_probe "
+            "off."
+        )
+    worst = max((abs(a - b) for a, b in zip(server, trainer)), default=0.0)
+    if not worst <= atol:  # NaN fails too
+        raise WeightSyncError(
+            f"Weight-sync probe failed after pushing weights (version {version}) to {where}: the log-probs of probe "
+            f"tokens {tokens} after prompt {prompt} are {[round(x, 5) for x in server]} on the server but "
+            f"{[round(x, 5) for x in trainer]} in the trainer (largest difference {worst:.4g} > "
+            f"vllm_weight_sync_probe_atol={atol:g}). The server is not generating with the pushed weights: it never "
+            "got them (a sleeping or restarted engine, a broken weight-transfer group) or serves another model or "
+            "dtype. Check the server's log; raise vllm_weight_sync_probe_atol only if the gap is a precision "
+            "difference (bf16 server)."
+        )
+    report = {"tokens": tokens, "server": server, "trainer": trainer, "max_abs_diff": worst}
+    logger.debug("Weight-sync probe passed: %s", report)
+    return report
+
+
 def _dist() -> tuple[int, bool]:
     """(rank, distributed?) of this process."""
     import torch.distributed as dist
@@ -261,7 +291,6 @@ class VLLMServerBackend:
         """
         import torch
 
-        from posttrain.generation.client import WeightSyncError
         from posttrain.generation.weights import PROBE_SEED, PROBE_TOKENS, probe_logprobs, probe_prompt
 
         rank, distributed = _dist()
@@ -290,27 +319,8 @@ class VLLMServerBackend:
             dist.broadcast_object_list(found, src=0)
         tokens, server = found
         trainer = probe_logprobs(model, prompt, tokens)
-        if server is None or len(server) != len(tokens):
-            raise WeightSyncError(
-                f"Weight-sync probe: the server at {self.base_url} returned no log-probs for its {len(tokens)} probe "
-                "tokens; serve with log-probs enabled (vLLM: --logprobs-mode processed_logprobs) or turn "
-                "vllm_weight_sync_probe off."
-            )
-        diffs = [abs(a - b) for a, b in zip(server, trainer)]
-        worst = max(diffs, default=0.0)
-        report = {"tokens": tokens, "server": server, "trainer": trainer, "max_abs_diff": worst}
-        if not worst <= self.weight_sync_probe_atol:  # NaN fails too
-            raise WeightSyncError(
-                f"Weight-sync probe failed after pushing weights (version {self.version}) to {self.base_url} "
-                f"({self.protocol} protocol): the log-probs of probe tokens {tokens} after prompt {prompt} are "
-                f"{[round(x, 5) for x in server]} on the server but {[round(x, 5) for x in trainer]} in the trainer "
-                f"(largest difference {worst:.4g} > vllm_weight_sync_probe_atol={self.weight_sync_probe_atol:g}). "
-                "The server is not generating with the pushed weights: it never got them (a sleeping or restarted "
-                "engine, a broken weight-transfer group) or serves another model or dtype. Check the server's log; "
-                "raise vllm_weight_sync_probe_atol only if the gap is a precision difference (bf16 server)."
-            )
-        logger.debug("Weight-sync probe passed: %s", report)
-        return report
+        return check_probe(server, trainer, self.weight_sync_probe_atol, prompt=prompt, tokens=tokens,
+                           where=f"{self.base_url} ({self.protocol} protocol)", version=self.version)  # fmt: skip
 
     def _push_vllm(self, tensors: list[tuple[str, Any]]) -> None:
         """vLLM's NCCL weight-transfer engine (``vllm serve --weight-transfer-config '{"backend":"nccl"}'``)."""

@@ -277,6 +277,13 @@ def probe_prompt(vocab_size: int) -> list[int]:
     return [(17 + 7_919 * i) % int(vocab_size) for i in range(PROBE_PROMPT_LENGTH)]
 
 
+def probe_sequence(vocab_size: int) -> list[int]:
+    """A fixed probe sequence (``probe_prompt`` and ``PROBE_TOKENS`` fixed continuation ids) for servers that score
+    given tokens (``/get_sequence_logprobs/``), where the trainer's side is computed when the weights are
+    snapshotted (the async trainers upload in the background while training moves on)."""
+    return probe_prompt(vocab_size) + [(101 + 3_571 * i) % int(vocab_size) for i in range(PROBE_TOKENS)]
+
+
 @torch.no_grad()
 def probe_logprobs(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> list[float]:
     """The trainer's log-probs of ``tokens`` following ``prompt`` (one full forward, eval mode, float32
