@@ -835,8 +835,11 @@ def create_app(
             if isinstance(err, ValueError):
                 state.weights.abort(uid, str(err))
                 err = RequestError("body", f"{err} Nothing was applied; the previous weights keep serving.")
-            answer.set_exception(err)
-            answer.exception()  # retrieved: a repeat of this chunk may never come to await it
+            if isinstance(err, asyncio.CancelledError):
+                answer.cancel()
+            else:
+                answer.set_exception(err)
+                answer.exception()  # retrieved: a repeat of this chunk may never come to await it
             raise err
         state.weights.applied(uid, result)
         answer.set_result(result)

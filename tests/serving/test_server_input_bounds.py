@@ -134,3 +134,37 @@ def test_request_body_limit_is_enforced_before_parsing(engine):
     assert DEFAULT_MAX_REQUEST_BYTES == 16 * 1024 * 1024
     with pytest.raises(ValueError, match="max_request_bytes"), serve_in_thread(engine, max_request_bytes=0):
         pass
+
+
+@pytest.mark.slow
+def test_serve_cli_takes_max_request_bytes(tiny_model_path):
+    """``posttrain serve --max_request_bytes N`` reaches the server (a subprocess, terminated and waited for)."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    from posttrain.generation.client import GenerationClient
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}  # fmt: skip
+    cmd = [sys.executable, "-m", "posttrain.cli.main", "serve", "--model", tiny_model_path, "--port", str(port),
+           "--log_level", "warning", "--max_request_bytes", "3000"]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        GenerationClient(url).wait_until_ready(timeout=90, poll_interval=0.2)
+        err = _error(httpx.post(f"{url}/v1/completions", json={"prompt": list(range(1000)), "max_tokens": 1}), 413)
+        assert "3000 bytes" in err["message"]
+        assert httpx.post(f"{url}/v1/completions", json={"prompt": [1, 2], "max_tokens": 1}).status_code == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
