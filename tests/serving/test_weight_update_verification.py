@@ -371,3 +371,37 @@ def test_a_repeated_last_chunk_while_applying_gets_the_same_answer(monkeypatch):
     assert second.status_code == answers[0].status_code == 200, second.text
     assert second.json() == answers[0].json() and second.json()["version"] == 1
     assert SlowLoadEngine.loads == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("drops_pushes", [False, True])
+def test_grpo_server_mode_with_the_probe(tiny_model_path, tmp_path, drops_pushes):
+    """GRPO with vllm_weight_sync_probe=True trains against an honest server and stops with WeightSyncError at the
+    first push a fault-injected server drops (it still answers 200 with the right digest and version)."""
+    from datasets import Dataset
+    from reward_helpers import varied_reward
+
+    from posttrain.serving.engine import PosttrainEngine
+    from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
+
+    engine = PosttrainEngine.from_pretrained(tiny_model_path, device="cpu")
+    if drops_pushes:
+        engine.load_weights = lambda tensors: len(tensors)
+    with serve_in_thread(engine) as url:
+        args = GRPOConfig(
+            output_dir=str(tmp_path), report_to="none", save_strategy="no", write_report=False, disable_tqdm=True,
+            gradient_checkpointing=False, per_device_train_batch_size=4, num_generations=2, max_completion_length=4,
+            max_steps=3, learning_rate=5e-2, seed=7, use_vllm=True, vllm_mode="server", vllm_server_base_url=url,
+            vllm_weight_sync_probe=True,
+        )  # fmt: skip
+        dataset = Dataset.from_list([{"prompt": f"Question {i}:"} for i in range(8)])
+        trainer = GRPOTrainer(tiny_model_path, varied_reward, args, train_dataset=dataset)
+        if drops_pushes:
+            with pytest.raises(WeightSyncError, match="not generating with the pushed weights"):
+                trainer.train()
+            assert trainer.state.global_step == 1  # the first push after the first optimizer step is caught
+        else:
+            trainer.train()
+            assert trainer.state.global_step == 3
+            # pushed (and probed) before the generations of steps 1 and 2
+            assert httpx.get(f"{url}/health").json()["version"] >= 2
