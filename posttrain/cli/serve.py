@@ -31,6 +31,10 @@ class _EngineOptions:
     max_queue_size: int = field(
         default=64, metadata={"help": "Requests admitted (running or waiting) before answering 429 (backpressure)."}
     )
+    max_request_bytes: int | None = field(
+        default=16 * 1024 * 1024,
+        metadata={"help": "Largest request body in bytes (413 above it, before parsing); weight pushes are exempt."},
+    )
     served_model_name: str | None = field(default=None, metadata={"help": "Model name reported (default: --model)."})
     log_level: str = field(default="info", metadata={"help": "uvicorn log level (critical ... trace)."})
     graceful_timeout: float = field(
@@ -144,7 +148,7 @@ def _main(verb: str, argv: list[str], args_class: type) -> int:
         print(f"posttrain {verb}: serving {engine.model_name!r} with the {engine.name} engine on "
               f"http://{args.host}:{args.port} (Ctrl-C or SIGTERM to stop)", file=sys.stderr, flush=True)  # fmt: skip
         run_server(engine, args.host, args.port, log_level=args.log_level, max_queue_size=args.max_queue_size,
-                   graceful_timeout=args.graceful_timeout)  # fmt: skip
+                   graceful_timeout=args.graceful_timeout, max_request_bytes=args.max_request_bytes)  # fmt: skip
         return 0
 
     return guarded(f"posttrain {verb}", work, debug=debug)

@@ -10,7 +10,8 @@ result carries the weight ``version`` the server generated with. Failures are ty
   or the server stopped answering its ``/health`` probe while a request was in flight; the message names the URL,
   the request, how long it waited and what to check;
 - ``ServerRequestError`` (a ``ValueError``): a 4xx; the message is the server's, naming the bad field;
-- ``ServerError`` (a ``RuntimeError``): any other non-200 answer.
+- ``ServerError`` (a ``RuntimeError``): any other non-200 answer;
+- ``WeightSyncError`` (a ``RuntimeError``): a weight push the server's answer does not confirm (digest, version).
 
 Every wait is bounded. ``request_timeout`` (default 600 s) is the budget of one call, retries included: a busy server
 (429/503, e.g. one shutting down) is retried after its ``Retry-After`` (at most 5 s apart, for up to ``busy_timeout``
@@ -59,6 +60,11 @@ class ServerRequestError(ValueError):
 
 class ServerError(RuntimeError):
     """The server answered with an unexpected status."""
+
+
+class WeightSyncError(RuntimeError):
+    """The server's answer to a weight push does not confirm the update that was sent (digest, version or id
+    differ), or the post-sync probe found the server's log-probs unlike the trainer's: its weights are not ours."""
 
 
 @dataclass
@@ -456,35 +462,82 @@ class GenerationClient:
         yield current, True
 
     @staticmethod
-    def _weight_params(update_id: str, last: bool, version: int | None) -> dict[str, Any]:
-        params: dict[str, Any] = {"update_id": update_id, "last": str(last).lower()}
+    def _weight_params(
+        update_id: str, last: bool, version: int | None, chunk: int, digest: str, whole: str | None
+    ) -> dict[str, Any]:
+        params: dict[str, Any] = {"update_id": update_id, "last": str(last).lower(), "chunk": chunk,
+                                  "chunk_digest": digest}  # fmt: skip
+        if whole is not None:
+            params["update_digest"] = whole
         if version is not None:
             params["version"] = int(version)
         return params
 
+    def _check_weight_answer(
+        self, answer: dict[str, Any], update_id: str, chunk: int, digest: str, whole: str | None, version: int | None
+    ) -> None:
+        """Raise ``WeightSyncError`` unless the server's answer confirms this chunk (and, on the last, the update)."""
+
+        def wrong(what: str) -> WeightSyncError:
+            return WeightSyncError(
+                f"The generation server at {self.base_url} did not confirm weight update {update_id!r} "
+                f"(chunk {chunk}): {what}. Its weights may not be the trainer's; check that it is a posttrain "
+                f"server of this version and that nothing between trainer and server alters the request."
+            )
+
+        if answer.get("update_id") != update_id:
+            raise wrong(f"it answered for update {answer.get('update_id')!r}")
+        if whole is None:
+            if answer.get("chunk_digest") != digest or answer.get("chunk") != chunk or answer.get("applied"):
+                raise wrong(f"it echoed chunk {answer.get('chunk')} with digest {answer.get('chunk_digest')}, "
+                            f"sent {digest}")  # fmt: skip
+            return
+        if answer.get("applied") is not True or answer.get("digest") != whole:
+            raise wrong(f"it reports applied={answer.get('applied')} with digest {answer.get('digest')}, sent {whole}")
+        new, previous = answer.get("version"), answer.get("previous_version")
+        expected = int(version) if version is not None else (None if previous is None else int(previous) + 1)
+        if not isinstance(new, int) or new != expected:
+            raise wrong(f"it reports weight version {new!r}, expected {expected!r}")
+
+    def _weight_requests(self, chunks: Iterable[bytes], version: int | None) -> Iterable[tuple[bytes, dict, tuple]]:
+        """``(body, query params, check arguments)`` per chunk of one update (digests computed as chunks stream)."""
+        from posttrain.generation.weights import chunk_digest, update_digest
+
+        update_id, digests = uuid.uuid4().hex, []
+        for index, (chunk, last) in enumerate(self._with_last(chunks)):
+            digests.append(chunk_digest(chunk))
+            whole = update_digest(digests) if last else None
+            params = self._weight_params(update_id, last, version, index, digests[-1], whole)
+            yield chunk, params, (update_id, index, digests[-1], whole, version)
+
     def load_weights(self, chunks: Iterable[bytes], version: int | None = None) -> int:
         """Push safetensors payloads (``weights.serialize_chunks``) as one update; returns the new version.
 
-        The server applies the update when the last chunk arrives; ``version`` sets the version it then reports
-        (default: its previous version + 1).
+        Each chunk carries the update's id, its index and its SHA-256; the last also the digest of the whole update.
+        The server checks them (and names, shapes, dtypes, finite values) and applies the update at once when the
+        last chunk arrives, or refuses it (``ServerRequestError``) and keeps its weights. Its answers must echo the
+        digests and the new version (``version``, default: its previous version + 1), else ``WeightSyncError``.
         """
-        update_id, result = uuid.uuid4().hex, {}
-        for chunk, last in self._with_last(chunks):
+        result: dict[str, Any] = {}
+        for body, params, check in self._weight_requests(chunks, version):
             resp = self.request(
-                "POST", "/v1/load_weights", content=chunk, params=self._weight_params(update_id, last, version),
+                "POST", "/v1/load_weights", content=body, params=params,
                 headers={"Content-Type": "application/octet-stream"},
             )  # fmt: skip
             result = resp.json()
+            self._check_weight_answer(result, *check)
         return int(result["version"])
 
     async def aload_weights(self, chunks: Iterable[bytes], version: int | None = None) -> int:
-        update_id, result = uuid.uuid4().hex, {}
-        for chunk, last in self._with_last(chunks):
+        """``load_weights`` for asyncio code (same checks and errors)."""
+        result: dict[str, Any] = {}
+        for body, params, check in self._weight_requests(chunks, version):
             resp = await self.arequest(
-                "POST", "/v1/load_weights", content=chunk, params=self._weight_params(update_id, last, version),
+                "POST", "/v1/load_weights", content=body, params=params,
                 headers={"Content-Type": "application/octet-stream"},
             )  # fmt: skip
             result = resp.json()
+            self._check_weight_answer(result, *check)
         return int(result["version"])
 
     def close(self) -> None:

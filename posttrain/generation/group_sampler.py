@@ -105,6 +105,9 @@ class GroupSampler:
             prompts are split, in order, into consecutive batches under it (a single prompt's G rows always go
             together). ``None`` = everything in one batch.
         generator: Optional ``torch.Generator`` (on the model's device) used instead of the global RNG.
+        top_logprobs: With ``return_logprobs``, also keep each step's ``top_logprobs`` most likely tokens under the
+            same processed distribution (vLLM's ``logprobs=N``): ``last_top_logprobs[row][step]`` is a list of
+            ``(token id, log-prob)`` by decreasing log-prob (``-inf`` for tokens the warpers filtered out).
 
     After each ``generate`` call, ``last_stats`` holds ``prefill_rows`` (unique prompts prefilled),
     ``prefill_tokens`` (padded prompt tokens run), ``decode_batch_sizes`` (rows per decode forward) and
@@ -118,6 +121,7 @@ class GroupSampler:
         return_logprobs: bool = True,
         max_batch_tokens: int | None = None,
         generator: torch.Generator | None = None,
+        top_logprobs: int = 0,
     ):
         if max_batch_tokens is not None and max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be a positive integer or None, got {max_batch_tokens!r}.")
@@ -126,6 +130,8 @@ class GroupSampler:
         self.return_logprobs = return_logprobs
         self.max_batch_tokens = max_batch_tokens
         self.generator = generator
+        self.top_logprobs = int(top_logprobs)
+        self.last_top_logprobs: list[list[list[tuple[int, float]]]] | None = None
         self.last_stats: dict[str, Any] = {}
         self._trimmed_host_memory = False
 
@@ -165,6 +171,7 @@ class GroupSampler:
         completion_ids: list[list[int]] = [[] for _ in range(n_rows)]
         logprobs: list[list[float]] | None = [[] for _ in range(n_rows)] if self.return_logprobs else None
         finished = [False] * n_rows
+        self.last_top_logprobs = [[] for _ in range(n_rows)] if self.return_logprobs and self.top_logprobs > 0 else None
         for i, ids in enumerate(prompt_ids):
             if len(ids) == 0:
                 raise ValueError(f"prompt_ids[{i}] is empty; every prompt needs at least one token.")
@@ -264,6 +271,8 @@ class GroupSampler:
         step_lps = torch.empty(s.max_new_tokens * len(source), dtype=torch.float32, device=device)
         step_logprobs: list[tuple[list[int], int]] = []  # (rows, offset of their log-probs in step_lps) per step
         written = 0
+        top_k = min(self.top_logprobs, vocab) if self.last_top_logprobs is not None else 0
+        step_tops: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []  # (rows, values (R, N), ids (R, N))
         for step in range(s.max_new_tokens):
             if repetition is not None:
                 repetition.prompt_ignore_length = pad_lens
@@ -279,6 +288,9 @@ class GroupSampler:
                 torch.sub(scores.gather(-1, tokens[:, None]).squeeze(1), lse, out=token_lp)
                 step_logprobs.append((rows, written))
                 written += len(rows)
+                if top_k:
+                    values, ids = scores.topk(top_k, dim=-1)
+                    step_tops.append((rows, values - lse[:, None], ids))
             # The one host transfer per step: finished rows and the next decode batch are decided on the host.
             keep = []
             for i, (r, t) in enumerate(zip(rows, tokens.tolist())):
@@ -315,6 +327,10 @@ class GroupSampler:
             for step_rows, _ in step_logprobs:
                 for r in step_rows:
                     logprobs[r].append(next(it))
+        if step_tops and self.last_top_logprobs is not None:
+            for step_rows, values, ids in step_tops:
+                for r, vals, toks in zip(step_rows, values.tolist(), ids.tolist()):
+                    self.last_top_logprobs[r].append(list(zip(toks, vals)))
 
 
 def logsumexp_rows(x: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:

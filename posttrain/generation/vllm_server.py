@@ -26,6 +26,10 @@ Weights are pushed by ``sync_weights``, which the trainer calls before generatin
 policies are pushed merged (``merge_adapter`` → push → ``unmerge_adapter``). In multi-process training every rank
 takes part in gathering (FSDP2 ``full_tensor``), rank 0 sends, and all ranks wait for it before generating.
 
+Post-sync probe (``vllm_weight_sync_probe``, off by default): after each push the server samples a few tokens from
+a fixed prompt and the trainer computes their log-probs; a difference above ``vllm_weight_sync_probe_atol`` raises
+``WeightSyncError`` — a server that silently kept its old weights is caught at the push, whatever the transport.
+
 Sampling seeds: unless ``generation_kwargs`` gives a ``seed``, each request carries ``request_seed(seed, rank,
 k)`` for the k-th request of this process, so a server-mode run is reproducible (the posttrain engine samples a
 seeded request exactly as ``GroupSampler`` with ``torch.Generator().manual_seed(that seed)`` in-process). TRL sends
@@ -53,6 +57,36 @@ def request_seed(seed: int, rank: int, k: int) -> int:
     return (int(seed) * 1_000_003 + int(rank) * 7_919 + int(k) * 104_729 + 12_345) % (2**31 - 1)
 
 
+def check_probe(
+    server: list[float] | None, trainer: list[float], atol: float, *, prompt: list[int], tokens: list[int], where: str,
+    version: Any,
+) -> dict[str, Any]:
+    """Compare the post-sync probe's log-probs (server's vs trainer's, same tokens); ``WeightSyncError`` naming both
+    lists when they differ by more than ``atol`` (or the server gave none). Returns the comparison."""
+    from posttrain.generation.client import WeightSyncError
+
+    if server is None or len(server) != len(tokens):
+        raise WeightSyncError(
+            f"Weight-sync probe: the server at {where} returned no log-probs for the {len(tokens)} probe tokens; "
+            "serve with log-probs enabled (vLLM: --logprobs-mode processed_logprobs) or turn vllm_weight_sync_probe "
+            "off."
+        )
+    worst = max((abs(a - b) for a, b in zip(server, trainer)), default=0.0)
+    if not worst <= atol:  # NaN fails too
+        raise WeightSyncError(
+            f"Weight-sync probe failed after pushing weights (version {version}) to {where}: the log-probs of probe "
+            f"tokens {tokens} after prompt {prompt} are {[round(x, 5) for x in server]} on the server but "
+            f"{[round(x, 5) for x in trainer]} in the trainer (largest difference {worst:.4g} > "
+            f"vllm_weight_sync_probe_atol={atol:g}). The server is not generating with the pushed weights: it never "
+            "got them (a sleeping or restarted engine, a broken weight-transfer group) or serves another model or "
+            "dtype. Check the server's log; raise vllm_weight_sync_probe_atol only if the gap is a precision "
+            "difference (bf16 server)."
+        )
+    report = {"tokens": tokens, "server": server, "trainer": trainer, "max_abs_diff": worst}
+    logger.debug("Weight-sync probe passed: %s", report)
+    return report
+
+
 def _dist() -> tuple[int, bool]:
     """(rank, distributed?) of this process."""
     import torch.distributed as dist
@@ -78,6 +112,9 @@ class VLLMServerBackend:
             ``health_check_interval`` come from ``args.request_timeout`` / ``args.vllm_server_health_check_interval``.
         seed_requests: Send each request a seed (reproducible runs). Unseeded requests can share an engine call with
             other clients' requests on ``posttrain serve``; seeded ones cannot.
+        weight_sync_probe: After each push, check that the server serves the pushed weights (``probe``); default:
+            the config's ``vllm_weight_sync_probe`` (off).
+        weight_sync_probe_atol: The probe's tolerance; default: ``vllm_weight_sync_probe_atol`` (0.02).
     """
 
     def __init__(
@@ -93,6 +130,8 @@ class VLLMServerBackend:
         chunk_bytes: int | None = None,
         client_kwargs: dict[str, Any] | None = None,
         seed_requests: bool = True,
+        weight_sync_probe: bool | None = None,
+        weight_sync_probe_atol: float | None = None,
     ):
         try:
             from posttrain.generation.client import GenerationClient
@@ -114,6 +153,13 @@ class VLLMServerBackend:
         self.group_port = int(getattr(args, "vllm_group_port", 51216))
         self.regex = getattr(args, "vllm_structured_outputs_regex", None)
         self.chunk_bytes = chunk_bytes or DEFAULT_CHUNK_BYTES
+        if weight_sync_probe is None:
+            weight_sync_probe = getattr(args, "vllm_weight_sync_probe", False)
+        if weight_sync_probe_atol is None:
+            weight_sync_probe_atol = getattr(args, "vllm_weight_sync_probe_atol", 0.02)
+        self.weight_sync_probe, self.weight_sync_probe_atol = bool(weight_sync_probe), float(weight_sync_probe_atol)
+        if not self.weight_sync_probe_atol >= 0:
+            raise ValueError(f"vllm_weight_sync_probe_atol must be >= 0, got {weight_sync_probe_atol}.")
         bounds: dict[str, Any] = {}
         if args is not None and hasattr(args, "request_timeout"):
             bounds["request_timeout"] = args.request_timeout
@@ -250,10 +296,56 @@ class VLLMServerBackend:
                 if rank == 0:
                     (self._push_vllm if self.protocol == "vllm" else self._push_trl)(tensors)
                     self.version = version if version is not None else (self.version or 0) + 1
+        if self.weight_sync_probe:
+            self.probe(model)
         if distributed:
             import torch.distributed as dist
 
             dist.barrier()
+
+    def probe(self, model: Any) -> dict[str, Any]:
+        """Check that the server serves ``model``'s weights: sample ``PROBE_TOKENS`` tokens from a fixed prompt on the
+        server (seeded, temperature 1, no filtering, EOS ignored where the protocol allows) and compare the log-probs
+        it reports with the trainer's for the same tokens (``probe_logprobs``).
+
+        Raises ``WeightSyncError`` naming both lists and the largest difference when it exceeds
+        ``weight_sync_probe_atol``: the symptom of a server that never got (or dropped) the pushed weights, e.g. a
+        sleeping vLLM engine or a broken NCCL group. Transport-independent: it checks what the server generates with,
+        whichever path pushed the weights. Every rank runs the forward (FSDP); rank 0 talks to the server. Returns
+        ``{"tokens", "server", "trainer", "max_abs_diff"}``.
+        """
+        import torch
+
+        from posttrain.generation.weights import PROBE_SEED, PROBE_TOKENS, probe_logprobs, probe_prompt
+
+        rank, distributed = _dist()
+        inner = model
+        while hasattr(inner, "module") and isinstance(inner.module, torch.nn.Module):
+            inner = inner.module
+        prompt = probe_prompt(int(inner.config.vocab_size))
+        found: list[Any] = [None, None]
+        if rank == 0:
+            fields = dict(n=1, max_tokens=PROBE_TOKENS, temperature=1.0, top_p=1.0, min_p=0.0, repetition_penalty=1.0)
+            if self.protocol == "trl":
+                payload = {"prompts": [prompt], **fields, "top_k": 0, "logprobs": 0,
+                           "generation_kwargs": {"seed": PROBE_SEED}}  # fmt: skip
+                data = self.client.request("POST", "/generate/", json=payload).json()
+                lps = data.get("logprobs")
+                found = [list(data["completion_ids"][0]), None if lps is None else [row[0] for row in lps[0]]]
+            else:
+                result = self.client.completions(
+                    [prompt], **fields, top_k=-1 if self.protocol == "vllm" else 0, logprobs=True, seed=PROBE_SEED,
+                    model=self.model_name if self.protocol == "vllm" else None, extra={"ignore_eos": True},
+                )  # fmt: skip
+                found = [result.choices[0][0].token_ids, result.choices[0][0].logprobs]
+        if distributed:
+            import torch.distributed as dist
+
+            dist.broadcast_object_list(found, src=0)
+        tokens, server = found
+        trainer = probe_logprobs(model, prompt, tokens)
+        return check_probe(server, trainer, self.weight_sync_probe_atol, prompt=prompt, tokens=tokens,
+                           where=f"{self.base_url} ({self.protocol} protocol)", version=self.version)  # fmt: skip
 
     def _push_vllm(self, tensors: list[tuple[str, Any]]) -> None:
         """vLLM's NCCL weight-transfer engine (``vllm serve --weight-transfer-config '{"backend":"nccl"}'``)."""

@@ -11,6 +11,12 @@ ones, where the GPU paths (NCCL broadcast through vLLM's weight-transfer engine 
 ``chunk_bytes`` (several requests of one update); the server applies an update only when its last chunk arrives, so
 generation never sees half-updated weights.
 
+Verification (transport-independent): each chunk's bytes have a SHA-256 ``chunk_digest``; the update's digest is the
+SHA-256 of its chunk digests in order (``update_digest``), so an update can be checked chunk by chunk as it streams
+and as a whole at the end. ``check_tensors`` is what the server checks before an update can be applied: known names,
+equal shapes, an allowed dtype (``ALLOWED_CASTS``) and finite values; a failed check names the tensor and applies
+nothing.
+
 Names are the plain transformers checkpoint names (``model.layers.0.self_attn.q_proj.weight``), which is what both
 the posttrain server's model and vLLM's ``load_weights`` expect. A PEFT policy is pushed as its merged weights under the base-model names
 (``policy_weights``).
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import hashlib
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -27,6 +34,95 @@ from typing import Any
 import torch
 
 DEFAULT_CHUNK_BYTES = 512 * 1024 * 1024
+
+# The floating dtypes a trainer holds its weights in; any of them may be pushed onto any of them (the server casts to
+# the parameter's dtype, e.g. a float32 trainer onto a bfloat16 server). Everything else must match exactly: float64
+# (a stray ``.double()``) and integer/bool tensors are refused onto floating weights instead of being silently cast.
+ALLOWED_CASTS: frozenset = frozenset({torch.float16, torch.bfloat16, torch.float32})
+
+_FINITE_CHECK_ELEMENTS = 1 << 24  # elements per slice in check_tensors' NaN/Inf scan (bounds its scratch memory)
+
+
+class WeightUpdateError(ValueError):
+    """A weight update the server refuses; ``tensor`` names the offending tensor (``None``: the update as a whole)."""
+
+    def __init__(self, message: str, tensor: str | None = None):
+        super().__init__(message)
+        self.tensor = tensor
+
+
+def chunk_digest(data: bytes) -> str:
+    """The hex SHA-256 of one chunk's bytes (what the client sends as ``chunk_digest`` and the server recomputes)."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def update_digest(chunk_digests: list[str]) -> str:
+    """The digest of a whole update: the hex SHA-256 of its chunks' hex digests joined in order."""
+    return hashlib.sha256("".join(chunk_digests).encode()).hexdigest()
+
+
+def weight_specs(model: torch.nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """``{name: (shape, dtype)}`` of every parameter (tied aliases included) and buffer a push may write."""
+    specs = {n: (tuple(p.shape), p.dtype) for n, p in model.named_parameters(remove_duplicate=False)}
+    specs.update({n: (tuple(b.shape), b.dtype) for n, b in model.named_buffers()})
+    return specs
+
+
+def _cast_refusal(name: str, source: torch.dtype, target: torch.dtype | None) -> str | None:
+    if source == target or (source in ALLOWED_CASTS and (target is None or target in ALLOWED_CASTS)):
+        return None
+    onto = f"the served model's {str(target).removeprefix('torch.')}" if target is not None else "floating weights"
+    return (
+        f"Weight {name!r} is {str(source).removeprefix('torch.')}, which is not cast onto {onto}: a push may convert "
+        "between float16, bfloat16 and float32 only (float64 and integer tensors are refused so that a stray "
+        ".double() or .long() cannot replace the weights). Convert it to the model's dtype before pushing."
+    )
+
+
+def _count_non_finite(tensor: torch.Tensor) -> int:
+    flat = tensor.reshape(-1)
+    bad = 0
+    for start in range(0, flat.numel(), _FINITE_CHECK_ELEMENTS):
+        part = flat[start : start + _FINITE_CHECK_ELEMENTS]
+        bad += int(part.numel() - torch.isfinite(part).sum().item())
+    return bad
+
+
+def check_tensors(
+    tensors: dict[str, torch.Tensor], specs: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None
+) -> None:
+    """Refuse (``WeightUpdateError`` naming the tensor) what a weight update must not apply.
+
+    With ``specs`` (``weight_specs(model)``): every name must exist and every shape must match. Always: the dtype
+    must be one of ``ALLOWED_CASTS`` or equal the target's (without ``specs``: one of ``ALLOWED_CASTS``), and a
+    floating tensor must hold no NaN or Inf (one would make every later generation fail).
+    """
+    for name, tensor in tensors.items():
+        target_dtype = None
+        if specs is not None:
+            if name not in specs:
+                close = difflib.get_close_matches(name, list(specs), n=3)
+                raise WeightUpdateError(
+                    f"Unknown weight name {name!r}: the served model has no such parameter"
+                    + (f" (similar: {close})." if close else "."),
+                    name,
+                )
+            shape, target_dtype = specs[name]
+            if tuple(shape) != tuple(tensor.shape):
+                raise WeightUpdateError(
+                    f"Weight {name!r} has shape {list(tensor.shape)} but the served model's is {list(shape)}.", name
+                )
+        refusal = _cast_refusal(name, tensor.dtype, target_dtype)
+        if refusal is not None:
+            raise WeightUpdateError(refusal, name)
+        if tensor.is_floating_point() or tensor.is_complex():
+            bad = _count_non_finite(tensor)
+            if bad:
+                raise WeightUpdateError(
+                    f"Weight {name!r} has {bad} NaN/Inf value(s) of {tensor.numel()}; the update is refused and the "
+                    "previous weights keep serving (check the trainer for a diverged step).",
+                    name,
+                )
 
 
 def clean_param_name(name: str, active_adapters: tuple[str, ...] = ("default",)) -> str | None:
@@ -156,24 +252,53 @@ def deserialize(data: bytes) -> dict[str, torch.Tensor]:
 def load_into(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> int:
     """Copy ``tensors`` into the model's parameters/buffers of the same name; returns how many were loaded.
 
-    Every name must exist and every shape must match (``ValueError`` naming the first offender, before anything is
-    copied). Values are cast to the parameter's dtype; a partial update (a subset of the names) is allowed.
+    Everything is checked first (``check_tensors``: names, shapes, allowed dtypes, finite values; a
+    ``WeightUpdateError`` names the first offender), so a refused update copies nothing. Values are cast to the
+    parameter's dtype within ``ALLOWED_CASTS``; a partial update (a subset of the names) is allowed.
     """
     targets = dict(model.named_parameters(remove_duplicate=False))  # tied aliases (lm_head.weight) accepted too
     targets.update(dict(model.named_buffers()))
-    for name, tensor in tensors.items():
-        if name not in targets:
-            close = difflib.get_close_matches(name, list(targets), n=3)
-            raise ValueError(
-                f"Unknown weight name {name!r}: the served model has no such parameter"
-                + (f" (similar: {close})." if close else ".")
-            )
-        if tuple(targets[name].shape) != tuple(tensor.shape):
-            raise ValueError(
-                f"Weight {name!r} has shape {list(tensor.shape)} but the served model's is {list(targets[name].shape)}."
-            )
+    check_tensors(tensors, {n: (tuple(t.shape), t.dtype) for n, t in targets.items()})
     with torch.no_grad():
         for name, tensor in tensors.items():
             target = targets[name]
             target.copy_(tensor.to(device=target.device, dtype=target.dtype))
     return len(tensors)
+
+
+# -- the post-sync probe ----------------------------------------------------------------------------------------------
+PROBE_PROMPT_LENGTH = 8
+PROBE_TOKENS = 4
+PROBE_SEED = 20_240_601
+
+
+def probe_prompt(vocab_size: int) -> list[int]:
+    """The fixed prompt of the post-sync probe: ``PROBE_PROMPT_LENGTH`` ids spread over the vocabulary."""
+    return [(17 + 7_919 * i) % int(vocab_size) for i in range(PROBE_PROMPT_LENGTH)]
+
+
+def probe_sequence(vocab_size: int) -> list[int]:
+    """A fixed probe sequence (``probe_prompt`` and ``PROBE_TOKENS`` fixed continuation ids) for servers that score
+    given tokens (``/get_sequence_logprobs/``), where the trainer's side is computed when the weights are
+    snapshotted (the async trainers upload in the background while training moves on)."""
+    return probe_prompt(vocab_size) + [(101 + 3_571 * i) % int(vocab_size) for i in range(PROBE_TOKENS)]
+
+
+@torch.no_grad()
+def probe_logprobs(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> list[float]:
+    """The trainer's log-probs of ``tokens`` following ``prompt`` (one full forward, eval mode, float32
+    log-softmax): what a server holding the same weights reports for them at temperature 1 with no filtering."""
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+        model = model.module  # DDP
+    if not tokens:
+        return []
+    device = next(model.parameters()).device
+    training = model.training
+    model.eval()
+    try:
+        ids = torch.tensor([list(prompt) + list(tokens)], dtype=torch.long, device=device)
+        logits = model(input_ids=ids, use_cache=False).logits[0, len(prompt) - 1 : -1].float()
+    finally:
+        model.train(training)
+    targets = torch.tensor(tokens, dtype=torch.long, device=logits.device)
+    return torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1).tolist()

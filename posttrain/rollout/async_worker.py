@@ -35,7 +35,10 @@ round, so a dropped snapshot only means the server skips that version. Resume st
 checkpoint): ``next_round`` (first round not yet consumed; dropped rounds count as consumed), ``weight_version``, ``dropped_stale_total``; on resume the checkpoint weights are
 pushed and a fresh worker starts at ``next_round`` (rounds in flight when the run stopped are regenerated). With
 ``weight_sync_timeout`` in the trainer's config a push that has not landed within that many seconds raises
-``TimeoutError`` naming the option (pushes otherwise use ``request_timeout`` per request).
+``TimeoutError`` naming the option (pushes otherwise use ``request_timeout`` per request). With
+``vllm_weight_sync_probe`` the trainer also computes the log-probs of a fixed probe sequence when it snapshots, and
+the uploader, once the push landed, has the server score the same sequence (``/get_sequence_logprobs/``) and raises
+``WeightSyncError`` when they differ by more than ``vllm_weight_sync_probe_atol``.
 """
 
 from __future__ import annotations
@@ -380,6 +383,8 @@ class AsyncRollout:
         self.trained_rounds: list[dict[str, int]] = []  # {"step", "round", "version", "staleness"} per trained round
         self.uploader: WeightUploader | None = None
         self.push_client: Any = None
+        self._probe_lock = threading.Lock()
+        self._probe_expected: dict[int, tuple[list[int], list[float]]] = {}  # version -> (sequence, log-probs)
         self.heartbeat: Any = None  # the worker's shared heartbeat clock
         self.worker_started = 0.0  # time.time() of the spawn (a starting worker has not beaten yet)
         trainer.add_callback(_WeightSyncCallback(self))
@@ -530,18 +535,51 @@ class AsyncRollout:
         if self.push_client is None:  # not connected yet: the worker's start pushes these weights
             return
         if self.uploader is None:
-            self.uploader = WeightUploader(self.push_client.load_weights)
+            self.uploader = WeightUploader(self._upload_and_probe)
         trainer = self.trainer
         start = time.perf_counter()
         step = trainer.state.global_step
         with policy_weights(trainer.accelerator.unwrap_model(trainer.model)) as items:
             chunks = list(serialize_chunks(items, self._server().chunk_bytes))
+        self._expect_probe(step)
         self.uploader.offer(chunks, step)
         trainer._last_synced_step = step
         trainer.record_metric("perf/weight_sync_s", time.perf_counter() - start, mode="train")
         trainer.record_metric("perf/weight_pushes_superseded_total", float(self.uploader.superseded), mode="train")
         if wait:
             self.join_push()
+
+    def _expect_probe(self, version: int) -> None:
+        """With ``vllm_weight_sync_probe``: the trainer's log-probs of the fixed probe sequence under the weights
+        being snapshotted, kept for the upload of ``version`` (the trainer moves on before it lands)."""
+        if not getattr(self.args, "vllm_weight_sync_probe", False):
+            return
+        from posttrain.generation.weights import PROBE_PROMPT_LENGTH, probe_logprobs, probe_sequence
+
+        model = self.trainer.accelerator.unwrap_model(self.trainer.model)
+        sequence = probe_sequence(int(model.config.vocab_size))
+        expected = probe_logprobs(model, sequence[:PROBE_PROMPT_LENGTH], sequence[PROBE_PROMPT_LENGTH:])
+        with self._probe_lock:
+            self._probe_expected = {v: e for v, e in self._probe_expected.items() if v > version - 8}
+            self._probe_expected[int(version)] = (sequence, expected)
+
+    def _upload_and_probe(self, chunks: list[bytes], version: int) -> int:
+        """The uploader's job: push ``chunks`` as ``version`` (digests and version checked by the client), then, with
+        ``vllm_weight_sync_probe``, have the server score the probe sequence and compare (``WeightSyncError``)."""
+        from posttrain.generation.vllm_server import check_probe
+        from posttrain.generation.weights import PROBE_PROMPT_LENGTH
+
+        server_version = self.push_client.load_weights(chunks, version)
+        with self._probe_lock:
+            probe = self._probe_expected.pop(int(version), None)
+        if probe is not None:
+            sequence, expected = probe
+            scored = self.push_client.get_sequence_logprobs([sequence], [PROBE_PROMPT_LENGTH], 0, 1.0)
+            server = [row[0] for row in scored["actual_logprobs"][0]]
+            check_probe(server, expected, float(getattr(self.args, "vllm_weight_sync_probe_atol", 0.02)),
+                        prompt=sequence[:PROBE_PROMPT_LENGTH], tokens=sequence[PROBE_PROMPT_LENGTH:],
+                        where=self.push_client.base_url, version=server_version)  # fmt: skip
+        return server_version
 
     def join_push(self, check_only: bool = False) -> None:
         """Wait for the upload in flight (or, ``check_only``, just look whether one failed) and raise its error; past

@@ -5,8 +5,10 @@ Endpoints (FastAPI on uvicorn):
 - ``POST /v1/completions`` — vLLM's completions request with token-id prompts (``prompt``: ids, a list of id lists,
   or text), ``n``, ``max_tokens`` (16), ``temperature`` (0 = greedy), ``top_p``, ``top_k`` (0/-1 = off), ``min_p``,
   ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``logprobs`` (0 = the sampled token's log-prob under
-  the processed sampling distribution, vLLM's ``processed_logprobs``; null = none), ``seed``,
-  ``return_token_ids``. Each choice (``index = prompt * n + j``) carries ``token_ids``, ``prompt_token_ids``,
+  the processed sampling distribution, vLLM's ``processed_logprobs``; N in 1..20 = that and, as vLLM returns it,
+  ``logprobs.top_logprobs``: per token a dict of the sampled token and the top-N, ``-9999.0`` for filtered-out
+  tokens; null = none), ``seed`` (0 <= seed < 2**64), ``return_token_ids``. A ``temperature`` below 1e-5 is served
+  as greedy (0). Each choice (``index = prompt * n + j``) carries ``token_ids``, ``prompt_token_ids``,
   ``text``, ``logprobs.token_logprobs`` and ``finish_reason`` (``"stop"``/``"length"``).
 - ``GET /health`` (and TRL's ``/health/``) — ``{"status": "ok", "server": "posttrain", "version": ...}``;
   ``GET /v1/models``; ``GET /get_world_size`` (and ``/get_world_size/``).
@@ -14,8 +16,12 @@ Endpoints (FastAPI on uvicorn):
   ids), ``prompt_lengths``, ``top_logprobs`` (K), ``temperature``; returns, per completion token, the top-K
   ``logprobs`` / ``logprob_token_ids`` and the ``actual_logprobs`` of the sequence's own tokens (posttrain engine).
 - ``POST /v1/load_weights`` — a safetensors payload as the body (see ``posttrain.generation.weights`` for why);
-  query ``update_id`` + ``last=false`` stage a chunk of a larger update, ``last=true`` (default) applies everything
-  staged for that ``update_id`` at once; ``version=N`` sets the new weight version (default: previous + 1).
+  query ``update_id`` + ``chunk`` (0, 1, ...) + ``last=false`` stage a chunk of a larger update, ``last=true``
+  (default) applies everything staged for that ``update_id`` at once; ``version=N`` sets the new weight version
+  (default: previous + 1). ``chunk_digest`` (SHA-256 of the body) and, on the last chunk, ``update_digest`` are
+  checked; every chunk is checked for names, shapes, dtypes and finite values before it is staged (``WeightStaging``:
+  a refused chunk discards its update, 400/409 with the reason, and the previous weights keep serving). The answer
+  echoes ``update_id``, the digests and the new ``version`` (with ``previous_version``).
 - TRL's ``trl vllm-serve`` API: ``POST /generate/`` (same sampling fields, TRL's response shape),
   ``/reset_prefix_cache/``, and ``/init_communicator/``, ``/update_named_param/``, ``/close_communicator/`` (NCCL
   weight broadcast: served by the vLLM engine; the posttrain engine answers 400 pointing at ``/v1/load_weights``).
@@ -29,7 +35,8 @@ Errors: a bad request gets a 400 in OpenAI's error shape, ``{"error": {"message"
 ``param`` and message name the field. At most ``max_queue_size`` requests are admitted (running or waiting); more
 get a 429 with ``Retry-After`` (backpressure; the client retries). A client that disconnects while its request
 waits has the request dropped before it runs; one that disconnects while it runs costs that one generation and
-nothing else. SIGTERM / Ctrl-C shut down gracefully: no new connections, in-flight requests finish (up to
+nothing else. A request body above ``max_request_bytes`` (16 MiB; weight pushes exempt) gets a 413 before it is
+parsed. SIGTERM / Ctrl-C shut down gracefully: no new connections, in-flight requests finish (up to
 ``graceful_timeout`` seconds), then the worker stops. A request still running or queued when ``graceful_timeout``
 runs out gets a 503 with ``Retry-After`` (``_ShutdownAs503``; uvicorn would answer a bare 500), so a client retries it
 on the next server inside its own deadline; the engine thread is then given ``graceful_timeout`` more to finish its
@@ -39,6 +46,7 @@ current job before the process exits without it.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -61,6 +69,13 @@ from posttrain.serving.engine import GenerationRequest, RequestError
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_QUEUE_SIZE = 64
+DEFAULT_MAX_REQUEST_BYTES = 16 * 1024 * 1024
+MAX_SEED = 2**64 - 1  # a sampling seed is an unsigned 64-bit integer (torch.Generator.manual_seed's range)
+# A temperature in (0, TEMPERATURE_FLOOR) is served as greedy (temperature 0): dividing logits by it overflows to
+# inf/NaN, and sampling at it is argmax up to exact ties anyway. Scoring (/get_sequence_logprobs/) refuses it.
+TEMPERATURE_FLOOR = 1e-5
+MAX_LOGPROBS = 20  # most top log-probs per token (vLLM's default --max-logprobs)
+LOGPROB_FLOOR = -9999.0  # what -inf (a token the warpers filtered out) is reported as, as vLLM and OpenAI do
 
 
 # -- request bodies -------------------------------------------------------------------------------------------------
@@ -73,15 +88,15 @@ class CompletionBody(BaseModel):
     prompt: list[list[int]] | list[int] | list[str] | str
     n: int = Field(1, ge=1, le=4096)
     max_tokens: int | None = Field(16, ge=1)
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    temperature: float = Field(1.0, ge=0.0, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = Field(0, ge=-1)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(1.0, gt=0.0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)
+    repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False)
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = Field(None, ge=0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
     return_token_ids: bool | None = None
     skip_special_tokens: bool = True
     stream: bool = False
@@ -98,7 +113,7 @@ class SequenceLogprobsBody(BaseModel):
     sequences: list[list[int]]
     prompt_lengths: list[int]
     top_logprobs: int = Field(1, ge=0)
-    temperature: float = Field(1.0, gt=0)
+    temperature: float = Field(1.0, ge=TEMPERATURE_FLOOR, allow_inf_nan=False)
 
 
 class TRLGenerateBody(BaseModel):
@@ -109,11 +124,11 @@ class TRLGenerateBody(BaseModel):
     prompts: list[list[int]] | list[str]
     images: list[Any] | None = None
     n: int = Field(1, ge=1, le=4096)
-    repetition_penalty: float = Field(1.0, gt=0.0)
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False)
+    temperature: float = Field(1.0, ge=0.0, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = Field(0, ge=-1)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)
     max_tokens: int = Field(16, ge=1)
     logprobs: int | None = Field(0, ge=0)
     structured_outputs_regex: str | None = None
@@ -182,6 +197,71 @@ class _ShutdownAs503:
             await send({"type": "http.response.body", "body": body})
 
 
+class BodySizeLimit:
+    """ASGI middleware: a request body above ``max_bytes`` gets 413 before any of it is parsed.
+
+    A ``Content-Length`` over the limit is refused before the body is read; a body without one (chunked) is counted
+    as it streams and refused as soon as it passes the limit, so an oversized JSON prompt never reaches the JSON
+    parser (whose Python objects cost ~70 times the body's bytes). ``exempt`` paths (the weight pushes, bounded by
+    the client's ``chunk_bytes``) are passed through unread.
+    """
+
+    def __init__(self, app: Any, max_bytes: int, exempt: tuple[str, ...] = ("/v1/load_weights",)):
+        if max_bytes < 1:
+            raise ValueError(f"max_request_bytes must be >= 1 (or None for no limit), got {max_bytes}.")
+        self.app, self.max_bytes, self.exempt = app, int(max_bytes), exempt
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http" or scope.get("path") in self.exempt:
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await self._refuse(scope, send, int(length))
+            return
+        parts, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left: let the app see it
+                first = message
+                break
+            body = message.get("body", b"")
+            size += len(body)
+            if size > self.max_bytes:
+                await self._refuse(scope, send, None)
+                return
+            parts.append(body)
+            if not message.get("more_body", False):
+                first = {"type": "http.request", "body": b"".join(parts), "more_body": False}
+                break
+        sent = False
+
+        async def replay() -> dict:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return first
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope: dict, send: Callable, length: int | None) -> None:
+        got = f"{length} bytes" if length is not None else f"more than {self.max_bytes} bytes"
+        response = error_response(
+            413,
+            f"The request body ({got}) is larger than this server's limit of {self.max_bytes} bytes; send fewer or "
+            "shorter prompts per request, or restart the server with a larger --max_request_bytes.",
+            "body",
+            "RequestTooLarge",
+        )
+        response.headers["Connection"] = "close"
+
+        async def no_body() -> dict:
+            return {"type": "http.disconnect"}
+
+        await response(scope, no_body, send)
+
+
 # -- server state ---------------------------------------------------------------------------------------------------
 class _Job:
     """A unit of work for the engine thread; ``gen`` marks a generation that may share a batch with others."""
@@ -200,7 +280,129 @@ def _batch_key(request: GenerationRequest) -> tuple | None:
     if request.seed is not None or request.extra or request.structured_outputs_regex is not None:
         return None
     return (request.n, request.max_tokens, request.temperature, request.top_p, request.top_k, request.min_p,
-            request.repetition_penalty, tuple(request.stop_token_ids), request.ignore_eos, request.logprobs)  # fmt: skip
+            request.repetition_penalty, tuple(request.stop_token_ids), request.ignore_eos, request.logprobs,
+            request.top_logprobs)  # fmt: skip
+
+
+@dataclasses.dataclass
+class _StagedUpdate:
+    """The chunks of one weight update received so far (checked, not yet applied)."""
+
+    update_id: str
+    tensors: dict[str, Any] = dataclasses.field(default_factory=dict)
+    digests: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def chunks(self) -> int:
+        return len(self.digests)
+
+
+class WeightUpdateConflict(RequestError):
+    """A chunk that does not continue the update being staged (answered 409)."""
+
+
+class WeightStaging:
+    """Which weight update is being staged, and which were applied or aborted (bounded memories of both).
+
+    One update is staged at a time. Its chunks must arrive in order (``chunk`` = 0, 1, ...); a chunk 0 of a *new*
+    ``update_id`` aborts a half-staged one (its writer gave up, or a second writer started), and every later chunk of
+    an aborted update is refused with 409, so two interleaved updates can never be applied as a mixture: at most the
+    one that started last is applied, whole. A chunk sent again with the same index and digest (a client retry after
+    a lost answer) is answered as the first time, and so is a finished update's last chunk.
+    """
+
+    MEMORY = 64
+
+    def __init__(self) -> None:
+        self.current: _StagedUpdate | None = None
+        self._aborted: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self._applied: collections.OrderedDict[str, dict[str, Any]] = collections.OrderedDict()
+        self.applying: dict[str, asyncio.Future] = {}  # updates handed to the engine, by id: their answer to come
+        self._last_digest: dict[str, str] = {}
+
+    @staticmethod
+    def _remember(memory: collections.OrderedDict, key: str, value: Any) -> None:
+        memory[key] = value
+        while len(memory) > WeightStaging.MEMORY:
+            memory.popitem(last=False)
+
+    def abort(self, update_id: str, reason: str) -> None:
+        """Discard ``update_id`` (staged chunks dropped); its later chunks get 409 naming ``reason``."""
+        if self.current is not None and self.current.update_id == update_id:
+            self.current = None
+        self._remember(self._aborted, update_id, reason)
+
+    def finished(self, update_id: str, last: bool, digest: str | None) -> dict[str, Any] | None:
+        """The earlier answer to a repeated last chunk of an applied update; 409 for chunks of a finished one."""
+        if update_id in self._aborted:
+            raise WeightUpdateConflict(
+                "update_id",
+                f"Weight update {update_id!r} was aborted ({self._aborted[update_id]}); nothing of it is applied. "
+                "Push the weights again under a new update_id.",
+            )
+        if update_id in self._applied:
+            result = self._applied[update_id]
+            if last and (digest is None or digest.lower() == result["digest"]):
+                return result
+            raise WeightUpdateConflict(
+                "update_id", f"Weight update {update_id!r} was applied already; push new weights under a new update_id."
+            )
+        return None
+
+    def stage(self, update_id: str, chunk: int | None, digest: str, tensors: dict[str, Any]) -> _StagedUpdate:
+        """Add a checked chunk to ``update_id`` (``WeightUpdateConflict`` when it does not continue it)."""
+        current = self.current
+        if current is not None and current.update_id == update_id:
+            index = current.chunks if chunk is None else chunk
+            if index == current.chunks - 1 and current.digests[-1] == digest:
+                return current  # the same chunk again: a retry
+            if index != current.chunks:
+                self.abort(update_id, f"chunk {index} arrived where chunk {current.chunks} was expected")
+                raise WeightUpdateConflict(
+                    "chunk",
+                    f"Weight update {update_id!r}: chunk {index} arrived where chunk {current.chunks} was expected; "
+                    "the update is discarded (nothing applied). Push it again from chunk 0 under a new update_id.",
+                )
+        else:
+            index = 0 if chunk is None else chunk
+            if index != 0:
+                raise WeightUpdateConflict(
+                    "chunk",
+                    f"Weight update {update_id!r}: chunk {index} arrived but the server holds no earlier chunk of it "
+                    "(the server restarted, or another update superseded it). Push it again from chunk 0.",
+                )
+            if current is not None:
+                logger.warning("Weight update %s aborted after %d chunk(s): update %s started.",
+                               current.update_id, current.chunks, update_id)  # fmt: skip
+                self.abort(current.update_id, f"superseded by weight update {update_id!r} before its last chunk")
+            current = self.current = _StagedUpdate(update_id)
+        twice = sorted(set(tensors) & set(current.tensors))
+        if twice:
+            self.abort(update_id, f"tensor {twice[0]!r} was sent twice")
+            raise RequestError("body", f"Weight update {update_id!r} sends {twice[0]!r} twice; it is discarded.")
+        current.tensors.update(tensors)
+        current.digests.append(digest)
+        return current
+
+    def take(self, update_id: str) -> None:
+        """The staged update is complete: stop staging it (the caller applies it and registers its answer in
+        ``applying`` until it is known)."""
+        if self.current is not None and self.current.update_id == update_id:
+            self._last_digest[update_id] = self.current.digests[-1]
+            self.current = None
+
+    def last_digest(self, update_id: str) -> str | None:
+        """The digest of the last chunk of an update being applied."""
+        return self._last_digest.get(update_id)
+
+    def settled(self, update_id: str) -> None:
+        """The update handed to the engine has its answer (applied or failed)."""
+        self.applying.pop(update_id, None)
+        self._last_digest.pop(update_id, None)
+
+    def applied(self, update_id: str, result: dict[str, Any]) -> None:
+        self.settled(update_id)
+        self._remember(self._applied, update_id, result)
 
 
 class ServerState:
@@ -226,8 +428,7 @@ class ServerState:
         self.pending = 0
         self.stats = {"completed": 0, "dropped_disconnected": 0, "rejected_busy": 0, "weight_updates": 0,
                       "engine_calls": 0}  # fmt: skip
-        self.staged_id: str | None = None
-        self.staged: dict[str, Any] = {}
+        self.weights = WeightStaging()
         self.nccl_params_since_version = False
 
     def admit(self) -> bool:
@@ -361,15 +562,33 @@ def _token_prompts(engine: Any, prompt: Any) -> list[list[int]]:
     return out
 
 
+def _top_logprobs(seq: Any) -> list[dict[str, float]]:
+    """Per token, vLLM's ``top_logprobs`` entry: the sampled token first, then the top-N by decreasing log-prob
+    (N or N + 1 entries: the sampled token appears once), keyed ``token_id:<id>`` like ``tokens``."""
+    out = []
+    for token, lp, top in zip(seq.token_ids, seq.logprobs, seq.top_logprobs or []):
+        entry = {f"token_id:{token}": max(lp, LOGPROB_FLOOR)}
+        for t, v in top:
+            entry.setdefault(f"token_id:{t}", max(v, LOGPROB_FLOOR))
+        out.append(entry)
+    return out
+
+
+def _temperature(value: float) -> float:
+    """The temperature a request is served with: below ``TEMPERATURE_FLOOR`` it is greedy (0)."""
+    return 0.0 if value < TEMPERATURE_FLOOR else value
+
+
 def completion_request(engine: Any, body: CompletionBody) -> GenerationRequest:
     if body.stream:
         raise RequestError("stream", "stream=true is not supported; send stream=false (the default).")
     if body.echo:
         raise RequestError("echo", "echo=true is not supported; the prompt ids are returned in prompt_token_ids.")
-    if body.logprobs not in (None, 0):
+    if body.logprobs is not None and body.logprobs > MAX_LOGPROBS:
         raise RequestError(
-            "logprobs", f"logprobs={body.logprobs} is not supported: use 0 (the sampled token's log-prob) or null."
-        )
+            "logprobs", f"logprobs={body.logprobs} is more than this server returns ({MAX_LOGPROBS}, vLLM's default "
+            "--max-logprobs); ask for fewer top log-probs per token.",
+        )  # fmt: skip
     if body.model is not None and body.model != engine.model_name:
         raise RequestError("model", f"The model {body.model!r} is not served here; this server serves {engine.model_name!r}.")
     regex = None
@@ -382,7 +601,7 @@ def completion_request(engine: Any, body: CompletionBody) -> GenerationRequest:
         prompts=_token_prompts(engine, body.prompt),
         n=body.n,
         max_tokens=body.max_tokens or 16,
-        temperature=body.temperature,
+        temperature=_temperature(body.temperature),
         top_p=body.top_p,
         top_k=body.top_k,
         min_p=body.min_p,
@@ -390,6 +609,7 @@ def completion_request(engine: Any, body: CompletionBody) -> GenerationRequest:
         stop_token_ids=list(body.stop_token_ids or []),
         ignore_eos=body.ignore_eos,
         logprobs=body.logprobs is not None,
+        top_logprobs=body.logprobs or 0,
         seed=body.seed,
         structured_outputs_regex=regex,
     )
@@ -402,11 +622,13 @@ def trl_request(engine: Any, body: TRLGenerateBody) -> GenerationRequest:
         raise RequestError("logprobs", f"logprobs={body.logprobs} is not supported: use 0 (sampled token only).")
     extra = dict(body.generation_kwargs)
     seed = extra.pop("seed", None)
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED):
+        raise RequestError("seed", f"generation_kwargs.seed must be an integer in [0, 2**64 - 1], got {seed!r}.")
     return GenerationRequest(
         prompts=_token_prompts(engine, body.prompts),
         n=body.n,
         max_tokens=body.max_tokens,
-        temperature=body.temperature,
+        temperature=_temperature(body.temperature),
         top_p=body.top_p,
         top_k=body.top_k,
         min_p=body.min_p,
@@ -420,10 +642,14 @@ def trl_request(engine: Any, body: TRLGenerateBody) -> GenerationRequest:
 
 # -- the app --------------------------------------------------------------------------------------------------------
 def create_app(
-    engine: Any, *, max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE, version: int = 0, graceful_timeout: float = 30.0
-) -> FastAPI:
+    engine: Any, *, max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE, version: int = 0, graceful_timeout: float = 30.0,
+    max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES,
+) -> FastAPI:  # fmt: skip
     """The FastAPI application serving ``engine`` (see the module docstring); ``graceful_timeout`` bounds the wait
-    for the engine's last job at shutdown."""
+    for the engine's last job at shutdown; ``max_request_bytes`` bounds every request body but the weight pushes'
+    (413 above it, ``None`` = no limit)."""
+    if max_request_bytes is not None and max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes must be >= 1 (or None for no limit), got {max_request_bytes}.")
     state = ServerState(engine, max_queue_size, version)
 
     @contextlib.asynccontextmanager
@@ -438,6 +664,8 @@ def create_app(
     app = FastAPI(title="posttrain generation server", lifespan=lifespan, redirect_slashes=False)
     app.state.server = state
     app.add_middleware(_ShutdownAs503)
+    if max_request_bytes is not None:
+        app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, err: RequestValidationError):
@@ -446,6 +674,8 @@ def create_app(
 
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, err: RequestError):
+        if isinstance(err, WeightUpdateConflict):
+            return error_response(409, str(err), err.param, "ConflictError")
         return error_response(400, str(err), err.param)
 
     def busy() -> JSONResponse:
@@ -508,7 +738,7 @@ def create_app(
                     logprobs = {
                         "token_logprobs": seq.logprobs,
                         "tokens": [f"token_id:{t}" for t in seq.token_ids],
-                        "top_logprobs": None,
+                        "top_logprobs": _top_logprobs(seq) if gen.top_logprobs else None,
                         "text_offset": None,
                     }
                 choices.append(
@@ -580,37 +810,94 @@ def create_app(
         return JSONResponse({**scored, "version": version})
 
     @app.post("/v1/load_weights")
-    async def load_weights(request: Request, update_id: str | None = None, last: bool = True, version: int | None = None):
-        from posttrain.generation.weights import deserialize
+    async def load_weights(
+        request: Request, update_id: str | None = None, last: bool = True, version: int | None = None,
+        chunk: int | None = None, chunk_digest: str | None = None, update_digest: str | None = None,
+    ):  # fmt: skip
+        """Stage one chunk of a weight update and, on ``last``, apply the whole update at once (see
+        ``WeightStaging``): every chunk is checked (digest, names, shapes, dtypes, finite values) before it is
+        staged, and any failure discards the update and keeps the current weights serving."""
+        from posttrain.generation import weights as W
 
+        if update_id is None and not last:
+            raise RequestError("update_id", "A chunked weight update (last=false) needs an update_id.")
+        uid = update_id or f"_single-{uuid.uuid4().hex}"
         body = await request.body()
         if not body:
             raise RequestError("body", "The request body is empty; send a safetensors payload of named tensors.")
+        done = state.weights.finished(uid, last, update_digest)
+        if done is not None:
+            return done
+        digest = await run_in_threadpool(W.chunk_digest, body)
+        if chunk_digest is not None and chunk_digest.lower() != digest:
+            state.weights.abort(uid, "a chunk's digest did not match its bytes")
+            raise RequestError(
+                "chunk_digest",
+                f"Chunk {chunk if chunk is not None else 0} of weight update {uid!r} is corrupted: its bytes hash to "
+                f"{digest} but the client sent chunk_digest={chunk_digest}. The update is discarded and the previous "
+                "weights keep serving; push it again.",
+            )
+
+        def parse() -> dict[str, Any]:
+            tensors = W.deserialize(body)
+            specs = engine.weight_specs() if hasattr(engine, "weight_specs") else None
+            W.check_tensors(tensors, specs)
+            return tensors
+
         try:
-            tensors = await run_in_threadpool(deserialize, body)
-        except ValueError as err:
-            raise RequestError("body", str(err)) from err
-        uid = update_id or "_single"
-        if state.staged_id != uid:  # a new update discards an unfinished earlier one (its client gave up)
-            state.staged_id, state.staged = uid, {}
-        state.staged.update(tensors)
+            tensors = await run_in_threadpool(parse)
+        except ValueError as err:  # WeightUpdateError and malformed payloads
+            state.weights.abort(uid, str(err))
+            raise RequestError("body", f"{err} Weight update {uid!r} is discarded; the previous weights keep serving.") from err
+        # No await from here to the hand-over below: staging decisions see one consistent state.
+        applying = state.weights.applying.get(uid)
+        if applying is not None and last and digest == state.weights.last_digest(uid):
+            return await asyncio.shield(applying)  # a repeat of a last chunk being applied: the same answer
+        done = state.weights.finished(uid, last, update_digest)
+        if done is not None:
+            return done
+        staged = state.weights.stage(uid, chunk, digest, tensors)
         if not last:
-            return {"version": state.version, "staged": len(state.staged), "applied": False}
-        staged, state.staged_id, state.staged = state.staged, None, {}
-        if not state.admit():
+            return {"version": state.version, "staged": len(staged.tensors), "applied": False, "update_id": uid,
+                    "chunk": staged.chunks - 1, "chunk_digest": digest}  # fmt: skip
+        whole = W.update_digest(staged.digests)
+        if update_digest is not None and update_digest.lower() != whole:
+            state.weights.abort(uid, "the update digest did not match its chunks")
+            raise RequestError(
+                "update_digest",
+                f"Weight update {uid!r} does not match its digest: its {staged.chunks} chunk(s) hash to {whole} but "
+                f"the client sent update_digest={update_digest}. Nothing was applied; push it again.",
+            )
+        if not state.admit():  # staging kept: the client's retry of this last chunk counts as a repeat
             return busy()
+        state.weights.take(uid)
+        answer: asyncio.Future = asyncio.get_running_loop().create_future()
+        state.weights.applying[uid] = answer
 
-        def apply() -> int:
-            count = engine.load_weights(staged)
-            state.version = version if version is not None else state.version + 1
+        def apply() -> dict[str, Any]:
+            count = engine.load_weights(staged.tensors)
+            previous = state.version
+            state.version = version if version is not None else previous + 1
             state.count("weight_updates")
-            return count
+            return {"version": state.version, "previous_version": previous, "loaded": count, "applied": True,
+                    "update_id": uid, "chunks": staged.chunks, "digest": whole}  # fmt: skip
 
         try:
-            count = await state.run(None, apply)
-        except ValueError as err:
-            raise RequestError("body", str(err)) from err
-        return {"version": state.version, "loaded": count, "applied": True}
+            result = await state.run(None, apply)
+        except BaseException as err:
+            state.weights.settled(uid)
+            if isinstance(err, ValueError):
+                state.weights.abort(uid, str(err))
+                err = RequestError("body", f"{err} Nothing was applied; the previous weights keep serving.")
+            if isinstance(err, asyncio.CancelledError):
+                answer.cancel()
+            else:
+                answer.set_exception(err)
+                answer.exception()  # retrieved: a repeat of this chunk may never come to await it
+            raise err
+        state.weights.applied(uid, result)
+        answer.set_result(result)
+        return result
 
     @app.post("/reset_prefix_cache/")
     async def reset_prefix_cache():
@@ -681,11 +968,14 @@ def run_server(
     log_level: str = "info",
     max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE,
     graceful_timeout: float = 30.0,
+    max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES,
 ) -> None:
     """Serve ``engine`` until SIGTERM/SIGINT (uvicorn's graceful shutdown)."""
     import uvicorn
 
-    app = create_app(engine, max_queue_size=max_queue_size, graceful_timeout=graceful_timeout)
+    app = create_app(
+        engine, max_queue_size=max_queue_size, graceful_timeout=graceful_timeout, max_request_bytes=max_request_bytes
+    )
     uvicorn.Server(uvicorn_config(app, host, port, log_level, graceful_timeout)).run()
 
 
@@ -700,8 +990,10 @@ class ServerInThread:
     def __init__(
         self, engine: Any, host: str = "127.0.0.1", port: int = 0, *, max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE,
         startup_timeout: float = 30.0, log_level: str = "warning", graceful_timeout: float = 10.0,
+        max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES,
     ) -> None:  # fmt: skip
         self.engine, self.host, self.port = engine, host, port
+        self.max_request_bytes = max_request_bytes
         self.max_queue_size, self.startup_timeout = max_queue_size, startup_timeout
         self.log_level, self.graceful_timeout = log_level, graceful_timeout
         self.url: str | None = None
@@ -713,7 +1005,10 @@ class ServerInThread:
 
         if self._thread is not None:
             raise RuntimeError("This server was started already; call serve_in_thread(...) again for another one.")
-        app = create_app(self.engine, max_queue_size=self.max_queue_size, graceful_timeout=self.graceful_timeout)
+        app = create_app(
+            self.engine, max_queue_size=self.max_queue_size, graceful_timeout=self.graceful_timeout,
+            max_request_bytes=self.max_request_bytes,
+        )  # fmt: skip
         config = uvicorn_config(app, self.host, self.port, self.log_level, graceful_timeout=self.graceful_timeout)
         server = uvicorn.Server(config)
         server.install_signal_handlers = lambda: None  # older uvicorn; newer ones skip it off the main thread
@@ -750,6 +1045,7 @@ class ServerInThread:
 def serve_in_thread(
     engine: Any, host: str = "127.0.0.1", port: int = 0, *, max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE,
     startup_timeout: float = 30.0, log_level: str = "warning", graceful_timeout: float = 10.0,
+    max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES,
 ) -> ServerInThread:  # fmt: skip
     """Run the server in a background thread (tests, notebooks): ``with serve_in_thread(engine) as url:`` gives its
     base URL and always stops it.
@@ -760,5 +1056,5 @@ def serve_in_thread(
     """
     return ServerInThread(
         engine, host, port, max_queue_size=max_queue_size, startup_timeout=startup_timeout, log_level=log_level,
-        graceful_timeout=graceful_timeout,
+        graceful_timeout=graceful_timeout, max_request_bytes=max_request_bytes,
     )  # fmt: skip

@@ -12,6 +12,7 @@ from posttrain.generation.client import (
     ServerError,
     ServerRequestError,
     ServerUnavailableError,
+    WeightSyncError,
     completion_payload,
     parse_completions,
 )
@@ -23,6 +24,7 @@ __all__ = [
     "ServerError",
     "ServerRequestError",
     "ServerUnavailableError",
+    "WeightSyncError",
     "completion_payload",
     "parse_completions",
 ]

@@ -3,7 +3,8 @@
 ``GenerationRequest`` is what ``/v1/completions`` (and TRL's ``/generate/``) asks for, already validated and with
 token-id prompts. An engine implements ``check(request)`` (raise ``RequestError`` naming the field it cannot serve),
 ``generate(request) -> [[GeneratedSequence] * n per prompt]``, ``load_weights({name: tensor})`` and the attributes
-``name``, ``model_name``, ``max_model_len``, ``world_size``. Engines are called from one worker thread at a time
+``name``, ``model_name``, ``max_model_len``, ``world_size``; optionally ``weight_specs() -> {name: (shape, dtype)}``
+(the server then checks pushed names and shapes before staging; without it, dtypes and finiteness only). Engines are called from one worker thread at a time
 (the server serialises requests and weight loads), so they need no locking of their own.
 
 ``PosttrainEngine`` is posttrain's group sampler (``GroupSampler``: one prefill per prompt, its KV cache expanded
@@ -38,7 +39,8 @@ class GenerationRequest:
     """What to generate, in vLLM ``SamplingParams`` terms (``top_k`` 0 and ``min_p`` 0 = off).
 
     ``stop_token_ids`` end a completion in addition to the tokenizer's EOS (unless ``ignore_eos``); the stop token is
-    kept as the completion's last token, as vLLM's ``token_ids`` keep it. ``structured_outputs_regex`` and ``extra``
+    kept as the completion's last token, as vLLM's ``token_ids`` keep it. ``top_logprobs`` (with ``logprobs``) asks
+    for each step's most likely tokens too (vLLM's ``logprobs=N``). ``structured_outputs_regex`` and ``extra``
     (more ``SamplingParams`` fields) are served by the vLLM engine only.
     """
 
@@ -53,6 +55,7 @@ class GenerationRequest:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: bool = True
+    top_logprobs: int = 0
     seed: int | None = None
     structured_outputs_regex: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -60,12 +63,14 @@ class GenerationRequest:
 
 @dataclass
 class GeneratedSequence:
-    """One completion: its ids (stop token kept), per-token processed sampling log-probs, why it ended."""
+    """One completion: its ids (stop token kept), per-token processed sampling log-probs, why it ended, and (when
+    asked) each step's top log-probs as ``(token id, log-prob)`` pairs by decreasing log-prob."""
 
     token_ids: list[int]
     logprobs: list[float] | None
     finish_reason: str  # "stop" | "length"
     stop_reason: int | None = None  # the stop_token_id that ended it (None for EOS / length), as vLLM
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -187,8 +192,9 @@ class PosttrainEngine:
         if request.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(request.seed)
         sampler = GroupSampler(
-            self.model, return_logprobs=request.logprobs, max_batch_tokens=self.max_batch_tokens, generator=generator
-        )
+            self.model, return_logprobs=request.logprobs, max_batch_tokens=self.max_batch_tokens, generator=generator,
+            top_logprobs=request.top_logprobs if request.logprobs else 0,
+        )  # fmt: skip
         out = sampler.generate(request.prompts, sampling, request.n)
         stop_set = set(stops)
         results: list[list[GeneratedSequence]] = []
@@ -204,6 +210,7 @@ class PosttrainEngine:
                         out.logprobs[r] if out.logprobs is not None else None,
                         "stop" if out.finished[r] else "length",
                         stop_reason,
+                        sampler.last_top_logprobs[r] if sampler.last_top_logprobs is not None else None,
                     )
                 )
             results.append(group)
@@ -233,6 +240,11 @@ class PosttrainEngine:
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 raise RequestError("sequences", f"sequences[{i}] has token ids outside [0, {vocab}): {bad[:5]}.")
+            if self.max_model_len is not None and len(ids) > self.max_model_len:
+                raise RequestError(
+                    "sequences",
+                    f"sequences[{i}] has {len(ids)} tokens, more than the model's context length {self.max_model_len}.",
+                )
         out: dict[str, list] = {"logprobs": [], "logprob_token_ids": [], "actual_logprobs": []}
         if not sequences:
             return out
@@ -256,7 +268,14 @@ class PosttrainEngine:
             out["logprob_token_ids"].append(top.indices.tolist() if top is not None else [[] for _ in ids[p:]])
         return out
 
+    def weight_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """``{name: (shape, dtype)}`` a weight update may write: the server checks every staged chunk against it."""
+        from posttrain.generation.weights import weight_specs
+
+        return weight_specs(self.model)
+
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> int:
+        """Copy a verified update into the model (``load_into`` checks everything again before copying anything)."""
         from posttrain.generation.weights import load_into
 
         return load_into(self.model, tensors)

@@ -92,7 +92,7 @@ class VLLMEngine:
             n=request.n, max_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p,
             top_k=request.top_k if request.top_k > 0 else -1, min_p=request.min_p,
             repetition_penalty=request.repetition_penalty, stop_token_ids=list(request.stop_token_ids) or None,
-            ignore_eos=request.ignore_eos, logprobs=0 if request.logprobs else None, seed=request.seed,
+            ignore_eos=request.ignore_eos, logprobs=request.top_logprobs if request.logprobs else None, seed=request.seed,
         )  # fmt: skip
         if request.structured_outputs_regex is not None:
             try:
@@ -115,11 +115,19 @@ class VLLMEngine:
             group = []
             for c in out.outputs:
                 ids = list(c.token_ids)
-                lps = None
+                lps = tops = None
                 if request.logprobs and c.logprobs is not None:
                     lps = [float(step[t].logprob) for step, t in zip(c.logprobs, ids)]
+                    if request.top_logprobs:  # vLLM's step dicts: the sampled token and the top-N, with ranks
+                        tops = [
+                            sorted(((int(t), float(lp.logprob)) for t, lp in step.items()
+                                    if lp.rank is not None and lp.rank <= request.top_logprobs),
+                                   key=lambda x: -x[1])
+                            for step in c.logprobs
+                        ]  # fmt: skip
                 reason = "length" if c.finish_reason == "length" else "stop"
-                group.append(GeneratedSequence(ids, lps, reason, c.stop_reason if isinstance(c.stop_reason, int) else None))
+                stop = c.stop_reason if isinstance(c.stop_reason, int) else None
+                group.append(GeneratedSequence(ids, lps, reason, stop, tops))
             results.append(group)
         return results
 

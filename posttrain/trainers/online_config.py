@@ -159,6 +159,18 @@ class OnlineRLConfig(BaseConfig):
     vllm_max_model_length: int | None = field(default=None, metadata={"help": "Colocate: context window."})
     vllm_tensor_parallel_size: int = field(default=1, metadata={"help": "Colocate: tensor parallel size."})
     vllm_enable_sleep_mode: bool = field(default=False, metadata={"help": "Colocate: sleep between rollouts."})
+    vllm_weight_sync_probe: bool = field(
+        default=False,
+        metadata={
+            "help": "Server mode: after every weight push, sample a few fixed-prompt tokens on the server and compare "
+            "their log-probs with the trainer's; a difference above vllm_weight_sync_probe_atol raises "
+            "WeightSyncError (the server is not serving the pushed weights). Costs one short request and forward."
+        },
+    )
+    vllm_weight_sync_probe_atol: float = field(
+        default=0.02,
+        metadata={"help": "Largest |server - trainer| log-prob difference the probe accepts (raise it for a bf16 server)."},
+    )
     # -- training ------------------------------------------------------------------------------------------------
     beta: float = field(
         default=0.0, metadata={"help": "KL coefficient. 0.0 loads no reference model (less memory, faster)."}

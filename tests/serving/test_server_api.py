@@ -88,7 +88,7 @@ def test_stop_token_ids(client):
         ({"prompt": [1, 2], "n": 0}, "n"),
         ({"prompt": [1, 2], "max_tokens": 0}, "max_tokens"),
         ({"prompt": [1, 2], "bogus_field": 1}, "bogus_field"),
-        ({"prompt": [1, 2], "logprobs": 5}, "logprobs"),
+        ({"prompt": [1, 2], "logprobs": 21}, "logprobs"),
         ({"prompt": [1, 2], "stream": True}, "stream"),
         ({"prompt": [1, 2], "model": "other"}, "model"),
         ({"prompt": [1, 2], "structured_outputs": {"regex": "a+"}}, "structured_outputs"),
