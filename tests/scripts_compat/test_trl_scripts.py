@@ -120,8 +120,11 @@ def _gsm8k_rows(n: int) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def gsm8k_dir(tmp_path_factory) -> Path:
+    # grpo_continuous_batching.py loads `dataset_config or "main"` (gsm8k's config name).
     rows = _gsm8k_rows(12)
-    return Path(h.write_dataset(tmp_path_factory.mktemp("gsm8k"), {"train": rows[:8], "test": rows[8:]}))
+    return Path(
+        h.write_dataset(tmp_path_factory.mktemp("gsm8k"), {"train": rows[:8], "test": rows[8:]}, config_name="main")
+    )
 
 
 def _params():
