@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from script_sources import FETCH_HINT, SOURCES, source_dir
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import script_harness as h
 
-
 # A 2-step run: tiny batches, short sequences, no checkpoints, no trackers.
 BUDGET = [
     "--max_steps", "2",
