@@ -63,7 +63,10 @@ def copy_rewritten(src: Path, dest: Path) -> Path:
     return dest
 
 
-def script_env(extra_pythonpath: list[str] | None = None) -> dict[str, str]:
+def script_env(cache_dir: Path, extra_pythonpath: list[str] | None = None) -> dict[str, str]:
+    """The environment of a script run: offline, CPU-only, single-threaded, no trackers, and a private datasets
+    cache (``datasets`` keys local JSON builds by file name and content fingerprint; a shared cache could hand one
+    run another's build)."""
     env = dict(os.environ)
     paths = [str(REPO_ROOT), *(extra_pythonpath or [])]
     if env.get("PYTHONPATH"):
@@ -82,6 +85,7 @@ def script_env(extra_pythonpath: list[str] | None = None) -> dict[str, str]:
         OMP_NUM_THREADS="1",
         MKL_NUM_THREADS="1",
         PYTHONWARNINGS="ignore::FutureWarning",
+        HF_DATASETS_CACHE=str(cache_dir),
     )
     return env
 
@@ -97,7 +101,7 @@ def run_script(
     proc = subprocess.run(
         [sys.executable, str(script), *map(str, args)],
         cwd=cwd,
-        env=script_env(extra_pythonpath),
+        env=script_env(Path(cwd) / ".datasets-cache", extra_pythonpath),
         capture_output=True,
         text=True,
         timeout=timeout,
