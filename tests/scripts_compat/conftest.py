@@ -20,6 +20,7 @@ def datasets_dir(tmp_path_factory) -> Path:
         "prompts": h.prompt_rows,
         "stepwise": h.stepwise_rows,
         "problems": h.problem_rows,
+        "golden": h.golden_response_rows,
     }
     for name, rows in kinds.items():
         all_rows = rows(12)

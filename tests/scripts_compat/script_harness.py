@@ -216,3 +216,8 @@ def problem_rows(n: int) -> list[dict]:
         }
         for i in range(n)
     ]
+
+
+def golden_response_rows(n: int) -> list[dict]:
+    """Self-distillation (SDFT) format: a prompt and a demonstration that becomes the teacher's privileged context."""
+    return [{"prompt": _user(f"What is {i}+1?"), "golden_response": f"{i} plus one is {i + 1}."} for i in range(n)]

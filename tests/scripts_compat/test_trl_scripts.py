@@ -59,6 +59,8 @@ RUN: dict[tuple[str, str], tuple[str, list[str]]] = {
                     "--max_length", "64"]),
     ("trl-examples", "examples/scripts/grpo_continuous_batching.py"): (
         "gsm8k", [*GENERATION_BUDGET]),
+    ("trl-examples", "examples/scripts/sdft.py"): ("golden", ["--max_completion_length", "8"]),
+    ("trl-examples", "examples/scripts/sdpo.py"): ("gsm8k", [*GENERATION_BUDGET]),
 }
 
 # Scripts of the two sources that are not run, and why. Each reason is a fact about the script, not about posttrain.
@@ -98,10 +100,6 @@ NOT_RUN: dict[tuple[str, str], str] = {
     ("trl-examples", "examples/scripts/online_dpo_vlm.py"): "vision-language: hard-codes the hub dataset "
     "lmms-lab/multimodal-open-r1-8k-verified",
     ("trl-examples", "examples/scripts/mpo_vlm.py"): "vision-language: hub VLM and image preference dataset",
-    ("trl-examples", "examples/scripts/sdft.py"): "evaluates tool use against a hub dataset's tool schema "
-    "(ToolAlpaca); needs its golden-response columns",
-    ("trl-examples", "examples/scripts/sdpo.py"): "scores answers with its own evaluation loop over a hub "
-    "math dataset",
     # Trainers TRL 1.16 no longer ships (absent from trl/experimental in the 1.16.0 release):
     ("trl-examples", "examples/scripts/bco.py"): "BCO was removed from TRL before 1.16 (also loads the hub model "
     "bert-base-uncased)",
@@ -137,6 +135,7 @@ def test_script_runs(source, path, fmt, extra, tmp_path, tiny_model_path, tiny_r
     root = h.require_source(source)
     script = h.copy_rewritten(root / path, tmp_path / "script" / Path(path).name)
     dataset = gsm8k_dir if fmt == "gsm8k" else datasets_dir / fmt
+    assert dataset.is_dir(), f"no tiny dataset {fmt!r}"
     output_dir = tmp_path / "out"
     args = [
         "--model_name_or_path", tiny_model_path,
