@@ -86,6 +86,12 @@ RECIPES = {
 
 # Recipes that are not run, and why (a fact about the recipe, not about posttrain).
 NOT_RUN = {
+    ("alignment-handbook:dpo", "pref_align_scan/dpo/config_openhermes.yaml"): "sets `hub_model_revision`, a field "
+    "alignment-handbook's DPOConfig no longer has (its own parser rejects it, under TRL as here)",
+    ("alignment-handbook:dpo", "pref_align_scan/dpo/config_zephyr.yaml"): "sets `hub_model_revision`, a field "
+    "alignment-handbook's DPOConfig no longer has (its own parser rejects it, under TRL as here)",
+    ("alignment-handbook:dpo", "zephyr-7b-beta/dpo/config_qlora.yaml"): "uses `dataset_mixer` / `dataset_splits`, "
+    "alignment-handbook's own pre-0.4 keys that its ScriptArguments replaced with `dataset_mixture`",
     ("open-r1:grpo", "Qwen2.5-1.5B-Instruct/grpo/config_demo_code.yaml"): "its `code` reward runs the completions "
     "in an E2B cloud sandbox (network service and API key)",
     ("open-r1:grpo", "Qwen2.5-1.5B-Instruct/grpo/config_demo_code_ioi.yaml"): "its `ioi_code` reward scores "
@@ -138,14 +144,20 @@ CPU_OPTIMIZERS = {"paged_adamw_8bit": "adamw_torch", "adamw_bnb_8bit": "adamw_to
 
 def _rows_for_columns(columns: list[str] | None, n: int) -> list[dict]:
     cols = set(columns or ["messages"])
+    # smoltalk2's per-row chat-template options (SmolLM3's `enable_thinking`); the tiny ChatML template ignores them.
+    extra = {"chat_template_kwargs": {"enable_thinking": False}} if "chat_template_kwargs" in cols else {}
+    cols.discard("chat_template_kwargs")
     if cols <= {"messages"}:
-        return h.messages_rows(n)
-    if cols <= {"prompt", "chosen", "rejected"}:
-        rows = h.implicit_preference_rows(n) if "prompt" not in cols else h.preference_rows(n)
-        return rows
-    if cols <= {"problem", "solution", "messages"}:
-        return h.problem_rows(n)
-    raise AssertionError(f"no tiny dataset for columns {sorted(cols)}")
+        rows = h.messages_rows(n)
+    elif cols <= {"chosen", "rejected"}:
+        rows = h.implicit_preference_rows(n)
+    elif cols <= {"prompt", "chosen", "rejected"}:
+        rows = h.preference_rows(n)
+    elif cols <= {"problem", "solution", "messages"}:
+        rows = h.problem_rows(n)
+    else:
+        raise AssertionError(f"no tiny dataset for columns {sorted(cols)}")
+    return [{**row, **extra} for row in rows]
 
 
 def override(recipe: dict, *, model: str, output_dir: str, data_root: Path, kind: str) -> dict:
@@ -182,7 +194,7 @@ def override(recipe: dict, *, model: str, output_dir: str, data_root: Path, kind
             h.write_dataset(data_root / f"mix{index}", split_rows, config_name=cfg)
     else:
         columns = ["problem", "solution", "messages"] if kind == "grpo" else None
-        rows = _rows_for_columns(columns, 12) if kind != "dpo" else h.implicit_preference_rows(12)
+        rows = h.implicit_preference_rows(12) if kind in ("dpo", "orpo") else _rows_for_columns(columns, 12)
         train = config.get("dataset_train_split", "train")
         test = config.get("dataset_test_split", "test")
         config["dataset_name"] = h.write_dataset(

@@ -59,7 +59,7 @@ RUN: dict[tuple[str, str], tuple[str, list[str]]] = {
                     "--max_length", "64"]),
     ("trl-examples", "examples/scripts/grpo_continuous_batching.py"): (
         "gsm8k", [*GENERATION_BUDGET]),
-    ("trl-examples", "examples/scripts/sdft.py"): ("golden", ["--max_completion_length", "8"]),
+    ("trl-examples", "examples/scripts/sdft.py"): ("golden", [*GENERATION_BUDGET]),
     ("trl-examples", "examples/scripts/sdpo.py"): ("gsm8k", [*GENERATION_BUDGET]),
 }
 
