@@ -68,8 +68,6 @@ NOT_RUN: dict[tuple[str, str], str] = {
     ("trl-scripts", "trl/scripts/__init__.py"): "package marker, not a script",
     ("trl-scripts", "trl/scripts/_hf_argparser.py"): "module (TRL's argument-parser internals), not a script",
     ("trl-scripts", "trl/scripts/utils.py"): "module (TrlParser and helpers), not a script",
-    ("trl-scripts", "trl/scripts/env.py"): "prints TRL's own environment (imports trl.import_utils's vLLM/DeepSpeed "
-    "probes); covered by `posttrain env`",
     ("trl-scripts", "trl/scripts/vllm_serve.py"): "starts a vLLM server: needs vLLM and a GPU",
     ("trl-examples", "examples/scripts/dpo.py"): "stub pointing at trl/scripts/dpo.py (run above)",
     ("trl-examples", "examples/scripts/sft.py"): "stub pointing at trl/scripts/sft.py (run above)",
@@ -152,7 +150,16 @@ def test_script_runs(source, path, fmt, extra, tmp_path, tiny_model_path, tiny_r
 def test_every_script_is_run_or_listed(source, subdir):
     root = h.require_source(source)
     scripts = {(source, f"{subdir}/{p.name}") for p in (root / subdir).glob("*.py")}
-    accounted = set(RUN) | set(NOT_RUN)
+    accounted = set(RUN) | set(NOT_RUN) | {("trl-scripts", "trl/scripts/env.py")}
     assert scripts - accounted == set(), "scripts neither run nor listed in NOT_RUN"
     assert {k for k in accounted if k[0] == source} - scripts == set(), "listed scripts missing from the source"
     assert not set(RUN) & set(NOT_RUN)
+
+
+def test_env_script_prints_the_environment(tmp_path):
+    """``trl env``'s script: prints the platform and library versions (optional backends through import_utils)."""
+    root = h.require_source("trl-scripts")
+    script = h.copy_rewritten(root / "trl/scripts/env.py", tmp_path / "env.py")
+    proc = h.run_script(script, [], cwd=tmp_path, timeout=120)
+    for line in ("- TRL version: ", "- PyTorch version: ", "- DeepSpeed version: ", "- vLLM version: "):
+        assert line in proc.stdout, proc.stdout
