@@ -47,8 +47,13 @@ RUN: dict[tuple[str, str], tuple[str, list[str]]] = {
     ("trl-examples", "examples/scripts/orpo.py"): ("preference", ["--max_length", "64"]),
     ("trl-examples", "examples/scripts/tpo.py"): ("triple", ["--max_length", "64"]),
     ("trl-examples", "examples/scripts/reward_modeling.py"): ("preference", ["--max_length", "64"]),
+    # online_dpo.py passes its model kwargs, dtype included, to AutoTokenizer.from_pretrained; with the default
+    # dtype "float32" that is a torch.dtype, which transformers 5 cannot write into tokenizer_config.json when the
+    # trainer saves the tokenizer (as under TRL 1.16: no trainer code runs in between). `--dtype auto` keeps it a
+    # string.
     ("trl-examples", "examples/scripts/online_dpo.py"): (
-        "prompts", ["--reward_model_path", "{reward_model}", "--max_new_tokens", "8", "--max_length", "64"]),
+        "prompts", ["--reward_model_path", "{reward_model}", "--max_new_tokens", "8", "--max_length", "64",
+                    "--dtype", "auto"]),
     ("trl-examples", "examples/scripts/gkd.py"): (
         "messages", ["--teacher_model_name_or_path", "{model}", "--max_new_tokens", "8", "--max_length", "64"]),
     ("trl-examples", "examples/scripts/gold.py"): (
