@@ -8,7 +8,8 @@ directory that the tests read. Tests whose source is missing skip and name the c
     python tests/scripts_compat/script_sources.py                      # fetch every source from GitHub and PyPI
     python tests/scripts_compat/script_sources.py --git trl=/path/to/trl/.git --git open-r1=... --trl-sdist trl-1.16.0.tar.gz
 
-The directory is ``$POSTTRAIN_SCRIPT_SOURCES`` or ``tests/scripts_compat/.sources`` (git-ignored). Nothing is
+The directory is ``$POSTTRAIN_SCRIPT_SOURCES`` or ``.script-sources`` at the repository root (git-ignored; outside
+``tests/``, so the fetched files are never collected or counted as test modules). Nothing is
 rewritten on disk: the harness rewrites ``trl`` imports to ``posttrain`` in a temporary copy at test time.
 """
 
@@ -84,7 +85,7 @@ FETCH_HINT = "python tests/scripts_compat/script_sources.py (see its docstring f
 
 
 def sources_root() -> Path:
-    return Path(os.environ.get("POSTTRAIN_SCRIPT_SOURCES") or HERE / ".sources")
+    return Path(os.environ.get("POSTTRAIN_SCRIPT_SOURCES") or HERE.parents[1] / ".script-sources")
 
 
 def source_dir(name: str) -> Path | None:
