@@ -8,7 +8,8 @@ the shared rollout: ``gmpo``, ``grpo_with_replay_buffer``, ``online_dpo``, ``a2p
 (generation through ``posttrain serve`` in a separate rollout worker); the distillation family: ``gkd``, ``gold``
 (cross-tokenizer ULD), ``iw_opd``, ``server_distillation`` (teacher behind a server), ``async_distillation``
 (AsyncGRPO's rollout worker with teacher servers) and ``sdft`` (self-distillation: the student, given privileged
-context, is its own teacher).
+context, is its own teacher). ``distillation`` and ``kto`` are the deprecated paths of trainers TRL promoted to its
+stable API (building them warns ``FutureWarning`` and names the stable import).
 
 Anything here may change or be removed in any release without deprecation, as in TRL; importing this package warns
 ``TRLExperimentalWarning`` once, unless the environment variable ``TRL_EXPERIMENTAL_SILENCE`` is set (TRL's switch).

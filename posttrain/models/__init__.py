@@ -4,7 +4,8 @@
 (``preference_scoring``) and of distillation completions (``distillation_scoring``), and reference policies
 (``reference``).
 
-``from posttrain.models import create_reference_model`` works as ``from trl.models import ...`` does (lazily, so
+``from posttrain.models import create_reference_model, unwrap_model_for_generation`` works as
+``from trl.models import ...`` does (lazily, so
 importing a submodule such as ``posttrain.models.tiny`` costs nothing extra)."""
 
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["create_reference_model"]
+__all__ = ["create_reference_model", "unwrap_model_for_generation"]
 
 
 def __getattr__(name: str) -> Any:
@@ -20,4 +21,8 @@ def __getattr__(name: str) -> Any:
         from posttrain.models.peft_utils import create_reference_model
 
         return create_reference_model
+    if name == "unwrap_model_for_generation":
+        from posttrain.models.unwrap import unwrap_model_for_generation
+
+        return unwrap_model_for_generation
     raise AttributeError(f"module 'posttrain.models' has no attribute {name!r}")

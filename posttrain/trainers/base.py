@@ -427,6 +427,54 @@ class BaseTrainer(Trainer):
         finally:
             shutil.rmtree(tmp_dir, ignore_errors=True)
 
+    # -- model card ----------------------------------------------------------------------------------------------
+    def create_model_card(
+        self,
+        model_name: str | None = None,
+        dataset_name: str | None = None,
+        tags: str | list[str] | None = None,
+    ) -> None:
+        """Write a draft model card, ``README.md`` in ``args.output_dir`` (TRL's signature and behaviour).
+
+        Training scripts call it directly (``trainer.create_model_card(dataset_name=..., tags=[...])``, as open-r1
+        and alignment-handbook do) and ``push_to_hub(dataset_name=...)`` forwards its keyword arguments here. The
+        card's metadata names the base model (when it is a hub id, not a local folder), the dataset, the library
+        and the tags: the caller's plus the trainer's own. Only the main process writes.
+        """
+        if not self.is_world_process_zero():
+            return
+        from huggingface_hub import ModelCard, ModelCardData
+
+        config = getattr(self.model, "config", None)
+        base_model = getattr(config, "_name_or_path", None) or None
+        if base_model is not None and os.path.isdir(base_model):
+            base_model = None
+        tag_set = {tags} if isinstance(tags, str) else set(tags or ())
+        tag_set.update(self._tag_names)
+        if "JOB_ID" in os.environ:
+            tag_set.add("hf_jobs")
+        trainer = type(self).__name__
+        data = ModelCardData(
+            base_model=base_model,
+            datasets=dataset_name,
+            library_name="transformers",
+            model_name=model_name or self.hub_model_id or os.path.basename(os.path.normpath(self.args.output_dir)),
+            tags=sorted(tag_set),
+        )
+        trained_on = f" on [{dataset_name}](https://huggingface.co/datasets/{dataset_name})" if dataset_name else ""
+        started_from = (
+            f"a fine-tuned version of [{base_model}](https://huggingface.co/{base_model})"
+            if base_model
+            else "a fine-tuned model"
+        )
+        content = (
+            f"---\n{data.to_yaml()}\n---\n\n# Model Card for {data.model_name}\n\n"
+            f"This model is {started_from}{trained_on}, trained with posttrain's `{trainer}` (TRL's API).\n\n"
+            "## Training procedure\n\n"
+            f"- trainer: `{trainer}`\n- global steps: {self.state.global_step}\n"
+        )
+        ModelCard(content).save(os.path.join(self.args.output_dir, "README.md"))
+
     # -- up-front checks and resume ------------------------------------------------------------------------------
     def validate_before_training(self) -> None:
         """Generic checks run at the start of ``train()`` (trainers add their own in ``__init__``).
