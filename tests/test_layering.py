@@ -37,7 +37,7 @@ ROOT = "posttrain"  # the unit name of ``posttrain/__init__.py``
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("_version", "registry", "distributed", "reliability"),
-    ("core", "env_info"),
+    ("core", "env_info", "import_utils"),
     ("data", "report"),
     ("models", "data_utils", "chat_template_utils", "legacy"),
     ("generation", "rewards"),
