@@ -737,6 +737,29 @@ class SFTTrainer(BaseTrainer):
                     "messages", "prompt", "completion", "image", "images", self.args.dataset_text_field
                 ]  # fmt: skip
 
+    # -- metrics -------------------------------------------------------------------------------------------------
+    def _track_num_input_tokens(self, inputs: dict) -> None:
+        """``state.num_input_tokens_seen``, counting tokens — not entries of a block-diagonal attention mask.
+
+        ``transformers.Trainer`` counts ``attention_mask.sum()`` for ``include_num_input_tokens_seen="non_padding"``.
+        Packed and padding-free batches here carry a 4-D ``(B, 1, L, L)`` mask, whose sum is the number of attended
+        (query, key) pairs, ~L/2 times the tokens. Such batches are counted by their real tokens instead: the default
+        collator's per-row count (``_num_tokens``) for separate packed rows, otherwise the ``input_ids`` that are not
+        the pad id — what TRL's padding-free batches, which carry no mask, are counted by.
+        """
+        mask = inputs.get("attention_mask")
+        if self.args.include_num_input_tokens_seen != "non_padding" or mask is None or mask.dim() == 2:
+            return super()._track_num_input_tokens(inputs)
+        input_ids = inputs["input_ids"]
+        if "_num_tokens" in inputs and not getattr(self, "padding_free", False):
+            tokens = inputs["_num_tokens"].sum()
+        else:
+            tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
+            pad_id = getattr(tokenizer, "pad_token_id", None)
+            tokens = (input_ids != pad_id).sum() if pad_id is not None else torch.tensor(input_ids.numel())
+        tokens = torch.as_tensor(tokens, device=self.args.device, dtype=torch.int64).reshape(1)
+        self.state.num_input_tokens_seen += int(self.accelerator.gather(tokens).sum().item())
+
     # -- loss ----------------------------------------------------------------------------------------------------
     def compute_loss_context_manager(self):
         stack = super().compute_loss_context_manager()
