@@ -103,3 +103,8 @@ def test_scenario_grid_covers_every_trainer_and_loss_type():
     for loss in fidelity.GRPO_LOSSES:
         assert {f"grpo/{loss}_beta{b}_mu{m}" for b in (0.0, 0.04) for m in (1, 2)} <= names
     assert fidelity.select(["kto/"]) and all(s.trainer == "kto" for s in fidelity.select(["kto/"]))
+    # issue 35 item 8: packed num_input_tokens_seen, GRPO GA=2 β=0.04 μ=2 (default and bnpo), RLOO sampling
+    assert {"sft/packed_bfd_tokens_seen", "grpo/grad_accum_2_grpo_beta0.04_mu2", "grpo/grad_accum_2_bnpo_beta0.04_mu2",
+            "rloo/generate_beta0.04_mu2"} <= names  # fmt: skip
+    sampled = fidelity.SCENARIOS["rloo/generate_beta0.04_mu2"]
+    assert sampled.sample and sampled.posttrain_args == {"generation_backend": "transformers"}
