@@ -483,9 +483,8 @@ class OnlineTrainerBase(BaseTrainer):
         if self.agent is not None:
             self.backend = self.agent.wrap(self.backend)
         self._make_rollout()
-        self.buffer = RolloutBuffer(
-            args.steps_per_generation, args.num_iterations, seed=args.seed + self.accelerator.process_index
-        )
+        # seed=None: the shuffle draws from the global torch RNG, as TRL's (see posttrain.rollout.buffer)
+        self.buffer = RolloutBuffer(args.steps_per_generation, args.num_iterations, seed=None)
         self._last_synced_step = -1
         self._pending_completions = None
 
