@@ -741,18 +741,23 @@ class SFTTrainer(BaseTrainer):
     def _track_num_input_tokens(self, inputs: dict) -> None:
         """``state.num_input_tokens_seen``, counting tokens — not entries of a block-diagonal attention mask.
 
-        ``transformers.Trainer`` counts ``attention_mask.sum()`` for ``include_num_input_tokens_seen="non_padding"``.
-        Packed and padding-free batches here carry a 4-D ``(B, 1, L, L)`` mask, whose sum is the number of attended
-        (query, key) pairs, ~L/2 times the tokens. Such batches are counted by their real tokens instead: the default
-        collator's per-row count (``_num_tokens``) for separate packed rows, otherwise the ``input_ids`` that are not
-        the pad id — what TRL's padding-free batches, which carry no mask, are counted by.
+        ``transformers.Trainer`` counts ``attention_mask.sum()`` for ``include_num_input_tokens_seen="non_padding"``
+        and ``input_ids.numel()`` for ``"all"``. Packed batches here carry a 4-D ``(B, 1, L, L)`` mask, whose sum is
+        the number of attended (query, key) pairs, ~L/2 times the tokens. TRL flattens a BFD-packed batch into one
+        padding-free row (no mask: transformers counts its ``input_ids`` that are not the pad id, or all of them);
+        posttrain keeps the packed sequences in separate rows padded to the longest (without FlashAttention), whose
+        real tokens the default collator counts (``_num_tokens``): that count is what TRL's flat row holds, under
+        either setting. A padding-free row (no padding between sequences) counts as in transformers.
         """
         mask = inputs.get("attention_mask")
-        if self.args.include_num_input_tokens_seen != "non_padding" or mask is None or mask.dim() == 2:
+        mode = self.args.include_num_input_tokens_seen
+        if mode not in ("all", "non_padding") or mask is None or mask.dim() == 2:
             return super()._track_num_input_tokens(inputs)
         input_ids = inputs["input_ids"]
         if "_num_tokens" in inputs and not getattr(self, "padding_free", False):
             tokens = inputs["_num_tokens"].sum()
+        elif mode == "all":
+            tokens = torch.tensor(input_ids.numel())
         else:
             tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
             pad_id = getattr(tokenizer, "pad_token_id", None)
