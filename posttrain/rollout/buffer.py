@@ -203,7 +203,8 @@ class RolloutBuffer:
         """Everything needed to continue after a resume (tensors moved to CPU).
 
         The micro-batches are kept only mid-round; at a round boundary (or after a short round's last micro-step)
-        the next micro-step generates anyway, so only the step and the shuffle RNG are stored.
+        the next micro-step generates anyway, so only the step and the shuffle RNG (a dedicated generator's state;
+        None with the global RNG) are stored.
         """
 
         def to_cpu(value):

@@ -965,7 +965,8 @@ class OnlineTrainerBase(BaseTrainer):
         self._load_extra_checkpoint_state(states)
 
     def resume_state_dict(self) -> dict[str, Any]:
-        """Adds the rollout buffer (its step counter, shuffle RNG and, mid-round, the remaining micro-batches) and
+        """Adds the rollout buffer (its step counter and, mid-round, the remaining micro-batches; its shuffle draws
+        from the global torch RNG, which the checkpoint's ``rng_state.pth`` restores) and
         the generation backend's own state when it has one (the ``vllm_server`` request-seed counter)."""
         state = {**super().resume_state_dict(), "rollout_buffer": self.buffer.state_dict()}
         backend = self._stateful_backend()
