@@ -705,6 +705,12 @@ class OnlineTrainerBase(BaseTrainer):
         """Unique prompts per generation round over all processes (``generation_batch_size`` counts completions)."""
         return self.args.generation_batch_size // self.num_generations
 
+    # TRL's GRPO, RLOO and distillation shuffle each generation batch (torch.randperm, the global RNG) before splitting
+    # it into micro-batches; its other online trainers (SDPO, SDFT, GOLD, IW-OPD, and those on the plain dataloader)
+    # split it as it comes. The same rule here keeps both the micro-batches and the global RNG stream (which
+    # model.generate samples from next) equal to TRL's.
+    shuffles_generation_batch: bool = True
+
     # TRL's trainers on the plain Trainer dataloader (Online DPO, A2PO, GKD) keep an epoch's short last batch unless
     # ``dataloader_drop_last``; the ones on ``RepeatSampler`` (GRPO, RLOO, distillation, GOLD, ...) drop it.
     keeps_short_last_round: bool = False
@@ -797,7 +803,11 @@ class OnlineTrainerBase(BaseTrainer):
         if self.buffer.needs_generation():
             # an epoch's short last round: micro-batches of per_device_train_batch_size rows, the last one short
             micro_batch_size = self.args.per_device_train_batch_size if self._round_per_window() else None
-            self.buffer.fill(self._generate_and_score(inputs, mode), micro_batch_size=micro_batch_size)
+            self.buffer.fill(
+                self._generate_and_score(inputs, mode),
+                shuffle=self.shuffles_generation_batch,
+                micro_batch_size=micro_batch_size,
+            )
         return self.buffer.next()
 
     def _record(self, mode: str):
