@@ -5,10 +5,11 @@ length ``N`` (e.g. decoded texts), and whose 0-d tensors / plain scalars apply t
 ``num_items_in_batch``). The trainer generates one batch every ``steps_per_generation × num_iterations``
 micro-steps, shuffles it, splits it into ``steps_per_generation`` micro-batches and serves micro-batch
 ``step % steps_per_generation`` at each micro-step (TRL's scheme), so that every completion is seen once per
-iteration. The trainers draw the shuffle from the global torch RNG, as TRL's ``shuffle_sequence_dict`` does: which
-rows share a micro-batch then matches TRL's (it enters the per-micro-batch means: ``kl``, ``clip_ratio/*``, bnpo's
-loss), and so does every later draw from that RNG (``model.generate``'s sampling). A resumed run replays it from
-the RNG state every checkpoint holds (``rng_state.pth``).
+iteration. The trainers that shuffle (those whose TRL counterpart does: GRPO, RLOO, distillation) draw it from the
+global torch RNG, as TRL's ``shuffle_sequence_dict`` does: which rows share a micro-batch then matches TRL's (it
+enters the per-micro-batch means: ``kl``, ``clip_ratio/*``, bnpo's loss), and so does every later draw from that
+RNG (``model.generate``'s sampling). A resumed run replays it from the RNG state every checkpoint holds
+(``rng_state.pth``).
 
 A short round (an epoch's last, with fewer rows than a full one: GKD keeps it, as TRL's plain Trainer dataloader
 does) is split into micro-batches of ``micro_batch_size`` rows, the last one shorter, and served over that many
