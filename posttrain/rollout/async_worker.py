@@ -358,7 +358,19 @@ class AsyncRolloutMixin(abc.ABC):
         self._push_client: Any = None
         self._heartbeat: Any = None  # the worker's shared heartbeat clock
         self._worker_started = 0.0  # time.time() of the spawn (a starting worker has not beaten yet)
+        self._rng_checkpoint: str | None = None  # a resumed run's checkpoint whose RNG state is restored once more
         self.add_callback(_WeightSyncCallback(self))
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        """HF's restore, and again before the resumed run's first training micro-step.
+
+        With ``ignore_data_skip`` (set by :func:`check_async_rollout_options`) HF restores the checkpoint's RNG
+        state *before* it creates the epoch's dataloader iterator, which draws its base seed from the global torch
+        RNG; the generation-batch shuffle (TRL's: the global RNG) would then see another state than the
+        uninterrupted run. Restored again at the first micro-step, it sees the same one (HF does likewise when it
+        skips batches: ``rng_to_sync``)."""
+        super()._load_rng_state(checkpoint)
+        self._rng_checkpoint = checkpoint
 
     # -- worker lifecycle --------------------------------------------------------------------------------------
     def _round_rows(self) -> int:
@@ -542,6 +554,9 @@ class AsyncRolloutMixin(abc.ABC):
         if self._mode() == "eval":
             self._last_synced_step = self.state.global_step  # evaluate on the server's current weights, no push
             return super()._prepare_inputs(inputs)
+        if self._rng_checkpoint is not None:  # see _load_rng_state
+            checkpoint, self._rng_checkpoint = self._rng_checkpoint, None
+            super()._load_rng_state(checkpoint)
         if self.buffer.needs_generation():
             self.buffer.fill(self._next_trainable_round())
         return self.buffer.next()
