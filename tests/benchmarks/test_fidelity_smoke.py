@@ -1,7 +1,7 @@
-"""Smoke tests of the fidelity harness (``python -m benchmarks fidelity``) without TRL: the posttrain half of three
-scenarios (a preference trainer, RLOO and Online DPO with fixed completions), that the replayed ``model.generate``
-(TRL's side) and the replayed generation backend (posttrain's) return the same completions, and the step-by-step
-comparison on synthetic logs."""
+"""Smoke tests of the fidelity harness (``python -m benchmarks fidelity``) without TRL: the posttrain half of four
+scenarios (a preference trainer, RLOO and Online DPO with fixed completions, RLOO sampling through model.generate),
+that the replayed ``model.generate`` (TRL's side) and the replayed generation backend (posttrain's) return the same
+completions, and the step-by-step comparison on synthetic logs."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def model_paths(tmp_path_factory) -> dict[str, str]:
     return {"causal-lm": save_tiny_model(str(root / "lm"))}
 
 
-@pytest.mark.parametrize("name", ["kto/kto", "rloo/default", "online_dpo/sigmoid"])
+@pytest.mark.parametrize("name", ["kto/kto", "rloo/default", "online_dpo/sigmoid", "rloo/generate_beta0.04_mu2"])
 def test_posttrain_half_of_a_scenario_logs_every_step(name, model_paths, tmp_path):
     scenario = dataclasses.replace(fidelity.SCENARIOS[name], steps=2)
     logs = fidelity.run_scenario(scenario, model_paths, trainer_classes("posttrain"), str(tmp_path))
