@@ -350,6 +350,7 @@ class AsyncRollout:
     - ``train``: ``self.async_rollout.run(super().train, ...)`` (joins the last push, stops the worker);
     - ``evaluate`` / ``_save_checkpoint``: ``self.async_rollout.join_push()`` first;
     - ``_prepare_inputs``: ``self.async_rollout.prepare_inputs(inputs, super()._prepare_inputs)``;
+    - ``_load_rng_state``: ``self.async_rollout.load_rng_state(checkpoint, super()._load_rng_state)``;
     - ``_extra_checkpoint_state`` / ``_load_extra_checkpoint_state``: ``checkpoint_state`` / ``load_checkpoint_state``.
 
     Args:
@@ -387,6 +388,7 @@ class AsyncRollout:
         self._probe_expected: dict[int, tuple[list[int], list[float]]] = {}  # version -> (sequence, log-probs)
         self.heartbeat: Any = None  # the worker's shared heartbeat clock
         self.worker_started = 0.0  # time.time() of the spawn (a starting worker has not beaten yet)
+        self._rng_restore: tuple[Callable[[Any], None], Any] | None = None  # see load_rng_state
         trainer.add_callback(_WeightSyncCallback(self))
 
     @property
@@ -395,6 +397,18 @@ class AsyncRollout:
 
     def _server(self) -> Any:
         return self.trainer._inner_backend()
+
+    def load_rng_state(self, checkpoint: str | None, restore: Callable[[Any], None]) -> None:
+        """The trainer's ``_load_rng_state``: HF's ``restore``, and again before the resumed run's first training
+        micro-step.
+
+        With ``ignore_data_skip`` (set by :func:`check_async_rollout_options`) HF restores the checkpoint's RNG
+        state *before* it creates the epoch's dataloader iterator, which draws its base seed from the global torch
+        RNG; the generation-batch shuffle (TRL's: the global RNG) would then see another state than the
+        uninterrupted run. Restored again at the first micro-step, it sees the same one (HF does likewise when it
+        skips batches: ``rng_to_sync``)."""
+        restore(checkpoint)
+        self._rng_restore = (restore, checkpoint)
 
     # -- worker lifecycle --------------------------------------------------------------------------------------
     def round_rows(self) -> int:
@@ -615,6 +629,10 @@ class AsyncRollout:
         if trainer._mode() == "eval":
             trainer._last_synced_step = trainer.state.global_step
             return synchronous(inputs)
+        if self._rng_restore is not None:  # see load_rng_state
+            restore, checkpoint = self._rng_restore
+            self._rng_restore = None
+            restore(checkpoint)
         if trainer.buffer.needs_generation():
             trainer.buffer.fill(self.next_trainable_round())
         return trainer.buffer.next()

@@ -5,7 +5,11 @@ length ``N`` (e.g. decoded texts), and whose 0-d tensors / plain scalars apply t
 ``num_items_in_batch``). The trainer generates one batch every ``steps_per_generation × num_iterations``
 micro-steps, shuffles it, splits it into ``steps_per_generation`` micro-batches and serves micro-batch
 ``step % steps_per_generation`` at each micro-step (TRL's scheme), so that every completion is seen once per
-iteration.
+iteration. The trainers that shuffle (those whose TRL counterpart does: GRPO, RLOO, distillation) draw it from the
+global torch RNG, as TRL's ``shuffle_sequence_dict`` does: which rows share a micro-batch then matches TRL's (it
+enters the per-micro-batch means: ``kl``, ``clip_ratio/*``, bnpo's loss), and so does every later draw from that
+RNG (``model.generate``'s sampling). A resumed run replays it from the RNG state every checkpoint holds
+(``rng_state.pth``).
 
 A short round (an epoch's last, with fewer rows than a full one: GKD keeps it, as TRL's plain Trainer dataloader
 does) is split into micro-batches of ``micro_batch_size`` rows, the last one shorter, and served over that many
@@ -141,13 +145,14 @@ class RolloutBuffer:
     Args:
         steps_per_generation: Micro-batches per generated batch.
         num_iterations: Optimisation passes over each generated batch (TRL's μ).
-        seed: Seed of the shuffle applied before splitting.
+        seed: Seed of a dedicated generator for the shuffle applied before splitting (saved in ``state_dict``);
+            ``None`` draws it from the global torch RNG (TRL's behaviour, what the trainers use).
     """
 
-    def __init__(self, steps_per_generation: int, num_iterations: int = 1, seed: int = 0):
+    def __init__(self, steps_per_generation: int, num_iterations: int = 1, seed: int | None = 0):
         self.steps_per_generation = int(steps_per_generation)
         self.num_iterations = int(num_iterations)
-        self.generator = torch.Generator().manual_seed(int(seed))
+        self.generator = None if seed is None else torch.Generator().manual_seed(int(seed))
         self.micro_batches: list[RolloutBatch] | None = None
         # micro-steps served so far (TRL's ``_step``), rounded up to a round boundary after a short round
         self.step = 0
@@ -199,7 +204,8 @@ class RolloutBuffer:
         """Everything needed to continue after a resume (tensors moved to CPU).
 
         The micro-batches are kept only mid-round; at a round boundary (or after a short round's last micro-step)
-        the next micro-step generates anyway, so only the step and the shuffle RNG are stored.
+        the next micro-step generates anyway, so only the step and the shuffle RNG (a dedicated generator's state;
+        None with the global RNG) are stored.
         """
 
         def to_cpu(value):
@@ -208,7 +214,8 @@ class RolloutBuffer:
         batches = None
         if not self.needs_generation():
             batches = [{k: to_cpu(v) for k, v in mb.items()} for mb in self.micro_batches]
-        return {"step": self.step, "micro_batches": batches, "generator": self.generator.get_state()}
+        generator = None if self.generator is None else self.generator.get_state()
+        return {"step": self.step, "micro_batches": batches, "generator": generator}
 
     def load_state_dict(self, state: dict[str, Any], device: torch.device | str | None = None) -> None:
         """Restore ``state_dict()``; micro-batch tensors are moved to ``device`` when given."""
@@ -219,7 +226,9 @@ class RolloutBuffer:
                 {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in mb.items()} for mb in batches
             ]
         self.micro_batches = batches
-        self.generator.set_state(state["generator"])
+        # a global-RNG buffer ignores a saved generator (the checkpoint's RNG state is restored by the Trainer)
+        if self.generator is not None and state.get("generator") is not None:
+            self.generator.set_state(state["generator"])
 
     def save(self, path: str | os.PathLike) -> None:
         torch.save(self.state_dict(), path)

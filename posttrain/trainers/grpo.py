@@ -459,12 +459,21 @@ class GRPOTrainer(OnlineTrainerBase):
         return {**inputs, "importance_sampling_ratio": view["importance_sampling_ratio"]}
 
     def _aggregate(self, per_token: torch.Tensor, mask: torch.Tensor, inputs: RolloutBatch) -> torch.Tensor:
-        """``loss_type``'s aggregation of a per-token term (before the gradient-accumulation divisor)."""
+        """``loss_type``'s aggregation of a per-token term (before the gradient-accumulation divisor).
+
+        ``num_items_in_batch`` counts the tokens of the whole generation batch, which training spreads over
+        ``steps_per_generation`` micro-batches: the global token mean (dapo, cispo, vespo) of one optimizer step
+        divides by its share, ``num_items_in_batch · GA / steps_per_generation`` (TRL's rescaling; the two are equal
+        by default). Evaluation neither splits nor accumulates its batch.
+        """
+        num_items = inputs["num_items_in_batch"]
+        if self._mode() == "train":
+            num_items = num_items * self._grad_accum_divisor() / self.args.steps_per_generation
         return self.aggregation(
             per_token,
             mask,
             max_completion_length=self.args.max_completion_length,
-            num_items_in_batch=inputs["num_items_in_batch"],
+            num_items_in_batch=num_items,
             num_processes=self.accelerator.num_processes,
         )
 

@@ -360,9 +360,8 @@ class OnlineTrainerBase(BaseTrainer):
         elif self.agent is not None:
             self.backend = self.agent.wrap(self.backend)
         self._make_rollout()
-        self.buffer = RolloutBuffer(
-            args.steps_per_generation, args.num_iterations, seed=args.seed + self.accelerator.process_index
-        )
+        # seed=None: the shuffle draws from the global torch RNG, as TRL's (see posttrain.rollout.buffer)
+        self.buffer = RolloutBuffer(args.steps_per_generation, args.num_iterations, seed=None)
         self._last_synced_step = -1
         self._pending_completions = None
         self._logs = _completion_logs(getattr(args, "generation_batch_size", None))
@@ -593,6 +592,12 @@ class OnlineTrainerBase(BaseTrainer):
         """Unique prompts per generation round over all processes (``generation_batch_size`` counts completions)."""
         return self.args.generation_batch_size // self.num_generations
 
+    # TRL's GRPO, RLOO and distillation shuffle each generation batch (torch.randperm, the global RNG) before splitting
+    # it into micro-batches; its other online trainers (SDPO, SDFT, GOLD, IW-OPD, and those on the plain dataloader)
+    # split it as it comes. The same rule here keeps both the micro-batches and the global RNG stream (which
+    # model.generate samples from next) equal to TRL's.
+    shuffles_generation_batch: bool = True
+
     # TRL's trainers on the plain Trainer dataloader (Online DPO, A2PO, GKD) keep an epoch's short last batch unless
     # ``dataloader_drop_last``; the ones on ``RepeatSampler`` (GRPO, RLOO, distillation, GOLD, ...) drop it.
     keeps_short_last_round: bool = False
@@ -692,7 +697,11 @@ class OnlineTrainerBase(BaseTrainer):
         if self.buffer.needs_generation():
             # an epoch's short last round: micro-batches of per_device_train_batch_size rows, the last one short
             micro_batch_size = self.args.per_device_train_batch_size if self._round_per_window() else None
-            self.buffer.fill(self._generate_and_score(inputs, mode), micro_batch_size=micro_batch_size)
+            self.buffer.fill(
+                self._generate_and_score(inputs, mode),
+                shuffle=self.shuffles_generation_batch,
+                micro_batch_size=micro_batch_size,
+            )
         return self.buffer.next()
 
     def _record(self, mode: str):
@@ -929,7 +938,8 @@ class OnlineTrainerBase(BaseTrainer):
         self._load_extra_checkpoint_state(states)
 
     def resume_state_dict(self) -> dict[str, Any]:
-        """Adds the rollout buffer (its step counter, shuffle RNG and, mid-round, the remaining micro-batches) and
+        """Adds the rollout buffer (its step counter and, mid-round, the remaining micro-batches; its shuffle draws
+        from the global torch RNG, which the checkpoint's ``rng_state.pth`` restores) and
         the generation backend's own state when it has one (the ``vllm_server`` request-seed counter)."""
         state = {**super().resume_state_dict(), "rollout_buffer": self.buffer.state_dict()}
         backend = self._stateful_backend()

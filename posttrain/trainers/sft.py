@@ -752,6 +752,34 @@ class SFTTrainer(BaseTrainer):
                     "messages", "prompt", "completion", "image", "images", self.args.dataset_text_field
                 ]  # fmt: skip
 
+    # -- metrics -------------------------------------------------------------------------------------------------
+    def _track_num_input_tokens(self, inputs: dict) -> None:
+        """``state.num_input_tokens_seen``, counting tokens — not entries of a block-diagonal attention mask.
+
+        ``transformers.Trainer`` counts ``attention_mask.sum()`` for ``include_num_input_tokens_seen="non_padding"``
+        and ``input_ids.numel()`` for ``"all"``. Packed batches here carry a 4-D ``(B, 1, L, L)`` mask, whose sum is
+        the number of attended (query, key) pairs, ~L/2 times the tokens. TRL flattens a BFD-packed batch into one
+        padding-free row (no mask: transformers counts its ``input_ids`` that are not the pad id, or all of them);
+        posttrain keeps the packed sequences in separate rows padded to the longest (without FlashAttention), whose
+        real tokens the default collator counts (``_num_tokens``): that count is what TRL's flat row holds, under
+        either setting. A padding-free row (no padding between sequences) counts as in transformers.
+        """
+        mask = inputs.get("attention_mask")
+        mode = self.args.include_num_input_tokens_seen
+        if mode not in ("all", "non_padding") or mask is None or mask.dim() == 2:
+            return super()._track_num_input_tokens(inputs)
+        input_ids = inputs["input_ids"]
+        if "_num_tokens" in inputs and not getattr(self, "padding_free", False):
+            tokens = inputs["_num_tokens"].sum()
+        elif mode == "all":
+            tokens = torch.tensor(input_ids.numel())
+        else:
+            tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
+            pad_id = getattr(tokenizer, "pad_token_id", None)
+            tokens = (input_ids != pad_id).sum() if pad_id is not None else torch.tensor(input_ids.numel())
+        tokens = torch.as_tensor(tokens, device=self.args.device, dtype=torch.int64).reshape(1)
+        self.state.num_input_tokens_seen += int(self.accelerator.gather(tokens).sum().item())
+
     # -- loss ----------------------------------------------------------------------------------------------------
     def compute_loss_context_manager(self):
         stack = super().compute_loss_context_manager()

@@ -1,7 +1,7 @@
-"""Smoke tests of the fidelity harness (``python -m benchmarks fidelity``) without TRL: the posttrain half of three
-scenarios (a preference trainer, RLOO and Online DPO with fixed completions), that the replayed ``model.generate``
-(TRL's side) and the replayed generation backend (posttrain's) return the same completions, and the step-by-step
-comparison on synthetic logs."""
+"""Smoke tests of the fidelity harness (``python -m benchmarks fidelity``) without TRL: the posttrain half of four
+scenarios (a preference trainer, RLOO and Online DPO with fixed completions, RLOO sampling through model.generate),
+that the replayed ``model.generate`` (TRL's side) and the replayed generation backend (posttrain's) return the same
+completions, and the step-by-step comparison on synthetic logs."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def model_paths(tmp_path_factory) -> dict[str, str]:
     return {"causal-lm": save_tiny_model(str(root / "lm"))}
 
 
-@pytest.mark.parametrize("name", ["kto/kto", "rloo/default", "online_dpo/sigmoid"])
+@pytest.mark.parametrize("name", ["kto/kto", "rloo/default", "online_dpo/sigmoid", "rloo/generate_beta0.04_mu2"])
 def test_posttrain_half_of_a_scenario_logs_every_step(name, model_paths, tmp_path):
     scenario = dataclasses.replace(fidelity.SCENARIOS[name], steps=2)
     logs = fidelity.run_scenario(scenario, model_paths, trainer_classes("posttrain"), str(tmp_path))
@@ -103,3 +103,8 @@ def test_scenario_grid_covers_every_trainer_and_loss_type():
     for loss in fidelity.GRPO_LOSSES:
         assert {f"grpo/{loss}_beta{b}_mu{m}" for b in (0.0, 0.04) for m in (1, 2)} <= names
     assert fidelity.select(["kto/"]) and all(s.trainer == "kto" for s in fidelity.select(["kto/"]))
+    # issue 35 item 8: packed num_input_tokens_seen, GRPO GA=2 β=0.04 μ=2 (default and bnpo), RLOO sampling
+    assert {"sft/packed_bfd_tokens_seen", "grpo/grad_accum_2_grpo_beta0.04_mu2", "grpo/grad_accum_2_bnpo_beta0.04_mu2",
+            "rloo/generate_beta0.04_mu2"} <= names  # fmt: skip
+    sampled = fidelity.SCENARIOS["rloo/generate_beta0.04_mu2"]
+    assert sampled.sample and sampled.posttrain_args == {"generation_backend": "transformers"}

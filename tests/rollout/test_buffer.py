@@ -127,6 +127,27 @@ def test_buffer_state_round_trip_mid_round(tmp_path):
     assert torch.load(tmp_path / "boundary.pt", weights_only=True)["micro_batches"] is None
 
 
+def test_global_rng_buffer_round_trips_and_ignores_a_saved_generator(tmp_path):
+    """``seed=None`` (the trainers' buffer) draws the shuffle from the global torch RNG, as TRL; its state holds no
+    generator (the checkpoint's RNG state covers it) and loading a seeded buffer's state keeps the global RNG."""
+    buffer = RolloutBuffer(steps_per_generation=2, num_iterations=1, seed=None)
+    torch.manual_seed(5)
+    buffer.fill(_batch())
+    torch.manual_seed(5)
+    assert [int(a) for mb in buffer.micro_batches for a in mb["advantages"]] == torch.randperm(4).tolist()
+    buffer.next()
+    buffer.save(tmp_path / "global.pt")
+    assert torch.load(tmp_path / "global.pt", weights_only=True)["generator"] is None
+    resumed = RolloutBuffer(steps_per_generation=2, num_iterations=1, seed=None)
+    resumed.load(tmp_path / "global.pt")
+    assert resumed.next()["texts"] == buffer.next()["texts"]
+    seeded = RolloutBuffer(steps_per_generation=2, num_iterations=1, seed=0)
+    seeded.fill(_batch())
+    seeded.save(tmp_path / "seeded.pt")
+    resumed.load(tmp_path / "seeded.pt")  # an older checkpoint's generator state is not needed
+    assert resumed.generator is None
+
+
 def test_token_budget_packs_cut_in_order_and_set_oversize_rows_apart():
     from posttrain.rollout.buffer import token_budget_packs
 

@@ -731,3 +731,41 @@ def test_off_policy_mask_measures_drift_from_the_rollout_funcs_logprobs(tiny_mod
     plain = first_loss(no_logprobs)
     assert first_loss(no_logprobs, off_policy_mask_threshold=1.0) == pytest.approx(plain, abs=1e-7)
     assert first_loss(_fixed_rollout, off_policy_mask_threshold=1.0) != pytest.approx(plain, abs=1e-4)
+
+
+def test_generation_batch_shuffle_draws_from_the_global_rng(tiny_model_path, tmp_path):
+    """TRL shuffles the generation batch with ``torch.randperm`` on the global RNG before splitting it over the
+    accumulation steps. The permutation decides which rows share a micro-batch (hence kl, clip_ratio/* and bnpo's
+    loss with gradient_accumulation_steps=2) and the draw moves the RNG every later sample comes from: posttrain's
+    dedicated generator made both differ from TRL's (issue 35 item 8b/8c)."""
+    args = _config(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2)
+    trainer = GRPOTrainer(tiny_model_path, varied_reward, args, train_dataset=_dataset())
+    torch.manual_seed(123)
+    trainer.buffer.fill({"completion_ids": torch.arange(8)[:, None], "num_items_in_batch": torch.tensor(8)})
+    after_fill = torch.rand(3)
+    torch.manual_seed(123)
+    permutation = torch.randperm(8)
+    served = torch.cat([mb["completion_ids"][:, 0] for mb in trainer.buffer.micro_batches])
+    assert torch.equal(served, permutation)
+    assert torch.equal(after_fill, torch.rand(3))  # the shuffle consumed the global RNG as TRL's does
+
+
+@pytest.mark.parametrize(("grad_accum", "steps_per_generation", "expected"), [(1, 2, 3 / 5), (2, 2, 3 / 10)])
+def test_global_token_mean_divides_by_one_optimizer_steps_share(
+    tiny_model_path, tmp_path, grad_accum, steps_per_generation, expected
+):
+    """dapo/cispo/vespo: ``num_items_in_batch`` counts the whole generation batch; when it spans more optimizer steps
+    than one (steps_per_generation > gradient_accumulation_steps), one step's loss divides by its share,
+    ``num_items_in_batch · GA / steps_per_generation`` (TRL). posttrain halved the loss and gradient of
+    grpo/steps_per_generation_2."""
+    args = _config(
+        tmp_path, per_device_train_batch_size=2, loss_type="dapo", gradient_accumulation_steps=grad_accum,
+        steps_per_generation=steps_per_generation,
+    )  # fmt: skip
+    trainer = GRPOTrainer(tiny_model_path, varied_reward, args, train_dataset=_dataset())
+    trainer.model.train()
+    per_token, mask = torch.ones(2, 4), torch.tensor([[1.0, 1, 0, 0], [1, 0, 0, 0]])
+    loss = trainer._aggregate(per_token, mask, {"num_items_in_batch": torch.tensor(10.0)})
+    assert loss.item() == pytest.approx(expected)
+    trainer.model.eval()  # evaluation neither splits nor accumulates its batch
+    assert trainer._aggregate(per_token, mask, {"num_items_in_batch": torch.tensor(10.0)}).item() == pytest.approx(0.3)

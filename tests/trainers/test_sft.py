@@ -487,3 +487,25 @@ def test_num_tokens_counts_real_tokens_as_trl(tiny_model_path, tmp_path, packing
     trainer.train()
     expected = sum(len(ids) for ids in trainer.train_dataset["input_ids"])
     assert trainer.state.log_history[-2]["num_tokens"] == expected
+
+
+@pytest.mark.parametrize(
+    ("packing_strategy", "seen"), [("bfd", "non_padding"), ("wrapped", "non_padding"), (None, "non_padding"),
+                                   ("bfd", "all")]
+)  # fmt: skip
+def test_num_input_tokens_seen_counts_tokens(tiny_model_path, tmp_path, packing_strategy, seen):
+    """``include_num_input_tokens_seen="non_padding"`` counts the real tokens seen. Packed batches carry a 4-D
+    block-diagonal attention mask; transformers' ``attention_mask.sum()`` of it counted attended (query, key) pairs,
+    ~L/2 times the tokens (issue 35, item 8a). ``"all"`` of a BFD-packed batch: the tokens of TRL's flat
+    padding-free row, not posttrain's padding between its separate packed rows. Expected: the packed rows' lengths,
+    summed by hand."""
+    rows = Dataset.from_list([{"text": f"Row {i} text" * (1 + i % 3)} for i in range(18)])
+    packing = {"packing": True, "packing_strategy": packing_strategy} if packing_strategy else {}
+    args = args_for(
+        tmp_path, max_steps=-1, num_train_epochs=1, max_length=32, include_num_input_tokens_seen=seen, **packing
+    )  # fmt: skip
+    trainer = SFTTrainer(tiny_model_path, args=args, train_dataset=rows)
+    trainer.train()
+    expected = sum(len(ids) for ids in trainer.train_dataset["input_ids"])
+    assert trainer.state.num_input_tokens_seen == expected
+    assert trainer.state.log_history[-2]["num_input_tokens_seen"] == expected

@@ -52,6 +52,7 @@ class A2POTrainer(OnlineTrainerBase):
 
     config_class = A2POConfig
     keeps_short_last_round = True  # TRL's plain Trainer dataloader keeps an epoch's short last batch
+    shuffles_generation_batch = False  # TRL's A2PO trains its dataloader's batches in order
     _trainer_name = "A2PO"
     _tag_names = ["posttrain", "a2po"]
     scores_at_sampling_temperature = False  # TRL: log-probs of the raw logits, not logits / temperature

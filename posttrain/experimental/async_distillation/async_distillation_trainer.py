@@ -265,6 +265,9 @@ class AsyncDistillationTrainer(DistillationTrainer):
         self.async_rollout.join_push()  # evaluate on the newest pushed weights, not on ones still being uploaded
         return super().evaluate(*args, **kwargs)
 
+    def _load_rng_state(self, checkpoint: Any) -> None:
+        self.async_rollout.load_rng_state(checkpoint, super()._load_rng_state)
+
     def _save_checkpoint(self, *args, **kwargs):
         self.async_rollout.join_push()  # the checkpoint's weight_version is on the server when it is written
         return super()._save_checkpoint(*args, **kwargs)

@@ -26,6 +26,7 @@ class GKDTrainer(DistillationTrainer):
 
     config_class = GKDConfig
     keeps_short_last_round = True  # TRL's plain Trainer dataloader keeps an epoch's short last batch
+    shuffles_generation_batch = False  # TRL's GKD trains its dataloader's batches in order
     _trainer_name = "GKD"
     _tag_names = ["posttrain", "gkd"]
     dataset_truncation = "keep_end"  # TRL's ChatML collator: a dataset row keeps its last max_length tokens

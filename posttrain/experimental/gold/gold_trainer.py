@@ -155,6 +155,7 @@ class GOLDTrainer(DistillationTrainer):
     """
 
     config_class = GOLDConfig
+    shuffles_generation_batch = False  # TRL's GOLD splits its generation batch unshuffled
     _trainer_name = "GOLD"
     _tag_names = ["posttrain", "gold", "distillation"]
     dataset_truncation = "keep_end"  # TRL's ChatML collator: a dataset row keeps its last max_length tokens

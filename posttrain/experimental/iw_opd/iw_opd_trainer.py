@@ -40,6 +40,7 @@ class IWOPDTrainer(DistillationTrainer):
     """
 
     config_class = IWOPDConfig
+    shuffles_generation_batch = False  # TRL's IW-OPD splits its generation batch unshuffled
     _trainer_name = "IWOPD"
     _tag_names = ["posttrain", "iw-opd", "distillation"]
     dataset_truncation = "fill"  # TRL's IW-OPD collator: the completion fills what the prompt leaves of max_length

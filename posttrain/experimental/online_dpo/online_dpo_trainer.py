@@ -90,6 +90,7 @@ class OnlineDPOTrainer(OnlineTrainerBase):
 
     config_class = OnlineDPOConfig
     keeps_short_last_round = True  # TRL's plain Trainer dataloader keeps an epoch's short last batch
+    shuffles_generation_batch = False  # TRL's Online DPO trains its dataloader's batches in order
     _trainer_name = "OnlineDPO"
     _tag_names = ["posttrain", "online-dpo"]
     scores_at_sampling_temperature = False  # TRL: log-probs of the raw logits, not logits / temperature

@@ -139,6 +139,7 @@ class SDFTTrainer(SelfDistillationMixin, OnlineTrainerBase):
     """
 
     config_class = SDFTConfig
+    shuffles_generation_batch = False  # TRL's SDFT splits its generation batch unshuffled
     _trainer_name = "SDFT"
     _tag_names = ["posttrain", "sdft"]
 

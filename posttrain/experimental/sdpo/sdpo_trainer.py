@@ -88,6 +88,7 @@ class SDPOTrainer(SelfDistillationMixin, GRPOTrainer):
     """
 
     config_class = SDPOConfig
+    shuffles_generation_batch = False  # TRL's SDPO splits its generation batch unshuffled
     _trainer_name = "SDPO"
     _tag_names = ["posttrain", "sdpo"]
     _name = "SDPO"
