@@ -12,7 +12,10 @@ The rule, checked for every trainer class posttrain exports (``posttrain.__all__
 What varies inside a family is composed, not inherited: the distillation trainers' loss is a strategy object
 (``DistillationTrainer.loss_strategy``: the full-vocabulary divergence, the sparse / IW-OPD / served-teacher support,
 GOLD's ULD, the async trainer's) behind ``DistillationTrainer._compute_loss``; the async trainers' worker and weight
-pushes are an ``AsyncRollout`` component (``posttrain.rollout.async_worker``) the trainer delegates to.
+pushes are an ``AsyncRollout`` component (``posttrain.rollout.async_worker``) the trainer delegates to; the
+self-distillation term of SDFT and SDPO is a ``SelfDistillation`` component
+(``posttrain.experimental._self_distillation``), and SDPO's ``(1 − w)·GRPO + w·self-distillation`` is a loss strategy
+(``GRPOTrainer.loss_strategy``) behind ``GRPOTrainer._compute_loss``.
 
 ``EXCEPTIONS`` names the trainers that still break the rule, each with its reason; an entry that no longer breaks
 it must be removed (``test_exceptions_are_still_needed``), so the list only shrinks.
@@ -37,11 +40,7 @@ from posttrain.trainers.online import OnlineTrainerBase  # noqa: E402
 MAX_DEPTH = 4
 GENERIC_LOSS = (OnlineTrainerBase,)  # defines _compute_loss only to raise "must define _compute_loss()"
 
-EXCEPTIONS = {
-    "SDPOTrainer": "SelfDistillationMixin is still a base (5 classes deep) and its (1 − w)·GRPO + w·self-distillation "
-    "_compute_loss wraps GRPOTrainer's; turning the mixin into a component (as AsyncRollout) waits for the SDPO "
-    "rollout-result change of issue 34 item 2, which edits the same trainer.",
-}
+EXCEPTIONS: dict[str, str] = {}
 
 
 def exported_trainers() -> dict[str, type]:
