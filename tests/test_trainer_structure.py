@@ -135,3 +135,22 @@ def test_online_rl_config_has_its_own_module_and_keeps_its_old_import_path():
     assert online.GENERATION_BACKENDS is online_config.GENERATION_BACKENDS
     assert online_config.OnlineRLConfig.__module__ == "posttrain.trainers.online_config"
     assert issubclass(GRPOConfig, online_config.OnlineRLConfig)
+
+
+def test_grpo_compute_loss_hands_the_micro_batch_to_a_loss_strategy():
+    """``GRPOTrainer._compute_loss`` returns ``loss_strategy(trainer, model, inputs)`` when one is set (SDPO's
+    ``SDPOLoss``: (1 − w)·GRPO + w·self-distillation), so a trainer adding a term to GRPO's loss composes it instead
+    of overriding ``_compute_loss``; without one it is GRPO's own loss."""
+    from types import SimpleNamespace
+
+    from posttrain.experimental.sdpo.sdpo_trainer import SDPOLoss, SDPOTrainer
+    from posttrain.trainers.grpo import GRPOTrainer
+
+    assert GRPOTrainer.loss_strategy is None
+    assert isinstance(SDPOTrainer.loss_strategy, SDPOLoss)
+    calls = []
+    host = SimpleNamespace(loss_strategy=lambda trainer, model, inputs: calls.append((trainer, model, inputs)) or 7.0)
+    assert GRPOTrainer._compute_loss(host, "model", "inputs") == 7.0
+    assert calls == [(host, "model", "inputs")]
+    plain = SimpleNamespace(loss_strategy=None, _grpo_loss=lambda model, inputs: ("grpo", model, inputs))
+    assert GRPOTrainer._compute_loss(plain, "model", "inputs") == ("grpo", "model", "inputs")
