@@ -12,7 +12,10 @@ The rule, checked for every trainer class posttrain exports (``posttrain.__all__
 What varies inside a family is composed, not inherited: the distillation trainers' loss is a strategy object
 (``DistillationTrainer.loss_strategy``: the full-vocabulary divergence, the sparse / IW-OPD / served-teacher support,
 GOLD's ULD, the async trainer's) behind ``DistillationTrainer._compute_loss``; the async trainers' worker and weight
-pushes are an ``AsyncRollout`` component (``posttrain.rollout.async_worker``) the trainer delegates to.
+pushes are an ``AsyncRollout`` component (``posttrain.rollout.async_worker``) the trainer delegates to; the
+self-distillation term of SDFT and SDPO is a ``SelfDistillation`` component
+(``posttrain.experimental._self_distillation``), and SDPO's ``(1 − w)·GRPO + w·self-distillation`` is a loss strategy
+(``GRPOTrainer.loss_strategy``) behind ``GRPOTrainer._compute_loss``.
 
 ``EXCEPTIONS`` names the trainers that still break the rule, each with its reason; an entry that no longer breaks
 it must be removed (``test_exceptions_are_still_needed``), so the list only shrinks.
@@ -37,11 +40,7 @@ from posttrain.trainers.online import OnlineTrainerBase  # noqa: E402
 MAX_DEPTH = 4
 GENERIC_LOSS = (OnlineTrainerBase,)  # defines _compute_loss only to raise "must define _compute_loss()"
 
-EXCEPTIONS = {
-    "SDPOTrainer": "SelfDistillationMixin is still a base (5 classes deep) and its (1 − w)·GRPO + w·self-distillation "
-    "_compute_loss wraps GRPOTrainer's; turning the mixin into a component (as AsyncRollout) waits for the SDPO "
-    "rollout-result change of issue 34 item 2, which edits the same trainer.",
-}
+EXCEPTIONS: dict[str, str] = {}
 
 
 def exported_trainers() -> dict[str, type]:
@@ -136,3 +135,22 @@ def test_online_rl_config_has_its_own_module_and_keeps_its_old_import_path():
     assert online.GENERATION_BACKENDS is online_config.GENERATION_BACKENDS
     assert online_config.OnlineRLConfig.__module__ == "posttrain.trainers.online_config"
     assert issubclass(GRPOConfig, online_config.OnlineRLConfig)
+
+
+def test_grpo_compute_loss_hands_the_micro_batch_to_a_loss_strategy():
+    """``GRPOTrainer._compute_loss`` returns ``loss_strategy(trainer, model, inputs)`` when one is set (SDPO's
+    ``SDPOLoss``: (1 − w)·GRPO + w·self-distillation), so a trainer adding a term to GRPO's loss composes it instead
+    of overriding ``_compute_loss``; without one it is GRPO's own loss."""
+    from types import SimpleNamespace
+
+    from posttrain.experimental.sdpo.sdpo_trainer import SDPOLoss, SDPOTrainer
+    from posttrain.trainers.grpo import GRPOTrainer
+
+    assert GRPOTrainer.loss_strategy is None
+    assert isinstance(SDPOTrainer.loss_strategy, SDPOLoss)
+    calls = []
+    host = SimpleNamespace(loss_strategy=lambda trainer, model, inputs: calls.append((trainer, model, inputs)) or 7.0)
+    assert GRPOTrainer._compute_loss(host, "model", "inputs") == 7.0
+    assert calls == [(host, "model", "inputs")]
+    plain = SimpleNamespace(loss_strategy=None, _grpo_loss=lambda model, inputs: ("grpo", model, inputs))
+    assert GRPOTrainer._compute_loss(plain, "model", "inputs") == ("grpo", "model", "inputs")

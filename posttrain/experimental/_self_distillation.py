@@ -1,16 +1,17 @@
 """What the self-distillation trainers (SDFT, and SDPO on GRPO) share: the teacher prompt built from a row's
 ``prompt`` and ``privileged_context``, and the self-distillation term scored at the loss tokens.
 
-:class:`SelfDistillationMixin` goes before the trainer base (``class SDFTTrainer(SelfDistillationMixin,
-OnlineTrainerBase)``). It reads ``self.args`` (TRL's ``distillation_mode`` / ``distillation_alpha`` /
-``distillation_topk`` / ``distillation_add_tail`` / ``distillation_is_clip`` / ``num_loss_tokens_to_skip`` /
-``temperature`` / ``use_teacher_server`` fields), ``self.teacher`` (a
-:class:`~posttrain.models.teacher_sync.SelfDistillationTeacher`), ``self.vocab_rows`` and, with
-``use_teacher_server``, ``self.backend`` / ``self._last_synced_step`` (the online base's); a micro-batch holds the
-online-RL layout (``prompt_ids`` / ``prompt_mask`` / ``completion_ids`` / ``completion_mask`` /
-``completion_lengths``) plus ``teacher_prompt_ids`` / ``teacher_prompt_mask`` (left-padded) and, when the rollout
-outlives an optimizer step, ``old_per_token_logps``. :meth:`SelfDistillationMixin.self_distillation_per_token`
-returns the per-token loss at the ``N`` loss tokens; aggregation is the trainer's.
+:class:`SelfDistillation` is a component the trainer owns and delegates to (``self.self_distillation =
+SelfDistillation(self)``; SDFT's loss is its per-token term, SDPO's loss strategy mixes it with GRPO's). It reads the
+trainer's ``args`` (TRL's ``distillation_mode`` / ``distillation_alpha`` / ``distillation_topk`` /
+``distillation_add_tail`` / ``distillation_is_clip`` / ``num_loss_tokens_to_skip`` / ``temperature`` /
+``use_teacher_server`` fields), ``teacher`` (a :class:`~posttrain.models.teacher_sync.SelfDistillationTeacher`),
+``vocab_rows``, ``loss_chunk_size`` and, with ``use_teacher_server``, ``backend`` / ``_last_synced_step`` (the online
+base's); a micro-batch holds the online-RL layout (``prompt_ids`` / ``prompt_mask`` / ``completion_ids`` /
+``completion_mask`` / ``completion_lengths``) plus ``teacher_prompt_ids`` / ``teacher_prompt_mask`` (left-padded)
+and, when the rollout outlives an optimizer step, ``old_per_token_logps``. :meth:`SelfDistillation.per_token` returns
+the per-token loss at the ``N`` loss tokens; aggregation is the trainer's. It also dispatches TRL's
+self-distillation callback events and holds the EMA teacher's checkpoint state.
 """
 
 from __future__ import annotations
@@ -30,11 +31,11 @@ from posttrain.core.self_distillation import (
 from posttrain.experimental._distill_support import ServedTeacher
 from posttrain.models.distillation_scoring import DistillationScores, score_distillation_completions, token_divergence
 from posttrain.rollout.buffer import RolloutBatch
-from posttrain.trainers.distillation import DistillationTrainer
+from posttrain.trainers.distillation import distillation_scoring_inputs, loss_chunk_size_for
 
 __all__ = [
     "REQUIRED_COLUMNS",
-    "SelfDistillationMixin",
+    "SelfDistillation",
     "check_self_distillation_columns",
     "compose_teacher_prompt",
     "fill_teacher_prompt",
@@ -150,37 +151,58 @@ def trim_left_padding(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tens
     return ids[:, start:], mask[:, start:]
 
 
-class SelfDistillationMixin:
-    """The self-distillation term of a trainer whose student is its own teacher (see the module docstring)."""
+class SelfDistillation:
+    """The self-distillation term of a trainer whose student is its own teacher: a component the trainer owns
+    (``trainer.self_distillation = SelfDistillation(trainer)``) and delegates to (see the module docstring).
 
-    served_teacher: ServedTeacher | None = None  # the teacher-server client (use_teacher_server), made on first use
-    # DistillationTrainer's: score_distillation_completions arguments (the shared-prompt layout when it saves work),
-    # and the tokens per chunk of the chunked divergence / log-probs (about 2**24 logits per chunk).
-    _scoring_inputs = DistillationTrainer._scoring_inputs
-    _loss_chunk_size = DistillationTrainer._loss_chunk_size
-    loss_chunk_size: int | None = None
+    It keeps the served-teacher client (made on first use) and reads the rest from its trainer, as
+    :class:`~posttrain.rollout.async_worker.AsyncRollout` does.
+    """
+
+    def __init__(self, trainer: Any):
+        self.trainer = trainer
+        self.served_teacher: ServedTeacher | None = None  # the teacher-server client (use_teacher_server)
+
+    @property
+    def args(self) -> Any:
+        return self.trainer.args
 
     @property
     def teacher_model(self) -> torch.nn.Module:
         """TRL's attribute: the separate teacher module, or the student itself (``live``, or PEFT adapters)."""
-        return self.teacher.model if self.teacher.model is not None else self.model
+        trainer = self.trainer
+        return trainer.teacher.model if trainer.teacher.model is not None else trainer.model
 
-    def _dispatch_self_distillation_callback(self, event_name: str, **payload: Any) -> None:
+    # -- helpers shared with the distillation trainers ----------------------------------------------------------
+    def scoring_inputs(self, model: torch.nn.Module, inputs: RolloutBatch) -> tuple:
+        """``score_distillation_completions`` arguments for ``model`` (the shared-prompt layout when it saves
+        work)."""
+        return distillation_scoring_inputs(model, inputs, self.args.shared_prompt_forward)
+
+    def loss_chunk_size(self) -> int:
+        """Tokens per chunk of the chunked divergence / log-probs: the trainer's ``loss_chunk_size`` when set, else
+        about 2**24 logits per chunk."""
+        return loss_chunk_size_for(self.trainer.vocab_rows, self.trainer.loss_chunk_size)
+
+    # -- TRL's callback events ------------------------------------------------------------------------------------
+    def dispatch(self, event_name: str, **payload: Any) -> None:
         """TRL's self-distillation callback events: each callback that defines ``event_name`` is called with
-        ``args``, ``state``, ``control``, ``model``, ``processing_class`` and the payload (``on_generation_prompts_selected``,
-        ``on_self_distillation_batch_prepared``, ``on_generation_batch_built``)."""
-        for callback in self.callback_handler.callbacks:
+        ``args``, ``state``, ``control``, ``model``, ``processing_class`` and the payload
+        (``on_generation_prompts_selected``, ``on_self_distillation_batch_prepared``, ``on_generation_batch_built``,
+        SDPO's ``on_teacher_context_built``)."""
+        trainer = self.trainer
+        for callback in trainer.callback_handler.callbacks:
             handler = getattr(callback, event_name, None)
             if handler is not None:
                 handler(
-                    args=self.args, state=self.state, control=self.control, model=self.model,
-                    processing_class=self.processing_class, **payload,
+                    args=trainer.args, state=trainer.state, control=trainer.control, model=trainer.model,
+                    processing_class=trainer.processing_class, **payload,
                 )  # fmt: skip
 
-    def _announce_batch(self, batch: RolloutBatch, mode: str, **teacher: torch.Tensor) -> None:
+    def announce_batch(self, batch: RolloutBatch, mode: str, **teacher: torch.Tensor) -> None:
         """TRL's ``on_self_distillation_batch_prepared`` (the student/teacher inputs) and, in training,
         ``on_generation_batch_built`` events for a finished rollout batch."""
-        self._dispatch_self_distillation_callback(
+        self.dispatch(
             "on_self_distillation_batch_prepared",
             old_per_token_logps=batch.get("old_per_token_logps"),
             prompt_ids=batch["prompt_ids"],
@@ -188,14 +210,15 @@ class SelfDistillationMixin:
             **teacher,
         )
         if mode == "train":
-            self._dispatch_self_distillation_callback(
+            self.dispatch(
                 "on_generation_batch_built",
                 generate_every=self.args.steps_per_generation * self.args.num_iterations,
                 steps_per_generation=self.args.steps_per_generation,
             )
 
     # -- the self-distillation term -------------------------------------------------------------------------
-    def _loss_mask(self, inputs: RolloutBatch) -> torch.Tensor:
+    def loss_mask(self, inputs: RolloutBatch) -> torch.Tensor:
+        """``completion_mask`` minus the first ``num_loss_tokens_to_skip`` tokens of each completion."""
         mask = inputs["completion_mask"]
         skip = self.args.num_loss_tokens_to_skip
         if skip > 0:  # SDFT skips the first completion tokens to suppress teacher-prompt artifacts
@@ -203,14 +226,14 @@ class SelfDistillationMixin:
             mask = mask * (positions >= skip).to(mask.dtype)
         return mask
 
-    def _token_logps(self, scores: DistillationScores) -> torch.Tensor:
+    def token_logps(self, scores: DistillationScores) -> torch.Tensor:
         """``(N,)`` log-probs of the loss tokens (temperature applied), differentiable, without ``N × V`` logits."""
-        rows, temperature = self.vocab_rows, self.args.temperature
+        rows, temperature = self.trainer.vocab_rows, self.args.temperature
         if scores.hidden is not None:
             weight, bias = scores.head(rows)
             logps, _ = chunked_logprobs_from_hidden(
                 scores.hidden, weight, scores.tokens, bias=bias, temperature=temperature,
-                chunk_size=self._loss_chunk_size(),
+                chunk_size=self.loss_chunk_size(),
             )  # fmt: skip
             return logps
         return selective_log_softmax(scores.logits[:, :rows].float() / temperature, scores.tokens)
@@ -218,17 +241,18 @@ class SelfDistillationMixin:
     def _chunked(self, student: DistillationScores, per_chunk: Any) -> tuple[torch.Tensor, ...]:
         """``per_chunk(student log-probs (c, V), rows)`` over the loss tokens a chunk at a time (never ``N × V``)."""
         return chunked_token_map(
-            student.logits_fn(self.vocab_rows), student.tokens.shape[0], per_chunk,
-            temperature=self.args.temperature, chunk_size=self._loss_chunk_size(), device=student.tokens.device,
+            student.logits_fn(self.trainer.vocab_rows), student.tokens.shape[0], per_chunk,
+            temperature=self.args.temperature, chunk_size=self.loss_chunk_size(), device=student.tokens.device,
         )  # fmt: skip
 
-    def _per_token_loss(self, student: DistillationScores, teacher: DistillationScores) -> tuple[torch.Tensor, Any]:
+    def per_token_loss(self, student: DistillationScores, teacher: DistillationScores) -> tuple[torch.Tensor, Any]:
         """``(N,)`` per-token loss of ``distillation_mode`` and a thunk giving the student's token log-probs."""
         args = self.args
         mode = args.distillation_mode
+        vocab_rows = self.trainer.vocab_rows
         if mode == "topk_logits":
             tokens, temperature = student.tokens, args.temperature
-            teacher_logits_fn = teacher.logits_fn(self.vocab_rows)
+            teacher_logits_fn = teacher.logits_fn(vocab_rows)
 
             def per_chunk(student_lp: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
                 """(c, V) student log-probs of a chunk of loss tokens → (per-token loss, token log-probs)."""
@@ -245,42 +269,44 @@ class SelfDistillationMixin:
             return per_token, lambda: student_logps
         if mode == "full_logits":
             per_token, _ = token_divergence(
-                student, teacher, vocab_rows=self.vocab_rows, beta=args.distillation_alpha,
-                temperature=args.temperature, chunk_size=self._loss_chunk_size(),
+                student, teacher, vocab_rows=vocab_rows, beta=args.distillation_alpha,
+                temperature=args.temperature, chunk_size=self.loss_chunk_size(),
             )  # fmt: skip
-            return per_token, lambda: self._token_logps(student)
-        student_logps = self._token_logps(student)
+            return per_token, lambda: self.token_logps(student)
+        student_logps = self.token_logps(student)
         with torch.no_grad():
-            teacher_logps = self._token_logps(teacher)
+            teacher_logps = self.token_logps(teacher)
         per_token = sampled_token_self_distillation_loss_from_logps(
             student_logps, teacher_logps, distillation_alpha=args.distillation_alpha
         )
         return per_token, lambda: student_logps
 
-    def _teacher_server(self) -> ServedTeacher:
+    def teacher_server(self) -> ServedTeacher:
+        """The ``POST /get_sequence_logprobs/`` client of the generation server (made on first use)."""
         if self.served_teacher is None:
-            base_url = getattr(self.backend, "base_url", None)
+            args = self.args
+            base_url = getattr(self.trainer.backend, "base_url", None)
             if base_url is None:
-                args = self.args
                 base_url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
-            self.served_teacher = ServedTeacher(base_url, self.vocab_rows, float(self.args.vllm_server_timeout),
-                                               "vllm_server_timeout")
+            self.served_teacher = ServedTeacher(
+                base_url, self.trainer.vocab_rows, float(args.vllm_server_timeout), "vllm_server_timeout"
+            )
         return self.served_teacher
 
-    def _served_per_token_loss(
+    def served_per_token_loss(
         self, student: DistillationScores, teacher_inputs: RolloutBatch, mode: str
     ) -> tuple[torch.Tensor, Any]:
         """The live teacher's log-probs from the generation server (``use_teacher_server``): the sampled token's for
         ``sampled_token``, the teacher's own top-k support for ``topk_logits`` (renormalised or with the tail)."""
-        args = self.args
-        if self.state.global_step != self._last_synced_step:  # a reused rollout: the server must hold θ now
-            self.backend.sync_weights(self.accelerator.unwrap_model(self.model))
-            self._last_synced_step = self.state.global_step
+        args, trainer = self.args, self.trainer
+        if trainer.state.global_step != trainer._last_synced_step:  # a reused rollout: the server must hold θ now
+            trainer.backend.sync_weights(trainer.accelerator.unwrap_model(trainer.model))
+            trainer._last_synced_step = trainer.state.global_step
         top_k = args.distillation_topk if args.distillation_mode == "topk_logits" else 1
-        served = self._teacher_server().score(teacher_inputs, top_k, args.temperature)  # (N,), (N, K)
+        served = self.teacher_server().score(teacher_inputs, top_k, args.temperature)  # (N,), (N, K)
         actual = served["actual_logprobs"]
         if args.distillation_mode == "sampled_token":
-            student_logps = self._token_logps(student)
+            student_logps = self.token_logps(student)
             per_token = sampled_token_self_distillation_loss_from_logps(
                 student_logps, actual, distillation_alpha=args.distillation_alpha
             )
@@ -300,14 +326,14 @@ class SelfDistillationMixin:
             per_token, student_logps = self._chunked(student, per_chunk)
         # Disagreement of the local student and the served teacher on the realized tokens (stale weights, drift).
         diff = (student_logps.detach() - actual).abs()
-        self.record_metric(
+        trainer.record_metric(
             "self_distillation/server_logprob_abs_diff",
-            self._gather_mean(diff.mean() if diff.numel() else diff.new_zeros(())),
+            trainer._gather_mean(diff.mean() if diff.numel() else diff.new_zeros(())),
             mode=mode,
         )
         return per_token, lambda: student_logps
 
-    def self_distillation_per_token(
+    def per_token(
         self, model: torch.nn.Module, inputs: RolloutBatch
     ) -> tuple[torch.Tensor, torch.Tensor, DistillationScores]:
         """The student scored on ``[prompt | completion]``, the teacher on ``[teacher prompt | completion]`` (local,
@@ -319,19 +345,19 @@ class SelfDistillationMixin:
             ``loss_mask`` (``completion_mask`` minus the first ``num_loss_tokens_to_skip`` tokens).
         """
         args = self.args
-        loss_mask = self._loss_mask(inputs)
+        loss_mask = self.loss_mask(inputs)
         student_inputs = {**inputs, "completion_mask": loss_mask}
         teacher_ids, teacher_mask = trim_left_padding(inputs["teacher_prompt_ids"], inputs["teacher_prompt_mask"])
         teacher_inputs = {**student_inputs, "prompt_ids": teacher_ids, "prompt_mask": teacher_mask}
-        student = score_distillation_completions(model, *self._scoring_inputs(model, student_inputs))
+        student = score_distillation_completions(model, *self.scoring_inputs(model, student_inputs))
         if args.use_teacher_server:
-            per_token, student_token_logps = self._served_per_token_loss(student, teacher_inputs, self._mode())
+            per_token, student_token_logps = self.served_per_token_loss(student, teacher_inputs, self.trainer._mode())
         else:
-            with torch.no_grad(), self.teacher.activate(model) as teacher_module:
+            with torch.no_grad(), self.trainer.teacher.activate(model) as teacher_module:
                 teacher = score_distillation_completions(
-                    teacher_module, *self._scoring_inputs(teacher_module, teacher_inputs)
+                    teacher_module, *self.scoring_inputs(teacher_module, teacher_inputs)
                 )
-            per_token, student_token_logps = self._per_token_loss(student, teacher)  # (N,)
+            per_token, student_token_logps = self.per_token_loss(student, teacher)  # (N,)
         old = inputs.get("old_per_token_logps")
         if args.distillation_is_clip is not None and old is not None and per_token.numel():
             per_token = apply_importance_sampling_clipping(
@@ -340,15 +366,14 @@ class SelfDistillationMixin:
         return per_token, loss_mask, student
 
     # -- checkpoints -------------------------------------------------------------------------------------------
-    def resume_state_dict(self) -> dict[str, Any]:
-        """Adds an EMA teacher's weights (so a resumed run continues the same average)."""
-        state = super().resume_state_dict()
-        teacher = self.teacher.state_dict(self.model)
-        if teacher:
-            state["ema_teacher"] = teacher
-        return state
+    def state_dict(self) -> dict[str, Any]:
+        """``{"ema_teacher": ...}`` for an EMA teacher (so a resumed run continues the same average), else ``{}``:
+        the trainer adds it to its ``resume_state_dict``."""
+        trainer = self.trainer
+        teacher = trainer.teacher.state_dict(trainer.model)
+        return {"ema_teacher": teacher} if teacher else {}
 
-    def load_resume_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_resume_state_dict(state)
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores what :meth:`state_dict` saved (``state`` is the trainer's whole resume state)."""
         if "ema_teacher" in state:
-            self.teacher.load_state_dict(state["ema_teacher"], self.model)
+            self.trainer.teacher.load_state_dict(state["ema_teacher"], self.trainer.model)

@@ -226,6 +226,27 @@ class DistillationConfig(OnlineRLConfig):
             )
 
 
+def distillation_scoring_inputs(model: torch.nn.Module, inputs: RolloutBatch, shared_prompt_forward: bool) -> tuple:
+    """``score_distillation_completions`` arguments for ``model``: the shared-prompt layout when it saves work for
+    this model (``shared_prompt_forward``; each distinct prompt encoded once), else ``[prompt | completion]`` rows.
+    Both give the loss tokens in the same order, so student and teacher may differ in which one they use."""
+    targets = (inputs["completion_ids"], inputs["completion_mask"])
+    layout = choose_shared_prompt_layout(model, inputs) if shared_prompt_forward else None
+    if layout is not None:
+        predictors = layout.predictor_index(inputs["completion_mask"])
+        return layout.input_ids, layout.attention_mask, layout.position_ids, *targets, predictors
+    input_ids, attention_mask, position_ids, _ = completion_inputs(inputs)
+    return input_ids, attention_mask, position_ids, *targets
+
+
+def loss_chunk_size_for(vocab_rows: int, configured: int | None = None) -> int:
+    """Tokens per chunk of a chunked divergence / log-prob pass: ``configured`` when set, else about 2**24 logits
+    (64 MiB in float32) per chunk, between 16 and 1024 tokens (see ``DistillationTrainer._loss_chunk_size``)."""
+    if configured is not None:
+        return int(configured)
+    return min(1024, max(16, 2**24 // vocab_rows))
+
+
 class DistillationLoss(Protocol):
     """A distillation trainer's loss strategy: ``loss(trainer, model, inputs) -> scalar`` for one micro-batch.
 
@@ -503,16 +524,8 @@ class DistillationTrainer(OnlineTrainerBase):
 
     # -- loss --------------------------------------------------------------------------------------------------
     def _scoring_inputs(self, model: torch.nn.Module, inputs: RolloutBatch) -> tuple:
-        """``score_distillation_completions`` arguments for ``model``: the shared-prompt layout when it saves work for this model
-        (``shared_prompt_forward``; each distinct prompt encoded once), else ``[prompt | completion]`` rows. Both
-        give the loss tokens in the same order, so student and teacher may differ in which one they use."""
-        targets = (inputs["completion_ids"], inputs["completion_mask"])
-        layout = choose_shared_prompt_layout(model, inputs) if self.args.shared_prompt_forward else None
-        if layout is not None:
-            predictors = layout.predictor_index(inputs["completion_mask"])
-            return layout.input_ids, layout.attention_mask, layout.position_ids, *targets, predictors
-        input_ids, attention_mask, position_ids, _ = completion_inputs(inputs)
-        return input_ids, attention_mask, position_ids, *targets
+        """``score_distillation_completions`` arguments for ``model`` (:func:`distillation_scoring_inputs`)."""
+        return distillation_scoring_inputs(model, inputs, self.args.shared_prompt_forward)
 
     def _compute_loss(self, model: torch.nn.Module, inputs: RolloutBatch) -> torch.Tensor:
         """The micro-batch's loss: ``self.loss_strategy(self, model, inputs)`` (see :class:`DistillationLoss`)."""
@@ -543,9 +556,7 @@ class DistillationTrainer(OnlineTrainerBase):
         the KL terms), so a fixed budget per chunk bounds its peak memory at ~0.5 GiB whatever the batch size,
         sequence length or vocabulary (152k-row vocabularies: ~110 tokens per chunk).
         """
-        if self.loss_chunk_size is not None:
-            return int(self.loss_chunk_size)
-        return min(1024, max(16, 2**24 // self.vocab_rows))
+        return loss_chunk_size_for(self.vocab_rows, self.loss_chunk_size)
 
     # -- logging and checkpoints -------------------------------------------------------------------------------
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -329,6 +330,10 @@ class GRPOTrainer(OnlineTrainerBase):
     vllm_importance_sampling_clip_min = ConfigAttribute()
     vllm_importance_sampling_clip_max = ConfigAttribute()
 
+    # The per-micro-batch loss when it is more than GRPO's: a stateless ``loss(trainer, model, inputs) -> scalar``
+    # that calls ``trainer._grpo_loss`` for the policy term (SDPO's); None: GRPO's loss alone.
+    loss_strategy: Callable[[GRPOTrainer, torch.nn.Module, RolloutBatch], torch.Tensor] | None = None
+
     def _setup_loss(self) -> None:
         """The loss of ``loss_type``, its config warnings and the entropy controller (after the shared setup)."""
         args = self.args
@@ -404,13 +409,20 @@ class GRPOTrainer(OnlineTrainerBase):
         return gather_variable_length(self.accelerator, values)
 
     # -- loss --------------------------------------------------------------------------------------------------
-    def _compute_loss(
+    def _compute_loss(self, model: torch.nn.Module, inputs: RolloutBatch) -> torch.Tensor:
+        """The micro-batch's loss: ``self.loss_strategy(self, model, inputs)`` when a trainer composes GRPO's loss
+        with more (SDPO's self-distillation term), else GRPO's own (:meth:`_grpo_loss`)."""
+        if self.loss_strategy is not None:
+            return self.loss_strategy(self, model, inputs)
+        return self._grpo_loss(model, inputs)
+
+    def _grpo_loss(
         self, model: torch.nn.Module, inputs: RolloutBatch, stats: TokenStats | None = None
     ) -> torch.Tensor:
         """TRL's GRPO loss on one micro-batch (see the module docstring for the recipe).
 
-        ``stats``: the policy's token statistics of ``inputs`` when a subclass already ran the forward pass (SDPO
-        shares it with its distillation term); None runs it here.
+        ``stats``: the policy's token statistics of ``inputs`` when a loss strategy already ran the forward pass
+        (SDPO shares it with its distillation term); None runs it here.
         """
         args = self.args
         mode = self._mode()

@@ -31,8 +31,8 @@ posttrain's ``num_tokens``, ``step_time``, ``timing/*``.
 logs ``self_distillation/server_logprob_abs_diff``.
 
 The teacher prompt, the scoring of both sides and the per-token term live in
-:mod:`posttrain.experimental._self_distillation` (``SelfDistillationMixin``, shared with SDPO); this module adds the
-round, the config and SDFT's aggregation.
+:mod:`posttrain.experimental._self_distillation` (the ``SelfDistillation`` component the trainer delegates to,
+``self.self_distillation``, shared with SDPO); this module adds the round, the config and SDFT's aggregation.
 
 Differences from TRL: a student given as a module gets a deep copy as its ``base`` / ``ema`` teacher (one given by
 path is loaded again from it, as TRL does); an EMA teacher's weights are saved in checkpoints
@@ -50,7 +50,7 @@ import torch
 from posttrain.core.self_distillation import self_distillation_loss
 from posttrain.experimental._distill_support import to_rows
 from posttrain.experimental._self_distillation import (
-    SelfDistillationMixin,
+    SelfDistillation,
     check_self_distillation_columns,
     compose_teacher_prompt,
     teacher_prompt_rows,
@@ -122,7 +122,7 @@ class SelfDistillationRollout(DistillationRollout):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-class SDFTTrainer(SelfDistillationMixin, OnlineTrainerBase):
+class SDFTTrainer(OnlineTrainerBase):
     """Self-Distilled Fine-Tuning with TRL's ``SDFTTrainer(model, args, train_dataset, ...)`` signature.
 
     Args:
@@ -142,6 +142,8 @@ class SDFTTrainer(SelfDistillationMixin, OnlineTrainerBase):
     shuffles_generation_batch = False  # TRL's SDFT splits its generation batch unshuffled
     _trainer_name = "SDFT"
     _tag_names = ["posttrain", "sdft"]
+    # Tokens per chunk of the chunked divergence / log-probs (None: about 2**24 logits per chunk).
+    loss_chunk_size: int | None = None
 
     def __init__(
         self,
@@ -155,6 +157,7 @@ class SDFTTrainer(SelfDistillationMixin, OnlineTrainerBase):
         peft_config: Any = None,
     ):
         args = self.resolve_args(args, model, self.config_class, self._trainer_name)
+        self.self_distillation = SelfDistillation(self)  # the teacher term, its callback events and EMA state
         if train_dataset is None:
             raise ValueError("`train_dataset` is required")
         check_datasets(train_dataset, eval_dataset)
@@ -231,7 +234,7 @@ class SDFTTrainer(SelfDistillationMixin, OnlineTrainerBase):
             self.backend.sync_weights(self.accelerator.unwrap_model(self.model))
             self._last_synced_step = self.state.global_step
         generating = self.rollout.teacher_rows(rows) if self.args.generate_from_teacher else rows
-        self._dispatch_self_distillation_callback(
+        self.self_distillation.dispatch(
             "on_generation_prompts_selected",
             generation_prompts=[row["prompt"] for row in generating],
             generation_prompt_text=None,
@@ -245,7 +248,7 @@ class SDFTTrainer(SelfDistillationMixin, OnlineTrainerBase):
         if mode == "train" and self._needs_old_logps() and not self.args.generate_from_teacher:
             with torch.no_grad():
                 batch["old_per_token_logps"] = self._token_stats(self.model, batch).logps
-        self._announce_batch(
+        self.self_distillation.announce_batch(
             batch,
             mode,
             teacher_input_ids=torch.cat([batch["teacher_prompt_ids"], batch["completion_ids"]], dim=1),
@@ -257,7 +260,7 @@ class SDFTTrainer(SelfDistillationMixin, OnlineTrainerBase):
     def _compute_loss(self, model: torch.nn.Module, inputs: RolloutBatch) -> torch.Tensor:
         """mean over completions of (Σ_t loss_t / loss tokens), divided by the gradient-accumulation steps."""
         mode = self._mode()
-        per_token, loss_mask, student = self.self_distillation_per_token(model, inputs)  # (N,), (B, C)
+        per_token, loss_mask, student = self.self_distillation.per_token(model, inputs)  # (N,), (B, C)
         if per_token.numel() == 0:
             # No loss token anywhere: a zero that still reaches every parameter (backward and DDP hooks run).
             loss = 0.0 * sum(p.sum() for p in model.parameters() if p.requires_grad)
@@ -270,12 +273,24 @@ class SDFTTrainer(SelfDistillationMixin, OnlineTrainerBase):
         self.record_metric(f"{self._trainer_name.lower()}/distillation_loss", value, mode=mode)
         return loss
 
+    @property
+    def teacher_model(self) -> torch.nn.Module:
+        """TRL's attribute: the separate teacher module, or the student itself (``live``, or PEFT adapters)."""
+        return self.self_distillation.teacher_model
+
+    @property
+    def served_teacher(self) -> Any:
+        """The teacher-server client (``use_teacher_server``; None until the first loss)."""
+        return self.self_distillation.served_teacher
+
     # -- checkpoints -------------------------------------------------------------------------------------------
     def resume_state_dict(self) -> dict[str, Any]:
-        """Adds the rollout's RNG (the mixin adds an EMA teacher's weights)."""
-        return {**super().resume_state_dict(), "distillation_rollout": self.rollout.state_dict()}
+        """Adds an EMA teacher's weights (so a resumed run continues the same average) and the rollout's RNG."""
+        state = {**super().resume_state_dict(), **self.self_distillation.state_dict()}
+        return {**state, "distillation_rollout": self.rollout.state_dict()}
 
     def load_resume_state_dict(self, state: dict[str, Any]) -> None:
         super().load_resume_state_dict(state)
+        self.self_distillation.load_state_dict(state)
         if "distillation_rollout" in state:
             self.rollout.load_state_dict(state["distillation_rollout"])

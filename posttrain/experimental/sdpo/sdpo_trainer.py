@@ -16,11 +16,13 @@ with ``w = distillation_weight``, loss tokens = completion tokens of rows with a
 the ``distillation_mode`` term of ``core.self_distillation`` between the student on ``[prompt | completion]`` and the
 teacher on ``[re-prompt | completion]`` (no gradient): ``sampled_token`` (reverse KL at the sampled token, from the
 chunked log-probs: no full-vocabulary logits), ``full_logits`` (divergence with ``distillation_alpha`` over the
-vocabulary, chunked) / ``topk_logits`` (over the student's top-k ids, from the loss tokens' logits); the per-token
-loss of the logit modes, the served teacher, the callback dispatch and the EMA checkpoint state are
-``experimental._self_distillation.SelfDistillationMixin``'s, shared with SDFT. One student forward serves both
-terms. The teacher (``teacher_model_kind``: ``base`` / ``live`` / ``ema``, updated every ``teacher_sync_steps`` by
-``teacher_update_rate``) is ``models.teacher_sync``'s; only rows with a teacher are forwarded through it.
+vocabulary, chunked) / ``topk_logits`` (over the student's top-k ids, from the loss tokens' logits). The loss is
+the strategy :class:`SDPOLoss` behind ``GRPOTrainer._compute_loss`` (``loss_strategy``); the per-token loss of the
+logit modes, the served teacher, the callback dispatch and the EMA checkpoint state are the trainer's
+``experimental._self_distillation.SelfDistillation`` component's (``self.self_distillation``), shared with SDFT. One
+student forward serves both terms. The teacher (``teacher_model_kind``: ``base`` / ``live`` / ``ema``, updated
+every ``teacher_sync_steps`` by ``teacher_update_rate``) is ``models.teacher_sync``'s; only rows with a teacher are
+forwarded through it.
 
 Callbacks may define TRL's self-distillation events ``on_generation_prompts_selected``, ``on_teacher_context_built``,
 ``on_self_distillation_batch_prepared`` and ``on_generation_batch_built`` (called with TRL's payloads).
@@ -58,7 +60,7 @@ from posttrain.core.self_distillation import (
 )
 from posttrain.distributed import gather_objects
 from posttrain.experimental._distill_support import to_rows
-from posttrain.experimental._self_distillation import SelfDistillationMixin, trim_left_padding
+from posttrain.experimental._self_distillation import SelfDistillation, trim_left_padding
 from posttrain.models.completion_scoring import completion_inputs
 from posttrain.models.distillation_scoring import DistillationScores, score_distillation_completions
 from posttrain.models.forward import TokenStats
@@ -77,7 +79,171 @@ __all__ = ["SDPOTrainer"]
 logger = logging.getLogger(__name__)
 
 
-class SDPOTrainer(SelfDistillationMixin, GRPOTrainer):
+class SDPOLoss:
+    """SDPO's loss strategy (``SDPOTrainer.loss_strategy``, called by ``GRPOTrainer._compute_loss``):
+    ``(1 − w)·GRPO + w·self-distillation`` on one micro-batch (see the module docstring).
+
+    One student forward serves both terms: the policy term is ``trainer._grpo_loss`` given those statistics, the
+    distillation term scores the teacher through the trainer's :class:`SelfDistillation` component
+    (``trainer.self_distillation``). Stateless: it reads everything from the trainer.
+    """
+
+    def __call__(self, trainer: SDPOTrainer, model: torch.nn.Module, inputs: RolloutBatch) -> torch.Tensor:
+        weight = trainer.args.distillation_weight
+        mode = trainer._mode()
+        if weight == 0.0:
+            loss = trainer._grpo_loss(model, inputs)
+            self._record_policy_loss(trainer, loss, mode)
+            return loss
+        student, scores = self._student_stats(trainer, model, inputs, with_policy=weight < 1.0)
+        distillation = trainer._finish_loss(
+            self._self_distillation_loss(trainer, model, inputs, student, scores), None
+        )
+        if weight == 1.0:
+            return trainer._finish_loss(distillation, student.aux_loss, divide_by_grad_accum=False)
+        policy = trainer._grpo_loss(model, inputs, stats=replace(student, aux_loss=None))
+        self._record_policy_loss(trainer, policy, mode)
+        loss = (1.0 - weight) * policy + weight * distillation
+        return trainer._finish_loss(loss, student.aux_loss, divide_by_grad_accum=False)
+
+    @staticmethod
+    def _record_policy_loss(trainer: SDPOTrainer, policy: torch.Tensor, mode: str) -> None:
+        scale = trainer._grad_accum_divisor() if trainer.divide_by_grad_accum else 1
+        trainer.record_metric(
+            "self_distillation/policy_loss", trainer._gather_mean(policy.detach() * scale), mode=mode
+        )
+
+    @staticmethod
+    def _student_stats(
+        trainer: SDPOTrainer, model: torch.nn.Module, inputs: RolloutBatch, *, with_policy: bool
+    ) -> tuple[TokenStats, DistillationScores | None]:
+        """The student's token statistics over ``inputs`` (one forward serves both terms) and, for the logit modes,
+        its ``DistillationScores`` at every generated token (row-major; log-probs and entropies chunked from them)."""
+        args, component = trainer.args, trainer.self_distillation
+        entropy_grad = with_policy and trainer.entropy_ctrl.enabled
+        if args.distillation_mode == "sampled_token" and not args.use_teacher_server:
+            stats = trainer._token_stats(
+                model, inputs, compute_entropy=with_policy, entropy_requires_grad=entropy_grad
+            )
+            return stats, None
+        generated = completion_inputs(inputs)[3]
+        scores = score_distillation_completions(
+            model, *component.scoring_inputs(model, {**inputs, "completion_mask": generated.long()})
+        )
+        if scores.hidden is not None:
+            weight, bias = scores.head(trainer.vocab_rows)
+            logps, entropy = chunked_logprobs_from_hidden(
+                scores.hidden, weight, scores.tokens, bias=bias, temperature=args.temperature,
+                chunk_size=component.loss_chunk_size(), compute_entropy=with_policy,
+                entropy_requires_grad=entropy_grad,
+            )  # fmt: skip
+        else:
+            logits = scores.logits[:, : trainer.vocab_rows].float() / args.temperature
+            logps = torch.log_softmax(logits, -1).gather(-1, scores.tokens.unsqueeze(-1)).squeeze(-1)
+            entropy = entropy_from_logits(logits if entropy_grad else logits.detach()) if with_policy else None
+        stats = TokenStats(
+            logps=to_rows(logps, generated),
+            mask=generated,
+            entropy=None if entropy is None else to_rows(entropy, generated),
+            aux_loss=scores.aux_loss,
+        )
+        return stats, scores
+
+    @staticmethod
+    def _teacher_inputs(inputs: RolloutBatch, rows: torch.Tensor) -> RolloutBatch:
+        """The teacher's micro-batch: ``[re-prompt | completion]`` of the selected rows (padding columns trimmed)."""
+        prompt_ids, prompt_mask = trim_left_padding(
+            inputs["teacher_prompt_ids"][rows], inputs["teacher_prompt_mask"][rows]
+        )
+        return {
+            "prompt_ids": prompt_ids,
+            "prompt_mask": prompt_mask,
+            "completion_ids": inputs["completion_ids"][rows],
+            "completion_mask": inputs["completion_mask"][rows],
+            "completion_lengths": inputs["completion_lengths"][rows],
+        }
+
+    def _self_distillation_loss(
+        self,
+        trainer: SDPOTrainer,
+        model: torch.nn.Module,
+        inputs: RolloutBatch,
+        student: TokenStats,
+        scores: DistillationScores | None,
+    ) -> torch.Tensor:
+        """The distillation term before the gradient-accumulation divisor: per-row mean over the loss tokens, mean
+        over rows (rows without a teacher count as 0), with the IS clipping; logs TRL's distillation-loss metrics."""
+        args = trainer.args
+        mode = trainer._mode()
+        loss_mask = inputs["completion_mask"].to(student.logps.dtype) * inputs["self_distillation_mask"].to(
+            student.logps.dtype
+        ).unsqueeze(1)  # (B, C)
+        if loss_mask.sum() == 0:
+            self._log_distillation_metric(trainer, mode, loss_mask, loss_mask)  # joins the reduction with nothing
+            return student.logps.sum() * 0.0  # attached to the graph: backward gives zero gradients
+        rows = inputs["self_distillation_mask"].bool().nonzero().squeeze(-1)
+        teacher_batch = self._teacher_inputs(inputs, rows)
+        if args.distillation_mode == "sampled_token" and not args.use_teacher_server:
+            with torch.no_grad(), trainer.teacher.activate(model) as teacher:
+                teacher_rows = trainer._token_stats(teacher, teacher_batch).logps  # (B_sd, C)
+            teacher_logps = torch.zeros_like(student.logps).index_copy(0, rows, teacher_rows.to(student.logps.dtype))
+            per_token = sampled_token_self_distillation_loss_from_logps(
+                student.logps, teacher_logps, distillation_alpha=args.distillation_alpha
+            )
+        else:
+            per_token = self._logit_distillation(trainer, model, inputs, teacher_batch, rows, loss_mask, scores)
+        old_logps = inputs.get("old_per_token_logps")
+        if args.distillation_is_clip is not None and old_logps is not None:
+            clip = args.distillation_is_clip
+            per_token = apply_importance_sampling_clipping(per_token, student.logps, old_logps, clip)
+        per_token = per_token * loss_mask  # rows without a teacher hold arbitrary values before this
+        self._log_distillation_metric(trainer, mode, per_token.detach(), loss_mask)
+        return self_distillation_loss(per_token, loss_mask)
+
+    @staticmethod
+    def _logit_distillation(
+        trainer: SDPOTrainer,
+        model: torch.nn.Module,
+        inputs: RolloutBatch,
+        teacher_batch: RolloutBatch,
+        rows: torch.Tensor,
+        loss_mask: torch.Tensor,
+        scores: DistillationScores,
+    ) -> torch.Tensor:
+        """Per-token loss ``(B, C)`` (0 outside the loss tokens) from the student's scores at the loss tokens, by the
+        self-distillation component's per-token loss (shared with SDFT): ``full_logits`` (chunked over the
+        vocabulary) / ``topk_logits`` against the local teacher's scores, or, with ``use_teacher_server``, against
+        the served live teacher's log-probs."""
+        component = trainer.self_distillation
+        at_loss = loss_mask.bool()[completion_inputs(inputs)[3]]  # which of the student's scored tokens count
+        student_scores = DistillationScores(
+            tokens=scores.tokens[at_loss],
+            hidden=None if scores.hidden is None else scores.hidden[at_loss],
+            weight=scores.weight,
+            bias=scores.bias,
+            logits=None if scores.logits is None else scores.logits[at_loss],
+        )
+        if trainer.args.use_teacher_server:
+            served_inputs = {**teacher_batch, "completion_mask": loss_mask[rows]}
+            per_token, _ = component.served_per_token_loss(student_scores, served_inputs, trainer._mode())
+            return to_rows(per_token, loss_mask)
+        teacher_batch = {**teacher_batch, "completion_mask": loss_mask[rows]}
+        with torch.no_grad(), trainer.teacher.activate(model) as teacher:
+            teacher_scores = score_distillation_completions(teacher, *component.scoring_inputs(teacher, teacher_batch))
+        per_token, _ = component.per_token_loss(student_scores, teacher_scores)  # (N_loss,)
+        return to_rows(per_token, loss_mask)
+
+    @staticmethod
+    def _log_distillation_metric(
+        trainer: SDPOTrainer, mode: str, per_token: torch.Tensor, loss_mask: torch.Tensor
+    ) -> None:
+        """The distillation loss's mean over the loss tokens of every process (0 when there are none)."""
+        mean = trainer._global_masked_mean(per_token, loss_mask)
+        trainer.record_metric("self_distillation/distillation_loss", mean, mode=mode)
+        trainer.record_metric(f"{trainer._name.lower()}/distillation_loss", mean, mode=mode)
+
+
+class SDPOTrainer(GRPOTrainer):
     """Trainer for Self-Distillation Policy Optimization; constructor as :class:`~posttrain.GRPOTrainer` (TRL's
     ``SDPOTrainer(model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
     reward_processing_classes, callbacks, optimizers, peft_config)``).
@@ -91,6 +257,9 @@ class SDPOTrainer(SelfDistillationMixin, GRPOTrainer):
     shuffles_generation_batch = False  # TRL's SDPO splits its generation batch unshuffled
     _trainer_name = "SDPO"
     _tag_names = ["posttrain", "sdpo"]
+    loss_strategy = SDPOLoss()  # (1 − w)·GRPO + w·self-distillation, behind GRPOTrainer._compute_loss
+    # Tokens per chunk of the chunked divergence / log-probs (None: about 2**24 logits per chunk).
+    loss_chunk_size: int | None = None
     _name = "SDPO"
     _paper = {
         "title": "Reinforcement Learning via Self-Distillation",
@@ -148,6 +317,7 @@ class SDPOTrainer(SelfDistillationMixin, GRPOTrainer):
     def _setup_loss(self) -> None:
         super()._setup_loss()
         args = self.args
+        self.self_distillation = SelfDistillation(self)  # the teacher term, its callback events and EMA state
         self.teacher_context_builder = SuccessfulRolloutTeacherContextBuilder(args)
         self._diagnostic_counters = {"train": defaultdict(int), "eval": defaultdict(int)}
         student = self.accelerator.unwrap_model(self.model)
@@ -175,7 +345,7 @@ class SDPOTrainer(SelfDistillationMixin, GRPOTrainer):
 
     # -- the teacher-context rollout stage ---------------------------------------------------------------------
     def _generate_and_score(self, rows: list[dict[str, Any]], mode: str) -> RolloutBatch:
-        self._dispatch_self_distillation_callback(
+        self.self_distillation.dispatch(
             "on_generation_prompts_selected",
             generation_prompts=[row["prompt"] for row in rows],
             generation_prompt_text=None,
@@ -189,10 +359,10 @@ class SDPOTrainer(SelfDistillationMixin, GRPOTrainer):
             "teacher_attention_mask": torch.cat([batch["teacher_prompt_mask"], batch["completion_mask"]], dim=1),
             "self_distillation_mask": batch["self_distillation_mask"],
         }
-        self._dispatch_self_distillation_callback(
+        self.self_distillation.dispatch(
             "on_teacher_context_built", completion_mask=batch["completion_mask"], **teacher
         )
-        self._announce_batch(batch, mode, **teacher)
+        self.self_distillation.announce_batch(batch, mode, **teacher)
         return batch
 
     def _teacher_context_stage(self, rows: list[dict[str, Any]], batch: RolloutBatch, mode: str) -> RolloutBatch:
@@ -296,137 +466,22 @@ class SDPOTrainer(SelfDistillationMixin, GRPOTrainer):
         if count == 1 or count % interval == 0:
             logger.warning("%s Consecutive degenerate steps: %s.", message, count)
 
-    # -- loss --------------------------------------------------------------------------------------------------
-    def _compute_loss(self, model: torch.nn.Module, inputs: RolloutBatch) -> torch.Tensor:
-        """``(1 − w)·GRPO + w·self-distillation`` on one micro-batch (see the module docstring)."""
-        weight = self.args.distillation_weight
-        mode = self._mode()
-        if weight == 0.0:
-            loss = super()._compute_loss(model, inputs)
-            self._record_policy_loss(loss, mode)
-            return loss
-        student, scores = self._student_stats(model, inputs, with_policy=weight < 1.0)
-        distillation = self._finish_loss(self._self_distillation_loss(model, inputs, student, scores), None)
-        if weight == 1.0:
-            return self._finish_loss(distillation, student.aux_loss, divide_by_grad_accum=False)
-        policy = super()._compute_loss(model, inputs, stats=replace(student, aux_loss=None))
-        self._record_policy_loss(policy, mode)
-        loss = (1.0 - weight) * policy + weight * distillation
-        return self._finish_loss(loss, student.aux_loss, divide_by_grad_accum=False)
+    # -- the self-distillation component's attributes (TRL's names) ---------------------------------------------
+    @property
+    def teacher_model(self) -> torch.nn.Module:
+        """TRL's attribute: the separate teacher module, or the student itself (``live``, or PEFT adapters)."""
+        return self.self_distillation.teacher_model
 
-    def _record_policy_loss(self, policy: torch.Tensor, mode: str) -> None:
-        scale = self._grad_accum_divisor() if self.divide_by_grad_accum else 1
-        self.record_metric("self_distillation/policy_loss", self._gather_mean(policy.detach() * scale), mode=mode)
+    @property
+    def served_teacher(self) -> Any:
+        """The teacher-server client (``use_teacher_server``; None until the first loss)."""
+        return self.self_distillation.served_teacher
 
-    def _student_stats(
-        self, model: torch.nn.Module, inputs: RolloutBatch, *, with_policy: bool
-    ) -> tuple[TokenStats, DistillationScores | None]:
-        """The student's token statistics over ``inputs`` (one forward serves both terms) and, for the logit modes,
-        its ``DistillationScores`` at every generated token (row-major; log-probs and entropies chunked from them)."""
-        entropy_grad = with_policy and self.entropy_ctrl.enabled
-        if self.args.distillation_mode == "sampled_token" and not self.args.use_teacher_server:
-            stats = self._token_stats(model, inputs, compute_entropy=with_policy, entropy_requires_grad=entropy_grad)
-            return stats, None
-        generated = completion_inputs(inputs)[3]
-        scores = score_distillation_completions(
-            model, *self._scoring_inputs(model, {**inputs, "completion_mask": generated.long()})
-        )
-        if scores.hidden is not None:
-            weight, bias = scores.head(self.vocab_rows)
-            logps, entropy = chunked_logprobs_from_hidden(
-                scores.hidden, weight, scores.tokens, bias=bias, temperature=self.args.temperature,
-                chunk_size=self._loss_chunk_size(), compute_entropy=with_policy, entropy_requires_grad=entropy_grad,
-            )  # fmt: skip
-        else:
-            logits = scores.logits[:, : self.vocab_rows].float() / self.args.temperature
-            logps = torch.log_softmax(logits, -1).gather(-1, scores.tokens.unsqueeze(-1)).squeeze(-1)
-            entropy = entropy_from_logits(logits if entropy_grad else logits.detach()) if with_policy else None
-        stats = TokenStats(
-            logps=to_rows(logps, generated),
-            mask=generated,
-            entropy=None if entropy is None else to_rows(entropy, generated),
-            aux_loss=scores.aux_loss,
-        )
-        return stats, scores
+    # -- checkpoints -------------------------------------------------------------------------------------------
+    def resume_state_dict(self) -> dict[str, Any]:
+        """Adds an EMA teacher's weights (so a resumed run continues the same average)."""
+        return {**super().resume_state_dict(), **self.self_distillation.state_dict()}
 
-    def _teacher_inputs(self, inputs: RolloutBatch, rows: torch.Tensor) -> RolloutBatch:
-        """The teacher's micro-batch: ``[re-prompt | completion]`` of the selected rows (padding columns trimmed)."""
-        prompt_ids, prompt_mask = trim_left_padding(
-            inputs["teacher_prompt_ids"][rows], inputs["teacher_prompt_mask"][rows]
-        )
-        return {
-            "prompt_ids": prompt_ids,
-            "prompt_mask": prompt_mask,
-            "completion_ids": inputs["completion_ids"][rows],
-            "completion_mask": inputs["completion_mask"][rows],
-            "completion_lengths": inputs["completion_lengths"][rows],
-        }
-
-    def _self_distillation_loss(
-        self, model: torch.nn.Module, inputs: RolloutBatch, student: TokenStats, scores: DistillationScores | None
-    ) -> torch.Tensor:
-        """The distillation term before the gradient-accumulation divisor: per-row mean over the loss tokens, mean
-        over rows (rows without a teacher count as 0), with the IS clipping; logs TRL's distillation-loss metrics."""
-        args = self.args
-        mode = self._mode()
-        loss_mask = inputs["completion_mask"].to(student.logps.dtype) * inputs["self_distillation_mask"].to(
-            student.logps.dtype
-        ).unsqueeze(1)  # (B, C)
-        if loss_mask.sum() == 0:
-            self._log_distillation_metric(mode, loss_mask, loss_mask)  # joins the metric's reduction with nothing
-            return student.logps.sum() * 0.0  # attached to the graph: backward gives zero gradients
-        rows = inputs["self_distillation_mask"].bool().nonzero().squeeze(-1)
-        teacher_batch = self._teacher_inputs(inputs, rows)
-        if args.distillation_mode == "sampled_token" and not args.use_teacher_server:
-            with torch.no_grad(), self.teacher.activate(model) as teacher:
-                teacher_rows = self._token_stats(teacher, teacher_batch).logps  # (B_sd, C)
-            teacher_logps = torch.zeros_like(student.logps).index_copy(0, rows, teacher_rows.to(student.logps.dtype))
-            per_token = sampled_token_self_distillation_loss_from_logps(
-                student.logps, teacher_logps, distillation_alpha=args.distillation_alpha
-            )
-        else:
-            per_token = self._logit_distillation(model, inputs, teacher_batch, rows, loss_mask, scores)
-        old_logps = inputs.get("old_per_token_logps")
-        if args.distillation_is_clip is not None and old_logps is not None:
-            clip = args.distillation_is_clip
-            per_token = apply_importance_sampling_clipping(per_token, student.logps, old_logps, clip)
-        per_token = per_token * loss_mask  # rows without a teacher hold arbitrary values before this
-        self._log_distillation_metric(mode, per_token.detach(), loss_mask)
-        return self_distillation_loss(per_token, loss_mask)
-
-    def _logit_distillation(
-        self,
-        model: torch.nn.Module,
-        inputs: RolloutBatch,
-        teacher_batch: RolloutBatch,
-        rows: torch.Tensor,
-        loss_mask: torch.Tensor,
-        scores: DistillationScores,
-    ) -> torch.Tensor:
-        """Per-token loss ``(B, C)`` (0 outside the loss tokens) from the student's scores at the loss tokens, by the
-        self-distillation mixin's per-token loss (shared with SDFT): ``full_logits`` (chunked over the vocabulary) /
-        ``topk_logits`` against the local teacher's scores, or, with ``use_teacher_server``, against the served live
-        teacher's log-probs."""
-        at_loss = loss_mask.bool()[completion_inputs(inputs)[3]]  # which of the student's scored tokens count
-        student_scores = DistillationScores(
-            tokens=scores.tokens[at_loss],
-            hidden=None if scores.hidden is None else scores.hidden[at_loss],
-            weight=scores.weight,
-            bias=scores.bias,
-            logits=None if scores.logits is None else scores.logits[at_loss],
-        )
-        if self.args.use_teacher_server:
-            served_inputs = {**teacher_batch, "completion_mask": loss_mask[rows]}
-            per_token, _ = self._served_per_token_loss(student_scores, served_inputs, self._mode())
-            return to_rows(per_token, loss_mask)
-        teacher_batch = {**teacher_batch, "completion_mask": loss_mask[rows]}
-        with torch.no_grad(), self.teacher.activate(model) as teacher:
-            teacher_scores = score_distillation_completions(teacher, *self._scoring_inputs(teacher, teacher_batch))
-        per_token, _ = self._per_token_loss(student_scores, teacher_scores)  # (N_loss,)
-        return to_rows(per_token, loss_mask)
-
-    def _log_distillation_metric(self, mode: str, per_token: torch.Tensor, loss_mask: torch.Tensor) -> None:
-        """The distillation loss's mean over the loss tokens of every process (0 when there are none)."""
-        mean = self._global_masked_mean(per_token, loss_mask)
-        self.record_metric("self_distillation/distillation_loss", mean, mode=mode)
-        self.record_metric(f"{self._name.lower()}/distillation_loss", mean, mode=mode)
+    def load_resume_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_resume_state_dict(state)
+        self.self_distillation.load_state_dict(state)
