@@ -18,6 +18,9 @@ TRL" is the table of everything below.
   ``max_prompt_length`` where TRL 0.28/0.29 removed it: GRPO/RLOO and DPO keep the last ``max_prompt_length`` prompt
   tokens as TRL 0.x did (a plain cut there); KTO, ORPO, CPO ... raise, because their old rule (cut the prompt only
   when the pair is too long, then the completion) cannot be reproduced.
+- ``SFTConfig(packing_strategy="ffd")`` (``packing_strategy: ffd`` in a recipe): TRL 0.19's name of the packing TRL
+  0.20 renamed ``"bfd"`` (the same best-fit-decreasing bins) → ``"bfd"``.
+- ``torch_dtype`` inside ``model_init_kwargs`` (every trainer's model loading, the PRM trainer's too) → ``dtype``.
 - ``setup_chat_format`` (ChatML tokens + template, embeddings resized), ``DataCollatorForCompletionOnlyLM`` (loss
   only after the response template) and ``get_kbit_device_map`` are the old helpers, re-implemented.
 - ``posttrain.ORPOConfig`` / ``ORPOTrainer`` / ``CPOConfig`` / ``CPOTrainer`` (top level in TRL ≤ 0.28) resolve to
@@ -179,6 +182,44 @@ def translate_config_kwargs(cls: type, kwargs: dict[str, Any]) -> tuple[dict[str
                 # the attribute answers old scripts; the private one is what the trainers read (rollout settings, DPO)
                 attrs["max_prompt_length"] = attrs["_legacy_max_prompt_length"] = int(value)
     return kwargs, attrs
+
+
+# -- values ---------------------------------------------------------------------------------------------------------
+OLD_PACKING_STRATEGIES = {"ffd": "bfd"}  # TRL 0.19 "first-fit decreasing" = TRL 0.20's "bfd", the same algorithm
+
+
+def packing_strategy(value: Any, where: str) -> Any:
+    """Today's name of a packing strategy: TRL 0.19's ``"ffd"`` becomes ``"bfd"`` (warned once); others unchanged."""
+    if isinstance(value, str) and value in OLD_PACKING_STRATEGIES:
+        new = OLD_PACKING_STRATEGIES[value]
+        warn_once(
+            f"packing_strategy={value}",
+            f"{where}: packing_strategy={value!r} (TRL 0.19) was renamed {new!r} in TRL 0.20 (the same best-fit "
+            f"decreasing packing); use {new!r}. posttrain maps it for you.",
+        )
+        return new
+    return value
+
+
+def model_init_kwargs(kwargs: dict[str, Any] | None, where: str = "model_init_kwargs") -> dict[str, Any]:
+    """A copy of ``model_init_kwargs`` with transformers 4's ``torch_dtype`` as ``dtype`` (warned once); both keys
+    with different values raise."""
+    kwargs = dict(kwargs or {})
+    if "torch_dtype" not in kwargs:
+        return kwargs
+    value = kwargs.pop("torch_dtype")
+    if "dtype" in kwargs and kwargs["dtype"] != value:
+        raise ValueError(
+            f"{where}: both `torch_dtype` (the old name) and `dtype` are given ({value!r} vs {kwargs['dtype']!r}); "
+            "keep only `dtype`."
+        )
+    warn_once(
+        "model_init_kwargs.torch_dtype",
+        f"{where}: `torch_dtype` was renamed `dtype` (transformers 4.56, TRL 0.27); write "
+        f"`model_init_kwargs={{'dtype': {value!r}}}`. posttrain maps it for you.",
+    )
+    kwargs["dtype"] = value
+    return kwargs
 
 
 class LegacyKwargsMeta(type):

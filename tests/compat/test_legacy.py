@@ -164,6 +164,54 @@ def test_declared_fields_are_left_alone(tmp_path):
     assert args.max_prompt_length == 16 and not any("max_prompt_length" in m for m in _future_warnings(record))
 
 
+def test_packing_strategy_ffd_is_bfd(tmp_path):
+    """TRL 0.19's `packing_strategy="ffd"` (alignment-handbook's smollm3 SFT recipe) is TRL 0.20's "bfd"."""
+    with pytest.warns(FutureWarning, match="renamed 'bfd'"):
+        assert _sft(tmp_path, packing=True, packing_strategy="ffd").packing_strategy == "bfd"
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        assert _sft(tmp_path, packing_strategy="ffd").packing_strategy == "bfd"
+    assert _future_warnings(record) == []  # once
+    recipe = _recipe(tmp_path, f"packing: true\npacking_strategy: ffd\noutput_dir: {tmp_path}\nreport_to: none\n")
+    _, training_args, _ = TrlParser((ScriptArguments, posttrain.SFTConfig, ModelConfig)).parse_args_and_config(
+        ["--config", recipe]
+    )
+    assert training_args.packing_strategy == "bfd"
+    with pytest.raises(ValueError, match="packing_strategy='first_fit' is not valid"):
+        _sft(tmp_path, packing_strategy="first_fit")
+
+
+def test_model_init_kwargs_torch_dtype_maps_to_dtype_once(tiny_model_path):
+    """`model_init_kwargs={"torch_dtype": ...}` (transformers 4) loads with `dtype`, warned once through legacy."""
+    from posttrain.models.loading import create_model_from_path
+
+    with pytest.warns(FutureWarning, match=r"model_init_kwargs.*`torch_dtype` was renamed `dtype`"):
+        model = create_model_from_path(tiny_model_path, torch_dtype="float16")
+    assert model.dtype == torch.float16
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        assert create_model_from_path(tiny_model_path, torch_dtype="bfloat16").dtype == torch.bfloat16
+    assert _future_warnings(record) == []
+    with pytest.raises(ValueError, match="keep only `dtype`"):
+        create_model_from_path(tiny_model_path, torch_dtype="float16", dtype="bfloat16")
+    assert legacy.model_init_kwargs({"torch_dtype": "auto", "dtype": "auto"}) == {"dtype": "auto"}
+    assert legacy.model_init_kwargs(None) == {}
+
+
+def test_prm_model_init_kwargs_torch_dtype(tmp_path, tiny_model_path):
+    from posttrain.experimental.prm import PRMConfig
+    from posttrain.experimental.prm.prm_trainer import _load_token_classifier
+
+    args = PRMConfig(output_dir=str(tmp_path), report_to="none", model_init_kwargs={"torch_dtype": "float16"})
+    with pytest.warns(FutureWarning, match="`torch_dtype` was renamed `dtype`"):
+        model = _load_token_classifier(tiny_model_path, args)
+    assert model.dtype == torch.float16 and model.config.num_labels == 2
+    args = PRMConfig(output_dir=str(tmp_path), report_to="none",
+                     model_init_kwargs={"torch_dtype": "float16", "dtype": "float32"})  # fmt: skip
+    with pytest.raises(ValueError, match="keep only `dtype`"):  # before: torch_dtype silently won
+        _load_token_classifier(tiny_model_path, args)
+
+
 # -- TrlParser: YAML recipes and flags ---------------------------------------------------------------------------
 def _recipe(tmp_path, text: str) -> str:
     path = tmp_path / "recipe.yaml"
@@ -355,5 +403,5 @@ def test_readme_table_lists_every_old_name():
 
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     table = readme.split("### Switching from older TRL", 1)[1].split("\n## ", 1)[0]
-    for name in (*legacy.LEGACY_KEYS, *legacy.TOP_LEVEL, "trust_remote_code"):
+    for name in (*legacy.LEGACY_KEYS, *legacy.TOP_LEVEL, *legacy.OLD_PACKING_STRATEGIES, "trust_remote_code"):
         assert f"`{name}" in table or f"{name}`" in table, name
