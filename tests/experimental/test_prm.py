@@ -109,8 +109,8 @@ def test_trust_remote_code_is_a_prm_option(tmp_path, tiny_model_path, monkeypatc
     PRMConfig does, as the other configs) and reaches the model and tokenizer loading."""
     import json
 
-    import posttrain.experimental.run as run
     import posttrain.experimental.prm.prm_trainer as prm_trainer
+    import posttrain.experimental.run as run
     import posttrain.scripts._common as common
 
     assert PRMConfig(output_dir=str(tmp_path), report_to="none").trust_remote_code is False
