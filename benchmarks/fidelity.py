@@ -576,6 +576,13 @@ def _scenarios() -> list[Scenario]:
         add(f"grpo/grad_accum_2_{loss}_beta0.04_mu2", "grpo", {**online, "gradient_accumulation_steps": 2,
             "per_device_train_batch_size": 4, "beta": 0.04, "num_iterations": 2, "loss_type": loss}, "prompts",
             reward_funcs=("vowels",), steps=4)  # fmt: skip
+    # The entropy bonus with gradient accumulation: TRL 1.16 takes the plain token mean of the entropies over each
+    # micro-batch (divided by GA), whatever the loss type's own aggregation (grpo: per-sequence mean; dapo: the
+    # step's global token mean), so micro-batches of unequal completion lengths tell the rules apart
+    for loss in ("grpo", "dapo", "bnpo"):
+        add(f"grpo/entropy_coef_grad_accum_2_{loss}", "grpo", {**online, "gradient_accumulation_steps": 2,
+            "per_device_train_batch_size": 4, "beta": 0.0, "entropy_coef": 0.05, "loss_type": loss}, "prompts",
+            reward_funcs=("vowels",), steps=4)  # fmt: skip
     # ... and sampling for real (model.generate in both: the shuffle's draw from the global RNG precedes the next
     # generation's samples)
     add("grpo/generate_grad_accum_2_beta0.04_mu2", "grpo", {**online, "gradient_accumulation_steps": 2,

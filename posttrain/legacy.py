@@ -16,8 +16,13 @@ TRL" is the table of everything below.
   ``warmup_steps`` (a value below 1 is a fraction of the training steps in transformers 5), ``overwrite_output_dir``
   (removed in transformers 5; it never changed what ``Trainer`` does, so it is accepted and kept as an attribute),
   ``max_prompt_length`` where TRL 0.28/0.29 removed it: GRPO/RLOO and DPO keep the last ``max_prompt_length`` prompt
-  tokens as TRL 0.x did (a plain cut there); KTO, ORPO, CPO ... raise, because their old rule (cut the prompt only
-  when the pair is too long, then the completion) cannot be reproduced.
+  tokens as TRL 0.x did (a plain cut there); KTO, ORPO and CPO apply their old rule
+  (:func:`fit_prompt_and_completions`: the prompt is cut only when prompt + longest completion exceed ``max_length``,
+  then the completions), the old ``truncation_mode`` (``keep_end`` by default, as in TRL 0.x) choosing which prompt
+  tokens stay; other configs raise.
+- ``SFTConfig(packing_strategy="ffd")`` (``packing_strategy: ffd`` in a recipe): TRL 0.19's name of the packing TRL
+  0.20 renamed ``"bfd"`` (the same best-fit-decreasing bins) → ``"bfd"``.
+- ``torch_dtype`` inside ``model_init_kwargs`` (every trainer's model loading, the PRM trainer's too) → ``dtype``.
 - ``setup_chat_format`` (ChatML tokens + template, embeddings resized), ``DataCollatorForCompletionOnlyLM`` (loss
   only after the response template) and ``get_kbit_device_map`` are the old helpers, re-implemented.
 - ``posttrain.ORPOConfig`` / ``ORPOTrainer`` / ``CPOConfig`` / ``CPOTrainer`` (top level in TRL ≤ 0.28) resolve to
@@ -53,8 +58,9 @@ RENAMED_KEYS: dict[str, tuple[str, str]] = {
     "use_liger": ("use_liger_kernel", "`use_liger` was renamed `use_liger_kernel` (TRL 0.18)"),
     "torch_dtype": ("dtype", "`torch_dtype` was renamed `dtype` (transformers 4.56, TRL 0.27)"),
 }
-# keys with no field of their own today, handled by `_translate_unclaimed`
-DROPPED_KEYS = ("warmup_ratio", "overwrite_output_dir", "max_prompt_length")
+# keys with no field of their own today, handled by `translate_config_kwargs` (`truncation_mode` only where it goes
+# with `max_prompt_length`: KTO / ORPO / CPO lost both)
+DROPPED_KEYS = ("warmup_ratio", "overwrite_output_dir", "max_prompt_length", "truncation_mode")
 LEGACY_KEYS = (*RENAMED_KEYS, *DROPPED_KEYS)
 
 
@@ -70,6 +76,59 @@ def _truncates_prompts(cls: type) -> bool:
     """Where TRL 0.x's ``max_prompt_length`` was a plain cut of each prompt to its last tokens, which posttrain keeps:
     GRPO/RLOO (before generation, TRL ≤ 0.27) and DPO (at tokenization, TRL ≤ 0.28), with their subclasses."""
     return bool(getattr(cls, "legacy_truncates_prompts", False))  # set on GRPOConfig, RLOOConfig and DPOConfig
+
+
+def _applies_pair_rule(cls: type) -> bool:
+    """Where TRL 0.x's ``max_prompt_length`` was the conditional prompt-then-completion cut, which posttrain keeps:
+    KTO (``_process_tokens``), ORPO and CPO (``tokenize_row``), with their subclasses."""
+    return bool(getattr(cls, "legacy_pair_prompt_rule", False))  # set on KTOConfig, ORPOConfig and CPOConfig
+
+
+def fit_prompt_and_completions(
+    prompt: list[int], completions: list[list[int]], max_length: int, max_prompt_length: int, truncation_mode: str
+) -> tuple[list[int], list[list[int]]]:
+    """TRL 0.x's KTO / ORPO / CPO truncation of one row (``completions``: the chosen and rejected, or KTO's one).
+
+    With ``longest`` the longest completion's length, computed once: if ``len(prompt) + longest > max_length`` the
+    prompt is cut to ``max_prompt_length`` tokens (its first with ``truncation_mode="keep_start"``, its last with
+    ``"keep_end"``); if ``len(prompt) + longest`` still exceeds ``max_length``, every completion is cut to its first
+    ``max_length - max_prompt_length`` tokens. Nothing changes when the row fits.
+    """
+    longest = max((len(c) for c in completions), default=0)
+    if len(prompt) + longest > max_length:
+        prompt = prompt[:max_prompt_length] if truncation_mode == "keep_start" else prompt[-max_prompt_length:]
+    if len(prompt) + longest > max_length:
+        completions = [c[: max_length - max_prompt_length] for c in completions]
+    return prompt, completions
+
+
+class FitPromptAndCompletions:
+    """Picklable ``dataset.map`` function: :func:`fit_prompt_and_completions` on ``prompt_ids`` and the
+    ``<column>_ids`` completions of a tokenized row."""
+
+    def __init__(self, columns: Iterable[str], max_length: int, max_prompt_length: int, truncation_mode: str):
+        self.columns = tuple(columns)
+        self.max_length, self.max_prompt_length, self.truncation_mode = max_length, max_prompt_length, truncation_mode
+
+    def __call__(self, row: dict[str, Any]) -> dict[str, Any]:
+        prompt, completions = fit_prompt_and_completions(
+            list(row["prompt_ids"]), [list(row[f"{c}_ids"]) for c in self.columns],
+            self.max_length, self.max_prompt_length, self.truncation_mode,
+        )  # fmt: skip
+        return {"prompt_ids": prompt, **{f"{c}_ids": ids for c, ids in zip(self.columns, completions, strict=True)}}
+
+
+def fit_tokenized_rows(dataset: Any, args: Any, name: str, columns: Iterable[str]) -> Any:
+    """A tokenized KTO / ORPO / CPO dataset with TRL 0.x's ``max_prompt_length`` rule applied to ``prompt_ids`` and
+    the ``<column>_ids`` completions (unchanged when the config was not given ``max_prompt_length``)."""
+    rule = getattr(args, "_legacy_pair_rule", None)
+    if rule is None or dataset is None:
+        return dataset
+    from posttrain.data.dataset_ops import map_dataset
+
+    max_prompt_length, truncation_mode = rule
+    fit = FitPromptAndCompletions(columns, args.max_length, max_prompt_length, truncation_mode)
+    return map_dataset(dataset, fit, args, f"Fitting prompts to max_prompt_length={max_prompt_length} ({name})")
 
 
 class KeepLastPromptTokens:
@@ -160,15 +219,36 @@ def translate_config_kwargs(cls: type, kwargs: dict[str, Any]) -> tuple[dict[str
                 f"{name}: `overwrite_output_dir` was removed in transformers 5. It never changed what the Trainer "
                 "does (only example scripts read it), so posttrain keeps the value as an attribute; drop the key.",
             )
+        mode_given = "truncation_mode" in kwargs and "truncation_mode" not in fields
+        mode = kwargs.pop("truncation_mode") if mode_given else None
+        if mode_given and (kwargs.get("max_prompt_length") is None or not _applies_pair_rule(cls)):
+            raise ValueError(
+                f"{name}: `truncation_mode` is not an option here (TRL 0.29 removed it with `max_prompt_length`: "
+                "prompt and completion are truncated together to `max_length`). Remove the key."
+            )
         if "max_prompt_length" in kwargs and "max_prompt_length" not in fields:
             value = kwargs.pop("max_prompt_length")
-            if value is not None:
+            if value is not None and _applies_pair_rule(cls):
+                mode = "keep_end" if mode is None else mode  # TRL 0.x's KTO / ORPO / CPO default
+                if mode not in ("keep_start", "keep_end"):
+                    raise ValueError(f"{name}: truncation_mode={mode!r} is not valid. Use 'keep_end' or 'keep_start'.")
+                warn_once(
+                    "max_prompt_length (prompt, then completion)",  # another rule than the plain cut's warning
+                    f"{name}: `max_prompt_length` was removed in TRL 0.29 (prompt and completion are now truncated "
+                    "together to `max_length`). posttrain keeps TRL 0.x's rule: when prompt + longest completion "
+                    f"exceed `max_length`, the prompt is cut to `max_prompt_length` tokens ({mode}), then the "
+                    "completions to `max_length - max_prompt_length`. Drop the key (and `truncation_mode`) to match "
+                    "TRL 1.16.",
+                )
+                attrs["max_prompt_length"] = int(value)
+                attrs["_legacy_pair_rule"] = (int(value), mode)
+            elif value is not None:
                 if not _truncates_prompts(cls):
                     raise ValueError(
                         f"{name}: `max_prompt_length` was removed in TRL 0.29. Prompt and completion are now truncated "
-                        "together to `max_length` (see `truncation_mode`), and the old rule (cut the prompt only when "
-                        "the pair is too long, then the completion) cannot be reproduced. Remove the key and set "
-                        "`max_length` to the whole sequence budget, or shorten long prompts in the dataset."
+                        "together to `max_length`, and this trainer never had TRL 0.x's prompt-only cut to reproduce. "
+                        "Remove the key and set `max_length` to the whole sequence budget, or shorten long prompts in "
+                        "the dataset."
                     )
                 warn_once(
                     "max_prompt_length",
@@ -181,6 +261,44 @@ def translate_config_kwargs(cls: type, kwargs: dict[str, Any]) -> tuple[dict[str
     return kwargs, attrs
 
 
+# -- values ---------------------------------------------------------------------------------------------------------
+OLD_PACKING_STRATEGIES = {"ffd": "bfd"}  # TRL 0.19 "first-fit decreasing" = TRL 0.20's "bfd", the same algorithm
+
+
+def packing_strategy(value: Any, where: str) -> Any:
+    """Today's name of a packing strategy: TRL 0.19's ``"ffd"`` becomes ``"bfd"`` (warned once); others unchanged."""
+    if isinstance(value, str) and value in OLD_PACKING_STRATEGIES:
+        new = OLD_PACKING_STRATEGIES[value]
+        warn_once(
+            f"packing_strategy={value}",
+            f"{where}: packing_strategy={value!r} (TRL 0.19) was renamed {new!r} in TRL 0.20 (the same best-fit "
+            f"decreasing packing); use {new!r}. posttrain maps it for you.",
+        )
+        return new
+    return value
+
+
+def model_init_kwargs(kwargs: dict[str, Any] | None, where: str = "model_init_kwargs") -> dict[str, Any]:
+    """A copy of ``model_init_kwargs`` with transformers 4's ``torch_dtype`` as ``dtype`` (warned once); both keys
+    with different values raise."""
+    kwargs = dict(kwargs or {})
+    if "torch_dtype" not in kwargs:
+        return kwargs
+    value = kwargs.pop("torch_dtype")
+    if "dtype" in kwargs and kwargs["dtype"] != value:
+        raise ValueError(
+            f"{where}: both `torch_dtype` (the old name) and `dtype` are given ({value!r} vs {kwargs['dtype']!r}); "
+            "keep only `dtype`."
+        )
+    warn_once(
+        "model_init_kwargs.torch_dtype",
+        f"{where}: `torch_dtype` was renamed `dtype` (transformers 4.56, TRL 0.27); write "
+        f"`model_init_kwargs={{'dtype': {value!r}}}`. posttrain maps it for you.",
+    )
+    kwargs["dtype"] = value
+    return kwargs
+
+
 class LegacyKwargsMeta(type):
     """Metaclass of posttrain's configs: old keyword arguments are mapped by :func:`translate_config_kwargs` before
     the dataclass ``__init__`` sees them (a dataclass ``__init__`` rejects unknown keywords)."""
@@ -190,7 +308,21 @@ class LegacyKwargsMeta(type):
         instance = super().__call__(*args, **kwargs)
         for key, value in attrs.items():
             object.__setattr__(instance, key, value)
+        if "_legacy_pair_rule" in attrs:
+            _check_pair_rule(instance)
         return instance
+
+
+def _check_pair_rule(config: Any) -> None:
+    """TRL 0.x's rule needs ``max_prompt_length < max_length`` (CPO checked it; ORPO and KTO produced empty or
+    reversed cuts otherwise)."""
+    max_prompt_length = config._legacy_pair_rule[0]
+    max_length = getattr(config, "max_length", None)
+    if max_length is None or max_prompt_length >= max_length:
+        raise ValueError(
+            f"{type(config).__name__}: max_prompt_length ({max_prompt_length}) should be strictly less than "
+            f"max_length ({max_length}): TRL 0.x's rule cuts the completions to `max_length - max_prompt_length`."
+        )
 
 
 class LegacyConfigAttributes:
@@ -323,6 +455,8 @@ def _coerce(key: str, value: Any) -> Any:
         return value
     if key == "overwrite_output_dir":
         return value.strip().lower() in _TRUE
+    if key == "truncation_mode":
+        return value.strip()
     if value.strip().lower() in ("none", "null", ""):
         return None
     return float(value) if key == "warmup_ratio" else int(value)

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from posttrain import legacy
 from posttrain.core.reference_free import masked_token_mean_nll
 from posttrain.data.dataset_ops import (
     PromptFits,
@@ -159,8 +160,9 @@ class ReferenceFreePairwiseTrainer(PreferenceTrainer):
         return tokenize_preference
 
     def _prepare_dataset(self, dataset: Any, processing_class: Any, args: Any, name: str) -> Any:
-        """Validate the format, tokenize (extracting implicit prompts; EOS after standard completions), cut
-        completions to ``max_completion_length`` and drop rows whose prompt alone fills ``max_length``."""
+        """Validate the format, tokenize (extracting implicit prompts; EOS after standard completions), apply an old
+        ``max_prompt_length`` as TRL 0.x did (``posttrain.legacy``), cut completions to ``max_completion_length`` and
+        drop rows whose prompt alone fills ``max_length``."""
         if dataset is None:
             return None
         fmt = self._validate_dataset(dataset, name)
@@ -170,6 +172,7 @@ class ReferenceFreePairwiseTrainer(PreferenceTrainer):
             )
         elif fmt.implicit_prompt:
             dataset = map_dataset(dataset, _add_empty_prompt, args, f"Adding empty prompt_ids to {name} dataset")
+        dataset = legacy.fit_tokenized_rows(dataset, args, name, self._completion_columns)  # TRL 0.x max_prompt_length
         if getattr(args, "max_completion_length", None) is not None:
             cut = _TruncateCompletions(self._completion_columns, args.max_completion_length)
             dataset = map_dataset(dataset, cut, args, f"Truncating completions ({name})")

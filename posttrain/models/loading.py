@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from posttrain import legacy
+
 
 class ModelNotFoundError(OSError):
     """Raised when a model id/path cannot be resolved (e.g. a hub id while offline)."""
@@ -73,9 +75,7 @@ def create_model_from_path(model_id: str, *, task: str = "causal-lm", **model_in
     import transformers
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    kwargs = dict(model_init_kwargs)
-    if "torch_dtype" in kwargs and "dtype" not in kwargs:
-        kwargs["dtype"] = kwargs.pop("torch_dtype")
+    kwargs = legacy.model_init_kwargs(model_init_kwargs)  # transformers 4's `torch_dtype` → `dtype`
     kwargs["dtype"] = resolve_dtype(kwargs.get("dtype"))
     trust = kwargs.get("trust_remote_code", False)
     config = load_config(model_id, trust_remote_code=trust, revision=kwargs.get("revision"))

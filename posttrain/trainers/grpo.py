@@ -12,8 +12,8 @@ module adds GRPO's config fields and its loss, which reads as TRL's ``_compute_l
 5. the aggregation of ``loss_type`` (DAPO's global token mean over the whole generation batch and all processes;
    the others divided by the gradient-accumulation steps, so accumulation and data parallelism leave the loss
    unchanged);
-6. the entropy bonus (static, or Skywork-OR1's adaptive coefficient, saved in ``entropy_ctrl_state.json``), its
-   entropies reduced by the same aggregation;
+6. the entropy bonus (static, or Skywork-OR1's adaptive coefficient, saved in ``entropy_ctrl_state.json``): the
+   plain token mean of the entropies over the micro-batch, whatever the loss type's aggregation (TRL 1.16);
 7. the online base's loss tail (``_finish_loss``): the gradient-accumulation divisor and the MoE router aux loss.
 
 Deliberate differences from TRL: the ``vllm_importance_sampling_*`` correction can also be applied to posttrain's
@@ -574,12 +574,19 @@ class GRPOTrainer(OnlineTrainerBase):
     def _add_entropy_bonus(
         self, loss: torch.Tensor, entropies: torch.Tensor, bonus_mask: torch.Tensor, inputs: RolloutBatch
     ) -> torch.Tensor:
-        """loss − c·H, H the per-token entropies reduced by ``loss_type``'s aggregation, as the policy term is (both
-        are then divided alike by ``_finish_loss``)."""
+        """loss − c·H/GA, H the mean entropy over this micro-batch's bonus tokens, whatever ``loss_type`` is.
+
+        As TRL 1.16 (``entropy_coef``'s documented meaning): the bonus is a plain token mean, never reduced by the loss
+        type's own aggregation (a per-sequence mean for grpo, the optimizer step's global token mean for dapo ...),
+        so ``entropy_coef`` means the same for every loss type; it is divided only by the gradient-accumulation
+        count (in training), here directly when ``_finish_loss`` will not divide the loss by it.
+        """
         mode = self._mode()
-        entropy_term = self._aggregate(entropies, bonus_mask, inputs)
-        scale = self._grad_accum_divisor() if self.divide_by_grad_accum else 1
-        self.record_metric("policy_loss", self._gather_mean(loss.detach() / scale), mode=mode)
+        entropy_term = masked_sum(entropies, bonus_mask) / bonus_mask.sum().clamp(min=1.0)
+        if not self.divide_by_grad_accum:  # a globally normalised loss: _finish_loss leaves GA to us
+            entropy_term = entropy_term / self._grad_accum_divisor()
+        # TRL logs the policy term as aggregated, before the gradient-accumulation divisor (dapo's includes GA)
+        self.record_metric("policy_loss", self._gather_mean(loss.detach()), mode=mode)
         self.record_metric("entropy_coef", self.entropy_ctrl.coef, mode=mode)  # the controller's current value
         if mode == "train":
             detached = entropies.detach()

@@ -32,11 +32,12 @@ import functools
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from transformers import TrainingArguments
 
+from posttrain import legacy
 from posttrain.core.preference import KTO_LOSSES, kto_kl_estimate, kto_loss, kto_weight_range_warning
 from posttrain.data.dataset_ops import (
     PromptFits,
@@ -85,6 +86,10 @@ class KTOConfig(BaseConfig):
     ``gradient_checkpointing=True``, ``bf16`` automatic, ``learning_rate=1e-6``,
     ``train_sampling_strategy="sequential"``).
     """
+
+    # older TRL's `max_prompt_length` (cut the prompt only when the row is too long, then the completions) is
+    # reproduced for this config: posttrain.legacy
+    legacy_pair_prompt_rule: ClassVar[bool] = True
 
     learning_rate: float = field(default=1e-6, metadata={"help": "Initial AdamW learning rate."})
     train_sampling_strategy: str = field(
@@ -286,6 +291,12 @@ class KTOTrainer(PreferenceTrainer):
         if fmt.type != TOKENIZED_UNPAIRED_PREFERENCE and not self._vision:
             dataset = tokenize_dataset(
                 dataset, tokenize_unpaired, tok, args, f"{name} dataset", add_eos=not fmt.conversational
+            )
+        if not self._vision:  # TRL 0.x's max_prompt_length rule, when given (before the KL pairs, built from it)
+            dataset = legacy.fit_tokenized_rows(dataset, args, name, ("completion",))
+        elif getattr(args, "_legacy_pair_rule", None) is not None:
+            warnings.warn(  # the vision collator truncates rendered rows; a token cut could drop image tokens
+                "max_prompt_length is ignored for vision-language data.", UserWarning, stacklevel=3
             )
         if args.max_length is not None and not self._vision:
             dataset = filter_dataset(dataset, PromptFits(args.max_length), args, f"Dropping long prompts ({name})")

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from transformers import TrainingArguments
 
+from posttrain import legacy
 from posttrain.data.collators import DataCollatorForLanguageModeling
 from posttrain.data.dataset_ops import configure_streaming
 from posttrain.data.formats import is_vision_dataset
@@ -214,6 +215,7 @@ class SFTConfig(BaseConfig):
                 raise ValueError(
                     f"dataset_kwargs must be a dict or a JSON object, got {self.dataset_kwargs!r}."
                 ) from err
+        self.packing_strategy = legacy.packing_strategy(self.packing_strategy, type(self).__name__)  # TRL 0.19 "ffd"
         if self.packing_strategy == "bfd-requeue":
             warnings.warn("packing_strategy='bfd-requeue' was renamed 'bfd_split'.", FutureWarning, stacklevel=2)
             self.packing_strategy = "bfd_split"

@@ -103,14 +103,94 @@ def test_overwrite_output_dir_is_kept_as_an_attribute(tmp_path):
 
 
 def test_max_prompt_length_raises_where_it_cannot_be_reproduced(tmp_path):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from posttrain.experimental.orpo import ORPOConfig
-    for config in (posttrain.KTOConfig, ORPOConfig):
+    """Configs whose trainer never had TRL 0.x's prompt cut (reward, SFT ...) refuse it with the migration."""
+    for config in (posttrain.RewardConfig, posttrain.SFTConfig):
         with pytest.raises(ValueError, match="`max_prompt_length` was removed in TRL 0.29"):
             config(output_dir=str(tmp_path), report_to="none", max_prompt_length=128)
     # None (the old "no limit") is harmless
-    posttrain.KTOConfig(output_dir=str(tmp_path), report_to="none", max_prompt_length=None)
+    posttrain.RewardConfig(output_dir=str(tmp_path), report_to="none", max_prompt_length=None)
+    with pytest.raises(ValueError, match="`truncation_mode` is not an option here"):  # without max_prompt_length
+        posttrain.KTOConfig(output_dir=str(tmp_path), report_to="none", truncation_mode="keep_end")
+    with pytest.raises(ValueError, match="`truncation_mode` is not an option here"):  # GRPO never had the old rule
+        posttrain.GRPOConfig(
+            output_dir=str(tmp_path), report_to="none", max_prompt_length=4, truncation_mode="keep_end"
+        )
+
+
+# (prompt, chosen, rejected) lengths -> lengths after TRL 0.x's rule with max_length=10, max_prompt_length=4
+PAIR_CASES = [
+    ((8, 3, 5), (4, 3, 5)),  # 8 + 5 > 10: the prompt is cut to 4; 4 + 5 fits
+    ((8, 7, 2), (4, 6, 2)),  # still 4 + 7 > 10: both completions cut to 10 - 4 = 6
+    ((3, 4, 3), (3, 4, 3)),  # fits: unchanged
+    ((2, 9, 1), (2, 6, 1)),  # a short prompt is kept whole, yet the completions are cut to 10 - 4 (TRL 0.x's rule)
+    ((0, 12, 3), (0, 6, 3)),
+]
+
+
+def _seq(n: int, start: int) -> list[int]:
+    return list(range(start, start + n))
+
+
+@pytest.mark.parametrize(("lengths", "expected"), PAIR_CASES)
+@pytest.mark.parametrize("mode", ["keep_end", "keep_start"])
+def test_old_prompt_rule_on_hand_built_lengths(lengths, expected, mode):
+    prompt, chosen, rejected = _seq(lengths[0], 100), _seq(lengths[1], 200), _seq(lengths[2], 300)
+    got_prompt, (got_chosen, got_rejected) = legacy.fit_prompt_and_completions(prompt, [chosen, rejected], 10, 4, mode)
+    assert (len(got_prompt), len(got_chosen), len(got_rejected)) == expected
+    kept = expected[0]
+    assert got_prompt == (prompt[:kept] if mode == "keep_start" or kept == len(prompt) else prompt[-kept:])
+    # completions keep their start
+    assert got_chosen == chosen[: expected[1]] and got_rejected == rejected[: expected[2]]
+
+
+def _pairwise(name: str):
+    import importlib
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        module = importlib.import_module(f"posttrain.experimental.{name}")
+    return getattr(module, f"{name.upper()}Config"), getattr(module, f"{name.upper()}Trainer")
+
+
+@pytest.mark.parametrize("name", ["orpo", "cpo"])
+def test_orpo_cpo_max_prompt_length_applies_the_old_rule(tmp_path, tiny_model_path, name):
+    """alignment-handbook's ORPO recipe (max_length + max_prompt_length) trains with TRL 0.x's cut, row by row."""
+    config_cls, trainer_cls = _pairwise(name)
+    rows = [{"prompt_ids": _seq(p, 10), "chosen_ids": _seq(c, 40), "rejected_ids": _seq(r, 70)}
+            for (p, c, r), _ in PAIR_CASES[:4]]  # fmt: skip
+    with pytest.warns(FutureWarning, match="posttrain keeps TRL 0.x's rule"):
+        args = config_cls(output_dir=str(tmp_path), report_to="none", max_length=10, max_prompt_length=4, max_steps=1,
+                          per_device_train_batch_size=2, use_cpu=True)  # fmt: skip
+    assert args.max_prompt_length == 4
+    trainer = trainer_cls(tiny_model_path, args=args, train_dataset=Dataset.from_list(rows))
+    got = [(len(r["prompt_ids"]), len(r["chosen_ids"]), len(r["rejected_ids"])) for r in trainer.train_dataset]
+    assert got == [expected for _, expected in PAIR_CASES[:4]]
+    assert trainer.train_dataset[0]["prompt_ids"] == rows[0]["prompt_ids"][-4:]  # keep_end: TRL 0.x's default
+    trainer.train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        keep_start = config_cls(output_dir=str(tmp_path), report_to="none", max_length=10, max_prompt_length=4,
+                                truncation_mode="keep_start", use_cpu=True)  # fmt: skip
+    trainer = trainer_cls(tiny_model_path, args=keep_start, train_dataset=Dataset.from_list(rows))
+    assert trainer.train_dataset[0]["prompt_ids"] == rows[0]["prompt_ids"][:4]
+    with pytest.raises(ValueError, match="strictly less than max_length"):
+        config_cls(output_dir=str(tmp_path), report_to="none", max_length=10, max_prompt_length=10)
+
+
+def test_kto_max_prompt_length_applies_the_old_rule(tmp_path, tiny_model_path):
+    """TRL 0.x KTO's `_process_tokens`: the same rule with the row's one completion (the KL pairs are built after)."""
+    cases = [((8, 5), (4, 5)), ((8, 7), (4, 6)), ((3, 4), (3, 4)), ((2, 9), (2, 6))]
+    rows = [{"prompt_ids": _seq(p, 10), "completion_ids": _seq(c, 40), "label": i % 2 == 0}
+            for i, ((p, c), _) in enumerate(cases)]  # fmt: skip
+    with pytest.warns(FutureWarning, match="posttrain keeps TRL 0.x's rule"):
+        args = posttrain.KTOConfig(output_dir=str(tmp_path), report_to="none", max_length=10, max_prompt_length=4,
+                                   max_steps=1, per_device_train_batch_size=2, use_cpu=True)  # fmt: skip
+    trainer = posttrain.KTOTrainer(tiny_model_path, args=args, train_dataset=Dataset.from_list(rows))
+    data = trainer.train_dataset
+    assert [(len(r["prompt_ids"]), len(r["completion_ids"])) for r in data] == [expected for _, expected in cases]
+    assert data[0]["prompt_ids"] == rows[0]["prompt_ids"][-4:]
+    assert data[1]["KL_completion_ids"] == data[0]["completion_ids"]  # rotated from the fitted completions
+    trainer.train()
 
 
 def test_dpo_max_prompt_length_keeps_the_last_prompt_tokens(tmp_path, tiny_model_path):
@@ -164,6 +244,54 @@ def test_declared_fields_are_left_alone(tmp_path):
     assert args.max_prompt_length == 16 and not any("max_prompt_length" in m for m in _future_warnings(record))
 
 
+def test_packing_strategy_ffd_is_bfd(tmp_path):
+    """TRL 0.19's `packing_strategy="ffd"` (alignment-handbook's smollm3 SFT recipe) is TRL 0.20's "bfd"."""
+    with pytest.warns(FutureWarning, match="renamed 'bfd'"):
+        assert _sft(tmp_path, packing=True, packing_strategy="ffd").packing_strategy == "bfd"
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        assert _sft(tmp_path, packing_strategy="ffd").packing_strategy == "bfd"
+    assert _future_warnings(record) == []  # once
+    recipe = _recipe(tmp_path, f"packing: true\npacking_strategy: ffd\noutput_dir: {tmp_path}\nreport_to: none\n")
+    _, training_args, _ = TrlParser((ScriptArguments, posttrain.SFTConfig, ModelConfig)).parse_args_and_config(
+        ["--config", recipe]
+    )
+    assert training_args.packing_strategy == "bfd"
+    with pytest.raises(ValueError, match="packing_strategy='first_fit' is not valid"):
+        _sft(tmp_path, packing_strategy="first_fit")
+
+
+def test_model_init_kwargs_torch_dtype_maps_to_dtype_once(tiny_model_path):
+    """`model_init_kwargs={"torch_dtype": ...}` (transformers 4) loads with `dtype`, warned once through legacy."""
+    from posttrain.models.loading import create_model_from_path
+
+    with pytest.warns(FutureWarning, match=r"model_init_kwargs.*`torch_dtype` was renamed `dtype`"):
+        model = create_model_from_path(tiny_model_path, torch_dtype="float16")
+    assert model.dtype == torch.float16
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        assert create_model_from_path(tiny_model_path, torch_dtype="bfloat16").dtype == torch.bfloat16
+    assert _future_warnings(record) == []
+    with pytest.raises(ValueError, match="keep only `dtype`"):
+        create_model_from_path(tiny_model_path, torch_dtype="float16", dtype="bfloat16")
+    assert legacy.model_init_kwargs({"torch_dtype": "auto", "dtype": "auto"}) == {"dtype": "auto"}
+    assert legacy.model_init_kwargs(None) == {}
+
+
+def test_prm_model_init_kwargs_torch_dtype(tmp_path, tiny_model_path):
+    from posttrain.experimental.prm import PRMConfig
+    from posttrain.experimental.prm.prm_trainer import _load_token_classifier
+
+    args = PRMConfig(output_dir=str(tmp_path), report_to="none", model_init_kwargs={"torch_dtype": "float16"})
+    with pytest.warns(FutureWarning, match="`torch_dtype` was renamed `dtype`"):
+        model = _load_token_classifier(tiny_model_path, args)
+    assert model.dtype == torch.float16 and model.config.num_labels == 2
+    args = PRMConfig(output_dir=str(tmp_path), report_to="none",
+                     model_init_kwargs={"torch_dtype": "float16", "dtype": "float32"})  # fmt: skip
+    with pytest.raises(ValueError, match="keep only `dtype`"):  # before: torch_dtype silently won
+        _load_token_classifier(tiny_model_path, args)
+
+
 # -- TrlParser: YAML recipes and flags ---------------------------------------------------------------------------
 def _recipe(tmp_path, text: str) -> str:
     path = tmp_path / "recipe.yaml"
@@ -208,9 +336,18 @@ def test_recipe_max_prompt_length(tmp_path):
     with pytest.warns(FutureWarning, match="max_prompt_length"):
         _, training_args, _ = grpo.parse_args_and_config(["--config", recipe])
     assert training_args.max_prompt_length == 256
-    kto = TrlParser((ScriptArguments, posttrain.KTOConfig, ModelConfig))
+    reward = TrlParser((ScriptArguments, posttrain.RewardConfig, ModelConfig))
     with pytest.raises(ConfigError, match="`max_prompt_length` was removed"):
-        kto.parse_args_and_config(["--config", recipe])
+        reward.parse_args_and_config(["--config", recipe])
+    # alignment-handbook's zephyr-141b ORPO recipe keys, and an old truncation_mode on the command line
+    orpo_config, _ = _pairwise("orpo")
+    orpo = TrlParser((ScriptArguments, orpo_config, ModelConfig))
+    recipe = _recipe(tmp_path, f"max_length: 2048\nmax_prompt_length: 1792\noutput_dir: {tmp_path}\nreport_to: none\n")
+    with pytest.warns(FutureWarning, match="posttrain keeps TRL 0.x's rule"):
+        _, training_args, _ = orpo.parse_args_and_config(["--config", recipe, "--truncation_mode", "keep_start"])
+    assert training_args.max_prompt_length == 1792 and training_args._legacy_pair_rule == (1792, "keep_start")
+    _, training_args, _ = orpo.parse_args_and_config(["--config", recipe])
+    assert training_args._legacy_pair_rule == (1792, "keep_end")
 
 
 # -- old helpers ------------------------------------------------------------------------------------------------------
@@ -355,5 +492,5 @@ def test_readme_table_lists_every_old_name():
 
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     table = readme.split("### Switching from older TRL", 1)[1].split("\n## ", 1)[0]
-    for name in (*legacy.LEGACY_KEYS, *legacy.TOP_LEVEL, "trust_remote_code"):
+    for name in (*legacy.LEGACY_KEYS, *legacy.TOP_LEVEL, *legacy.OLD_PACKING_STRATEGIES, "trust_remote_code"):
         assert f"`{name}" in table or f"{name}`" in table, name

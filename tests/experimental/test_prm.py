@@ -102,3 +102,37 @@ def test_up_front_validation(tmp_path, tiny_model_path):
     mismatched = Dataset.from_dict({"prompt": ["a"], "completions": [["x", "y"]], "labels": [[True]]})
     with pytest.raises(DataFormatError, match="same length"):
         PRMTrainer(tiny_model_path, args=_config(tmp_path), train_dataset=mismatched)
+
+
+def test_trust_remote_code_is_a_prm_option(tmp_path, tiny_model_path, monkeypatch):
+    """`python -m posttrain.experimental.run prm --trust_remote_code` parses (ModelConfig no longer declares it, so
+    PRMConfig does, as the other configs) and reaches the model and tokenizer loading."""
+    import json
+
+    import posttrain.experimental.prm.prm_trainer as prm_trainer
+    import posttrain.experimental.run as run
+    import posttrain.scripts._common as common
+
+    assert PRMConfig(output_dir=str(tmp_path), report_to="none").trust_remote_code is False
+    seen = {}
+    monkeypatch.setattr(common, "build_and_train", lambda method, cls, script, args, *rest, **kw: seen.update(
+        args=args))  # fmt: skip
+    data = tmp_path / "steps.jsonl"
+    data.write_text(json.dumps({"prompt": "Q?", "completions": ["a", "b"], "labels": [True, False]}) + "\n")
+    argv = ["prm", "--model_name_or_path", tiny_model_path, "--dataset_name", str(data), "--trust_remote_code",
+            "--output_dir", str(tmp_path / "out"), "--report_to", "none", "--max_steps", "1"]  # fmt: skip
+    assert run.main(argv) == 0
+    assert isinstance(seen["args"], PRMConfig) and seen["args"].trust_remote_code is True
+
+    loaded = {}
+
+    def from_pretrained(path, **kwargs):
+        loaded.update(kwargs)
+        raise RuntimeError("stop")
+
+    from transformers import AutoModelForTokenClassification
+
+    monkeypatch.setattr(AutoModelForTokenClassification, "from_pretrained", from_pretrained)
+    with pytest.raises(RuntimeError, match="stop"):
+        prm_trainer._load_token_classifier(tiny_model_path, seen["args"])
+    assert loaded["trust_remote_code"] is True and loaded["num_labels"] == 2

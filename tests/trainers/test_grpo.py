@@ -21,9 +21,8 @@ from trainer_helpers import (  # noqa: F401
     trainable_params,
 )
 
-from posttrain.core.aggregation import AGGREGATIONS
 from posttrain.core.policy_objectives import POLICY_OBJECTIVES, objective_properties
-from posttrain.core.presets import GRPO_LOSS_PRESETS, GRPO_LOSS_TYPES, needs_grad_accum_division
+from posttrain.core.presets import GRPO_LOSS_TYPES
 from posttrain.trainers.grpo import ENTROPY_CTRL_STATE, GRPOConfig, GRPOTrainer
 
 EOS = 258
@@ -561,26 +560,49 @@ def _hand_batch(advantages: torch.Tensor) -> dict:
 
 
 @pytest.mark.parametrize("loss_type", sorted(GRPO_LOSS_TYPES))
-def test_entropy_bonus_uses_the_loss_types_aggregation(tiny_model_path, tmp_path, loss_type):
-    """Zero advantages, β = 0: the loss is the bonus alone, −c · aggregation(H) (/ GA unless globally normalised),
-    with ``loss_type``'s aggregation — e.g. grpo's per-sequence mean, not a token mean, over rows of unequal length."""
+def test_entropy_bonus_is_a_plain_token_mean_for_every_loss_type(tiny_model_path, tmp_path, loss_type):
+    """Zero advantages, β = 0: the loss is the bonus alone, −c · (token mean of H over the micro-batch) / GA for every
+    ``loss_type`` (TRL 1.16: "always the mean per-token entropy regardless of loss_type") — not grpo's per-sequence
+    mean over rows of unequal length, nor dapo's global token mean over the optimizer step."""
     trainer = GRPOTrainer(
-        tiny_model_path, varied_reward, _config(tmp_path, entropy_coef=0.5, loss_type=loss_type), train_dataset=_dataset()
-    )
+        tiny_model_path, varied_reward,
+        _config(tmp_path, entropy_coef=0.5, loss_type=loss_type, gradient_accumulation_steps=2),
+        train_dataset=_dataset(),
+    )  # fmt: skip
     model = trainer.model.train()
     batch = _hand_batch(advantages=torch.zeros(4))
-    mask = batch["completion_mask"]
-    batch["num_items_in_batch"] = mask.sum() * 2  # as if the optimizer step had a second micro-batch like this one
+    mask = batch["completion_mask"].float()
+    batch["num_items_in_batch"] = mask.sum() * 3  # the other micro-batches of the step hold more tokens
     with torch.no_grad():
         loss = trainer._compute_loss(model, batch)
         entropies = trainer._token_stats(model, batch, compute_entropy=True).entropy
-    aggregation = AGGREGATIONS.get(GRPO_LOSS_PRESETS[loss_type][1])
-    expected = -0.5 * aggregation(
-        entropies, mask.float(), max_completion_length=8, num_items_in_batch=batch["num_items_in_batch"]
-    )
-    if needs_grad_accum_division(loss_type):
-        expected = expected / trainer._grad_accum_divisor()
+    assert trainer._grad_accum_divisor() == 2
+    expected = -0.5 * (entropies * mask).sum() / mask.sum() / 2
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("loss_type", sorted(GRPO_LOSS_TYPES))
+def test_entropy_bonus_on_hand_built_entropies(tiny_model_path, tmp_path, loss_type):
+    """Hand-built entropies (row i holds the value i + 1, rows of 6, 3, 5, 1 tokens): the bonus after the GA divisor
+    is −c · 31/15 / GA for every loss type; the loss type's aggregation would give grpo 2.5 (a per-sequence mean),
+    dapo 31/45 (the step's token count) ... The logged `policy_loss` is not divided by GA (TRL)."""
+    trainer = GRPOTrainer(
+        tiny_model_path, varied_reward,
+        _config(tmp_path, entropy_coef=0.5, loss_type=loss_type, gradient_accumulation_steps=2),
+        train_dataset=_dataset(),
+    )  # fmt: skip
+    trainer.model.train()
+    batch = _hand_batch(advantages=torch.zeros(4))
+    mask = batch["completion_mask"].float()
+    batch["num_items_in_batch"] = mask.sum() * 3
+    entropies = torch.arange(1.0, 5.0).unsqueeze(1).expand(4, 6).clone()
+    trainer._metrics["train"].clear()
+    bonus = trainer._add_entropy_bonus(torch.tensor(0.25), entropies, mask, batch)
+    loss = trainer._finish_loss(bonus, None, divide_by_grad_accum=trainer.divide_by_grad_accum)
+    policy = 0.25 / 2 if trainer.divide_by_grad_accum else 0.25  # the policy term given, through the GA divisor
+    torch.testing.assert_close(loss, torch.tensor(policy - 0.5 * 31 / 15 / 2))
+    # `policy_loss` is the policy term as aggregated, before the GA divisor (TRL's `loss.detach()`)
+    assert trainer._metrics["train"]["policy_loss"] == [pytest.approx(0.25)]
 
 
 @pytest.mark.invariance

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from posttrain.experimental._pairwise_config import ReferenceFreePairwiseConfig, pairwise_field
 
@@ -18,6 +19,10 @@ class CPOConfig(ReferenceFreePairwiseConfig):
     (``logging_steps=10``, ``gradient_checkpointing=True``, ``bf16`` automatic, ``learning_rate=1e-6``).
     ``loss_type="alphapo"`` is TRL's shorthand: it becomes ``loss_type="simpo"`` with ``cpo_alpha=0.0``.
     """
+
+    # older TRL's `max_prompt_length` (cut the prompt only when the row is too long, then the completions) is
+    # reproduced for this config: posttrain.legacy
+    legacy_pair_prompt_rule: ClassVar[bool] = True
 
     learning_rate: float = pairwise_field("learning_rate")
     max_length: int | None = pairwise_field("max_length")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from posttrain.experimental._pairwise_config import ReferenceFreePairwiseConfig, pairwise_field
 
@@ -14,6 +15,10 @@ class ORPOConfig(ReferenceFreePairwiseConfig):
     Only ORPO-specific fields are listed; everything else is ``transformers.TrainingArguments`` with TRL's overrides
     (``logging_steps=10``, ``gradient_checkpointing=True``, ``bf16`` automatic, ``learning_rate=1e-6``).
     """
+
+    # older TRL's `max_prompt_length` (cut the prompt only when the row is too long, then the completions) is
+    # reproduced for this config: posttrain.legacy
+    legacy_pair_prompt_rule: ClassVar[bool] = True
 
     learning_rate: float = pairwise_field("learning_rate")
     max_length: int | None = pairwise_field("max_length")

@@ -32,6 +32,13 @@ class PRMConfig(BaseConfig):
         default="\n", metadata={"help": "Separator used to separate each step of the reasoning process."}
     )
     train_on_last_step_only: bool = field(default=False, metadata={"help": "Whether to train only on the last step."})
+    trust_remote_code: bool = field(
+        default=False,
+        metadata={
+            "help": "Allow models and tokenizers with custom code from the hub (`model` as a string). It lives here "
+            "since `ModelConfig` no longer declares it (TRL 1.7)."
+        },
+    )
     dataset_num_proc: int | None = field(
         default=None, metadata={"help": "Number of processes to use for processing the dataset."}
     )

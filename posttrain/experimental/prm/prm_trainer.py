@@ -146,7 +146,7 @@ class PRMTrainer(BaseTrainer):
         if train_dataset is None:
             raise ValueError("`train_dataset` is required")
         args = self.resolve_args(args, model, PRMConfig, "PRM")
-        processing_class = resolve_processing_class(model, processing_class)
+        processing_class = resolve_processing_class(model, processing_class, trust_remote_code=args.trust_remote_code)
         model = _load_token_classifier(model, args)
         if peft_config is not None:
             from posttrain.models.peft_utils import prepare_peft_model
@@ -233,9 +233,12 @@ def _load_token_classifier(model: Any, args: PRMConfig) -> torch.nn.Module:
         return model
     from transformers import AutoModelForTokenClassification
 
+    from posttrain import legacy
     from posttrain.models.loading import resolve_dtype
 
-    kwargs = dict(args.model_init_kwargs or {})
+    kwargs = legacy.model_init_kwargs(args.model_init_kwargs)  # transformers 4's `torch_dtype` → `dtype`
     kwargs.setdefault("num_labels", 2)
-    kwargs["dtype"] = resolve_dtype(kwargs.pop("torch_dtype", kwargs.get("dtype")))
+    kwargs["dtype"] = resolve_dtype(kwargs.get("dtype"))
+    if args.trust_remote_code:
+        kwargs.setdefault("trust_remote_code", True)
     return AutoModelForTokenClassification.from_pretrained(model, **kwargs)
