@@ -49,6 +49,7 @@ What it adds over calling the client directly:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import time
 from typing import Any
@@ -164,15 +165,11 @@ class OpenEnvSession:
         self.client._ws = None
 
         async def close() -> None:
-            try:
+            with contextlib.suppress(Exception):
                 await asyncio.wait_for(ws.close(), 1.0)
-            except Exception:
-                pass
 
-        try:
+        with contextlib.suppress(Exception):
             submit_coroutine(close()).result(timeout=2.0)
-        except Exception:
-            pass
 
     def reset(self, **kwargs: Any) -> Any:
         """Start a new episode (``EnvClient.reset(**kwargs)``), reconnecting if needed; returns the ``StepResult``.
