@@ -8,6 +8,7 @@ everything between the policy and the environment server — tool loop, sessions
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import re
@@ -65,10 +66,8 @@ class Server:
 
     def stop(self) -> None:
         if self.process.poll() is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(self.process.pid, signal.SIGCONT)  # in case a test paused it
-            except ProcessLookupError:
-                pass
             self.kill()
         for stream in (self.process.stdout, self.process.stderr):
             stream.close()
