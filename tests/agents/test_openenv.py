@@ -8,69 +8,31 @@ everything between the policy and the environment server — tool loop, sessions
 
 from __future__ import annotations
 
-import contextlib
-import os
 import pickle
 import re
-import signal
-import subprocess
-import sys
-import threading
 import time
-from pathlib import Path
+from functools import partial
 
 import pytest
 
 pytest.importorskip("openenv.core", reason='openenv-core is not installed (pip install "posttrain[openenv]")')
 
-from agent_helpers import call, last_user, scripted_sampler, tool_responses  # noqa: E402
+from agent_helpers import last_user, scripted_sampler, tool_responses  # noqa: E402
 from datasets import Dataset  # noqa: E402
+from openenv_helpers import (  # noqa: E402
+    EchoToolEnv,
+    GuessAction,
+    GuessClient,
+    GuessToolEnv,
+    Server,
+    bisect_script,
+    echo_script,
+    secret_for,
+)
 
 from posttrain import GRPOConfig, GRPOTrainer  # noqa: E402
 from posttrain.agents.openenv import OpenEnvSession  # noqa: E402
 from posttrain.agents.tools import EnvironmentUnavailableError  # noqa: E402
-
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "openenv"
-sys.path.insert(0, str(EXAMPLES))
-from envs import EchoAction, EchoClient, GuessAction, GuessClient, secret_for  # noqa: E402
-
-STARTUP_S = 120.0  # importing openenv-core + uvicorn on a loaded 2-core machine
-
-
-class Server:
-    """An OpenEnv environment server subprocess on 127.0.0.1 (a free port, read from its ``PORT <n>`` line)."""
-
-    def __init__(self, env: str):
-        self.process = subprocess.Popen(
-            [sys.executable, str(EXAMPLES / "envs.py"), env, "--port", "0"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        got: dict[str, str] = {}
-        ready = threading.Event()
-
-        def read() -> None:
-            got["line"] = self.process.stdout.readline()
-            ready.set()
-
-        threading.Thread(target=read, daemon=True).start()
-        if not ready.wait(STARTUP_S) or not got.get("line", "").startswith("PORT "):
-            self.stop()
-            raise RuntimeError(f"OpenEnv {env} server did not start: {got.get('line')!r} {self.process.stderr.read()}")
-        self.port = int(got["line"].split()[1])
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            os.kill(self.process.pid, signal.SIGKILL)
-        self.process.wait(timeout=30)
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.process.pid, signal.SIGCONT)  # in case a test paused it
-            self.kill()
-        for stream in (self.process.stdout, self.process.stderr):
-            stream.close()
 
 
 @pytest.fixture(scope="module")
@@ -113,73 +75,6 @@ def _use_script(trainer, script):
     return scripted
 
 
-def _echo_env(url: str):
-    class EchoToolEnv:
-        """TRL's ``grpo_echo`` pattern: the environment echoes, the reward is the observation's."""
-
-        def __init__(self):
-            self.session = OpenEnvSession(EchoClient(base_url=url), timeout_s=20)
-
-        def reset(self, **row) -> None:
-            self.session.reset()
-
-        def echo(self, message: str) -> str:
-            """Echo the message back from the environment.
-
-            Args:
-                message: The message to echo.
-            """
-            return self.session.step(EchoAction(message=message)).observation.echoed_message
-
-    return EchoToolEnv
-
-
-def _guess_env(url: str, timeout_s: float = 20):
-    class GuessToolEnv:
-        """A game (``grpo_wordle`` / ``grpo_catch`` pattern): reset returns the first observation, reward from the env."""
-
-        def __init__(self):
-            self.session = OpenEnvSession(GuessClient(base_url=url), timeout_s=timeout_s, retry_delay_s=0.1)
-
-        def reset(self, seed: int = 0, **row) -> str:
-            return " " + self.session.reset(seed=seed).observation.feedback
-
-        def guess(self, number: int) -> str:
-            """Guess the secret number.
-
-            Args:
-                number: Your guess.
-            """
-            return self.session.step(GuessAction(number=number)).observation.feedback
-
-        def get_reward(self) -> float:
-            return self.session.total_reward
-
-    return GuessToolEnv
-
-
-def _echo_script(context: str) -> str:
-    if tool_responses(context):
-        return "Done."
-    word = re.search(r"Echo '(\w+)'", last_user(context)).group(1)
-    return call("echo", f'{{"message": "{word}"}}')
-
-
-def _bisect_script(context: str) -> str:
-    """Binary search on 'higher'/'lower' for even games; odd games guess once and stop."""
-    game = int(re.search(r"Game (\d+)", last_user(context)).group(1))
-    responses = tool_responses(context)
-    if responses and (responses[-1] == "correct" or game % 2 == 1):
-        return "Done."
-    low, high = 1, 8
-    for guessed, answer in zip(re.findall(r'"number": (\d+)', context.rsplit("<|im_start|>user\n", 1)[-1]), responses):
-        if answer == "higher":
-            low = int(guessed) + 1
-        elif answer == "lower":
-            high = int(guessed) - 1
-    return call("guess", f'{{"number": {(low + high) // 2}}}')
-
-
 def test_grpo_echo_rewards_come_from_the_server(echo_server, tiny_model_path, tmp_path):
     seen = {}
 
@@ -191,9 +86,9 @@ def test_grpo_echo_rewards_come_from_the_server(echo_server, tiny_model_path, tm
     data = Dataset.from_list([{"prompt": [{"role": "user", "content": f"Echo '{w}'"}]} for w in words])
     trainer = GRPOTrainer(
         tiny_model_path, reward_from_env, _config(tmp_path), train_dataset=data,
-        environment_factory=_echo_env(echo_server.url),
+        environment_factory=partial(EchoToolEnv, echo_server.url),
     )  # fmt: skip
-    scripted = _use_script(trainer, _echo_script)
+    scripted = _use_script(trainer, echo_script)
     trainer.train()
     # The server computed 0.1 x len(message) for each echoed word; the tool output is the server's echo.
     assert sorted(seen["rewards"]) == pytest.approx(sorted(0.1 * len(w) for w in words for _ in range(2)))
@@ -211,12 +106,12 @@ def test_grpo_multi_env_game_rewards_from_the_server(echo_server, guess_server, 
     trainer = GRPOTrainer(
         tiny_model_path, None, _config(tmp_path, per_device_train_batch_size=6, max_completion_length=512),
         train_dataset=Dataset.from_list(rows),
-        environment_factory={"guess": _guess_env(guess_server.url), "echo": _echo_env(echo_server.url)},
+        environment_factory={"guess": partial(GuessToolEnv, guess_server.url), "echo": partial(EchoToolEnv, echo_server.url)},
     )  # fmt: skip
     assert trainer.reward_func_names == ["GuessToolEnv"]
 
     def script(context):
-        return _echo_script(context) if "Echo '" in last_user(context) else _bisect_script(context)
+        return echo_script(context) if "Echo '" in last_user(context) else bisect_script(context)
 
     scripted = _use_script(trainer, script)
     trainer.train()
@@ -234,12 +129,12 @@ def test_server_killed_mid_rollout_stops_training_naming_the_url(own_guess_serve
     def script(context):
         if not tool_responses(context):
             own_guess_server.kill()  # after every reset, before the first step reaches the server
-        return _bisect_script(context)
+        return bisect_script(context)
 
     data = Dataset.from_list([{"prompt": [{"role": "user", "content": "Game 2."}], "seed": 2}])
     trainer = GRPOTrainer(
         tiny_model_path, None, _config(tmp_path, per_device_train_batch_size=2),
-        train_dataset=data, environment_factory=_guess_env(own_guess_server.url, timeout_s=10),
+        train_dataset=data, environment_factory=partial(GuessToolEnv, own_guess_server.url, timeout_s=10),
     )  # fmt: skip
     _use_script(trainer, script)
     start = time.monotonic()
@@ -263,14 +158,14 @@ def test_session_bounds_reset_retry_and_pickling(own_guess_server):
     assert copy.step(GuessAction(number=secret)).reward == 1.0 and copy.done and copy.total_reward == 1.0
     copy.close()
     # A server that stops answering: each call is bounded by timeout_s.
-    os.kill(own_guess_server.process.pid, signal.SIGSTOP)
+    own_guess_server.pause()
     start = time.monotonic()
     with pytest.raises(EnvironmentUnavailableError, match=rf"{re.escape(session.url)} .*step: no answer within 2s"):
         session.step(GuessAction(number=secret))
     assert time.monotonic() - start < 2 + 5
     with pytest.raises(EnvironmentUnavailableError, match="connection of this episode was lost"):
         session.step(GuessAction(number=secret))  # never silently steps a fresh, un-reset session
-    os.kill(own_guess_server.process.pid, signal.SIGCONT)
+    own_guess_server.resume()
     assert session.reset(seed=3).observation.guesses_left == 4  # reset reconnects
     session.close()
     # A dead server: reset retries (reset_retries=1), then names the URL.
