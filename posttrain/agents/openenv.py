@@ -40,6 +40,9 @@ What it adds over calling the client directly:
   ``retry_delay_s`` between tries): a reset starts a fresh episode, so repeating it is safe. ``step`` never retries:
   the server holds the episode in the connection's session, so after a lost connection the episode is gone and a
   retried step would act in a different one.
+- **Capacity.** Each instance holds one server session for its lifetime (instances are pooled and reused), so the
+  server must allow as many concurrent sessions as rollouts in a generation batch; a refused session
+  (``CAPACITY_REACHED``) raises :class:`EnvironmentUnavailableError` saying so, without retrying.
 - **Pickling** drops the live connection (the copy reconnects on its next ``reset``), so environment factories that
   hold a session can travel to AsyncGRPO's rollout worker.
 - ``reward`` (last step's reward, 0.0 before any), ``total_reward``, ``done`` and ``last`` (the last ``StepResult``)
@@ -186,6 +189,17 @@ class OpenEnvSession:
                 if attempt == self.reset_retries:
                     raise
                 time.sleep(self.retry_delay_s)
+            except RuntimeError as err:
+                if "CAPACITY_REACHED" not in str(err):
+                    raise
+                self._drop_connection()  # the server closes a refused session; a retry would be refused again
+                raise EnvironmentUnavailableError(
+                    f"OpenEnv server at {self.url} refused a new session ({err}). posttrain opens one session per "
+                    "rollout of a generation batch (each environment instance keeps its own, reused across "
+                    "batches): serve the environment with max_concurrent_envs >= the rollouts per generation batch "
+                    "(create_app(..., max_concurrent_envs=N), environment class with "
+                    "SUPPORTS_CONCURRENT_SESSIONS = True), or lower the batch size."
+                ) from err
         self.last, self._episode = result, True
         return result
 

@@ -172,3 +172,18 @@ def test_session_bounds_reset_retry_and_pickling(own_guess_server):
     own_guess_server.kill()
     with pytest.raises(EnvironmentUnavailableError, match=rf"{re.escape(session.url)} .*reset: ConnectionError"):
         session.reset(seed=3)
+
+
+def test_a_server_with_too_few_sessions_says_how_many_are_needed():
+    server = Server("guess", max_sessions=1)
+    try:
+        first = OpenEnvSession(GuessClient(base_url=server.url), timeout_s=20)
+        second = OpenEnvSession(GuessClient(base_url=server.url), timeout_s=20)
+        assert first.reset(seed=1).observation.guesses_left == 4
+        start = time.monotonic()
+        with pytest.raises(EnvironmentUnavailableError, match=r"refused a new session .*max_concurrent_envs >= the"):
+            second.reset(seed=1)
+        assert time.monotonic() - start < 20  # refused at once, not retried
+        first.close()
+    finally:
+        server.stop()
