@@ -44,9 +44,9 @@ __all__ = [
 class Server:
     """An OpenEnv environment server subprocess on 127.0.0.1 (a free port, read from its ``PORT <n>`` line)."""
 
-    def __init__(self, env: str, max_sessions: int = 64):
+    def __init__(self, env: str, max_sessions: int = 64, port: int = 0):
         self.process = subprocess.Popen(
-            [sys.executable, str(EXAMPLES / "envs.py"), env, "--port", "0", "--max-sessions", str(max_sessions)],
+            [sys.executable, str(EXAMPLES / "envs.py"), env, "--port", str(port), "--max-sessions", str(max_sessions)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         got: dict[str, str] = {}

@@ -187,3 +187,22 @@ def test_a_server_with_too_few_sessions_says_how_many_are_needed():
         first.close()
     finally:
         server.stop()
+
+
+def test_reset_retries_over_a_stale_connection_to_a_restarted_server(own_guess_server):
+    """The documented retry: a server restarted between episodes is reached again by the next reset."""
+    retrying = OpenEnvSession(GuessClient(base_url=own_guess_server.url), timeout_s=20, retry_delay_s=0)
+    strict = OpenEnvSession(GuessClient(base_url=own_guess_server.url), timeout_s=20, reset_retries=0)
+    assert retrying.reset(seed=1).observation.guesses_left == 4 and strict.reset(seed=1).done is False
+    own_guess_server.kill()
+    restarted = Server("guess", port=own_guess_server.port)
+    try:
+        assert retrying.reset(seed=6).observation.guesses_left == 4  # stale connection fails, the retry reconnects
+        assert retrying.step(GuessAction(number=secret_for(6))).reward == 1.0
+        with pytest.raises(EnvironmentUnavailableError, match=rf"{re.escape(strict.url)} .*during reset"):
+            strict.reset(seed=6)  # reset_retries=0: the stale connection is reported
+        assert strict.reset(seed=6).observation.guesses_left == 4  # and the next reset reconnects
+        retrying.close()
+        strict.close()
+    finally:
+        restarted.stop()
