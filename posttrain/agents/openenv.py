@@ -62,15 +62,6 @@ from posttrain.agents.tools import EnvironmentUnavailableError
 INSTALL_HINT = 'OpenEnv support needs openenv-core: pip install "posttrain[openenv]" (or pip install openenv-core).'
 
 
-def require_openenv() -> Any:
-    """Import and return ``openenv.core``; raise ``ImportError`` with the install command when it is missing."""
-    try:
-        import openenv.core as core
-    except ImportError as err:
-        raise ImportError(INSTALL_HINT) from err
-    return core
-
-
 def _lost_connection_types() -> tuple[type[BaseException], ...]:
     """Exceptions meaning "the server is unreachable" (not "the server refused the request")."""
     types: list[type[BaseException]] = [OSError, asyncio.TimeoutError, TimeoutError, EOFError]
@@ -107,7 +98,7 @@ class OpenEnvSession:
             if not callable(getattr(async_client, name, None)):
                 raise TypeError(
                     f"OpenEnvSession needs an openenv.core.EnvClient (with async reset/step/disconnect), got "
-                    f"{type(client).__name__}."
+                    f"{type(client).__name__}. {INSTALL_HINT}"
                 )
         self.client = async_client
         self.timeout_s = float(timeout_s)

@@ -147,6 +147,9 @@ def test_server_killed_mid_rollout_stops_training_naming_the_url(own_guess_serve
 def test_session_bounds_reset_retry_and_pickling(own_guess_server):
     url = own_guess_server.url
     session = OpenEnvSession(GuessClient(base_url=url), timeout_s=2, reset_retries=1, retry_delay_s=0)
+    assert OpenEnvSession(GuessClient(base_url=url).sync()).client.__class__ is GuessClient  # sync wrapper unwrapped
+    with pytest.raises(TypeError, match=r"needs an openenv.core.EnvClient .* got str"):
+        OpenEnvSession(url)
     with pytest.raises(RuntimeError, match="step before reset"):
         session.step(GuessAction(number=1))
     assert session.reset(seed=3).observation.guesses_left == 4
