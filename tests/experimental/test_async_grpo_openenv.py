@@ -9,6 +9,7 @@ the scripted tiny model (as in ``test_async_grpo_agents``), so every rollout rea
 from __future__ import annotations
 
 import sys
+import time
 from functools import partial
 from pathlib import Path
 
@@ -82,3 +83,35 @@ def test_async_grpo_plays_an_openenv_game_in_the_worker(guess_server, tiny_model
         0,
         0,
     ]
+
+
+def test_async_grpo_server_killed_mid_rollout_fails_naming_the_url(guess_server, tiny_model_path, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from posttrain.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+    from posttrain.rollout.async_worker import RolloutWorkerError
+
+    def script(context):
+        guess_server.kill()  # runs in the policy server: the environment server dies before the first step
+        return bisect_script(context)
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    scripted = ScriptedLM(AutoModelForCausalLM.from_pretrained(tiny_model_path), tokenizer, script)
+    rows = [{"prompt": [{"role": "user", "content": f"Game {g}."}], "seed": g} for g in (2, 4)]
+    with serve_in_thread(_ScriptedEngine(scripted, tokenizer)) as url:
+        args = AsyncGRPOConfig(
+            output_dir=str(tmp_path), report_to="none", logging_steps=1, gradient_checkpointing=False,
+            write_report=False, disable_tqdm=True, save_strategy="no", per_device_train_batch_size=4,
+            num_generations=2, max_completion_length=256, learning_rate=1e-2, seed=7, max_steps=1,
+            vllm_server_base_url=url, max_staleness=1,
+        )  # fmt: skip
+        trainer = AsyncGRPOTrainer(
+            tiny_model_path, None, args, train_dataset=Dataset.from_list(rows),
+            environment_factory=partial(GuessToolEnv, guess_server.url, timeout_s=10),
+        )  # fmt: skip
+        start = time.monotonic()
+        pattern = rf"EnvironmentUnavailableError: OpenEnv server at ws://127\.0\.0\.1:{guess_server.port}/ws .*step"
+        with pytest.raises(RolloutWorkerError, match=pattern):
+            trainer.train()
+        assert time.monotonic() - start < 120
+    assert trainer.state.global_step == 0
