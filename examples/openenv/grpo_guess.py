@@ -74,7 +74,9 @@ def main() -> None:
                 from posttrain.models.tiny import save_tiny_model
 
                 model = save_tiny_model(Path(tmp) / "tiny", arch="qwen2")
-            dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": PROMPT}], "seed": s} for s in range(8)])
+            dataset = Dataset.from_list(
+                [{"prompt": [{"role": "user", "content": PROMPT}], "seed": s} for s in range(8)]
+            )
             config = GRPOConfig(
                 output_dir=str(Path(tmp) / "out"), per_device_train_batch_size=4, num_generations=4,
                 max_completion_length=256, max_steps=args.max_steps, logging_steps=1, report_to="none",

@@ -159,6 +159,11 @@ def test_session_bounds_reset_retry_and_pickling(own_guess_server):
     assert copy.client._ws is None and session.client._ws is not None
     assert copy.reset(seed=3).observation.guesses_left == 4
     assert copy.step(GuessAction(number=secret)).reward == 1.0 and copy.done and copy.total_reward == 1.0
+    # An error the server reports (a move after the game ended) is the model's to see, as TRL does: not an outage.
+    with pytest.raises(RuntimeError, match="The game is over") as refused:
+        copy.step(GuessAction(number=secret))
+    assert not isinstance(refused.value, EnvironmentUnavailableError)
+    assert copy.reset(seed=3).observation.guesses_left == 4  # the connection survived
     copy.close()
     # A server that stops answering: each call is bounded by timeout_s.
     own_guess_server.pause()
