@@ -5,6 +5,8 @@
 - ``tools``: Python functions → JSON schemas, executing model-made calls (async concurrently, errors as
   messages), and ``python_tool`` (model-written code in the sandbox);
 - ``environments``: ``environment_factory`` — one instance per rollout, ``reset``, methods as tools, ``get_reward``;
+- ``openenv``: ``OpenEnvSession``, a synchronous, bounded, picklable handle on an OpenEnv client for use inside an
+  ``environment_factory`` class (optional extra ``posttrain[openenv]``);
 - ``loop``: ``ToolCallingBackend``, the multi-turn loop as a generation-backend wrapper, and ``AgentRollout``, the
   trainer-side glue.
 
@@ -25,6 +27,7 @@ _LAZY = {
     "detect_tool_call_parser": "posttrain.agents.tool_calls",
     "Tool": "posttrain.agents.tools",
     "ToolResultError": "posttrain.agents.tools",
+    "EnvironmentUnavailableError": "posttrain.agents.tools",
     "as_tool": "posttrain.agents.tools",
     "build_tools": "posttrain.agents.tools",
     "execute_tool_calls": "posttrain.agents.tools",
@@ -38,6 +41,7 @@ _LAZY = {
     "AgentRollout": "posttrain.agents.loop",
     "prepare_tool_chat_template": "posttrain.agents.loop",
     "tool_metrics": "posttrain.agents.loop",
+    "OpenEnvSession": "posttrain.agents.openenv",
 }
 
 __all__ = sorted(_LAZY)

@@ -9,7 +9,10 @@ synchronous tools one after another on the caller's thread while the ``async`` o
 background event loop (the one async reward functions use). A call never raises into the training loop: an unknown
 tool name, malformed arguments (see ``tool_calls``), wrong keyword arguments or an exception inside the tool become
 the tool message ``{'error': '...'}`` (TRL's ``str({"error": str(e)})``) and count as a failure. Results are
-turned into message content with ``str(result)``; a list of text content blocks is joined into one string.
+turned into message content with ``str(result)``; a list of text content blocks is joined into one string. The one
+exception is :class:`EnvironmentUnavailableError`: the environment *behind* a tool is gone (a remote environment
+server died or stopped answering), which is not the model's mistake, so it is re-raised and stops the step instead
+of being shown to the model as a tool error it would learn from.
 
 Security: the tool *code* is the user's, but the *arguments* are chosen by the model being trained and must be
 treated as untrusted input — exploration finds every path a tool leaves open (shell strings, file paths, ``eval``,
@@ -31,6 +34,15 @@ from posttrain.agents.tool_calls import ToolCall
 
 class ToolResultError(ValueError):
     """A tool returned content this setup cannot feed back to the model (e.g. an image to a text-only model)."""
+
+
+class EnvironmentUnavailableError(ConnectionError):
+    """The environment behind a tool cannot be reached (its server died, refused or timed out).
+
+    Raise it from a tool (or an environment's ``reset``/``get_reward``) for infrastructure failures: the tool loop
+    re-raises it rather than feeding ``{'error': ...}`` back to the model, so training stops with this message
+    instead of learning from an episode the environment never ran. The message should name the endpoint and the fix.
+    """
 
 
 @dataclass
@@ -175,7 +187,8 @@ def execute_tool_calls(
     Async tools of all rollouts run concurrently on the shared background event loop while the sync tools run in
     order on this thread. Unknown tools, malformed calls, arguments that do not fit the signature and exceptions
     raised by a tool become error messages (``failed=True``); they never raise here. Only content the model cannot
-    be shown (:class:`ToolResultError`) raises, because that is a setup problem, not the model's mistake.
+    be shown (:class:`ToolResultError`) and an unreachable environment (:class:`EnvironmentUnavailableError`) raise,
+    because those are setup or infrastructure problems, not the model's mistake.
 
     Args:
         calls_per_rollout: For each rollout, the calls parsed from its latest assistant turn.
@@ -213,12 +226,16 @@ def execute_tool_calls(
         for i, j, tool, arguments in sync_jobs:
             try:
                 results.append((i, j, tool, tool.function(**arguments)))
+            except EnvironmentUnavailableError:
+                raise
             except Exception as err:  # the model's call failed: tell it, keep training
                 results.append((i, j, tool, err))
     finally:
         async_results = pending.result() if pending is not None else []
     results.extend((i, j, tool, value) for (i, j, tool, _), value in zip(async_jobs, async_results))
     for i, j, tool, value in results:
+        if isinstance(value, EnvironmentUnavailableError):
+            raise value
         if isinstance(value, BaseException):
             outcomes[i][j] = _error_message(tool.name, str(value) or type(value).__name__)
             continue

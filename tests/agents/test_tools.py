@@ -9,6 +9,7 @@ from agent_helpers import add, explode
 
 from posttrain.agents.tool_calls import ToolCall
 from posttrain.agents.tools import (
+    EnvironmentUnavailableError,
     ToolResultError,
     as_tool,
     build_tools,
@@ -134,6 +135,32 @@ def test_async_tool_exception_is_an_error_message():
 
     out = _messages(execute_tool_calls([[ToolCall("fail", {"x": 1}, "")]], [build_tools([fail])]))
     assert out == [[("fail", str({"error": "negative"}), True)]]
+
+
+@pytest.mark.parametrize("is_async", [False, True])
+def test_unavailable_environment_is_raised_not_shown_to_the_model(is_async):
+    """A dead environment server is not the model's mistake: the step stops with the error (sync and async tools)."""
+
+    def gone(x: int) -> int:
+        """Needs the server.
+
+        Args:
+            x: Anything.
+        """
+        raise EnvironmentUnavailableError("server at ws://127.0.0.1:1/ws is unavailable")
+
+    async def gone_async(x: int) -> int:
+        """Needs the server.
+
+        Args:
+            x: Anything.
+        """
+        return gone(x)
+
+    tool = gone_async if is_async else gone
+    calls = [[ToolCall(tool.__name__, {"x": 1}, ""), ToolCall("add", {"a": 1, "b": 2}, "")]]
+    with pytest.raises(EnvironmentUnavailableError, match="ws://127.0.0.1:1/ws"):
+        execute_tool_calls(calls, [build_tools([tool, add])])
 
 
 def test_tool_content_conversions():

@@ -17,7 +17,7 @@ from async_grpo_helpers import CounterEnv, add, tool_result_reward
 from datasets import Dataset
 from reward_helpers import varied_reward
 
-from posttrain.generation.weights import load_into
+from posttrain.generation.weights import load_into, weight_specs
 from posttrain.serving.app import serve_in_thread
 from posttrain.serving.engine import PosttrainEngine
 
@@ -31,7 +31,11 @@ pytestmark = [pytest.mark.usefixtures("no_leaked_children"), pytest.mark.slow]
 
 
 class _ScriptedEngine(PosttrainEngine):
-    """The engine over a ScriptedLM; weight pushes (the trainer's names) land in the wrapped tiny model."""
+    """The engine over a ScriptedLM; weight pushes (the trainer's names) are checked against and land in the wrapped
+    tiny model."""
+
+    def weight_specs(self):
+        return weight_specs(self.model.model)
 
     def load_weights(self, tensors):
         return load_into(self.model.model, tensors)
