@@ -7,10 +7,12 @@ per micro-batch; design §3.2) — same log-probs, entropies and gradients.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 
+from posttrain.data.vision_prompts import collate_vision_inputs, has_vision_inputs
 from posttrain.models.forward import TokenStats, forward_token_stats
 from posttrain.models.prefix_sharing import MicroBatchRows, SharedPromptLayout, plan_shared_prompt_layout
 from posttrain.models.unwrap import unwrap_base_model
@@ -18,12 +20,15 @@ from posttrain.models.unwrap import unwrap_base_model
 # A rollout micro-batch (``posttrain.rollout.buffer.RolloutBatch``: ``prompt_ids``, ``prompt_mask``,
 # ``completion_ids``, ``completion_lengths``, ...); models/ sits below rollout/ and does not import it.
 RolloutBatch = dict[str, Any]
+logger = logging.getLogger(__name__)
+_logged_vision_fallback = False
 
 __all__ = [
     "choose_shared_prompt_layout",
     "completion_inputs",
     "completion_token_stats",
     "shared_prompt_token_stats",
+    "vision_model_inputs",
 ]
 
 
@@ -61,6 +66,16 @@ def completion_token_stats(
     differentiable (GRPO's entropy bonus), still chunked. ``share_prompts`` encodes each distinct prompt once
     (:mod:`posttrain.models.prefix_sharing`) when the model's attention takes a tree mask and that saves work.
     """
+    vision_kwargs = vision_model_inputs(model, batch)
+    if share_prompts and vision_kwargs:
+        global _logged_vision_fallback
+        if not _logged_vision_fallback:
+            _logged_vision_fallback = True
+            logger.info(
+                "Micro-batches with images use the plain [prompt | completion] forward, not the shared-prompt one "
+                "(shared_prompt_forward): its packed layout does not carry the vision inputs yet."
+            )
+        share_prompts = False
     if share_prompts:
         stats = shared_prompt_token_stats(
             model,
@@ -72,6 +87,8 @@ def completion_token_stats(
         if stats is not None:
             return stats
     input_ids, attention_mask, position_ids, completion_attention = completion_inputs(batch)
+    if "image_grid_thw" in vision_kwargs:
+        position_ids = None  # multimodal RoPE (Qwen2-VL family): the model derives its 3-D positions itself
     return forward_token_stats(
         model,
         input_ids,
@@ -82,6 +99,24 @@ def completion_token_stats(
         compute_entropy=compute_entropy,
         entropy_requires_grad=entropy_requires_grad,
         labels_mask=completion_attention,
+        **vision_kwargs,
+    )
+
+
+def vision_model_inputs(model: torch.nn.Module, batch: RolloutBatch) -> dict[str, torch.Tensor]:
+    """The model's vision inputs for ``batch`` (``pixel_values``, ``image_grid_thw``, ``token_type_ids``, ...) from
+    its per-row ``vision_inputs`` (:func:`~posttrain.data.vision_prompts.collate_vision_inputs`), on the batch's
+    device in the model's floating dtype; ``{}`` for a batch without images."""
+    rows = batch.get("vision_inputs")
+    if not has_vision_inputs(rows):
+        return {}
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    return collate_vision_inputs(
+        rows,
+        prompt_width=int(batch["prompt_ids"].shape[1]),
+        completion_width=int(batch["completion_ids"].shape[1]),
+        device=batch["completion_ids"].device,
+        dtype=dtype,
     )
 
 
