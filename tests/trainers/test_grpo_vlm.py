@@ -298,3 +298,52 @@ def test_vllm_with_images_is_refused(tmp_path):
             train_dataset=Dataset.from_list(mixed_rows()),
             processing_class=processor,
         )
+
+
+def test_shared_prompt_forward_with_images_matches_plain_in_values_and_gradients():
+    """Two prompts with the same text but other images, and a text-only prompt, G = 2 each: the shared-prompt layout
+    (each prompt with its images encoded once) gives the plain forward's log-probs and parameter gradients."""
+    from posttrain.models.completion_scoring import choose_shared_prompt_layout
+
+    model, processor = build_tiny_vlm()
+    model.eval()
+    rows = [
+        {"prompt": [{"role": "user", "content": "Colour?"}], "images": [_image(RED)]},
+        {"prompt": [{"role": "user", "content": "Colour?"}], "images": [_image(GREEN, (30, 12))]},
+        {"prompt": [{"role": "user", "content": "Words only, please."}], "images": []},
+    ]
+    grouped = [row for row in rows for _ in range(2)]
+    _, _, prompt_ids, vision = encode_vision_prompts(grouped, processor)
+    assert vision[0] is vision[1] and vision[1] is not vision[2]  # a group shares its prompt's processor outputs
+    lengths = [3, 1, 4, 2, 3, 3]
+    generator = torch.Generator().manual_seed(0)
+    width, pad = max(map(len, prompt_ids)), processor.tokenizer.pad_token_id
+    batch = {
+        "prompt_ids": torch.tensor([[pad] * (width - len(p)) + p for p in prompt_ids]),
+        "prompt_mask": torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids]),
+        "completion_ids": torch.randint(40, 120, (6, 4), generator=generator),
+        "completion_lengths": torch.tensor(lengths),
+        "vision_inputs": vision,
+    }
+    layout = choose_shared_prompt_layout(model, batch)
+    assert layout is not None and layout.input_ids.shape[0] == 3  # one pack per prompt-with-images
+    assert int((layout.input_ids == model.config.image_token_id).sum()) == 8  # 4 image tokens per image, once each
+    valid = torch.arange(4).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
+
+    def run(share: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        model.zero_grad()
+        logps = completion_token_stats(model, batch, share_prompts=share).logps
+        (logps * valid).sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return logps.detach(), grads
+
+    shapes = []
+    model.model.language_model.register_forward_hook(lambda m, args, kwargs, out: shapes.append(
+        tuple(kwargs["inputs_embeds"].shape[:2])), with_kwargs=True)  # fmt: skip
+    plain, plain_grads = run(False)
+    shared, shared_grads = run(True)
+    assert shapes[0][0] == 6 and shapes[1] == tuple(layout.input_ids.shape)  # the shared run took the packed layout
+    torch.testing.assert_close(shared[valid], plain[valid], atol=1e-5, rtol=1e-5)
+    assert set(shared_grads) == set(plain_grads) and any("vision_tower" in n for n in plain_grads)
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(shared_grads[name], grad, atol=1e-5, rtol=1e-4)
