@@ -804,6 +804,10 @@ class OnlineTrainerBase(BaseTrainer):
         for column, values in columns.items():
             logs["extra"][column].extend(values)
         logs["advantages"].extend(advantages)
+        if self.args.log_multimodal and any("image" in row or "images" in row for row in rows):
+            from posttrain.data.vision_prompts import row_images
+
+            logs["images"].extend(self.pipeline.gather_object([row_images(row) for row in rows]))  # TRL's
 
     def _generate(self, prompts: list) -> tuple:
         """TRL's generation hook: completions for ``prompts``, this process's raw prompts (text or message lists, each

@@ -347,3 +347,28 @@ def test_shared_prompt_forward_with_images_matches_plain_in_values_and_gradients
     assert set(shared_grads) == set(plain_grads) and any("vision_tower" in n for n in plain_grads)
     for name, grad in plain_grads.items():
         torch.testing.assert_close(shared_grads[name], grad, atol=1e-5, rtol=1e-4)
+
+
+def test_grpo_vlm_streams_and_replays_generation_batches(tmp_path):
+    """A streamed dataset, two micro-batches per generation (the buffer shuffles and splits rows with their vision
+    inputs), two iterations (π_old is scored with the images) and the completions log keeps the images as TRL."""
+    model, processor = build_tiny_vlm()
+    stream = Dataset.from_list(mixed_rows()).to_iterable_dataset()
+    args = config(
+        GRPOConfig,
+        tmp_path,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        num_iterations=2,
+        max_steps=2,
+        generation_backend="posttrain",
+    )
+    trainer = GRPOTrainer(
+        model, reward_funcs=RecordingReward(), args=args, train_dataset=stream, processing_class=processor
+    )
+    before = trainable_params(trainer.model)
+    trainer.train()
+    _check_trained(trainer, before)
+    assert trainer.pipeline.settings.compute_old_logps
+    logged = list(trainer._logs["images"])
+    assert len(logged) == 8 and sorted(len(images or []) for images in logged) == [0, 0, 1, 1, 1, 1, 2, 2]
