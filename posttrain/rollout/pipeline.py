@@ -127,6 +127,9 @@ class RolloutSettings:
         defer_importance_sampling: leave the importance-sampling ratio to the loss when π_old is needed for nothing
             else (see the module docstring); the batch then keeps ``sampling_per_token_logps`` and has no
             ``importance_sampling_ratio`` / ``old_per_token_logps``.
+        multimodal: a vision-language run (the datasets have images): every batch, a text-only one too, is rendered
+            as TRL renders a VLM's (prompts in content blocks, through the processor), so reward functions and the
+            chat template see one prompt format.
     """
 
     num_generations: int
@@ -141,6 +144,7 @@ class RolloutSettings:
     keep_completions: bool = False
     max_prompt_length: int | None = None  # left-truncate prompt tokens to this many (None = keep all)
     defer_importance_sampling: bool = False
+    multimodal: bool = False
 
 
 @dataclass
@@ -491,7 +495,7 @@ class RolloutPipeline:
             prompts = [row["prompt"] for row in rows]
             vision_inputs = None
             with stage("render_prompts"):
-                if any(row_images(row) for row in rows):
+                if (settings.multimodal and agent_batch is None) or any(row_images(row) for row in rows):
                     # images: placed in the prompts (what reward functions get, as TRL), processed once per group
                     prompts, prompt_texts, prompt_ids, vision_inputs = encode_vision_prompts(
                         rows, self.tokenizer, settings.chat_template_kwargs

@@ -601,6 +601,7 @@ class OnlineTrainerBase(BaseTrainer):
             keep_completions=True,  # every round, for TRL's `self._logs` (printed only with log_completions)
             # TRL 0.x's GRPO/RLOO `max_prompt_length` (posttrain.legacy keeps it as a plain attribute)
             max_prompt_length=getattr(args, "_legacy_max_prompt_length", None),
+            multimodal=getattr(self, "_vision", False),
         )
 
     # -- log-probs ---------------------------------------------------------------------------------------------

@@ -372,3 +372,22 @@ def test_grpo_vlm_streams_and_replays_generation_batches(tmp_path):
     assert trainer.pipeline.settings.compute_old_logps
     logged = list(trainer._logs["images"])
     assert len(logged) == 8 and sorted(len(images or []) for images in logged) == [0, 0, 1, 1, 1, 1, 2, 2]
+
+
+def test_text_only_batches_of_a_vision_run_use_the_vlm_prompt_format(tmp_path):
+    """TRL renders every prompt of a VLM run in content blocks through the processor, a batch without images too:
+    reward functions see that format, and training works on such batches."""
+    model, processor = build_tiny_vlm()
+    rows = [{"prompt": [{"role": "user", "content": f"Say {i}."}], "images": []} for i in range(4)]
+    reward = RecordingReward()
+    trainer = GRPOTrainer(
+        model,
+        reward_funcs=reward,
+        args=config(GRPOConfig, tmp_path, max_steps=1),
+        train_dataset=Dataset.from_list(rows),
+        processing_class=processor,
+    )
+    trainer.train()
+    prompt = reward.calls[0]["prompts"][0]
+    assert prompt[0]["content"][0]["type"] == "text"
+    assert math.isfinite(trainer.state.log_history[0]["loss"])
