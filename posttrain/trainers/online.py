@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from posttrain.data.dataset_ops import configure_streaming
+from posttrain.data.formats import is_vision_dataset
 from posttrain.distributed import mean_over_processes
 from posttrain.generation.base import SamplingConfig
 from posttrain.generation.host_memory import release_freed_host_memory
@@ -44,6 +45,7 @@ from posttrain.models.forward import TokenStats
 from posttrain.models.loading import (
     create_model_from_path,
     disable_dropout_in_model,
+    load_processor,
     resolve_model,
     resolve_processing_class,
     resolve_router_aux_loss_coef,
@@ -213,6 +215,10 @@ class OnlineTrainerBase(BaseTrainer):
         if train_dataset is None:
             train_dataset = self._environment_placeholder_dataset(args, environment_factory)
         model_id = model if isinstance(model, str) else None
+        if processing_class is None and self.supports_vision and any(
+            is_vision_dataset(split) for split in (train_dataset, eval_dataset) if split is not None
+        ):
+            processing_class = load_processor(model)  # images: the model's processor, as TRL's AutoProcessor
         model, processing_class = self._setup_policy(model, args, processing_class, peft_config, quantization_config)
         self._check_vision(model, processing_class, args, train_dataset, eval_dataset, tools, rollout_func,
                            environment_factory)  # fmt: skip
@@ -386,7 +392,6 @@ class OnlineTrainerBase(BaseTrainer):
         before training, the model must be a vision-language model with a processor that has an image processor and
         a chat template, the first rows' image placeholders must match their images, and the options that cannot
         carry images yet are refused."""
-        from posttrain.data.formats import is_vision_dataset
         from posttrain.data.vision_prompts import check_vision_rows, check_vision_setup
 
         splits = {"train_dataset": train_dataset}

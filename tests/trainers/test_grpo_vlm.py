@@ -391,3 +391,20 @@ def test_text_only_batches_of_a_vision_run_use_the_vlm_prompt_format(tmp_path):
     prompt = reward.calls[0]["prompts"][0]
     assert prompt[0]["content"][0]["type"] == "text"
     assert math.isfinite(trainer.state.log_history[0]["loss"])
+
+
+def test_grpo_loads_vlm_and_processor_from_a_path(tmp_path):
+    """As the seed's quick start: the model id alone; the processor (with its chat template) is loaded beside it."""
+    from posttrain.models.tiny import save_tiny_vlm
+
+    path = save_tiny_vlm(tmp_path / "tiny-vlm")
+    trainer = GRPOTrainer(
+        path,
+        reward_funcs=RecordingReward(),
+        args=config(GRPOConfig, tmp_path / "out", max_steps=1),
+        train_dataset=Dataset.from_list(mixed_rows()),
+    )
+    assert type(trainer.model).__name__ == "LlavaForConditionalGeneration"
+    assert type(trainer.processing_class).__name__ == "LlavaProcessor"
+    trainer.train()
+    assert math.isfinite(trainer.state.log_history[0]["loss"])
