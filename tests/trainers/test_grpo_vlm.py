@@ -408,3 +408,26 @@ def test_grpo_loads_vlm_and_processor_from_a_path(tmp_path):
     assert type(trainer.processing_class).__name__ == "LlavaProcessor"
     trainer.train()
     assert math.isfinite(trainer.state.log_history[0]["loss"])
+
+
+def test_grpo_vlm_trains_a_lora_adapter(tmp_path):
+    """LoRA on the attention projections (language model and vision tower): only adapter weights train, and the
+    reference (the adapter switched off) scores the images too — the KL is 0 at the first step, positive after."""
+    from peft import LoraConfig
+
+    model, processor = build_tiny_vlm()
+    trainer = GRPOTrainer(
+        model,
+        reward_funcs=RecordingReward(),
+        args=config(GRPOConfig, tmp_path),
+        train_dataset=Dataset.from_list(mixed_rows()),
+        processing_class=processor,
+        peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]),
+    )
+    before = trainable_params(trainer.model)
+    assert before and all("lora_" in name for name in before)
+    trainer.train()
+    after = dict(trainer.model.named_parameters())
+    assert all(not torch.equal(before[n], after[n].detach()) for n in before if "lora_B" in n)
+    kls = [log["kl"] for log in trainer.state.log_history if "kl" in log]
+    assert kls[0] == 0.0 and kls[1] > 0.0
