@@ -158,7 +158,7 @@ def encode_vision_prompts(
             inputs.append(inputs[-1])
             continue
         prompt = prepare_vision_prompt(row, index, "batch")
-        text = _render(processor, prompt, kwargs) if is_conversational({"prompt": prompt}) else prompt
+        text = _render(processor, row, prompt, kwargs, index) if is_conversational({"prompt": prompt}) else prompt
         images = row_images(row)
         processed = processor(
             text=[text], images=[images] if images else None, add_special_tokens=False, return_tensors="pt"
@@ -177,15 +177,17 @@ def encode_vision_prompts(
     return prompts, texts, ids, inputs
 
 
-def _render(processor: Any, prompt: list[dict[str, Any]], kwargs: dict[str, Any]) -> str:
-    owner = processor if getattr(processor, "chat_template", None) else getattr(processor, "tokenizer", processor)
-    continue_final = prompt[-1].get("role") == "assistant"
-    text = owner.apply_chat_template(
-        prompt,
-        tokenize=False,
-        add_generation_prompt=not continue_final,
-        continue_final_message=continue_final,
-        **kwargs,
+def _render(processor: Any, row: Mapping[str, Any], prompt: list[dict[str, Any]], kwargs: dict, index: int) -> str:
+    """The prompt through the processor's chat template as text prompts are rendered (``tokenize_prompt``): the
+    row's own ``tools`` / ``chat_template_kwargs`` columns honoured, a new assistant turn after a user/tool message
+    or the final assistant message continued, template errors naming the row."""
+    from posttrain.data.chat_templates import prompt_generation_flags
+    from posttrain.data.tokenization import _RowContext
+
+    context = _RowContext(row, processor, None, kwargs, index)
+    add_generation_prompt, continue_final = prompt_generation_flags(prompt, row=index)
+    text = context.render_text(
+        prompt, column="prompt", add_generation_prompt=add_generation_prompt, continue_final_message=continue_final
     )
     return text[0] if isinstance(text, list) else text
 
