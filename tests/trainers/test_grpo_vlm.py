@@ -431,3 +431,78 @@ def test_grpo_vlm_trains_a_lora_adapter(tmp_path):
     assert all(not torch.equal(before[n], after[n].detach()) for n in before if "lora_B" in n)
     kls = [log["kl"] for log in trainer.state.log_history if "kl" in log]
     assert kls[0] == 0.0 and kls[1] > 0.0
+
+
+def _tiny_qwen2_vl():
+    """A random tiny Qwen2-VL (multimodal RoPE, flattened patches with ``image_grid_thw``) and one image's processor
+    outputs as the per-row vision inputs; built from the model and image-processor classes (no processor object:
+    transformers' Qwen2VLProcessor insists on a video processor)."""
+    import transformers
+    from tokenizers import AddedToken
+
+    tok = build_tiny_tokenizer()
+    names = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
+    tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in names], special_tokens=True)
+    ids = dict(zip(names, tok.convert_tokens_to_ids(list(names))))
+    config = transformers.Qwen2VLConfig(
+        text_config=dict(
+            vocab_size=((len(tok) + 63) // 64) * 64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+            max_position_embeddings=512, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+        ),
+        vision_config=dict(
+            depth=1, embed_dim=32, hidden_size=64, num_heads=2, patch_size=4, spatial_merge_size=2,
+            temporal_patch_size=2, in_chans=3,
+        ),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Qwen2VLForConditionalGeneration(config).eval()
+    image_processor = transformers.Qwen2VLImageProcessorPil(
+        min_pixels=64, max_pixels=256, patch_size=4, merge_size=2, temporal_patch_size=2
+    )
+    pixels = image_processor(images=[_image(RED)], return_tensors="pt")
+    n = int(pixels["image_grid_thw"].prod()) // 4
+    prompt = [257, ids["<|vision_start|>"], *[ids["<|image_pad|>"]] * n, ids["<|vision_end|>"], 72, 105, 10]
+    types = torch.tensor([1 if t == ids["<|image_pad|>"] else 0 for t in prompt])
+    vision = {
+        "pixel_values": pixels["pixel_values"],
+        "image_grid_thw": pixels["image_grid_thw"],
+        "mm_token_type_ids": types,
+    }
+    return model, tok, prompt, vision
+
+
+def test_multimodal_rope_model_scores_and_samples_with_its_images():
+    """Qwen2-VL's path: the forward takes no position_ids (the model derives its 3-D positions from the images and
+    the per-token types), a left-padded mixed batch scores each row as it scores alone, and the group sampler hands
+    such prompts to model.generate."""
+    model, tok, prompt, vision = _tiny_qwen2_vl()
+    text_prompt = [257, 72, 105, 10]
+    completion = [[40, 41, 42], [43, 44, 45]]
+    width, pad = len(prompt), tok.pad_token_id
+    batch = {
+        "prompt_ids": torch.tensor([prompt, [pad] * (width - 4) + text_prompt]),
+        "prompt_mask": torch.tensor([[1] * width, [0] * (width - 4) + [1] * 4]),
+        "completion_ids": torch.tensor(completion),
+        "completion_lengths": torch.tensor([3, 3]),
+        "vision_inputs": [vision, {}],
+    }
+    with torch.no_grad():
+        scored = completion_token_stats(model, batch, share_prompts=True).logps
+        for row, (ids, inputs) in enumerate([(prompt, vision), (text_prompt, {})]):
+            x = torch.tensor([ids + completion[row]])
+            kwargs = {}
+            if inputs:
+                kwargs = {k: v for k, v in inputs.items() if k != "mm_token_type_ids"}
+                kwargs["mm_token_type_ids"] = torch.cat(
+                    [inputs["mm_token_type_ids"], torch.zeros(3, dtype=torch.long)]
+                )[None]
+            logits = model(input_ids=x, attention_mask=torch.ones_like(x), **kwargs).logits[0, len(ids) - 1 : -1]
+            expected = logits.log_softmax(-1).gather(-1, torch.tensor(completion[row])[:, None]).squeeze(-1)
+            torch.testing.assert_close(scored[row], expected, atol=1e-4, rtol=1e-4)
+    sampling = SamplingConfig(max_new_tokens=4, eos_token_ids=[tok.eos_token_id], pad_token_id=pad)
+    sampler = GroupSampler(model, tok)
+    out = sampler.generate([prompt], sampling, num_generations=2, vision_inputs=[vision])
+    assert len(out) == 2 and sampler.last_stats["prefill_rows"] == 0  # sampled by model.generate instead
