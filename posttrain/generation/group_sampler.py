@@ -138,13 +138,24 @@ class GroupSampler:
     def sync_weights(self, model: Any) -> None:
         """No-op: sampling runs on the trainer's own model object."""
 
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig, num_generations: int = 1) -> Completions:
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        sampling: SamplingConfig,
+        num_generations: int = 1,
+        vision_inputs: list[dict[str, Any]] | None = None,
+    ) -> Completions:
         """Sample ``num_generations`` completions per prompt; rows ordered ``[p0 g0, p0 g1, ..., p1 g0, ...]``.
 
         Args:
             prompt_ids: Unpadded prompt token ids, one list per prompt (duplicates are prefilled once).
             sampling: What to sample; ``generation_kwargs`` may only override ``SamplingConfig`` fields here.
             num_generations: Completions per prompt (G).
+            vision_inputs: A vision-language batch: one dict of processor outputs per prompt (``pixel_values``,
+                ...; ``{}`` for a text-only prompt). Each prompt is prefilled once with its images (the vision tower
+                runs once per prompt, not G times) and its cache shared by its G completions; image tokens are
+                never sampled. Models with multimodal RoPE (``image_grid_thw``: the Qwen2-VL family), whose decode
+                positions depend on the images, are sampled with ``model.generate`` instead (logged once).
 
         Returns:
             ``Completions`` with ``len(prompt_ids) * num_generations`` rows, each cut after its first EOS.
@@ -176,11 +187,24 @@ class GroupSampler:
             if len(ids) == 0:
                 raise ValueError(f"prompt_ids[{i}] is empty; every prompt needs at least one token.")
         model = unwrap_parallel(self.model)
+        if vision_inputs is not None and any("image_grid_thw" in inputs for inputs in vision_inputs):
+            if "mrope" not in _warned:
+                _warned.add("mrope")
+                logger.info(
+                    "Prompts with images on a model with multimodal RoPE (image_grid_thw) are sampled with "
+                    "model.generate (the 'transformers' backend): the group sampler's decode positions do not "
+                    "follow its 3-D rotary positions."
+                )
+            from posttrain.generation.transformers_backend import TransformersBackend
+
+            backend = TransformersBackend(self.model, self.tokenizer, return_logprobs=self.return_logprobs)
+            return backend.generate(prompt_ids, sampling, num_generations, vision_inputs=vision_inputs)
         with sampling_mode(model):
             for start, stop in self._batches(prompt_ids, num_generations, s.max_new_tokens):
                 self._generate_batch(
                     model, prompt_ids[start:stop], start * num_generations, s, num_generations,
                     completion_ids, logprobs, finished,
+                    vision=None if vision_inputs is None else vision_inputs[start:stop],
                 )  # fmt: skip
         if model_device(model).type == "cpu" and not self._trimmed_host_memory:
             # The first generation's freed decode buffers go back to the OS before training first allocates; later
@@ -216,25 +240,44 @@ class GroupSampler:
         completion_ids: list[list[int]],
         logprobs: list[list[float]] | None,
         finished: list[bool],
+        vision: list[dict[str, Any]] | None = None,
     ) -> None:
-        """Prefill the unique prompts of ``prompts``, expand G ways, decode; write rows from ``row_offset`` on."""
+        """Prefill the unique prompts of ``prompts``, expand G ways, decode; write rows from ``row_offset`` on.
+
+        ``vision``: each prompt's vision inputs (prompts with images are never merged: equal ids, other images)."""
         from transformers import DynamicCache
 
         from posttrain.generation.kv_cache import preallocate_cache
 
         device = model_device(model)
         # Identical prompts share one prefill row; `source[r]` is the unique row that output row r extends.
-        unique: dict[tuple[int, ...], int] = {}
+        unique: dict[Any, int] = {}
+        unique_ids: list[list[int]] = []
         source = []
-        for ids in prompts:
-            u = unique.setdefault(tuple(ids), len(unique))
-            source.extend([u] * g)
-        input_ids, attention_mask = left_pad([list(k) for k in unique], s.pad_token_id, device)  # (U, P)
+        for index, ids in enumerate(prompts):
+            key = (index,) if vision is not None else tuple(ids)
+            if key not in unique:
+                unique[key] = len(unique)
+                unique_ids.append(list(ids))
+            source.extend([unique[key]] * g)
+        input_ids, attention_mask = left_pad(unique_ids, s.pad_token_id, device)  # (U, P)
         # Positions count real tokens only, as generate's cumsum - 1 (pad positions are masked; 0 is arbitrary).
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (U, P)
         cache = preallocate_cache(DynamicCache(config=model.config), reserve=s.max_new_tokens)
         cache_kw = _cache_kwarg(model)
-        logits = _forward_last(model, input_ids, attention_mask, position_ids, cache, cache_kw)  # (U, V)
+        vision_kwargs: dict[str, Any] = {}
+        suppress: list[int] = []
+        if vision is not None:
+            from posttrain.generation.transformers_backend import image_token_ids, vision_generate_inputs
+
+            vision_kwargs = vision_generate_inputs(model, vision, 1, input_ids.shape[1])
+            suppress = image_token_ids(model)
+        # the vision tower runs here, once per prompt; decode steps read the image features from the cache
+        logits = _forward_last(
+            model, input_ids, attention_mask, position_ids, cache, cache_kw, **vision_kwargs
+        )  # (U, V)
+        if suppress:
+            logits[:, suppress] = float("-inf")
         self.last_stats["prefill_rows"] += len(unique)
         self.last_stats["prefill_tokens"] += input_ids.numel()
         self.last_stats["num_batches"] += 1
@@ -255,7 +298,7 @@ class GroupSampler:
         attention_mask, history = attention_mask[index], input_ids[index]  # (R, ·)
         positions = attention_mask.sum(-1)  # (R,) position of the next token
         rows = list(range(row_offset, row_offset + len(source)))  # output row of each decode-batch row
-        four_d = _takes_boolean_4d_mask(model)
+        four_d = _takes_boolean_4d_mask(model) and vision is None  # a VLM decodes through its own forward
         mask = DecodeMask(attention_mask, s.max_new_tokens, four_d=four_d)
 
         def full_forward(ids: torch.Tensor, step_mask: torch.Tensor, pos: torch.Tensor, kv: Any) -> torch.Tensor:
@@ -320,6 +363,8 @@ class GroupSampler:
                 logits = decode(
                     tokens[:, None], mask.extend(), positions[:, None], cache, out=scratch.view(0, len(rows), vocab)
                 )
+            if suppress:
+                logits[:, suppress] = float("-inf")
             positions = positions + 1
         if logprobs is not None and step_logprobs:
             values = step_lps[:written].tolist()  # one transfer for the whole batch
@@ -404,6 +449,7 @@ def _forward_last(
     position_ids: torch.Tensor,
     cache: Any,
     cache_kw: str,
+    **model_kwargs: Any,
 ) -> torch.Tensor:
     """One forward through ``cache``; returns the last position's logits as float32 ``(B, V)``.
 
@@ -420,5 +466,6 @@ def _forward_last(
         logits_to_keep=1,
         **{cache_kw: cache},
         **extra,
+        **model_kwargs,
     )
     return out.logits[:, -1, :].float()

@@ -103,8 +103,19 @@ class TransformersBackend:
     def sync_weights(self, model: Any) -> None:
         """No-op: generation runs on the trainer's own model object."""
 
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig, num_generations: int = 1) -> Completions:
-        """Sample ``num_generations`` completions per prompt; rows ordered ``[p0 g0, p0 g1, ..., p1 g0, ...]``."""
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        sampling: SamplingConfig,
+        num_generations: int = 1,
+        vision_inputs: list[dict[str, Any]] | None = None,
+    ) -> Completions:
+        """Sample ``num_generations`` completions per prompt; rows ordered ``[p0 g0, p0 g1, ..., p1 g0, ...]``.
+
+        ``vision_inputs``: one dict of processor outputs per prompt (``pixel_values``, ...; ``{}`` for a text-only
+        prompt), passed to ``model.generate`` for the repeated rows as TRL does; the image token is then never
+        sampled (TRL's ``suppress_tokens``: a sampled one would not match the image features).
+        """
         if num_generations < 1:
             raise ValueError(f"num_generations must be >= 1, got {num_generations}.")
         if not prompt_ids:
@@ -117,11 +128,18 @@ class TransformersBackend:
         eos = set(s.eos_token_ids)
         rows = [list(p) for p in prompt_ids for _ in range(num_generations)]
         input_ids, attention_mask = left_pad(rows, s.pad_token_id, model_device(model))
+        extra: dict[str, Any] = {}
+        if vision_inputs is not None:
+            extra = vision_generate_inputs(model, vision_inputs, num_generations, input_ids.shape[1])
+            suppress = image_token_ids(model)
+            if suppress:
+                gen_config.suppress_tokens = sorted(set(gen_config.suppress_tokens or []) | set(suppress))
         with sampling_mode(model):
             out = model.generate(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 generation_config=gen_config,
+                **extra,
             )
         completion = out.sequences[:, input_ids.shape[1] :]  # (B, T)
         token_logprobs = None
@@ -140,3 +158,27 @@ class TransformersBackend:
             if token_logprobs is not None:
                 lps_out.append(token_logprobs[i][: len(ids)])
         return Completions(ids_out, lps_out, finished, rows)
+
+
+def image_token_ids(model: Any) -> list[int]:
+    """The vision-language model's image (and video) placeholder token ids, never to be sampled (TRL suppresses
+    ``config.image_token_id``)."""
+    config = getattr(unwrap_parallel(model), "config", None)
+    ids = []
+    for name in ("image_token_id", "image_token_index", "video_token_id"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value >= 0 and value not in ids:
+            ids.append(value)
+    return ids
+
+
+def vision_generate_inputs(
+    model: Any, vision_inputs: list[dict[str, Any]], num_generations: int, prompt_width: int
+) -> dict[str, torch.Tensor]:
+    """``model.generate``'s vision inputs for prompts repeated ``num_generations`` times each (the rows of
+    ``left_pad``), on the model's device and floating dtype."""
+    from posttrain.data.vision_prompts import collate_vision_inputs
+
+    rows = [inputs for inputs in vision_inputs for _ in range(num_generations)]
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    return collate_vision_inputs(rows, prompt_width, 0, device=model_device(model), dtype=dtype)

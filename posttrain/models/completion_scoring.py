@@ -7,10 +7,12 @@ per micro-batch; design §3.2) — same log-probs, entropies and gradients.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 
+from posttrain.data.vision_prompts import PER_TOKEN_VISION_KEYS, collate_vision_inputs, has_vision_inputs
 from posttrain.models.forward import TokenStats, forward_token_stats
 from posttrain.models.prefix_sharing import MicroBatchRows, SharedPromptLayout, plan_shared_prompt_layout
 from posttrain.models.unwrap import unwrap_base_model
@@ -18,12 +20,15 @@ from posttrain.models.unwrap import unwrap_base_model
 # A rollout micro-batch (``posttrain.rollout.buffer.RolloutBatch``: ``prompt_ids``, ``prompt_mask``,
 # ``completion_ids``, ``completion_lengths``, ...); models/ sits below rollout/ and does not import it.
 RolloutBatch = dict[str, Any]
+logger = logging.getLogger(__name__)
+_logged_vision_fallback = False
 
 __all__ = [
     "choose_shared_prompt_layout",
     "completion_inputs",
     "completion_token_stats",
     "shared_prompt_token_stats",
+    "vision_model_inputs",
 ]
 
 
@@ -61,6 +66,18 @@ def completion_token_stats(
     differentiable (GRPO's entropy bonus), still chunked. ``share_prompts`` encodes each distinct prompt once
     (:mod:`posttrain.models.prefix_sharing`) when the model's attention takes a tree mask and that saves work.
     """
+    vision_kwargs = vision_model_inputs(model, batch)
+    if share_prompts and vision_kwargs and not _shares_vision_prompts(vision_kwargs):
+        global _logged_vision_fallback
+        if not _logged_vision_fallback:
+            _logged_vision_fallback = True
+            logger.info(
+                "Micro-batches with images use the plain [prompt | completion] forward, not the shared-prompt one "
+                "(shared_prompt_forward), for this model: its vision inputs %s include per-token types (the model "
+                "builds its own image attention from them) or multimodal RoPE grids.",
+                sorted(vision_kwargs),
+            )
+        share_prompts = False
     if share_prompts:
         stats = shared_prompt_token_stats(
             model,
@@ -72,6 +89,8 @@ def completion_token_stats(
         if stats is not None:
             return stats
     input_ids, attention_mask, position_ids, completion_attention = completion_inputs(batch)
+    if "image_grid_thw" in vision_kwargs:
+        position_ids = None  # multimodal RoPE (Qwen2-VL family): the model derives its 3-D positions itself
     return forward_token_stats(
         model,
         input_ids,
@@ -82,6 +101,31 @@ def completion_token_stats(
         compute_entropy=compute_entropy,
         entropy_requires_grad=entropy_requires_grad,
         labels_mask=completion_attention,
+        **vision_kwargs,
+    )
+
+
+def _shares_vision_prompts(vision_kwargs: dict[str, torch.Tensor]) -> bool:
+    """Whether the shared-prompt layout can carry these vision inputs: image features that replace the image
+    tokens' embeddings in order (LLaVA-style); not per-token type ids (Gemma 3's bidirectional image attention would
+    override the tree mask) nor multimodal RoPE grids (Qwen2-VL's positions come from the images)."""
+    return not any(key in vision_kwargs for key in (*PER_TOKEN_VISION_KEYS, "image_grid_thw", "video_grid_thw"))
+
+
+def vision_model_inputs(model: torch.nn.Module, batch: RolloutBatch) -> dict[str, torch.Tensor]:
+    """The model's vision inputs for ``batch`` (``pixel_values``, ``image_grid_thw``, ``token_type_ids``, ...) from
+    its per-row ``vision_inputs`` (:func:`~posttrain.data.vision_prompts.collate_vision_inputs`), on the batch's
+    device in the model's floating dtype; ``{}`` for a batch without images."""
+    rows = batch.get("vision_inputs")
+    if not has_vision_inputs(rows):
+        return {}
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    return collate_vision_inputs(
+        rows,
+        prompt_width=int(batch["prompt_ids"].shape[1]),
+        completion_width=int(batch["completion_ids"].shape[1]),
+        device=batch["completion_ids"].device,
+        dtype=dtype,
     )
 
 
@@ -118,11 +162,20 @@ def choose_shared_prompt_layout(model: torch.nn.Module, batch: RolloutBatch) -> 
     rows = MicroBatchRows.from_tensors(
         batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["completion_lengths"]
     )
+    vision = has_vision_inputs(batch.get("vision_inputs"))
+    if vision:
+        # a group is a prompt *with its images* (rows of one group share one vision-input dict); one pack per group,
+        # so no prefix holding image tokens is shared by prompts whose images differ
+        rows.group_keys = [id(inputs) for inputs in batch["vision_inputs"]]
+        image_tokens = [getattr(config, name, None) for name in ("image_token_id", "image_token_index")]
+        last = batch["prompt_ids"][:, -1]  # left-padded: each prompt's last token, copied into its completions
+        if any(isinstance(t, int) and bool((last == t).any()) for t in image_tokens):
+            return None
     # sdpa calls on a TreeAttentionMask compute only the tree's blocks; a compiled model keeps the plain mask (its
     # graph would have to trace the tensor subclass)
     block_attention = impl == "sdpa" and not _is_compiled(model)
     plan, best = None, SHARED_PROMPT_MIN_SAVING
-    for max_pack_tokens in PACK_TOKEN_CANDIDATES:  # plans are host lists: only the winner is materialised
+    for max_pack_tokens in PACK_TOKEN_CANDIDATES[-1:] if vision else PACK_TOKEN_CANDIDATES:  # host lists: cheap
         candidate = plan_shared_prompt_layout(rows, max_pack_tokens=max_pack_tokens)
         if candidate is None:
             return None
@@ -154,6 +207,19 @@ def shared_prompt_token_stats(
     layout = choose_shared_prompt_layout(model, batch)
     if layout is None:
         return None
+    vision_kwargs = {}
+    rows = batch.get("vision_inputs")
+    if has_vision_inputs(rows):
+        # each group's prompt (its image tokens) appears once, in first-row order: its images once, in that order
+        firsts, seen = [], set()
+        for inputs in rows:
+            if id(inputs) not in seen:
+                seen.add(id(inputs))
+                firsts.append(inputs)
+        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+        vision_kwargs = collate_vision_inputs(
+            firsts, prompt_width=0, device=batch["completion_ids"].device, dtype=dtype
+        )
     stats = forward_token_stats(
         model,
         layout.input_ids,
@@ -163,6 +229,7 @@ def shared_prompt_token_stats(
         temperature=temperature,
         compute_entropy=compute_entropy,
         entropy_requires_grad=entropy_requires_grad,
+        **vision_kwargs,
     )
     shape = tuple(batch["completion_ids"].shape)
     lengths = batch["completion_lengths"].to(batch["completion_ids"].device)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 import torch
 
@@ -323,6 +324,9 @@ class MicroBatchRows:
     prompts: list[tuple[int, ...]]
     completions: list[list[int]]
     plain_tokens: int
+    # What else besides the prompt tokens makes rows one group (a vision-language row's images: equal tokens,
+    # other images, other prompt); None = the tokens alone.
+    group_keys: list[Any] | None = None
 
     @classmethod
     def from_tensors(
@@ -351,22 +355,25 @@ def plan_shared_prompt_layout(rows: MicroBatchRows, *, max_pack_tokens: int = 40
     """
     if any(len(p) == 0 for p in rows.prompts):
         return None
-    groups: dict[tuple[int, ...], list[int]] = {}
+    groups: dict[Any, list[int]] = {}
     for row, prompt in enumerate(rows.prompts):
-        groups.setdefault(prompt, []).append(row)
+        key = prompt if rows.group_keys is None else (prompt, rows.group_keys[row])
+        groups.setdefault(key, []).append(row)
 
-    grouped: list[list[tuple[int, ...]]] = [[]]
+    grouped: list[list[Any]] = [[]]
     used = 0
-    for prompt, members in groups.items():
+    for key, members in groups.items():
+        prompt = rows.prompts[members[0]]
         cost = len(prompt) + sum(len(rows.completions[r]) + 1 for r in members)
         if grouped[-1] and used + cost > max_pack_tokens:
             grouped.append([])
             used = 0
-        grouped[-1].append(prompt)
+        grouped[-1].append(key)
         used += cost
 
     packs: list[list[_Segment]] = []
-    for prompts in grouped:
+    for keys in grouped:
+        prompts = [rows.prompts[groups[key][0]] for key in keys]
         segments: list[_Segment] = []
         shared = _common_prefix_length(prompts) if len(prompts) > 1 else len(prompts[0]) - 1
         # The last prompt token is copied into every completion segment, so the shared part never includes it.
@@ -375,13 +382,13 @@ def plan_shared_prompt_layout(rows: MicroBatchRows, *, max_pack_tokens: int = 40
         if shared > 0:
             segments.append(_Segment(list(prompts[0][:shared]), 0, -1))
             root = 0
-        for prompt in prompts:
+        for key, prompt in zip(keys, prompts):
             parent = root
             middle = list(prompt[shared:-1])
             if middle:
                 segments.append(_Segment(middle, shared, root))
                 parent = len(segments) - 1
-            for row in groups[prompt]:
+            for row in groups[key]:
                 segments.append(_Segment([prompt[-1], *rows.completions[row]], len(prompt) - 1, parent, row))
         packs.append(segments)
     lengths = [sum(len(seg.tokens) for seg in segments) for segments in packs]

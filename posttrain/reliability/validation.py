@@ -111,7 +111,7 @@ def check_text_only(dataset: Any, trainer_name: str, arg_name: str = "train_data
         raise ValueError(
             f"{arg_name} has the image column(s) {found}, but posttrain's {trainer_name} trains text-only models: the "
             "images would be ignored. Drop them (dataset.remove_columns(...)) to train on the text alone; "
-            "vision-language training is available in SFTTrainer, DPOTrainer and KTOTrainer."
+            "vision-language training is available in SFTTrainer, DPOTrainer, KTOTrainer, GRPOTrainer and RLOOTrainer."
         )
 
 

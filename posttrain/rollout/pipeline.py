@@ -52,6 +52,7 @@ from posttrain.core.importance import rollout_importance_weights
 from posttrain.data.response_parsing import parse_response
 from posttrain.data.tokenization import tokenize_prompt
 from posttrain.data.utils import is_conversational
+from posttrain.data.vision_prompts import encode_vision_prompts, row_images
 from posttrain.distributed import gather_objects, gather_rows
 from posttrain.generation.base import Completions, GenerationBackend, SamplingConfig
 from posttrain.rollout.buffer import RolloutBatch
@@ -126,6 +127,9 @@ class RolloutSettings:
         defer_importance_sampling: leave the importance-sampling ratio to the loss when π_old is needed for nothing
             else (see the module docstring); the batch then keeps ``sampling_per_token_logps`` and has no
             ``importance_sampling_ratio`` / ``old_per_token_logps``.
+        multimodal: a vision-language run (the datasets have images): every batch, a text-only one too, is rendered
+            as TRL renders a VLM's (prompts in content blocks, through the processor), so reward functions and the
+            chat template see one prompt format.
     """
 
     num_generations: int
@@ -140,6 +144,7 @@ class RolloutSettings:
     keep_completions: bool = False
     max_prompt_length: int | None = None  # left-truncate prompt tokens to this many (None = keep all)
     defer_importance_sampling: bool = False
+    multimodal: bool = False
 
 
 @dataclass
@@ -381,20 +386,38 @@ class RolloutPipeline:
 
     # -- stages ------------------------------------------------------------------------------------------------
     def generate(
-        self, prompts: list[Any], prompt_ids: list[list[int]], num_generations: int, tools: list | None = None
+        self,
+        prompts: list[Any],
+        prompt_ids: list[list[int]],
+        num_generations: int,
+        tools: list | None = None,
+        vision_inputs: list[dict[str, Any]] | None = None,
     ) -> Completions:
         """Sample one completion per row; rows come as whole groups of ``num_generations`` identical prompts.
 
         ``tools`` (agent training) gives each row's tool set, in row order, to the ``ToolCallingBackend``.
+        ``vision_inputs`` (a batch with images: each row's processor outputs, see
+        :func:`~posttrain.data.vision_prompts.encode_vision_prompts`) go to the backend with their prompts.
         """
-        kwargs = {"tools": tools} if tools is not None else {}
+        kwargs: dict[str, Any] = {"tools": tools} if tools is not None else {}
         if hasattr(self.backend, "generate_from_prompts"):
+            if vision_inputs is not None:
+                raise ValueError(
+                    "A rollout_func or a `_generate` override cannot train on images yet in posttrain: the rollout "
+                    "produces its own prompt ids, which would not line up with the processor's image tokens. Use "
+                    "posttrain's generation (generation_backend='posttrain' or 'transformers')."
+                )
             # TRL's rollout_func contract: the raw per-process prompts, one per completion.
             return self.backend.generate_from_prompts(prompts, self.sampling, 1)
         n = len(prompt_ids)
         grouped = n % num_generations == 0 and all(
-            prompt_ids[i] == prompt_ids[i - i % num_generations] for i in range(n)
+            prompt_ids[i] == prompt_ids[i - i % num_generations]
+            and (vision_inputs is None or vision_inputs[i] is vision_inputs[i - i % num_generations])
+            for i in range(n)
         )
+        step = num_generations if grouped else 1
+        if vision_inputs is not None:
+            kwargs["vision_inputs"] = vision_inputs[::step]
         if grouped:
             unique = prompt_ids[::num_generations]
             return self.backend.generate(unique, self.sampling, num_generations, **kwargs)
@@ -434,6 +457,8 @@ class RolloutPipeline:
         with torch.no_grad():
             for start in range(0, batch["completion_ids"].shape[0], size):
                 chunk = {k: batch[k][start : start + size].to(device) for k in keys}
+                if batch.get("vision_inputs") is not None:  # per-row lists: moved to the device at forward time
+                    chunk["vision_inputs"] = batch["vision_inputs"][start : start + size]
                 outputs.append(fn(chunk).float())
         return torch.cat(outputs, dim=0)
 
@@ -468,17 +493,26 @@ class RolloutPipeline:
             with stage("prepare_rows"):
                 rows, agent_batch = self.prepare_rows(rows)
             prompts = [row["prompt"] for row in rows]
+            vision_inputs = None
             with stage("render_prompts"):
-                prompt_texts, prompt_ids = render_prompts(
-                    rows,
-                    self.tokenizer,
-                    settings.chat_template_kwargs,
-                    agent_batch.tool_schemas if agent_batch else None,
-                )
-                if settings.max_prompt_length:
-                    prompt_ids = [ids[-settings.max_prompt_length :] for ids in prompt_ids]
+                if (settings.multimodal and agent_batch is None) or any(row_images(row) for row in rows):
+                    # images: placed in the prompts (what reward functions get, as TRL), processed once per group
+                    prompts, prompt_texts, prompt_ids, vision_inputs = encode_vision_prompts(
+                        rows, self.tokenizer, settings.chat_template_kwargs
+                    )
+                else:
+                    prompt_texts, prompt_ids = render_prompts(
+                        rows,
+                        self.tokenizer,
+                        settings.chat_template_kwargs,
+                        agent_batch.tool_schemas if agent_batch else None,
+                    )
+                    if settings.max_prompt_length:
+                        prompt_ids = [ids[-settings.max_prompt_length :] for ids in prompt_ids]
             with stage("generate"):
-                completions = self.generate(prompts, prompt_ids, g, agent_batch.tools if agent_batch else None)
+                completions = self.generate(
+                    prompts, prompt_ids, g, agent_batch.tools if agent_batch else None, vision_inputs=vision_inputs
+                )
                 self.check_completions(completions, rows)
             with stage("collate"):
                 batch = collate_completions(
@@ -487,6 +521,8 @@ class RolloutPipeline:
                     mask_truncated_completions=settings.mask_truncated_completions,
                     pad_to_multiple_of=settings.pad_to_multiple_of,
                 )
+                if vision_inputs is not None:
+                    batch["vision_inputs"] = vision_inputs  # one dict per row (a group shares its prompt's)
             with stage("decode"):
                 texts, completion_objs = self.decode(prompts, completions)
             importance = settings.importance_sampling if "sampling_per_token_logps" in batch else None

@@ -315,6 +315,7 @@ class GRPOTrainer(OnlineTrainerBase):
     config_class = GRPOConfig
     _trainer_name = "GRPO"
     _tag_names = ["posttrain", "grpo"]
+    supports_vision = True  # `image` / `images` columns train a vision-language model (TRL's VLM support)
 
     # TRL's attributes copied from the config, which subclasses written for TRL read (``ConfigAttribute``)
     loss_type = ConfigAttribute()

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from posttrain.data.dataset_ops import configure_streaming
+from posttrain.data.formats import is_vision_dataset
 from posttrain.distributed import mean_over_processes
 from posttrain.generation.base import SamplingConfig
 from posttrain.generation.host_memory import release_freed_host_memory
@@ -44,6 +45,7 @@ from posttrain.models.forward import TokenStats
 from posttrain.models.loading import (
     create_model_from_path,
     disable_dropout_in_model,
+    load_processor,
     resolve_model,
     resolve_processing_class,
     resolve_router_aux_loss_coef,
@@ -145,6 +147,8 @@ class OnlineTrainerBase(BaseTrainer):
 
     config_class: type[OnlineRLConfig] = OnlineRLConfig
     _trainer_name = "GRPO"
+    # Trains vision-language models from `image` / `images` columns (GRPO, RLOO); others refuse image columns.
+    supports_vision = False
     loss_is_scaled_for_ga = True
     # Score completions under π / temperature (GRPO/RLOO: the sampling distribution); False scores under π itself
     # (TRL's Online DPO and A2PO take log_softmax of the raw logits whatever the sampling temperature).
@@ -211,7 +215,13 @@ class OnlineTrainerBase(BaseTrainer):
         if train_dataset is None:
             train_dataset = self._environment_placeholder_dataset(args, environment_factory)
         model_id = model if isinstance(model, str) else None
+        if processing_class is None and self.supports_vision and any(
+            is_vision_dataset(split) for split in (train_dataset, eval_dataset) if split is not None
+        ):
+            processing_class = load_processor(model)  # images: the model's processor, as TRL's AutoProcessor
         model, processing_class = self._setup_policy(model, args, processing_class, peft_config, quantization_config)
+        self._check_vision(model, processing_class, args, train_dataset, eval_dataset, tools, rollout_func,
+                           environment_factory)  # fmt: skip
         check_liger_peft_head(model, args)
         self._prepare_model(model, args)
         # Agent training (tools / environment_factory): checks (and may swap) the chat template, adds the
@@ -297,9 +307,10 @@ class OnlineTrainerBase(BaseTrainer):
         self._validate_reward_signatures(reward_funcs, env_rewards, train_dataset, rollout_func, environment_factory)
 
     def _configure_train_dataset(self, train_dataset: Any, args: OnlineRLConfig) -> int | None:
-        """Text only; a stream gets the shared streaming set-up (``configure_streaming``). Returns the length (None:
-        stream)."""
-        check_text_only(train_dataset, f"{self._trainer_name}Trainer")
+        """Text only unless the trainer ``supports_vision``; a stream gets the shared streaming set-up
+        (``configure_streaming``). Returns the length (None: stream)."""
+        if not self.supports_vision:
+            check_text_only(train_dataset, f"{self._trainer_name}Trainer")
         self._is_iterable = configure_streaming(args, train_dataset)
         return None if self._is_iterable else len(train_dataset)
 
@@ -365,6 +376,51 @@ class OnlineTrainerBase(BaseTrainer):
         self._last_synced_step = -1
         self._pending_completions = None
         self._logs = _completion_logs(getattr(args, "generation_batch_size", None))
+
+    def _check_vision(
+        self,
+        model: torch.nn.Module,
+        processing_class: Any,
+        args: OnlineRLConfig,
+        train_dataset: Any,
+        eval_dataset: Any,
+        tools: Any,
+        rollout_func: Any,
+        environment_factory: Any,
+    ) -> None:
+        """A trainer that ``supports_vision`` (GRPO, RLOO) takes datasets with an ``image`` / ``images`` column:
+        before training, the model must be a vision-language model with a processor that has an image processor and
+        a chat template, the first rows' image placeholders must match their images, and the options that cannot
+        carry images yet are refused."""
+        from posttrain.data.vision_prompts import check_vision_rows, check_vision_setup
+
+        splits = {"train_dataset": train_dataset}
+        if isinstance(eval_dataset, dict):
+            splits.update({f"eval_dataset[{name!r}]": split for name, split in eval_dataset.items()})
+        elif eval_dataset is not None:
+            splits["eval_dataset"] = eval_dataset
+        vision = [name for name, split in splits.items() if split is not None and is_vision_dataset(split)]
+        self._vision = bool(vision) and self.supports_vision
+        if not self._vision:
+            return
+        trainer = f"{self._trainer_name}Trainer"
+        check_vision_setup(processing_class, unwrap_base_model(model), trainer, vision[0])
+        unsupported = {
+            "use_vllm=True": args.use_vllm,
+            "tools": bool(tools),
+            "environment_factory": environment_factory is not None,
+            "rollout_func": rollout_func is not None,
+            "a `_generate` override": type(self)._generate is not OnlineTrainerBase._generate,
+        }
+        for option, used in unsupported.items():
+            if used:
+                raise ValueError(
+                    f"{trainer} with images (the {vision[0]} has an image column) does not support {option} yet in "
+                    "posttrain: vision-language prompts are generated in-process (generation_backend='posttrain' or "
+                    "'transformers'). Drop the option, or the image column to train on text."
+                )
+        for name in vision:
+            check_vision_rows(splits[name], name)
 
     # -- construction helpers ----------------------------------------------------------------------------------
     def _resolve_reward_funcs(
@@ -550,6 +606,7 @@ class OnlineTrainerBase(BaseTrainer):
             keep_completions=True,  # every round, for TRL's `self._logs` (printed only with log_completions)
             # TRL 0.x's GRPO/RLOO `max_prompt_length` (posttrain.legacy keeps it as a plain attribute)
             max_prompt_length=getattr(args, "_legacy_max_prompt_length", None),
+            multimodal=getattr(self, "_vision", False),
         )
 
     # -- log-probs ---------------------------------------------------------------------------------------------
@@ -753,6 +810,10 @@ class OnlineTrainerBase(BaseTrainer):
         for column, values in columns.items():
             logs["extra"][column].extend(values)
         logs["advantages"].extend(advantages)
+        if self.args.log_multimodal and any("image" in row or "images" in row for row in rows):
+            from posttrain.data.vision_prompts import row_images
+
+            logs["images"].extend(self.pipeline.gather_object([row_images(row) for row in rows]))  # TRL's
 
     def _generate(self, prompts: list) -> tuple:
         """TRL's generation hook: completions for ``prompts``, this process's raw prompts (text or message lists, each

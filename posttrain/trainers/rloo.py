@@ -102,6 +102,7 @@ class RLOOTrainer(OnlineTrainerBase):
     config_class = RLOOConfig
     _trainer_name = "RLOO"
     _tag_names = ["posttrain", "rloo"]
+    supports_vision = True  # `image` / `images` columns train a vision-language model (TRL's VLM support)
     _generate_fields = ("prompt_ids", "completion_ids", "completions")  # what TRL's RLOO `_generate` returns
 
     # TRL's attributes copied from the config, which subclasses written for TRL read (``ConfigAttribute``)

@@ -471,7 +471,7 @@ def test_dataset_dict_as_train_dataset_is_rejected_for_preference_trainers(train
         )
 
 
-@pytest.mark.parametrize("trainer", ["reward", "grpo"])  # DPO/KTO train on images (test_dpo/kto_vision)
+@pytest.mark.parametrize("trainer", ["reward", "grpo"])  # DPO/KTO/GRPO/RLOO train on images (test_*_vision, _vlm)
 def test_image_columns_are_refused_by_text_only_trainers(trainer, tiny_model_path, tmp_path):
     """Images would be silently ignored: the error names the columns and the fix."""
     from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
@@ -490,5 +490,7 @@ def test_image_columns_are_refused_by_text_only_trainers(trainer, tiny_model_pat
     extra = {"reward_funcs": lambda completions, **kw: [0.0] * len(completions)} if trainer == "grpo" else {}
     if trainer == "grpo":
         args = cfg(output_dir=str(tmp_path), report_to="none", per_device_train_batch_size=4, num_generations=2)
-    with pytest.raises(ValueError, match=r"image column\(s\) \['images'\].*SFTTrainer"):
+    # GRPO trains vision-language models: on a text-only model the error says so (tests/trainers/test_grpo_vlm.py)
+    match = r"model Qwen2ForCausalLM is a text-only model" if trainer == "grpo" else r"image column\(s\) \['images'\]"
+    with pytest.raises(ValueError, match=match + r".*(SFTTrainer|vision-language model)"):
         cls(tiny_model_path, args=args, train_dataset=data, **extra)

@@ -64,6 +64,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
     config_class = AsyncGRPOConfig
     _trainer_name = "AsyncGRPO"
     _tag_names = ["posttrain", "async-grpo"]
+    supports_vision = False  # its rollout path does not carry the per-row vision inputs yet
     _picklable_hint = "reward functions, tools, environment factories, their processing classes and the dataset"
 
     def __init__(self, model, reward_funcs=None, args=None, train_dataset=None, *a, **kwargs):

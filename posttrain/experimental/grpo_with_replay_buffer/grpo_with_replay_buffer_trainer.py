@@ -27,6 +27,7 @@ class GRPOWithReplayBufferTrainer(GRPOTrainer):
 
     config_class = GRPOWithReplayBufferConfig
     _tag_names = ["posttrain", "grpo", "replay-buffer"]
+    supports_vision = False  # its rollout path does not carry the per-row vision inputs yet
 
     def _setup_loss(self) -> None:
         super()._setup_loss()
