@@ -23,6 +23,10 @@ top-level ``prompt_token_ids`` and per choice ``token_ids`` (always here: RL nee
 ``token_logprobs`` per choice (the sampled tokens' processed log-probs, always) and ``version`` (the weights).
 The rendered prompt is served exactly as ``/v1/completions`` serves its token ids: the same seed gives the same
 tokens and log-probs, and unseeded requests share engine batches with other requests.
+
+Capture mode (``posttrain.serving.capture``): a call made under a rollout id (``X-Rollout-Id`` header,
+``rollout_id`` field, or the base URL ``/rollouts/<id>/v1``) is recorded — prompt ids, each choice's ids, log-probs,
+finish reason and message, the weight version — and ``GET`` / ``DELETE /v1/rollouts/<id>`` return the calls.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
+from posttrain.serving.capture import ROLLOUT_HEADER, CaptureStore, check_rollout_id
 from posttrain.serving.engine import GenerationRequest, RequestError
 
 MAX_TOP_LOGPROBS = 20
@@ -78,6 +83,7 @@ class ChatCompletionBody(BaseModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    rollout_id: str | None = None  # capture mode (posttrain): see ``posttrain.serving.capture``
 
 
 # -- validation -----------------------------------------------------------------------------------------------------
@@ -364,8 +370,23 @@ def add_chat_routes(
     the engine thread and its batching), ``busy`` its 429 answer, ``error_response`` its error shape; the floors are
     the server's (``app.py`` passes them, so this module does not import it back)."""
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionBody, request: Request):
+    captures = CaptureStore()
+    app.state.chat_captures = captures
+
+    def rollout_of(body: ChatCompletionBody, request: Request, from_path: str | None) -> str | None:
+        """The rollout id a call is captured under: the URL's, the ``X-Rollout-Id`` header's or the body's (when
+        several are given they must agree)."""
+        given = {name: value for name, value in (("rollout_id", body.rollout_id),
+                                                  ("X-Rollout-Id", request.headers.get(ROLLOUT_HEADER)),
+                                                  ("path", from_path)) if value is not None}  # fmt: skip
+        if not given:
+            return None
+        if len(set(given.values())) > 1:
+            raise RequestError("rollout_id", f"The call names different rollout ids: {given}; give one.")
+        return check_rollout_id(next(iter(given.values())))
+
+    async def serve(body: ChatCompletionBody, request: Request, from_path: str | None = None) -> JSONResponse:
+        rollout_id = rollout_of(body, request, from_path)
         prompt_ids, tools = await run_in_threadpool(render_prompt, engine, body)
         gen = chat_request(engine, body, prompt_ids, temperature_floor)
         engine.check(gen)
@@ -391,7 +412,7 @@ def add_chat_routes(
             return choices, used
 
         choices, completion_tokens = await run_in_threadpool(build)
-        return JSONResponse({
+        answer = {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "object": "chat.completion",
             "created": int(time.time()),
@@ -401,4 +422,41 @@ def add_chat_routes(
                       "total_tokens": len(prompt_ids) + completion_tokens},
             "prompt_token_ids": prompt_ids,
             "version": version,
-        })  # fmt: skip
+        }  # fmt: skip
+        if rollout_id is not None:
+            answer["rollout_id"] = rollout_id
+            answer["capture_index"] = captures.record(rollout_id, {
+                "id": answer["id"],
+                "prompt_token_ids": prompt_ids,
+                "completions": [{"token_ids": c["token_ids"], "logprobs": c["token_logprobs"],
+                                 "finish_reason": c["finish_reason"], "message": c["message"]} for c in choices],
+                "version": version,
+            })  # fmt: skip
+        return JSONResponse(answer)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionBody, request: Request):
+        return await serve(body, request)
+
+    @app.post("/rollouts/{rollout_id}/v1/chat/completions")
+    async def rollout_chat_completions(rollout_id: str, body: ChatCompletionBody, request: Request):
+        """The same endpoint under a per-rollout base URL (``http://host:port/rollouts/<id>/v1``): every call is
+        captured under ``<id>`` without the agent having to send a header or field."""
+        return await serve(body, request, rollout_id)
+
+    def captured(rollout_id: str, pop: bool) -> JSONResponse:
+        calls = captures.get(check_rollout_id(rollout_id), pop=pop)
+        if calls is None:
+            return error_response(404, f"No chat calls were captured under rollout id {rollout_id!r} (or they were "
+                                  "collected already).", "rollout_id", "NotFoundError")  # fmt: skip
+        return JSONResponse({"rollout_id": rollout_id, "calls": calls, "version": state.version})
+
+    @app.get("/v1/rollouts/{rollout_id}")
+    async def get_rollout(rollout_id: str):
+        """The calls captured under ``rollout_id``, in the order they were answered."""
+        return captured(rollout_id, pop=False)
+
+    @app.delete("/v1/rollouts/{rollout_id}")
+    async def collect_rollout(rollout_id: str):
+        """The calls captured under ``rollout_id``, forgotten by the server (collect once per rollout)."""
+        return captured(rollout_id, pop=True)

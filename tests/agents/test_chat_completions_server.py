@@ -197,3 +197,64 @@ def test_oversized_body_is_refused_before_parsing(real_url):
     with httpx.Client(timeout=60) as http:
         r = http.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x" * 70_000}]})
     assert r.status_code == 413 and r.json()["error"]["param"] == "body"
+
+
+def test_capture_mode_records_every_call_of_a_rollout(scripted_url):
+    """Calls under a rollout id (base URL, header or body field) are recorded with the prompt ids, completion ids,
+    log-probs and weight version they were served with; GET shows them, DELETE collects and forgets them."""
+    openai = pytest.importorskip("openai")
+    url, _ = scripted_url
+    agent = openai.OpenAI(base_url=f"{url}/rollouts/ep-1/v1", api_key="unused", max_retries=0, timeout=60)
+    messages = [{"role": "user", "content": "4+5"}]
+    answers = []
+    for _ in range(2):  # the agent's own loop: call, run the tool, answer
+        out = agent.chat.completions.create(model="scripted", messages=messages, tools=[ADD_TOOL], n=2, seed=3)
+        answers.append(out)
+        message = out.choices[0].message
+        messages.append(message.model_dump(exclude_none=True))
+        for c in message.tool_calls or []:
+            args = json.loads(c.function.arguments)
+            messages.append({"role": "tool", "tool_call_id": c.id, "content": str(args["a"] + args["b"])})
+    assert answers[-1].choices[0].message.content == "The answer is 9"
+    plain = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+    plain.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "1+2"}])  # not captured
+    by_header = plain.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "1+2"}],
+                                              extra_headers={"X-Rollout-Id": "ep-2"})  # fmt: skip
+    plain.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "2+2"}],
+                                  extra_body={"rollout_id": "ep-2"})  # fmt: skip
+    assert by_header.model_extra["rollout_id"] == "ep-2" and by_header.model_extra["capture_index"] == 0
+
+    with httpx.Client(timeout=60) as http:
+        got = http.get(f"{url}/v1/rollouts/ep-1").json()
+        assert [c["index"] for c in got["calls"]] == [0, 1]
+        for call_, out in zip(got["calls"], answers):
+            assert call_["id"] == out.id and call_["version"] == out.model_extra["version"] == 0
+            assert call_["prompt_token_ids"] == out.model_extra["prompt_token_ids"]
+            assert [c["token_ids"] for c in call_["completions"]] == [c.model_extra["token_ids"] for c in out.choices]
+            assert [c["logprobs"] for c in call_["completions"]] == [
+                c.model_extra["token_logprobs"] for c in out.choices
+            ]
+        assert got["calls"][0]["completions"][0]["finish_reason"] == "tool_calls"
+        assert len(http.get(f"{url}/v1/rollouts/ep-2").json()["calls"]) == 2
+        collected = http.delete(f"{url}/v1/rollouts/ep-1")
+        assert collected.status_code == 200 and collected.json()["calls"] == got["calls"]
+        gone = http.get(f"{url}/v1/rollouts/ep-1")
+        assert gone.status_code == 404 and gone.json()["error"]["param"] == "rollout_id"
+        clash = http.post(f"{url}/rollouts/a/v1/chat/completions", headers={"X-Rollout-Id": "b"},
+                          json={"messages": [{"role": "user", "content": "1+1"}]})  # fmt: skip
+        assert clash.status_code == 400 and clash.json()["error"]["param"] == "rollout_id"
+        bad = http.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "1+1"}],
+                                                             "rollout_id": "has space"})  # fmt: skip
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "rollout_id"
+
+
+def test_capture_store_is_bounded():
+    from posttrain.serving.capture import CaptureStore
+
+    store = CaptureStore(max_rollouts=2)
+    for rid in ("a", "b", "c"):
+        assert store.record(rid, {"prompt_token_ids": [1]}) == 0
+    assert store.record("c", {"prompt_token_ids": [2]}) == 1
+    assert store.get("a") is None and len(store) == 2
+    assert [c["prompt_token_ids"] for c in store.get("c", pop=True)] == [[1], [2]]
+    assert store.get("c") is None and store.get("b") is not None
