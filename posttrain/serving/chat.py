@@ -61,7 +61,7 @@ class ChatCompletionBody(BaseModel):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     n: int = Field(1, ge=1, le=4096)
-    temperature: float = Field(1.0, ge=0.0, le=2.0e6, allow_inf_nan=False)
+    temperature: float = Field(1.0, ge=0.0, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = Field(0, ge=-1)
     min_p: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)
@@ -283,8 +283,8 @@ def chat_request(
     )  # fmt: skip
 
 
-def _cut_at_stop(engine: Any, ids: list[int], stops: list[str], skip: bool) -> tuple[int, str] | None:
-    """``(k, text)`` when a stop string occurs in the decoded completion: ``ids[:k]`` is the shortest prefix whose
+def _cut_at_stop(engine: Any, ids: list[int], stops: list[str], skip: bool) -> tuple[int, str, str] | None:
+    """``(k, text, stop)`` when a stop string occurs in the decoded completion: ``ids[:k]`` is the shortest prefix whose
     text contains one (the token that completes it is kept, as vLLM keeps it in ``token_ids``), ``text`` the text
     before the first stop string."""
     full = engine.decode(ids, skip)
@@ -299,8 +299,8 @@ def _cut_at_stop(engine: Any, ids: list[int], stops: list[str], skip: bool) -> t
         else:
             lo = mid + 1
     text = engine.decode(ids[:lo], skip)
-    first = min(text.find(s) for s in stops if s in text)
-    return lo, text[:first]
+    first, stop = min((text.find(s), s) for s in stops if s in text)
+    return lo, text[:first], stop
 
 
 def _openai_logprobs(
@@ -326,11 +326,12 @@ def chat_choice(engine: Any, body: ChatCompletionBody, index: int, seq: Any, too
     from posttrain.agents.tool_calls import assistant_message
 
     ids, lps, top, finish = list(seq.token_ids), list(seq.logprobs or []), seq.top_logprobs, seq.finish_reason
+    stop_reason: int | str | None = seq.stop_reason
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     ends_with_stop_token = finish == "stop" and ids and seq.stop_reason is None  # EOS: not part of the text
     cut = _cut_at_stop(engine, ids, stops, body.skip_special_tokens) if stops else None
     if cut is not None:
-        k, text = cut
+        k, text, stop_reason = cut  # vLLM reports the matched stop string as the stop_reason
         ids, lps, top, finish = ids[:k], lps[:k], (top[:k] if top else top), "stop"
     else:
         text = engine.decode(ids[:-1] if ends_with_stop_token else ids, body.skip_special_tokens)
@@ -354,7 +355,7 @@ def chat_choice(engine: Any, body: ChatCompletionBody, index: int, seq: Any, too
         if body.logprobs
         else None,
         "finish_reason": finish,
-        "stop_reason": seq.stop_reason,
+        "stop_reason": stop_reason,
         "token_ids": ids,
         "token_logprobs": lps,
     }

@@ -108,6 +108,16 @@ def test_stop_strings_end_the_completion(scripted_url):
     assert choice["message"]["content"] == '<tool_call>{"name": "add", "'
     text = tokenizer.decode(choice["token_ids"])
     assert text.endswith("arguments") and len(choice["token_logprobs"]) == len(choice["token_ids"])
+    assert choice["stop_reason"] == "arguments"
+
+
+def test_tool_choice_none_leaves_calls_unparsed(scripted_url):
+    url, _ = scripted_url
+    body = {"messages": [{"role": "user", "content": "1+1"}], "tools": [ADD_TOOL], "tool_choice": "none"}
+    with httpx.Client(timeout=60) as http:
+        choice = http.post(f"{url}/v1/chat/completions", json=body).json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["message"]["tool_calls"] == []
+    assert choice["message"]["content"] == call("add", '{"a": 1, "b": 1}')
 
 
 def test_tokens_and_logprobs_equal_completions_on_the_rendered_prompt(real_url):
