@@ -25,7 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "serve": (
         "posttrain.cli.serve:serve_cli",
-        "Serve a model for generation (/v1/completions, weight updates) for GRPO/RLOO with vllm_mode='server'.",
+        "Serve a model for generation (/v1/completions, /v1/chat/completions, weight updates) for vllm_mode='server'.",
     ),
     "vllm-serve": ("posttrain.cli.serve:vllm_serve_cli", "TRL's `trl vllm-serve` flags: the generation server."),
     "demo": ("posttrain.demo.run:main", "Offline end-to-end demo: SFT then GRPO on a tiny model, with a report."),

@@ -10,6 +10,8 @@ Endpoints (FastAPI on uvicorn):
   tokens; null = none), ``seed`` (0 <= seed < 2**64), ``return_token_ids``. A ``temperature`` below 1e-5 is served
   as greedy (0). Each choice (``index = prompt * n + j``) carries ``token_ids``, ``prompt_token_ids``,
   ``text``, ``logprobs.token_logprobs`` and ``finish_reason`` (``"stop"``/``"length"``).
+- ``POST /v1/chat/completions`` — OpenAI's chat API (messages, tools through the chat template, parsed
+  ``tool_calls``) with vLLM's ``prompt_token_ids`` / ``token_ids`` and the sampled log-probs: ``serving/chat.py``.
 - ``GET /health`` (and TRL's ``/health/``) — ``{"status": "ok", "server": "posttrain", "version": ...}``;
   ``GET /v1/models``; ``GET /get_world_size`` (and ``/get_world_size/``).
 - ``POST /get_sequence_logprobs/`` — TRL's teacher-scoring request for server distillation: ``sequences`` (token
@@ -948,6 +950,10 @@ def create_app(
     for _name in ("init_communicator", "update_named_param", "close_communicator"):
         app.post(f"/{_name}/")(_route(_name))
 
+    from posttrain.serving.chat import add_chat_routes
+
+    add_chat_routes(app, state, engine, busy=busy, error_response=error_response, temperature_floor=TEMPERATURE_FLOOR,
+                    logprob_floor=LOGPROB_FLOOR)  # fmt: skip
     return app
 
 
