@@ -349,8 +349,10 @@ def _jsonable(value: Any) -> Any:
 
     if isinstance(value, enum.Enum):
         return value.value
-    if isinstance(value, set | frozenset | tuple):
-        return sorted(_jsonable(v) for v in value) if isinstance(value, set | frozenset) else [_jsonable(v) for v in value]
+    if isinstance(value, set | frozenset):
+        return sorted(_jsonable(v) for v in value)
+    if isinstance(value, tuple):
+        return [_jsonable(v) for v in value]
     if isinstance(value, dict):
         return {str(k): _jsonable(v) for k, v in value.items()}
     if isinstance(value, list):
@@ -467,7 +469,9 @@ def payload_adapter_config(data: bytes) -> dict[str, Any] | None:
     except ValueError as err:
         raise WeightUpdateError(f"The adapter payload's adapter_config is not JSON: {err}") from err
     if not isinstance(config, dict) or "r" not in config or "target_modules" not in config:
-        raise WeightUpdateError("The adapter payload's adapter_config must be a LoRA config with r and target_modules.")
+        raise WeightUpdateError(
+            "The adapter payload's adapter_config must be a LoRA config with r and target_modules."
+        )
     return config
 
 
