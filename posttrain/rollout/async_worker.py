@@ -38,7 +38,8 @@ pushed and a fresh worker starts at ``next_round`` (rounds in flight when the ru
 ``TimeoutError`` naming the option (pushes otherwise use ``request_timeout`` per request). With
 ``vllm_weight_sync_probe`` the trainer also computes the log-probs of a fixed probe sequence when it snapshots, and
 the uploader, once the push landed, has the server score the same sequence (``/get_sequence_logprobs/``) and raises
-``WeightSyncError`` when they differ by more than ``vllm_weight_sync_probe_atol``.
+``WeightSyncError`` when they differ by more than ``vllm_weight_sync_probe_atol``. With ``vllm_sync_adapter_only`` a
+LoRA policy's snapshot is its adapter alone (``push_payload``); ``perf/weight_sync_bytes`` logs each snapshot's size.
 """
 
 from __future__ import annotations

@@ -48,3 +48,46 @@ def test_async_grpo_lora_adapter_only_sync(tiny_model_path, tmp_path):
     assert engine.adapter_config is not None and engine.adapter_config["r"] == 4
     logged = [e["perf/weight_sync_bytes"] for e in trainer.state.log_history if "perf/weight_sync_bytes" in e]
     assert logged and all(0 < b * 20 < full_bytes for b in logged), (logged, full_bytes)
+
+
+def test_async_distillation_lora_student_adapter_only_push(tiny_model_path, tmp_path):
+    """An AsyncDistillation LoRA student with ``vllm_sync_adapter_only``: the push (the shared async worker's
+    ``push_weights``) sends the adapter alone, and the server samples with the student's log-probs (base + adapter),
+    not the base's."""
+    import torch
+    from distill_helpers import prompts
+    from peft import LoraConfig
+    from trainer_helpers import fast_config
+
+    from posttrain.experimental.async_distillation import AsyncDistillationConfig, AsyncDistillationTrainer
+    from posttrain.generation.client import GenerationClient
+
+    engine = PosttrainEngine.from_pretrained(tiny_model_path, device="cpu")
+    with serve_in_thread(engine) as url:
+        args = fast_config(AsyncDistillationConfig, tmp_path, per_device_train_batch_size=4, max_completion_length=6,
+                           learning_rate=5e-2, seed=7, vllm_server_base_url=url, max_steps=1,
+                           teacher_server_urls={"default": "http://127.0.0.1:1"}, vllm_sync_adapter_only=True)  # fmt: skip
+        trainer = AsyncDistillationTrainer(tiny_model_path, args, train_dataset=prompts(),
+                                           peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))  # fmt: skip
+        model = trainer.model
+        with torch.no_grad():  # a non-zero adapter (lora_B starts at zero)
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(0)) * 0.5)
+        with GenerationClient(url) as client:
+            trainer.async_rollout.push_client = client
+            trainer.async_rollout.push_weights(wait=True)
+            prompt = trainer.processing_class("Q3:").input_ids
+            choice = client.completions([prompt], max_tokens=6, seed=0).choices[0][0]
+        trainer.async_rollout.close()
+    assert engine.adapter_config is not None and engine.adapter_config["r"] == 4
+    assert any("lora_A" in n for n, _ in engine.model.named_parameters())  # served as base + adapter
+    ids = torch.tensor([prompt + choice.token_ids])
+    n = len(choice.token_ids)
+    with torch.no_grad():
+        student = torch.log_softmax(model(ids).logits[0, -n - 1 : -1].float(), -1)
+        with model.disable_adapter():
+            base = torch.log_softmax(model(ids).logits[0, -n - 1 : -1].float(), -1)
+    mine = student.gather(-1, ids[0, -n:, None]).squeeze(-1)
+    torch.testing.assert_close(torch.tensor(choice.logprobs), mine, rtol=0, atol=1e-4)
+    assert not torch.allclose(torch.tensor(choice.logprobs), base.gather(-1, ids[0, -n:, None]).squeeze(-1), atol=1e-2)
