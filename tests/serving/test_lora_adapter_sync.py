@@ -171,3 +171,58 @@ def test_grpo_server_mode_lora_adapter_only(tiny_model_path, tmp_path):
         assert trainer.backend.version == 2 and engine.adapter_config is not None
         logged = [e["perf/weight_sync_bytes"] for e in trainer.state.log_history if "perf/weight_sync_bytes" in e]
         assert logged and all(0 < b * 20 < full_bytes for b in logged), (logged, full_bytes)
+
+
+def test_new_adapter_config_rewraps_and_matches_merged(tiny_model_path):
+    """A push with another LoRA config (another trainer run: r=2 on the MLP) replaces the served adapter (unload,
+    wrap again) and serves what a merged push of that policy serves."""
+    merged_engine = PosttrainEngine.from_pretrained(tiny_model_path, device="cpu")
+    adapter_engine = PosttrainEngine.from_pretrained(tiny_model_path, device="cpu")
+    with serve_in_thread(merged_engine) as merged_url, serve_in_thread(adapter_engine) as adapter_url:
+        merged = VLLMServerBackend(base_url=merged_url)
+        adapter = VLLMServerBackend(base_url=adapter_url, adapter_only=True)
+        for policy in (_peft_policy(tiny_model_path), _peft_policy(tiny_model_path, r=2, target_modules=("up_proj",),
+                                                                   seed=1)):  # fmt: skip
+            merged.sync_weights(policy)
+            adapter.sync_weights(policy)
+            want, got = _generate(merged_url), _generate(adapter_url)
+            assert got.completion_ids == want.completion_ids
+            for a, b in zip(got.logprobs, want.logprobs):
+                torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=0)
+        assert adapter_engine.adapter_config["r"] == 2
+        names = [n for n, _ in adapter_engine.model.named_parameters() if "lora_" in n]
+        assert names and all("up_proj" in n for n in names)  # the r=4 q/v adapter is gone
+        merged.close()
+        adapter.close()
+
+
+def test_vllm_engine_refuses_adapter_pushes_and_other_servers_fall_back(tiny_model_path, caplog):
+    """An engine without ``load_adapter`` (the vLLM engine) answers 400 to an adapter payload and keeps serving;
+    against vLLM / ``trl vllm-serve`` protocols the client falls back to the merged push with one warning."""
+    import logging
+
+    from posttrain.generation.weights import serialize_chunks
+
+    class NoAdapters:
+        def __init__(self, inner):
+            self._inner = inner
+
+        def __getattr__(self, name):
+            if name == "load_adapter":
+                raise AttributeError(name)
+            return getattr(self._inner, name)
+
+    engine = PosttrainEngine.from_pretrained(tiny_model_path, device="cpu")
+    policy = _peft_policy(tiny_model_path)
+    with serve_in_thread(NoAdapters(engine)) as url, GenerationClient(url, request_timeout=60) as client:
+        with adapter_weights(policy) as (meta, items):
+            chunks = list(serialize_chunks(items, metadata=meta))
+        with pytest.raises(Exception, match=r"does not apply adapter-only.*vllm_sync_adapter_only=False"):
+            client.load_weights(chunks)
+        assert client.health()["version"] == 0 and engine.adapter_config is None
+        backend = VLLMServerBackend(base_url=url, protocol="trl", adapter_only=True)
+        with caplog.at_level(logging.WARNING, logger="posttrain.generation.vllm_server"):
+            assert backend.use_adapter_sync(policy) is False
+            assert backend.use_adapter_sync(policy) is False
+        assert sum("pushing the merged weights instead" in r.getMessage() for r in caplog.records) == 1
+        backend.close()
