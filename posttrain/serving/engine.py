@@ -318,8 +318,9 @@ class PosttrainEngine:
         key = repr(sorted(kwargs.items()))
         if self._adapter_specs_cache.get("key") != key:
             base = self.model.get_base_model() if self.adapter_config is not None else self.model
-            with torch.device("meta"):
-                skeleton = AutoModelForCausalLM.from_config(base.config)
+            with torch.device("meta"):  # the served class itself (a VLM or remote-code model too), no memory
+                build = getattr(type(base), "_from_config", None)
+                skeleton = build(base.config) if build is not None else AutoModelForCausalLM.from_config(base.config)
                 skeleton = get_peft_model(skeleton, LoraConfig(**kwargs))
             specs = {}
             for name, param in skeleton.named_parameters():

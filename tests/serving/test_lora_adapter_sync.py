@@ -226,3 +226,30 @@ def test_vllm_engine_refuses_adapter_pushes_and_other_servers_fall_back(tiny_mod
             assert backend.use_adapter_sync(policy) is False
         assert sum("pushing the merged weights instead" in r.getMessage() for r in caplog.records) == 1
         backend.close()
+
+
+def test_modules_to_save_are_pushed_as_full_base_weights(tiny_model_path):
+    """``modules_to_save`` copies (here the final norm) go with the adapter under the base names; the served model
+    then generates as after a merged push."""
+    from peft import LoraConfig, get_peft_model
+
+    policy = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_path),
+                            LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["norm"]))  # fmt: skip
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if "lora_B" in name or "modules_to_save" in name:
+                param.add_(torch.randn(param.shape, generator=torch.Generator().manual_seed(3)) * 0.3)
+    with adapter_weights(policy) as (_, items):
+        names = [n for n, _ in items]
+    assert "model.norm.weight" in names and sum("lora_" in n for n in names) == 4
+    merged_engine = PosttrainEngine.from_pretrained(tiny_model_path, device="cpu")
+    adapter_engine = PosttrainEngine.from_pretrained(tiny_model_path, device="cpu")
+    with serve_in_thread(merged_engine) as merged_url, serve_in_thread(adapter_engine) as adapter_url:
+        for backend in (VLLMServerBackend(base_url=merged_url), VLLMServerBackend(base_url=adapter_url,
+                                                                                 adapter_only=True)):  # fmt: skip
+            backend.sync_weights(policy)
+            backend.close()
+        want, got = _generate(merged_url), _generate(adapter_url)
+    assert got.completion_ids == want.completion_ids
+    for a, b in zip(got.logprobs, want.logprobs):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=0)
