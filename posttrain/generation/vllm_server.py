@@ -23,7 +23,9 @@ Three kinds of server are recognised from their ``/health`` answer (or forced wi
 
 Weights are pushed by ``sync_weights``, which the trainer calls before generating whenever ``global_step`` changed
 (so after every optimizer step that changed the policy, once, before its weights are needed; TRL's schedule). PEFT
-policies are pushed merged (``merge_adapter`` → push → ``unmerge_adapter``). In multi-process training every rank
+policies are pushed merged (``merge_adapter`` → push → ``unmerge_adapter``), or, with ``vllm_sync_adapter_only=True``
+against a posttrain server, as their LoRA adapter alone (``posttrain.generation.weights.adapter_weights``; the
+server applies it to its base with PEFT); ``last_sync_bytes`` holds the size of the last push. In multi-process training every rank
 takes part in gathering (FSDP2 ``full_tensor``), rank 0 sends, and all ranks wait for it before generating.
 
 Post-sync probe (``vllm_weight_sync_probe``, off by default): after each push the server samples a few tokens from
@@ -115,6 +117,8 @@ class VLLMServerBackend:
         weight_sync_probe: After each push, check that the server serves the pushed weights (``probe``); default:
             the config's ``vllm_weight_sync_probe`` (off).
         weight_sync_probe_atol: The probe's tolerance; default: ``vllm_weight_sync_probe_atol`` (0.02).
+        adapter_only: Push only a PEFT policy's LoRA adapter (``use_adapter_sync``); default: the config's
+            ``vllm_sync_adapter_only`` (off).
     """
 
     def __init__(
@@ -132,6 +136,7 @@ class VLLMServerBackend:
         seed_requests: bool = True,
         weight_sync_probe: bool | None = None,
         weight_sync_probe_atol: float | None = None,
+        adapter_only: bool | None = None,
     ):
         try:
             from posttrain.generation.client import GenerationClient
@@ -153,6 +158,11 @@ class VLLMServerBackend:
         self.group_port = int(getattr(args, "vllm_group_port", 51216))
         self.regex = getattr(args, "vllm_structured_outputs_regex", None)
         self.chunk_bytes = chunk_bytes or DEFAULT_CHUNK_BYTES
+        if adapter_only is None:
+            adapter_only = getattr(args, "vllm_sync_adapter_only", False)
+        self.adapter_only = bool(adapter_only)
+        self._adapter_fallback_warned = False
+        self.last_sync_bytes = 0  # bytes of the last weight push (``perf/weight_sync_bytes``)
         if weight_sync_probe is None:
             weight_sync_probe = getattr(args, "vllm_weight_sync_probe", False)
         if weight_sync_probe_atol is None:
@@ -275,24 +285,50 @@ class VLLMServerBackend:
         return data["completion_ids"], flat_lps
 
     # -- weights ------------------------------------------------------------------------------------------------
+    def use_adapter_sync(self, model: Any) -> bool:
+        """Whether this push sends only the LoRA adapter: ``adapter_only`` is on, the policy is a PEFT LoRA model
+        (``ValueError`` naming the fix when it is not), and the server is a posttrain one. vLLM and ``trl
+        vllm-serve`` load LoRA adapters from files on the server's disk (``/v1/load_lora_adapter``), which a
+        trainer on another machine cannot write, so against them adapter-only sync falls back to the merged push
+        with a one-time warning."""
+        from posttrain.generation.weights import adapter_config_dict
+
+        if not self.adapter_only:
+            return False
+        adapter_config_dict(model)  # raises when the policy cannot be pushed adapter-only
+        if self.protocol != "posttrain":
+            if not self._adapter_fallback_warned:
+                logger.warning(
+                    "vllm_sync_adapter_only=True: the %s server at %s does not take adapter-only pushes over the "
+                    "network; pushing the merged weights instead (serve with `posttrain serve` for adapter-only "
+                    "sync).", self.protocol, self.base_url,
+                )  # fmt: skip
+                self._adapter_fallback_warned = True
+            return False
+        return True
+
     def sync_weights(self, model: Any, version: int | None = None) -> None:
         """Push the policy's current weights to the server (rank 0 sends; every rank waits for it).
 
         ``version`` sets the weight version the server reports from now on (posttrain protocol; default: its
         previous version + 1), e.g. the trainer's ``global_step`` for staleness bookkeeping.
         """
-        from posttrain.generation.weights import policy_weights, serialize_chunks
+        from posttrain.generation.weights import policy_weights, push_payload
 
         rank, distributed = _dist()
-        with policy_weights(model) as items:
-            if self.protocol == "posttrain":
+        if self.protocol == "posttrain":
+            with push_payload(model, self.chunk_bytes, adapter_only=self.use_adapter_sync(model)) as chunks:
+                counted = self._counted(chunks)
                 if rank == 0:
-                    self.version = self.client.load_weights(serialize_chunks(items, self.chunk_bytes), version=version)
+                    self.version = self.client.load_weights(counted, version=version)
                 else:
-                    for _ in items:  # take part in any gathering collectives
+                    for _ in counted:  # take part in any gathering collectives
                         pass
-            else:
+        else:
+            self.use_adapter_sync(model)  # checks the policy and warns about the fallback
+            with policy_weights(model) as items:
                 tensors = list(items)
+                self.last_sync_bytes = sum(t.numel() * t.element_size() for _, t in tensors)
                 if rank == 0:
                     (self._push_vllm if self.protocol == "vllm" else self._push_trl)(tensors)
                     self.version = version if version is not None else (self.version or 0) + 1
@@ -302,6 +338,13 @@ class VLLMServerBackend:
             import torch.distributed as dist
 
             dist.barrier()
+
+    def _counted(self, chunks: Any) -> Any:
+        """Yield ``chunks`` while adding their sizes up into ``last_sync_bytes``."""
+        self.last_sync_bytes = 0
+        for chunk in chunks:
+            self.last_sync_bytes += len(chunk)
+            yield chunk
 
     def probe(self, model: Any) -> dict[str, Any]:
         """Check that the server serves ``model``'s weights: sample ``PROBE_TOKENS`` tokens from a fixed prompt on the

@@ -19,7 +19,9 @@ nothing.
 
 Names are the plain transformers checkpoint names (``model.layers.0.self_attn.q_proj.weight``), which is what both
 the posttrain server's model and vLLM's ``load_weights`` expect. A PEFT policy is pushed as its merged weights under the base-model names
-(``policy_weights``).
+(``policy_weights``), or, with adapter-only sync (``vllm_sync_adapter_only=True``, posttrain server), as its LoRA
+tensors alone (``adapter_weights``: MBs instead of the whole model), the LoRA config riding in the safetensors header;
+the server wraps its own base with that config once and loads the adapter tensors on every push.
 """
 
 from __future__ import annotations
@@ -218,9 +220,12 @@ def policy_weights(model: torch.nn.Module) -> Iterator[Iterator[tuple[str, torch
 
 
 def serialize_chunks(
-    tensors: Iterator[tuple[str, torch.Tensor]] | dict[str, torch.Tensor], chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    tensors: Iterator[tuple[str, torch.Tensor]] | dict[str, torch.Tensor],
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    metadata: dict[str, str] | None = None,
 ) -> Iterator[bytes]:
-    """safetensors payloads of at most ~``chunk_bytes`` each (a single larger tensor gets a chunk of its own)."""
+    """safetensors payloads of at most ~``chunk_bytes`` each (a single larger tensor gets a chunk of its own); every
+    chunk carries ``metadata`` in its header (an adapter-only push's format and LoRA config)."""
     from safetensors.torch import save
 
     if isinstance(tensors, dict):
@@ -230,13 +235,27 @@ def serialize_chunks(
     for name, tensor in tensors:
         nbytes = tensor.numel() * tensor.element_size()
         if chunk and size + nbytes > chunk_bytes:
-            yield save(chunk)
+            yield save(chunk, metadata=metadata)
             chunk, size = {}, 0
         # safetensors wants contiguous CPU tensors that share no storage with another entry.
         chunk[name] = tensor.detach().to("cpu").contiguous().clone()
         size += nbytes
     if chunk:
-        yield save(chunk)
+        yield save(chunk, metadata=metadata)
+
+
+@contextlib.contextmanager
+def push_payload(
+    model: torch.nn.Module, chunk_bytes: int = DEFAULT_CHUNK_BYTES, adapter_only: bool = False
+) -> Iterator[Iterator[bytes]]:
+    """The safetensors chunks of one weight push: the merged policy (``policy_weights``) or, with ``adapter_only``,
+    the LoRA adapter with its config in every chunk's header (``adapter_weights``)."""
+    if adapter_only:
+        with adapter_weights(model) as (metadata, items):
+            yield serialize_chunks(items, chunk_bytes, metadata)
+    else:
+        with policy_weights(model) as items:
+            yield serialize_chunks(items, chunk_bytes)
 
 
 def deserialize(data: bytes) -> dict[str, torch.Tensor]:
@@ -302,3 +321,167 @@ def probe_logprobs(model: torch.nn.Module, prompt: list[int], tokens: list[int])
         model.train(training)
     targets = torch.tensor(tokens, dtype=torch.long, device=logits.device)
     return torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1).tolist()
+
+
+# -- adapter-only pushes (LoRA) ---------------------------------------------------------------------------------------
+ADAPTER_FORMAT = "posttrain.lora_adapter.v1"
+
+# LoraConfig fields the server sets itself: the adapter is for inference (no dropout), its initial values are replaced
+# by the push (plain initialisation; PiSSA/OLoRA-style initialisations that rewrite the base are refused at the
+# trainer), ``modules_to_save`` copies are pushed as full base weights instead, and the rest names the trainer's files.
+_SERVER_SET_LORA_FIELDS = frozenset({
+    "peft_type", "task_type", "modules_to_save", "base_model_name_or_path", "revision", "inference_mode",
+    "runtime_config", "init_lora_weights", "lora_dropout", "auto_mapping",
+})  # fmt: skip
+
+
+def adapter_wire_name(name: str, adapter: str) -> str | None:
+    """The name a LoRA tensor is pushed under: the parameter's name without DDP/PEFT prefixes and without the
+    adapter-name segment (``model.layers.0.self_attn.q_proj.lora_A.weight``), as PEFT saves adapters; ``None`` for a
+    tensor that is not a LoRA tensor of ``adapter``."""
+    name = name.removeprefix("module.").removeprefix("base_model.model.")
+    wire, found = re.subn(rf"(lora_[A-Za-z_]+)\.{re.escape(adapter)}(\.|$)", r"\1\2", name)
+    return wire if found else None
+
+
+def _jsonable(value: Any) -> Any:
+    import enum
+
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, set | frozenset):
+        return sorted(_jsonable(v) for v in value)
+    if isinstance(value, tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_jsonable(v) for v in value]
+    return value if value is None or isinstance(value, str | int | float | bool) else str(value)
+
+
+def adapter_config_dict(model: Any) -> tuple[str, dict[str, Any]]:
+    """``(active adapter name, its LoRA config as JSON-able dict)`` of a PEFT model that adapter-only sync can push;
+    ``ValueError`` naming the reason when it cannot (not PEFT, several active adapters, not LoRA, an initialisation
+    that rewrites the base weights)."""
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+        model = model.module  # DDP
+    if not _is_peft(model):
+        raise ValueError(
+            "vllm_sync_adapter_only=True needs a PEFT (LoRA) policy: pass peft_config=LoraConfig(...) to the trainer, "
+            "or set vllm_sync_adapter_only=False to push the full weights."
+        )
+    active = _active_adapters(model)
+    if len(active) != 1:
+        raise ValueError(
+            f"vllm_sync_adapter_only=True pushes one adapter, but {len(active)} are active ({list(active)}); activate "
+            "one (model.set_adapter(name)) or set vllm_sync_adapter_only=False to push the merged weights."
+        )
+    config = model.peft_config[active[0]]
+    peft_type = _jsonable(getattr(config, "peft_type", None))
+    if peft_type != "LORA":
+        raise ValueError(
+            f"vllm_sync_adapter_only=True supports LoRA adapters only, but the active adapter is {peft_type}; set "
+            "vllm_sync_adapter_only=False to push the merged weights."
+        )
+    init = getattr(config, "init_lora_weights", True)
+    if not (isinstance(init, bool) or init == "gaussian"):
+        raise ValueError(
+            f"vllm_sync_adapter_only=True cannot push an adapter initialised with init_lora_weights={init!r}: that "
+            "initialisation rewrites the base weights in the trainer, so the server's base differs. Set "
+            "vllm_sync_adapter_only=False (merged pushes) or use init_lora_weights=True."
+        )
+    data = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
+    return active[0], {k: _jsonable(v) for k, v in data.items() if k not in _SERVER_SET_LORA_FIELDS}
+
+
+@contextlib.contextmanager
+def adapter_weights(model: torch.nn.Module) -> Iterator[tuple[dict[str, str], Iterator[tuple[str, torch.Tensor]]]]:
+    """Yield ``(payload metadata, iterator of (name, tensor))`` for an adapter-only push of a PEFT LoRA policy.
+
+    The tensors are the active adapter's LoRA tensors under ``adapter_wire_name`` names plus the active
+    ``modules_to_save`` copies under the base checkpoint names (they replace whole modules, so they go as full
+    weights); the frozen base is not sent. The metadata (``format`` = ``ADAPTER_FORMAT``, ``adapter_config`` = the
+    LoRA config as JSON) travels inside every safetensors chunk, so the update's digests cover it. A trainable
+    parameter that is neither (an unfrozen base weight) would be lost, so it makes this raise ``ValueError``.
+    """
+    import json
+
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+        model = model.module  # DDP
+    adapter, config = adapter_config_dict(model)
+    metadata = {"format": ADAPTER_FORMAT, "adapter_config": json.dumps(config, sort_keys=True)}
+
+    def items() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                wire = adapter_wire_name(name, adapter)
+            elif re.search(rf"modules_to_save\.{re.escape(adapter)}\.", name):
+                wire = clean_param_name(name, (adapter,))
+            else:
+                if param.requires_grad and "original_module" not in name and "modules_to_save" not in name:
+                    raise ValueError(
+                        f"vllm_sync_adapter_only=True would not push the trainable base parameter {name!r} (only the "
+                        "LoRA tensors and modules_to_save are sent). Freeze it, list its module in the LoraConfig's "
+                        "modules_to_save, or set vllm_sync_adapter_only=False."
+                    )
+                continue
+            if wire is None:
+                continue
+            if hasattr(param, "ds_id"):
+                raise ValueError(
+                    "Pushing DeepSpeed ZeRO-3 partitioned parameters to a generation server is not supported; "
+                    "use ZeRO-1/2, FSDP2 or a single process with vllm_mode='server'."
+                )
+            tensor = param.detach()
+            if hasattr(tensor, "full_tensor"):  # DTensor (FSDP2)
+                tensor = tensor.full_tensor()
+            yield wire, tensor
+
+    with torch.no_grad():
+        yield metadata, items()
+
+
+def payload_metadata(data: bytes) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors payload's header (``{}`` when it has none or is not one)."""
+    import json
+
+    if len(data) < 8:
+        return {}
+    size = int.from_bytes(data[:8], "little")
+    try:
+        header = json.loads(data[8 : 8 + size])
+    except ValueError:
+        return {}
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    return dict(meta) if isinstance(meta, dict) else {}
+
+
+def payload_adapter_config(data: bytes) -> dict[str, Any] | None:
+    """The LoRA config of an adapter-only payload (``adapter_weights``); ``None`` for a full-weights payload."""
+    import json
+
+    meta = payload_metadata(data)
+    if meta.get("format") != ADAPTER_FORMAT:
+        return None
+    try:
+        config = json.loads(meta.get("adapter_config", ""))
+    except ValueError as err:
+        raise WeightUpdateError(f"The adapter payload's adapter_config is not JSON: {err}") from err
+    if not isinstance(config, dict) or "r" not in config or "target_modules" not in config:
+        raise WeightUpdateError(
+            "The adapter payload's adapter_config must be a LoRA config with r and target_modules."
+        )
+    return config
+
+
+def server_lora_kwargs(config: dict[str, Any]) -> dict[str, Any]:
+    """``LoraConfig`` keyword arguments for the server's copy of a pushed adapter: the trainer's fields this PEFT
+    version knows (``_SERVER_SET_LORA_FIELDS`` excluded), inference mode, no dropout, plain initialisation."""
+    import dataclasses
+
+    from peft import LoraConfig
+
+    known = {f.name for f in dataclasses.fields(LoraConfig)}
+    kwargs = {k: v for k, v in config.items() if k in known and k not in _SERVER_SET_LORA_FIELDS}
+    return {**kwargs, "lora_dropout": 0.0, "init_lora_weights": True, "inference_mode": True}

@@ -38,7 +38,8 @@ pushed and a fresh worker starts at ``next_round`` (rounds in flight when the ru
 ``TimeoutError`` naming the option (pushes otherwise use ``request_timeout`` per request). With
 ``vllm_weight_sync_probe`` the trainer also computes the log-probs of a fixed probe sequence when it snapshots, and
 the uploader, once the push landed, has the server score the same sequence (``/get_sequence_logprobs/``) and raises
-``WeightSyncError`` when they differ by more than ``vllm_weight_sync_probe_atol``.
+``WeightSyncError`` when they differ by more than ``vllm_weight_sync_probe_atol``. With ``vllm_sync_adapter_only`` a
+LoRA policy's snapshot is its adapter alone (``push_payload``); ``perf/weight_sync_bytes`` logs each snapshot's size.
 """
 
 from __future__ import annotations
@@ -544,7 +545,7 @@ class AsyncRollout:
         once (a snapshot not yet sent when a newer one arrives is dropped, counted in
         ``perf/weight_pushes_superseded_total``). ``wait`` blocks until it is on the server.
         """
-        from posttrain.generation.weights import policy_weights, serialize_chunks
+        from posttrain.generation.weights import push_payload
 
         if self.push_client is None:  # not connected yet: the worker's start pushes these weights
             return
@@ -553,12 +554,16 @@ class AsyncRollout:
         trainer = self.trainer
         start = time.perf_counter()
         step = trainer.state.global_step
-        with policy_weights(trainer.accelerator.unwrap_model(trainer.model)) as items:
-            chunks = list(serialize_chunks(items, self._server().chunk_bytes))
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        server = self._server()
+        adapter_only = server.use_adapter_sync(model) if hasattr(server, "use_adapter_sync") else False
+        with push_payload(model, server.chunk_bytes, adapter_only=adapter_only) as payload:
+            chunks = list(payload)
         self._expect_probe(step)
         self.uploader.offer(chunks, step)
         trainer._last_synced_step = step
         trainer.record_metric("perf/weight_sync_s", time.perf_counter() - start, mode="train")
+        trainer.record_metric("perf/weight_sync_bytes", float(sum(len(c) for c in chunks)), mode="train")
         trainer.record_metric("perf/weight_pushes_superseded_total", float(self.uploader.superseded), mode="train")
         if wait:
             self.join_push()

@@ -23,7 +23,10 @@ Endpoints (FastAPI on uvicorn):
   (default: previous + 1). ``chunk_digest`` (SHA-256 of the body) and, on the last chunk, ``update_digest`` are
   checked; every chunk is checked for names, shapes, dtypes and finite values before it is staged (``WeightStaging``:
   a refused chunk discards its update, 400/409 with the reason, and the previous weights keep serving). The answer
-  echoes ``update_id``, the digests and the new ``version`` (with ``previous_version``).
+  echoes ``update_id``, the digests and the new ``version`` (with ``previous_version``). A payload whose
+  safetensors header says ``format: posttrain.lora_adapter.v1`` (``adapter_weights``) is an adapter-only update: the
+  posttrain engine wraps its base with the LoRA config from the header and loads the adapter tensors (checked against
+  that adapter's names and shapes, whole or not at all); the vLLM engine refuses it (400).
 - TRL's ``trl vllm-serve`` API: ``POST /generate/`` (same sampling fields, TRL's response shape),
   ``/reset_prefix_cache/``, and ``/init_communicator/``, ``/update_named_param/``, ``/close_communicator/`` (NCCL
   weight broadcast: served by the vLLM engine; the posttrain engine answers 400 pointing at ``/v1/load_weights``).
@@ -293,6 +296,7 @@ class _StagedUpdate:
     update_id: str
     tensors: dict[str, Any] = dataclasses.field(default_factory=dict)
     digests: list[str] = dataclasses.field(default_factory=list)
+    adapter_config: dict[str, Any] | None = None  # an adapter-only (LoRA) update: its config, from chunk 0
 
     @property
     def chunks(self) -> int:
@@ -351,8 +355,12 @@ class WeightStaging:
             )
         return None
 
-    def stage(self, update_id: str, chunk: int | None, digest: str, tensors: dict[str, Any]) -> _StagedUpdate:
-        """Add a checked chunk to ``update_id`` (``WeightUpdateConflict`` when it does not continue it)."""
+    def stage(
+        self, update_id: str, chunk: int | None, digest: str, tensors: dict[str, Any],
+        adapter_config: dict[str, Any] | None = None,
+    ) -> _StagedUpdate:  # fmt: skip
+        """Add a checked chunk to ``update_id`` (``WeightUpdateConflict`` when it does not continue it; every chunk
+        of an adapter-only update must carry the same ``adapter_config``, and a full update none)."""
         current = self.current
         if current is not None and current.update_id == update_id:
             index = current.chunks if chunk is None else chunk
@@ -377,7 +385,14 @@ class WeightStaging:
                 logger.warning("Weight update %s aborted after %d chunk(s): update %s started.",
                                current.update_id, current.chunks, update_id)  # fmt: skip
                 self.abort(current.update_id, f"superseded by weight update {update_id!r} before its last chunk")
-            current = self.current = _StagedUpdate(update_id)
+            current = self.current = _StagedUpdate(update_id, adapter_config=adapter_config)
+        if adapter_config != current.adapter_config:
+            self.abort(update_id, "its chunks mix adapter-only and full weights (or two adapter configs)")
+            raise WeightUpdateConflict(
+                "body",
+                f"Weight update {update_id!r}: a chunk's adapter config differs from chunk 0's (adapter-only and full "
+                "weights, or two LoRA configs, in one update); it is discarded. Push it again under a new update_id.",
+            )
         twice = sorted(set(tensors) & set(current.tensors))
         if twice:
             self.abort(update_id, f"tensor {twice[0]!r} was sent twice")
@@ -840,14 +855,24 @@ def create_app(
                 "weights keep serving; push it again.",
             )
 
-        def parse() -> dict[str, Any]:
+        def parse() -> tuple[dict[str, Any], dict[str, Any] | None]:
             tensors = W.deserialize(body)
+            adapter = W.payload_adapter_config(body)
+            if adapter is not None:
+                if not hasattr(engine, "load_adapter"):
+                    raise W.WeightUpdateError(
+                        f"This server runs the {engine.name!r} engine, which does not apply adapter-only (LoRA) "
+                        "pushes; push the merged weights (vllm_sync_adapter_only=False) or serve with --engine "
+                        "posttrain."
+                    )
+                W.check_tensors(tensors)  # dtypes and finite values; names/shapes against the adapter on apply
+                return tensors, adapter
             specs = engine.weight_specs() if hasattr(engine, "weight_specs") else None
             W.check_tensors(tensors, specs)
-            return tensors
+            return tensors, None
 
         try:
-            tensors = await run_in_threadpool(parse)
+            tensors, adapter_config = await run_in_threadpool(parse)
         except ValueError as err:  # WeightUpdateError and malformed payloads
             state.weights.abort(uid, str(err))
             raise RequestError("body", f"{err} Weight update {uid!r} is discarded; the previous weights keep serving.") from err
@@ -858,7 +883,7 @@ def create_app(
         done = state.weights.finished(uid, last, update_digest)
         if done is not None:
             return done
-        staged = state.weights.stage(uid, chunk, digest, tensors)
+        staged = state.weights.stage(uid, chunk, digest, tensors, adapter_config)
         if not last:
             return {"version": state.version, "staged": len(staged.tensors), "applied": False, "update_id": uid,
                     "chunk": staged.chunks - 1, "chunk_digest": digest}  # fmt: skip
@@ -877,12 +902,16 @@ def create_app(
         state.weights.applying[uid] = answer
 
         def apply() -> dict[str, Any]:
-            count = engine.load_weights(staged.tensors)
+            if staged.adapter_config is not None:
+                count = engine.load_adapter(staged.adapter_config, staged.tensors)
+            else:
+                count = engine.load_weights(staged.tensors)
             previous = state.version
             state.version = version if version is not None else previous + 1
             state.count("weight_updates")
             return {"version": state.version, "previous_version": previous, "loaded": count, "applied": True,
-                    "update_id": uid, "chunks": staged.chunks, "digest": whole}  # fmt: skip
+                    "update_id": uid, "chunks": staged.chunks, "digest": whole,
+                    "adapter_only": staged.adapter_config is not None}  # fmt: skip
 
         try:
             result = await state.run(None, apply)

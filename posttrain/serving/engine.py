@@ -4,7 +4,8 @@
 token-id prompts. An engine implements ``check(request)`` (raise ``RequestError`` naming the field it cannot serve),
 ``generate(request) -> [[GeneratedSequence] * n per prompt]``, ``load_weights({name: tensor})`` and the attributes
 ``name``, ``model_name``, ``max_model_len``, ``world_size``; optionally ``weight_specs() -> {name: (shape, dtype)}``
-(the server then checks pushed names and shapes before staging; without it, dtypes and finiteness only). Engines are called from one worker thread at a time
+(the server then checks pushed names and shapes before staging; without it, dtypes and finiteness only), and
+optionally ``load_adapter(lora_config, {name: tensor})`` for adapter-only (LoRA) pushes. Engines are called from one worker thread at a time
 (the server serialises requests and weight loads), so they need no locking of their own.
 
 ``PosttrainEngine`` is posttrain's group sampler (``GroupSampler``: one prefill per prompt, its KV cache expanded
@@ -99,6 +100,8 @@ class PosttrainEngine:
         from posttrain.models.unwrap import model_device
 
         self.model = model.eval()
+        self.adapter_config: dict[str, Any] | None = None  # the LoRA config of adapter-only pushes (load_adapter)
+        self._adapter_specs_cache: dict[str, Any] = {}
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_batch_tokens = max_batch_tokens
@@ -268,17 +271,113 @@ class PosttrainEngine:
             out["logprob_token_ids"].append(top.indices.tolist() if top is not None else [[] for _ in ids[p:]])
         return out
 
+    # -- weights ----------------------------------------------------------------------------------------------
+    def _base_targets(self) -> dict[str, torch.Tensor]:
+        """The base model's parameters and buffers under their checkpoint names (tied aliases included), also while
+        the model is wrapped with a pushed LoRA adapter (``.base_layer`` dropped, LoRA tensors left out)."""
+        from posttrain.generation.weights import clean_param_name
+
+        named = list(self.model.named_parameters(remove_duplicate=False)) + list(self.model.named_buffers())
+        if self.adapter_config is None:
+            return dict(named)
+        targets = {}
+        for name, tensor in named:
+            clean = clean_param_name(name)
+            if clean is not None:
+                targets[clean] = tensor
+        return targets
+
     def weight_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """``{name: (shape, dtype)}`` a weight update may write: the server checks every staged chunk against it."""
-        from posttrain.generation.weights import weight_specs
-
-        return weight_specs(self.model)
+        return {n: (tuple(t.shape), t.dtype) for n, t in self._base_targets().items()}
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> int:
-        """Copy a verified update into the model (``load_into`` checks everything again before copying anything)."""
-        from posttrain.generation.weights import load_into
+        """Copy a verified update into the model (everything is checked again before anything is copied). A full
+        push after adapter-only pushes replaces the policy: the adapter is removed (PEFT ``unload``) first."""
+        from posttrain.generation.weights import check_tensors
 
-        return load_into(self.model, tensors)
+        check_tensors(tensors, self.weight_specs())
+        if self.adapter_config is not None:
+            self.model = self.model.unload().eval()
+            self.adapter_config = None
+            logger.info("A full weight push replaced the LoRA adapter: the adapter is removed.")
+        targets = self._base_targets()
+        with torch.no_grad():
+            for name, tensor in tensors.items():
+                targets[name].copy_(tensor.to(device=targets[name].device, dtype=targets[name].dtype))
+        return len(tensors)
+
+    def _adapter_specs(self, kwargs: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """The LoRA tensors (wire names, shapes, dtypes) the adapter of ``kwargs`` has on this model, found on a
+        meta-device skeleton so that a refused adapter changes nothing."""
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForCausalLM
+
+        from posttrain.generation.weights import adapter_wire_name
+
+        key = repr(sorted(kwargs.items()))
+        if self._adapter_specs_cache.get("key") != key:
+            base = self.model.get_base_model() if self.adapter_config is not None else self.model
+            with torch.device("meta"):  # the served class itself (a VLM or remote-code model too), no memory
+                build = getattr(type(base), "_from_config", None)
+                skeleton = build(base.config) if build is not None else AutoModelForCausalLM.from_config(base.config)
+                skeleton = get_peft_model(skeleton, LoraConfig(**kwargs))
+            specs = {}
+            for name, param in skeleton.named_parameters():
+                wire = adapter_wire_name(name, "default") if "lora_" in name else None
+                if wire is not None:
+                    specs[wire] = (tuple(param.shape), param.dtype)
+            self._adapter_specs_cache = {"key": key, "specs": specs}
+        return self._adapter_specs_cache["specs"]
+
+    def load_adapter(self, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> int:
+        """Apply an adapter-only push: wrap the base with the pushed LoRA config (the first push, or a changed
+        config), then copy the adapter tensors (and any ``modules_to_save`` weights, under base names) into it.
+
+        Generation then runs base + adapter through PEFT (unmerged), which equals generating with the merged
+        weights up to float rounding. Every tensor is checked (names, shapes, dtypes, finite values, and that the
+        adapter is complete) before anything changes; a refused push leaves the previous adapter serving.
+        """
+        from peft import LoraConfig, get_peft_model
+
+        from posttrain.generation.weights import (
+            WeightUpdateError,
+            adapter_wire_name,
+            check_tensors,
+            server_lora_kwargs,
+        )
+
+        kwargs = server_lora_kwargs(config)
+        lora = {n: t for n, t in tensors.items() if ".lora_" in n or n.startswith("lora_")}
+        base = {n: t for n, t in tensors.items() if n not in lora}
+        specs = self._adapter_specs(kwargs)
+        check_tensors(lora, specs)
+        missing = sorted(set(specs) - set(lora))
+        if missing:
+            raise WeightUpdateError(
+                f"The adapter push lacks {len(missing)} of the adapter's {len(specs)} LoRA tensors (first: "
+                f"{missing[0]!r}); an adapter-only push must send the whole adapter.",
+                missing[0],
+            )
+        check_tensors(base, self.weight_specs())
+        if self.adapter_config != kwargs:
+            model = self.model.unload() if self.adapter_config is not None else self.model
+            self.model = get_peft_model(model, LoraConfig(**kwargs)).eval()
+            self.adapter_config = kwargs
+            logger.info("Serving a LoRA adapter (r=%s, target_modules=%s) on the base model.", kwargs.get("r"),
+                        kwargs.get("target_modules"))  # fmt: skip
+        params = {}
+        for name, param in self.model.named_parameters():
+            wire = adapter_wire_name(name, "default") if "lora_" in name else None
+            if wire is not None:
+                params[wire] = param
+        targets = self._base_targets()
+        with torch.no_grad():
+            for name, tensor in lora.items():
+                params[name].copy_(tensor.to(device=params[name].device, dtype=params[name].dtype))
+            for name, tensor in base.items():
+                targets[name].copy_(tensor.to(device=targets[name].device, dtype=targets[name].dtype))
+        return len(tensors)
 
     def reset_prefix_cache(self) -> None:
         """No-op: the group sampler keeps no cache between requests."""

@@ -776,6 +776,9 @@ class OnlineTrainerBase(BaseTrainer):
         if self.state.global_step != self._last_synced_step:
             self.backend.sync_weights(self.accelerator.unwrap_model(self.model))
             self._last_synced_step = self.state.global_step
+            pushed = getattr(self._inner_backend(), "last_sync_bytes", None)
+            if pushed:  # server mode: bytes of this push (full model, or the LoRA adapter with adapter-only sync)
+                self.record_metric("perf/weight_sync_bytes", float(pushed), mode="train")
         batch = self.pipeline.run(
             rows,
             mode=mode,

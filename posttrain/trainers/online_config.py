@@ -171,6 +171,15 @@ class OnlineRLConfig(BaseConfig):
         default=0.02,
         metadata={"help": "Largest |server - trainer| log-prob difference the probe accepts (raise it for a bf16 server)."},
     )
+    vllm_sync_adapter_only: bool = field(
+        default=False,
+        metadata={
+            "help": "posttrain (server mode, PEFT LoRA policy): push only the LoRA adapter tensors and config (MBs "
+            "instead of the whole model) on every weight sync; a `posttrain serve` server (posttrain engine) applies "
+            "them to its base with PEFT. Against vLLM / `trl vllm-serve` the merged weights are pushed instead "
+            "(with a warning). Off by default: the merged push works with every server and adapter type."
+        },
+    )
     # -- training ------------------------------------------------------------------------------------------------
     beta: float = field(
         default=0.0, metadata={"help": "KL coefficient. 0.0 loads no reference model (less memory, faster)."}

@@ -40,11 +40,12 @@ version, time in queue, queue size, forwarded/trained tokens), ``batch/samples_p
 ``token_budget`` packs each micro-batch's rows into forwards of at most that many tokens (see the config);
 ``heartbeat_stale_after_s`` and ``weight_sync_timeout`` bound a hung worker and a hung weight push (shared worker).
 A PEFT student (``peft_config``) is pushed as its merged weights (``posttrain.generation.weights.policy_weights``, as
-GRPO's server mode; TRL's merged-sync fallback).
+GRPO's server mode; TRL's merged-sync fallback), or, with ``vllm_sync_adapter_only=True`` against ``posttrain serve``,
+as its LoRA adapter alone (``adapter_weights``; the server applies it to its base with PEFT).
 
 Resume (``rollout_state.json``: ``next_round``, ``weight_version``, ``dropped_stale_total``, here also
 ``dropped_oversize_total``) as AsyncGRPO. Not supported: multi-process training, tools (as TRL), streaming datasets,
-LoRA adapter-only sync (``--enable-lora`` servers), injected ``rollout_worker`` / ``weight_transfer`` objects.
+LoRA adapter-only sync with vLLM ``--enable-lora`` servers (merged pushes instead), injected ``rollout_worker`` / ``weight_transfer`` objects.
 """
 
 from __future__ import annotations
