@@ -9,7 +9,8 @@ step with a ``ServerTimeoutError`` naming the server, the request and the wait (
 Three kinds of server are recognised from their ``/health`` answer (or forced with ``protocol=``):
 
 - ``"posttrain"`` — ``posttrain serve`` / ``posttrain vllm-serve`` (either engine). Generation: ``/v1/completions``
-  with token-id prompts, ``n = num_generations``, processed sampling log-probs. Weights: safetensors over HTTP
+  with token-id prompts, ``n = num_generations``, processed sampling log-probs; prompts with images (GRPO/RLOO on a
+  vision-language model) as vLLM's multimodal token prompts (``multi_modal_data``, PNG data URLs). Weights: safetensors over HTTP
   (``/v1/load_weights``, CPU-portable, bitwise); the version the server reports is kept in ``self.version``.
 - ``"vllm"`` — a real ``vllm serve`` started as the TRL docs say (``VLLM_SERVER_DEV_MODE=1 vllm serve <model>
   --weight-transfer-config '{"backend":"nccl"}' --logprobs-mode processed_logprobs --max-logprobs -1``).

@@ -8,7 +8,10 @@ Endpoints (FastAPI on uvicorn):
   the processed sampling distribution, vLLM's ``processed_logprobs``; N in 1..20 = that and, as vLLM returns it,
   ``logprobs.top_logprobs``: per token a dict of the sampled token and the top-N, ``-9999.0`` for filtered-out
   tokens; null = none), ``seed`` (0 <= seed < 2**64), ``return_token_ids``. A ``temperature`` below 1e-5 is served
-  as greedy (0). Each choice (``index = prompt * n + j``) carries ``token_ids``, ``prompt_token_ids``,
+  as greedy (0). A prompt may also be vLLM's multimodal token prompt, ``{"prompt_token_ids": [...],
+  "multi_modal_data": {"image": [data URL, ...]}}`` (``multimodal_prompts``; images decoded here, rebuilt into
+  vision inputs by the engine; 400 ``param="multi_modal_data"`` for what cannot be served). Each choice
+  (``index = prompt * n + j``) carries ``token_ids``, ``prompt_token_ids``,
   ``text``, ``logprobs.token_logprobs`` and ``finish_reason`` (``"stop"``/``"length"``).
 - ``GET /health`` (and TRL's ``/health/``) — ``{"status": "ok", "server": "posttrain", "version": ...}``;
   ``GET /v1/models``; ``GET /get_world_size`` (and ``/get_world_size/``).
@@ -667,7 +670,10 @@ def completion_request(engine: Any, body: CompletionBody) -> GenerationRequest:
 
 def trl_request(engine: Any, body: TRLGenerateBody) -> GenerationRequest:
     if body.images and any(img is not None for img in body.images):
-        raise RequestError("images", "Image prompts are not supported by this server.")
+        raise RequestError(
+            "images", "Images on /generate/ are not supported by this server: send them to /v1/completions as vLLM "
+            "multimodal prompts ({\"prompt_token_ids\": [...], \"multi_modal_data\": {\"image\": [...]}}).",
+        )  # fmt: skip
     if body.logprobs not in (None, 0):
         raise RequestError("logprobs", f"logprobs={body.logprobs} is not supported: use 0 (sampled token only).")
     extra = dict(body.generation_kwargs)
