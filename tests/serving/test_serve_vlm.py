@@ -158,3 +158,57 @@ def test_server_mode_trains_on_mixed_image_rows_and_pushes_weights(vlm_path, tmp
     # the second step's weights were pushed to the server: its model now equals the trained policy's first update
     changed = [k for k, v in engine.model.state_dict().items() if not torch.equal(v, before[k])]
     assert changed and any("vision_tower" in k or "multi_modal_projector" in k for k in changed)
+
+
+class _SeededInProcess:
+    """The in-process sampler re-seeded per call exactly as the server backend seeds its requests."""
+
+    def __init__(self, sampler, seed):
+        self.sampler, self.seed, self.calls = sampler, seed, 0
+
+    def generate(self, prompt_ids, sampling, num_generations=1, vision_inputs=None):
+        self.sampler.generator = torch.Generator().manual_seed(request_seed(self.seed, 0, self.calls))
+        self.calls += 1
+        return self.sampler.generate(prompt_ids, sampling, num_generations, vision_inputs=vision_inputs)
+
+    def sync_weights(self, model):
+        pass
+
+
+def test_grpo_server_mode_with_images_equals_in_process(vlm_path, tmp_path):
+    """GRPO on image rows against ``posttrain serve`` reaches the in-process parameters bitwise: the server rebuilds
+    the very vision inputs the trainer uses, samples the same tokens (seeded per request) from the same pushed
+    weights, and both runs apply the deferred importance-sampling correction to the sampler's log-probs."""
+    from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
+
+    def reward(completions, **kwargs):
+        return [float(len(set(c[0]["content"]))) for c in completions]
+
+    def args(out, **overrides):
+        return GRPOConfig(
+            output_dir=str(out), report_to="none", save_strategy="no", logging_steps=1, gradient_checkpointing=False,
+            write_report=False, disable_tqdm=True, max_steps=2, per_device_train_batch_size=8, num_generations=2,
+            max_completion_length=6, learning_rate=5e-2, seed=7, temperature=0.9, steps_per_generation=1,
+            dataloader_pin_memory=False, **overrides,
+        )  # fmt: skip
+
+    local = GRPOTrainer(vlm_path, reward, args(tmp_path / "a", rollout_importance_sampling=True),
+                        train_dataset=Dataset.from_list(_rows()))  # fmt: skip
+    local.pipeline.backend = _SeededInProcess(local.backend, seed=7)
+    local.pipeline.settings.defer_importance_sampling = True  # as server mode: the ratio from the loss's forward
+    local.train()
+
+    engine = PosttrainEngine.from_pretrained(vlm_path, device="cpu")
+    with serve_in_thread(engine) as url:
+        remote = GRPOTrainer(vlm_path, reward, args(tmp_path / "b", use_vllm=True, vllm_mode="server",
+                                                    vllm_server_base_url=url),
+                             train_dataset=Dataset.from_list(_rows()))  # fmt: skip
+        assert isinstance(remote.backend, VLLMServerBackend)
+        remote.train()
+        assert remote.backend.version == 2  # pushed before each of the two generations
+    local_params = dict(local.model.named_parameters())
+    moved = 0
+    for name, value in remote.model.named_parameters():
+        assert torch.equal(value, local_params[name]), name
+        moved += "vision_tower" in name and not torch.equal(value, engine.model.state_dict()[name])
+    assert moved > 0  # the images reached the loss: the vision tower trained after the last push
