@@ -212,3 +212,40 @@ def test_grpo_server_mode_with_images_equals_in_process(vlm_path, tmp_path):
         assert torch.equal(value, local_params[name]), name
         moved += "vision_tower" in name and not torch.equal(value, engine.model.state_dict()[name])
     assert moved > 0  # the images reached the loss: the vision tower trained after the last push
+
+
+def test_multimodal_rope_model_served_greedy_equals_in_process(tmp_path, monkeypatch):
+    """A Qwen2-VL (flattened patches, ``image_grid_thw``, per-token ``mm_token_type_ids``) served with an image-only
+    processor: the server rebuilds all three from the image and the ids, so its greedy completion equals in-process
+    sampling with the trainer-side vision inputs."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "trainers"))
+    from test_grpo_vlm import _image as plain_image
+    from test_grpo_vlm import _tiny_qwen2_vl
+
+    model, tok, prompt, vision = _tiny_qwen2_vl()
+
+    class ImageOnlyProcessor:  # transformers' Qwen2VLProcessor needs a video processor (torchvision)
+        model_input_names = ["input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids"]
+
+        def __init__(self):
+            import transformers
+
+            self.tokenizer = tok
+            self.image_processor = transformers.Qwen2VLImageProcessorPil(
+                min_pixels=64, max_pixels=256, patch_size=4, merge_size=2, temporal_patch_size=2
+            )
+
+        def decode(self, ids, skip_special_tokens=True):
+            return tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    engine = PosttrainEngine(model, ImageOnlyProcessor(), "tiny-qwen2-vl")
+    rebuilt = engine.vision_inputs(prompt, [plain_image(RED)])
+    assert set(rebuilt) == set(vision) and all(torch.equal(rebuilt[k], vision[k]) for k in vision)
+    sampling = SamplingConfig(5, do_sample=False, eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
+    local = GroupSampler(model, tok).generate([prompt], sampling, 2, vision_inputs=[vision])
+    with serve_in_thread(engine) as url:
+        backend = VLLMServerBackend(base_url=url, seed=0)
+        remote = backend.generate([prompt], sampling, 2, images=[[plain_image(RED)]])
+    assert remote.completion_ids == local.completion_ids and remote.finished == local.finished
