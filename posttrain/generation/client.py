@@ -100,10 +100,21 @@ def completion_payload(
     seed: int | None = None,
     model: str | None = None,
     extra: dict[str, Any] | None = None,
+    images: list[list[Any] | None] | None = None,
 ) -> dict[str, Any]:
-    """The ``/v1/completions`` JSON body (vLLM field names; ``extra`` is merged last)."""
+    """The ``/v1/completions`` JSON body (vLLM field names; ``extra`` is merged last). ``images`` (per prompt, a
+    list of images or None) turns the prompts into vLLM's multimodal token prompts, ``{"prompt_token_ids",
+    "multi_modal_data": {"image": [data URL, ...]}}`` (``posttrain.generation.images``)."""
+    if images is not None and any(images):
+        from posttrain.generation.images import multimodal_prompt
+
+        if len(images) != len(prompts):
+            raise ValueError(f"images has {len(images)} entries for {len(prompts)} prompts; give one per prompt.")
+        prompt: list[Any] = [multimodal_prompt(p, imgs) for p, imgs in zip(prompts, images)]
+    else:
+        prompt = [list(map(int, p)) for p in prompts]
     payload: dict[str, Any] = {
-        "prompt": [list(map(int, p)) for p in prompts],
+        "prompt": prompt,
         "n": n,
         "max_tokens": max_tokens,
         "temperature": temperature,

@@ -9,7 +9,8 @@ step with a ``ServerTimeoutError`` naming the server, the request and the wait (
 Three kinds of server are recognised from their ``/health`` answer (or forced with ``protocol=``):
 
 - ``"posttrain"`` — ``posttrain serve`` / ``posttrain vllm-serve`` (either engine). Generation: ``/v1/completions``
-  with token-id prompts, ``n = num_generations``, processed sampling log-probs. Weights: safetensors over HTTP
+  with token-id prompts, ``n = num_generations``, processed sampling log-probs; prompts with images (GRPO/RLOO on a
+  vision-language model) as vLLM's multimodal token prompts (``multi_modal_data``, PNG data URLs). Weights: safetensors over HTTP
   (``/v1/load_weights``, CPU-portable, bitwise); the version the server reports is kept in ``self.version``.
 - ``"vllm"`` — a real ``vllm serve`` started as the TRL docs say (``VLLM_SERVER_DEV_MODE=1 vllm serve <model>
   --weight-transfer-config '{"backend":"nccl"}' --logprobs-mode processed_logprobs --max-logprobs -1``).
@@ -221,8 +222,29 @@ class VLLMServerBackend:
             return "trl"
 
     # -- generation ---------------------------------------------------------------------------------------------
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig, num_generations: int = 1) -> Completions:
-        """``num_generations`` completions per prompt from the server, rows ``[p0 g0, p0 g1, ..., p1 g0, ...]``."""
+    # The rollout pipeline hands this backend each prompt's raw images (not the trainer's processed vision inputs):
+    # the server rebuilds those with its own processor, as vLLM does.
+    accepts_images = True
+
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        sampling: SamplingConfig,
+        num_generations: int = 1,
+        images: list[list[Any] | None] | None = None,
+        vision_inputs: list[dict[str, Any]] | None = None,
+    ) -> Completions:
+        """``num_generations`` completions per prompt from the server, rows ``[p0 g0, p0 g1, ..., p1 g0, ...]``.
+
+        ``images`` (per prompt, its images or None) are sent in vLLM's multimodal token-prompt format
+        (``multi_modal_data``; ``posttrain serve`` and ``vllm serve``); ``prompt_ids`` then hold the processor's
+        expanded image tokens. ``vision_inputs`` (the trainer's processed tensors) are not sent: the server
+        rebuilds them from the images."""
+        if images is not None and any(images) and self.protocol == "trl":
+            raise ValueError(
+                "Prompts with images cannot be sent to a `trl vllm-serve` server by posttrain: serve the model with "
+                "`posttrain serve` (or `vllm serve`), which take vLLM's multimodal token prompts."
+            )
         if num_generations < 1:
             raise ValueError(f"num_generations must be >= 1, got {num_generations}.")
         rows = [list(p) for p in prompt_ids for _ in range(num_generations)]
@@ -246,7 +268,7 @@ class VLLMServerBackend:
         if self.protocol == "trl":
             ids, lps = self._generate_trl(prompt_ids, fields, seed, extra)
         else:
-            ids, lps = self._generate_openai(prompt_ids, fields, seed, extra, s.eos_token_ids)
+            ids, lps = self._generate_openai(prompt_ids, fields, seed, extra, s.eos_token_ids, images)
         eos = set(s.eos_token_ids)
         out_ids, out_lps, finished = [], [], []
         for row_ids, row_lps in zip(ids, lps):
@@ -257,14 +279,14 @@ class VLLMServerBackend:
         logprobs = None if any(lp is None for lp in out_lps) else out_lps
         return Completions(out_ids, logprobs, finished, rows)
 
-    def _generate_openai(self, prompt_ids, fields, seed, extra, eos_ids) -> tuple[list, list]:
+    def _generate_openai(self, prompt_ids, fields, seed, extra, eos_ids, images=None) -> tuple[list, list]:
         if self.protocol == "vllm" and fields["top_k"] == 0:
             fields["top_k"] = -1  # "all tokens" in every vLLM version
         if self.regex is not None:
             extra.setdefault("structured_outputs", {"regex": self.regex})
         result = self.client.completions(
             prompt_ids, **fields, stop_token_ids=list(eos_ids), logprobs=True, seed=seed,
-            model=self.model_name if self.protocol == "vllm" else None, extra=extra,
+            model=self.model_name if self.protocol == "vllm" else None, extra=extra, images=images,
         )  # fmt: skip
         if self.protocol == "posttrain":
             self.version = result.version

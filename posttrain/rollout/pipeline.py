@@ -392,6 +392,7 @@ class RolloutPipeline:
         num_generations: int,
         tools: list | None = None,
         vision_inputs: list[dict[str, Any]] | None = None,
+        rows: list[dict[str, Any]] | None = None,
     ) -> Completions:
         """Sample one completion per row; rows come as whole groups of ``num_generations`` identical prompts.
 
@@ -416,7 +417,12 @@ class RolloutPipeline:
             for i in range(n)
         )
         step = num_generations if grouped else 1
-        if vision_inputs is not None:
+        if vision_inputs is not None and getattr(self.backend, "accepts_images", False):
+            # a server backend sends the raw images (the server's processor rebuilds the vision inputs)
+            if rows is None or len(rows) != n:
+                raise ValueError("generate: a backend that takes images needs the batch's rows (one per prompt id).")
+            kwargs["images"] = [row_images(row) for row in rows][::step]
+        elif vision_inputs is not None:
             kwargs["vision_inputs"] = vision_inputs[::step]
         if grouped:
             unique = prompt_ids[::num_generations]
@@ -511,7 +517,8 @@ class RolloutPipeline:
                         prompt_ids = [ids[-settings.max_prompt_length :] for ids in prompt_ids]
             with stage("generate"):
                 completions = self.generate(
-                    prompts, prompt_ids, g, agent_batch.tools if agent_batch else None, vision_inputs=vision_inputs
+                    prompts, prompt_ids, g, agent_batch.tools if agent_batch else None, vision_inputs=vision_inputs,
+                    rows=rows,
                 )
                 self.check_completions(completions, rows)
             with stage("collate"):

@@ -8,7 +8,10 @@ Endpoints (FastAPI on uvicorn):
   the processed sampling distribution, vLLM's ``processed_logprobs``; N in 1..20 = that and, as vLLM returns it,
   ``logprobs.top_logprobs``: per token a dict of the sampled token and the top-N, ``-9999.0`` for filtered-out
   tokens; null = none), ``seed`` (0 <= seed < 2**64), ``return_token_ids``. A ``temperature`` below 1e-5 is served
-  as greedy (0). Each choice (``index = prompt * n + j``) carries ``token_ids``, ``prompt_token_ids``,
+  as greedy (0). A prompt may also be vLLM's multimodal token prompt, ``{"prompt_token_ids": [...],
+  "multi_modal_data": {"image": [data URL, ...]}}`` (``multimodal_prompts``; images decoded here, rebuilt into
+  vision inputs by the engine; 400 ``param="multi_modal_data"`` for what cannot be served). Each choice
+  (``index = prompt * n + j``) carries ``token_ids``, ``prompt_token_ids``,
   ``text``, ``logprobs.token_logprobs`` and ``finish_reason`` (``"stop"``/``"length"``).
 - ``POST /v1/chat/completions`` — OpenAI's chat API (messages, tools through the chat template, parsed
   ``tool_calls``) with vLLM's ``prompt_token_ids`` / ``token_ids`` and the sampled log-probs: ``serving/chat.py``.
@@ -84,13 +87,23 @@ LOGPROB_FLOOR = -9999.0  # what -inf (a token the warpers filtered out) is repor
 
 
 # -- request bodies -------------------------------------------------------------------------------------------------
+class TokensPromptBody(BaseModel):
+    """One vLLM token prompt with images: ``{"prompt_token_ids": [...], "multi_modal_data": {"image": [...]}}``;
+    each image a base64 data URL (``data:image/png;base64,...``) or bare base64 (``image`` may be one image)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt_token_ids: list[int]
+    multi_modal_data: dict[str, Any] | None = None
+
+
 class CompletionBody(BaseModel):
     """``POST /v1/completions`` (vLLM's field names and defaults; unknown fields are rejected by name)."""
 
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
-    prompt: list[list[int]] | list[int] | list[str] | str
+    prompt: list[list[int]] | list[int] | list[str] | str | list[TokensPromptBody] | TokensPromptBody
     n: int = Field(1, ge=1, le=4096)
     max_tokens: int | None = Field(16, ge=1)
     temperature: float = Field(1.0, ge=0.0, allow_inf_nan=False)
@@ -282,7 +295,7 @@ class _Job:
 
 def _batch_key(request: GenerationRequest) -> tuple | None:
     """Requests with equal keys can be served by one engine call (their prompts concatenated); seeded ones never."""
-    if request.seed is not None or request.extra or request.structured_outputs_regex is not None:
+    if request.seed is not None or request.extra or request.structured_outputs_regex is not None or request.images:
         return None
     return (request.n, request.max_tokens, request.temperature, request.top_p, request.top_k, request.min_p,
             request.repetition_penalty, tuple(request.stop_token_ids), request.ignore_eos, request.logprobs,
@@ -565,6 +578,43 @@ class ServerState:
 
 
 # -- conversion -----------------------------------------------------------------------------------------------------
+def multimodal_prompts(prompt: Any) -> tuple[list[list[int]], list[list[Any] | None]] | None:
+    """vLLM token prompts with ``multi_modal_data`` (``TokensPromptBody``): their ids and decoded images per prompt;
+    None for the other prompt forms. An undecodable image or an unknown modality is a 400 naming the field."""
+    from posttrain.generation.images import decode_image
+
+    if isinstance(prompt, TokensPromptBody):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt or not isinstance(prompt[0], TokensPromptBody):
+        return None
+    ids, images = [], []
+    for i, entry in enumerate(prompt):
+        if not entry.prompt_token_ids:
+            raise RequestError("prompt", f"prompt[{i}].prompt_token_ids is empty; every prompt needs at least one token.")
+        data = dict(entry.multi_modal_data or {})
+        unknown = sorted(set(data) - {"image"})
+        if unknown:
+            raise RequestError(
+                "multi_modal_data", f"prompt[{i}].multi_modal_data has {unknown}: this server takes images only "
+                "(multi_modal_data.image).",
+            )  # fmt: skip
+        raw = data.get("image")
+        raw = [] if raw is None else raw if isinstance(raw, list) else [raw]
+        decoded = []
+        for j, item in enumerate(raw):
+            try:
+                decoded.append(decode_image(item))
+            except ValueError as err:
+                raise RequestError(
+                    "multi_modal_data",
+                    f"prompt[{i}].multi_modal_data.image[{j}] cannot be decoded: {err}. Send each image as a base64 "
+                    "data URL (data:image/png;base64,...).",
+                ) from None
+        ids.append(list(entry.prompt_token_ids))
+        images.append(decoded or None)
+    return ids, images
+
+
 def _token_prompts(engine: Any, prompt: Any) -> list[list[int]]:
     if isinstance(prompt, str):
         prompt = [prompt]
@@ -614,8 +664,11 @@ def completion_request(engine: Any, body: CompletionBody) -> GenerationRequest:
         if unknown:
             raise RequestError("structured_outputs", f"Only structured_outputs.regex is supported, got {sorted(unknown)}.")
         regex = body.structured_outputs.get("regex")
+    multimodal = multimodal_prompts(body.prompt)
+    prompts, images = multimodal if multimodal is not None else (_token_prompts(engine, body.prompt), None)
     return GenerationRequest(
-        prompts=_token_prompts(engine, body.prompt),
+        prompts=prompts,
+        images=images if images and any(images) else None,
         n=body.n,
         max_tokens=body.max_tokens or 16,
         temperature=_temperature(body.temperature),
@@ -634,7 +687,10 @@ def completion_request(engine: Any, body: CompletionBody) -> GenerationRequest:
 
 def trl_request(engine: Any, body: TRLGenerateBody) -> GenerationRequest:
     if body.images and any(img is not None for img in body.images):
-        raise RequestError("images", "Image prompts are not supported by this server.")
+        raise RequestError(
+            "images", "Images on /generate/ are not supported by this server: send them to /v1/completions as vLLM "
+            "multimodal prompts ({\"prompt_token_ids\": [...], \"multi_modal_data\": {\"image\": [...]}}).",
+        )  # fmt: skip
     if body.logprobs not in (None, 0):
         raise RequestError("logprobs", f"logprobs={body.logprobs} is not supported: use 0 (sampled token only).")
     extra = dict(body.generation_kwargs)

@@ -60,6 +60,9 @@ class GenerationRequest:
     seed: int | None = None
     structured_outputs_regex: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    # Per prompt, its decoded images (vLLM's ``multi_modal_data["image"]``; ``None`` / ``[]`` = a text prompt); the
+    # prompt ids already hold the processor's expanded image tokens, as vLLM's token prompts do.
+    images: list[list[Any] | None] | None = None
 
 
 @dataclass
@@ -102,12 +105,18 @@ class PosttrainEngine:
         self.model = model.eval()
         self.adapter_config: dict[str, Any] | None = None  # the LoRA config of adapter-only pushes (load_adapter)
         self._adapter_specs_cache: dict[str, Any] = {}
+        # A vision-language model is served with its processor (``tokenizer`` may be one): images are rebuilt into
+        # the model's vision inputs with its image processor (see ``vision_inputs``).
+        self.processor = tokenizer if getattr(tokenizer, "image_processor", None) is not None else None
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_batch_tokens = max_batch_tokens
         self.device = model_device(model)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         config = getattr(model, "config", None)
+        if config is not None and hasattr(config, "get_text_config"):  # a VLM's text sizes live in its text config
+            config = config.get_text_config()
+        self.text_config = config
         self.max_model_len = int(getattr(config, "max_position_embeddings", 0) or 0) or None
         tok = getattr(tokenizer, "tokenizer", tokenizer)
         eos = getattr(tok, "eos_token_id", None)
@@ -128,25 +137,98 @@ class PosttrainEngine:
         max_batch_tokens: int | None = None,
         served_model_name: str | None = None,
     ) -> PosttrainEngine:
-        """Load ``model`` (a local path or hub id) and its tokenizer with transformers."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        """Load ``model`` (a local path or hub id) and its tokenizer with transformers; a vision-language model
+        (a config with ``vision_config``) with ``AutoModelForImageTextToText`` and its processor."""
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
         if revision is not None:
             kwargs["revision"] = revision
         torch_dtype = dtype if dtype == "auto" else getattr(torch, dtype)
-        lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype, **kwargs).to(resolve_device(device))
-        tokenizer = AutoTokenizer.from_pretrained(model, **kwargs)
+        if getattr(AutoConfig.from_pretrained(model, **kwargs), "vision_config", None) is not None:
+            from transformers import AutoModelForImageTextToText, AutoProcessor
+
+            lm = AutoModelForImageTextToText.from_pretrained(model, dtype=torch_dtype, **kwargs)
+            tokenizer = AutoProcessor.from_pretrained(model, **kwargs)
+        else:
+            lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype, **kwargs)
+            tokenizer = AutoTokenizer.from_pretrained(model, **kwargs)
+        lm = lm.to(resolve_device(device))
         return cls(lm, tokenizer, served_model_name or model, seed=seed, max_batch_tokens=max_batch_tokens)
 
     def tokenize(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        tok = getattr(self.tokenizer, "tokenizer", self.tokenizer) if self.processor is not None else self.tokenizer
+        return list(tok(text, add_special_tokens=False)["input_ids"])
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def _image_token_ids(self) -> set[int]:
+        ids = {getattr(self.processor, "image_token_id", None), getattr(self.model.config, "image_token_id", None),
+               getattr(self.model.config, "image_token_index", None)}  # fmt: skip
+        return {int(i) for i in ids if isinstance(i, int)}
+
+    def check_images(self, request: GenerationRequest) -> None:
+        """Raise ``RequestError`` (param ``multi_modal_data``) for images this engine cannot serve: a text-only model
+        or one served without an image processor, or a prompt whose image tokens and images disagree."""
+        if not request.images or not any(request.images):
+            image_tokens = self._image_token_ids() if self.processor is not None else set()
+            for i, ids in enumerate(request.prompts):
+                if image_tokens and any(t in image_tokens for t in ids):
+                    raise RequestError(
+                        "multi_modal_data",
+                        f"prompt[{i}] has image tokens {sorted(image_tokens)} in its prompt ids but no images: send "
+                        "the prompt as {\"prompt_token_ids\": [...], \"multi_modal_data\": {\"image\": [...]}}.",
+                    )
+            return
+        if len(request.images) != len(request.prompts):
+            raise RequestError("multi_modal_data", "multi_modal_data must be given per prompt (one entry each).")
+        if self.processor is None or getattr(self.model.config, "vision_config", None) is None:
+            raise RequestError(
+                "multi_modal_data",
+                f"The served model {self.model_name!r} is a text-only model (or was served without an image "
+                "processor): it cannot read multi_modal_data images. Serve a vision-language model with its processor, "
+                "or send token prompts without images.",
+            )
+        image_tokens = self._image_token_ids()
+        for i, (ids, images) in enumerate(zip(request.prompts, request.images)):
+            has_tokens = bool(image_tokens) and any(t in image_tokens for t in ids)
+            if images and image_tokens and not has_tokens:
+                raise RequestError(
+                    "multi_modal_data",
+                    f"prompt[{i}] has {len(images)} image(s) in multi_modal_data but no image token "
+                    f"{sorted(image_tokens)} in its prompt_token_ids: send the ids the processor made from the chat "
+                    "template with the images (image placeholders expanded).",
+                )
+            if not images and has_tokens:
+                raise RequestError(
+                    "multi_modal_data",
+                    f"prompt[{i}] has image tokens {sorted(image_tokens)} in its prompt_token_ids but no images in "
+                    "multi_modal_data.image.",
+                )
+
+    def vision_inputs(self, ids: list[int], images: list[Any] | None) -> dict[str, torch.Tensor]:
+        """One prompt's vision inputs as the trainer's ``encode_vision_prompts`` makes them: the processor's
+        image-level outputs (``pixel_values``, ``image_grid_thw``, ``image_sizes``, ``pixel_attention_mask``, ...;
+        the image processor run on the decoded images) and the per-token ``token_type_ids`` /
+        ``mm_token_type_ids`` (1 on image tokens) where the processor's model inputs have them; ``{}`` without
+        images."""
+        from posttrain.data.vision_prompts import PER_TOKEN_VISION_KEYS
+
+        if not images:
+            return {}
+        names = set(getattr(self.processor, "model_input_names", None) or [])
+        processed = self.processor.image_processor(list(images), return_tensors="pt")
+        out = {k: v for k, v in processed.items() if isinstance(v, torch.Tensor) and (not names or k in names)}
+        image_tokens = self._image_token_ids()
+        for key in PER_TOKEN_VISION_KEYS:
+            if key in names:
+                out[key] = torch.tensor([1 if t in image_tokens else 0 for t in ids], dtype=torch.long)
+        return out
+
     def check(self, request: GenerationRequest) -> None:
         """Raise ``RequestError`` for what this engine cannot serve."""
+        self.check_images(request)
         if request.structured_outputs_regex is not None:
             raise RequestError(
                 "structured_outputs",
@@ -161,7 +243,7 @@ class PosttrainEngine:
                 "logprobs and seed.",
             )
         for i, ids in enumerate(request.prompts):
-            vocab = self.model.config.vocab_size
+            vocab = self.text_config.vocab_size
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 raise RequestError("prompt", f"prompt[{i}] has token ids outside the vocabulary [0, {vocab}): {bad[:5]}.")
@@ -198,7 +280,10 @@ class PosttrainEngine:
             self.model, return_logprobs=request.logprobs, max_batch_tokens=self.max_batch_tokens, generator=generator,
             top_logprobs=request.top_logprobs if request.logprobs else 0,
         )  # fmt: skip
-        out = sampler.generate(request.prompts, sampling, request.n)
+        vision = None
+        if request.images and any(request.images):
+            vision = [self.vision_inputs(ids, images) for ids, images in zip(request.prompts, request.images)]
+        out = sampler.generate(request.prompts, sampling, request.n, vision_inputs=vision)
         stop_set = set(stops)
         results: list[list[GeneratedSequence]] = []
         for p in range(len(request.prompts)):
@@ -230,7 +315,7 @@ class PosttrainEngine:
         Returns ``{"logprobs": [(C_i, K)], "logprob_token_ids": [(C_i, K)], "actual_logprobs": [(C_i, 1)]}`` as
         nested lists (sorted by decreasing log-prob within each position).
         """
-        vocab = self.model.config.vocab_size
+        vocab = self.text_config.vocab_size
         if top_logprobs < 0:
             raise RequestError("top_logprobs", f"top_logprobs must be >= 0, got {top_logprobs}.")
         if not temperature > 0:

@@ -107,9 +107,11 @@ class VLLMEngine:
         return SamplingParams(**kwargs)
 
     def generate(self, request: GenerationRequest) -> list[list[GeneratedSequence]]:
-        outputs = self.llm.generate(
-            [{"prompt_token_ids": list(p)} for p in request.prompts], self._sampling_params(request), use_tqdm=False
-        )
+        prompts: list[dict[str, Any]] = [{"prompt_token_ids": list(p)} for p in request.prompts]
+        for prompt, images in zip(prompts, request.images or []):
+            if images:  # vLLM's multimodal token prompt (its processor places the image features)
+                prompt["multi_modal_data"] = {"image": list(images)}
+        outputs = self.llm.generate(prompts, self._sampling_params(request), use_tqdm=False)
         results = []
         for out in outputs:
             group = []

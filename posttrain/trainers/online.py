@@ -406,7 +406,7 @@ class OnlineTrainerBase(BaseTrainer):
         trainer = f"{self._trainer_name}Trainer"
         check_vision_setup(processing_class, unwrap_base_model(model), trainer, vision[0])
         unsupported = {
-            "use_vllm=True": args.use_vllm,
+            "use_vllm=True with vllm_mode='colocate'": args.use_vllm and args.vllm_mode != "server",
             "tools": bool(tools),
             "environment_factory": environment_factory is not None,
             "rollout_func": rollout_func is not None,
@@ -417,7 +417,8 @@ class OnlineTrainerBase(BaseTrainer):
                 raise ValueError(
                     f"{trainer} with images (the {vision[0]} has an image column) does not support {option} yet in "
                     "posttrain: vision-language prompts are generated in-process (generation_backend='posttrain' or "
-                    "'transformers'). Drop the option, or the image column to train on text."
+                    "'transformers') or on a generation server (use_vllm=True, vllm_mode='server'). Drop the option, "
+                    "or the image column to train on text."
                 )
         for name in vision:
             check_vision_rows(splits[name], name)

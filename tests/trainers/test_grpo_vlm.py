@@ -290,11 +290,11 @@ def test_images_with_standard_prompts_raise(tmp_path):
 
 def test_vllm_with_images_is_refused(tmp_path):
     model, processor = build_tiny_vlm()
-    with pytest.raises(ValueError, match="does not support use_vllm=True yet"):
+    with pytest.raises(ValueError, match="does not support use_vllm=True with vllm_mode=.colocate. yet"):
         GRPOTrainer(
             model,
             reward_funcs=RecordingReward(),
-            args=config(GRPOConfig, tmp_path, use_vllm=True),
+            args=config(GRPOConfig, tmp_path, use_vllm=True, vllm_mode="colocate"),
             train_dataset=Dataset.from_list(mixed_rows()),
             processing_class=processor,
         )
