@@ -166,8 +166,10 @@ def test_all_servers_stopped_is_a_clear_error_in_bounded_time(tiny_model_path, t
         trainer = GRPOTrainer(tiny_model_path, varied_reward, _grpo_args(tmp_path, [u0, u1], max_steps=2),
                               train_dataset=_dataset(), callbacks=[_StopAfterStep(1, servers)])  # fmt: skip
         start = time.monotonic()
-        with pytest.warns(RuntimeWarning, match="dropped"):
-            with pytest.raises(ServerUnavailableError, match=r"All 2 generation servers .* were dropped"):
-                trainer.train()
+        with (
+            pytest.warns(RuntimeWarning, match="dropped"),
+            pytest.raises(ServerUnavailableError, match=r"All 2 generation servers .* were dropped"),
+        ):
+            trainer.train()
         assert time.monotonic() - start < 60  # refused connections fail after a few quick retries, not a timeout
         assert trainer.state.global_step == 1 and trainer.backend.live == []
