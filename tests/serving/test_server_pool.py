@@ -173,3 +173,22 @@ def test_all_servers_stopped_is_a_clear_error_in_bounded_time(tiny_model_path, t
             trainer.train()
         assert time.monotonic() - start < 60  # refused connections fail after a few quick retries, not a timeout
         assert trainer.state.global_step == 1 and trainer.backend.live == []
+
+
+def test_server_stopped_before_a_generation_has_its_chunk_reissued(tiny_model_path):
+    """Server 1 stops between two generations with the same request index: the second call drops it with a
+    warning (during generation), re-issues its chunk to server 0 and returns the same completions as the first."""
+    second = serve_in_thread(_engine(tiny_model_path), graceful_timeout=5)
+    with serve_in_thread(_engine(tiny_model_path)) as url0, second as url1:
+        pool = ServerPoolBackend(base_urls=[url0, url1], timeout=10.0, seed=11)
+        before = pool.generate(PROMPTS, SAMPLING, 3)
+        second.stop()
+        pool.set_request_index(0)
+        with pytest.warns(RuntimeWarning, match=rf"server 1 at {url1} failed during generation \(chunk 1\)"):
+            after = pool.generate(PROMPTS, SAMPLING, 3)
+        assert after.completion_ids == before.completion_ids and after.logprobs == before.logprobs
+        assert pool.live == [0] and "generation" in pool.dropped[1]
+        metrics = pool.pop_metrics()
+        assert metrics["server/0/requests"] == 3 and metrics["server/1/requests"] == 1
+        assert metrics["server/1/failures"] == 1
+        pool.close()
