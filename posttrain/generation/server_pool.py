@@ -26,8 +26,9 @@ generation round over them:
   ``server/<i>/requests``, ``server/<i>/tokens`` (completion tokens), ``server/<i>/tokens_per_second``,
   ``server/<i>/failures`` and ``server/live`` (the number of servers still in use).
 
-Not covered: several training processes (each process routes its own share independently; a server dropped on one
-process is not dropped on the others) — single-process server mode only in this release.
+Several training processes: each routes its own share of the round over the servers; dropping a server is
+single-process only (only rank 0 pushes, so the ranks would disagree on who is live) — in a multi-process run a
+failed server ends training with ``ServerUnavailableError`` naming it, as with one server.
 """
 
 from __future__ import annotations
@@ -166,6 +167,17 @@ class ServerPoolBackend:
         return list(self.live)
 
     def _drop(self, index: int, err: BaseException, during: str) -> None:
+        from posttrain.generation.vllm_server import _dist
+
+        if _dist()[1]:
+            # Each process would drop on its own (only rank 0 pushes): the ranks' pushes and barriers would diverge.
+            from posttrain.generation.client import ServerUnavailableError
+
+            raise ServerUnavailableError(
+                f"Generation server {index} at {self.base_urls[index]} failed during {during} ({err}); dropping a "
+                "server is supported in single-process training only. Restart it and resume from the last "
+                "checkpoint, or remove it from vllm_server_base_urls."
+            ) from err
         with self._lock:
             if index not in self.live:
                 return

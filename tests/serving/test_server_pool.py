@@ -192,3 +192,31 @@ def test_server_stopped_before_a_generation_has_its_chunk_reissued(tiny_model_pa
         assert metrics["server/0/requests"] == 3 and metrics["server/1/requests"] == 1
         assert metrics["server/1/failures"] == 1
         pool.close()
+
+
+def test_stalled_server_is_dropped_after_its_request_timeout(tiny_model_path):
+    """A server that accepts connections but never answers (a stall, not a refusal): its request ends in
+    ServerTimeoutError within request_timeout, the server is dropped and its chunk served by the other."""
+    import socket
+
+    from posttrain.generation.client import GenerationClient
+
+    with (
+        socket.socket() as stalled,
+        serve_in_thread(_engine(tiny_model_path)) as url0,
+        serve_in_thread(_engine(tiny_model_path)) as url1,
+    ):
+        stalled.bind(("127.0.0.1", 0))
+        stalled.listen(8)  # never accepted: requests are sent, nothing ever answers
+        stalled_url = f"http://127.0.0.1:{stalled.getsockname()[1]}"
+        pool = ServerPoolBackend(base_urls=[url0, url1], timeout=10.0, seed=13)
+        expected = pool.generate(PROMPTS, SAMPLING, 2)
+        pool.servers[1].client.close()
+        pool.servers[1].client = GenerationClient(stalled_url, request_timeout=1.0, health_check_interval=0.5)
+        pool.set_request_index(0)
+        start = time.monotonic()
+        with pytest.warns(RuntimeWarning, match=r"server 1 .* dropped .*ServerTimeoutError"):
+            out = pool.generate(PROMPTS, SAMPLING, 2)
+        assert time.monotonic() - start < 30
+        assert out.completion_ids == expected.completion_ids and pool.live == [0]
+        pool.close()
