@@ -220,3 +220,20 @@ def test_stalled_server_is_dropped_after_its_request_timeout(tiny_model_path):
         assert time.monotonic() - start < 30
         assert out.completion_ids == expected.completion_ids and pool.live == [0]
         pool.close()
+
+
+def test_rloo_over_two_servers_logs_per_server_metrics(tiny_model_path, tmp_path):
+    from posttrain.trainers.rloo import RLOOConfig, RLOOTrainer
+
+    with serve_in_thread(_engine(tiny_model_path)) as u0, serve_in_thread(_engine(tiny_model_path)) as u1:
+        args = RLOOConfig(output_dir=str(tmp_path), report_to="none", save_strategy="no", write_report=False,
+                          disable_tqdm=True, gradient_checkpointing=False, per_device_train_batch_size=4,
+                          num_generations=2, max_completion_length=4, max_steps=1, learning_rate=5e-2, logging_steps=1,
+                          use_vllm=True, vllm_mode="server", vllm_server_base_urls=[u0, u1])  # fmt: skip
+        trainer = RLOOTrainer(tiny_model_path, varied_reward, args, train_dataset=_dataset())
+        assert isinstance(trainer.backend, ServerPoolBackend)
+        trainer.train()
+        assert [s.version for s in trainer.backend.servers] == [1, 1]
+    logs = {k: v for entry in trainer.state.log_history for k, v in entry.items()}
+    assert logs["server/live"] == 2 and logs["server/0/failures"] == 0
+    assert logs["server/0/requests"] >= 1 and logs["server/1/requests"] >= 1 and logs["server/1/tokens"] > 0
