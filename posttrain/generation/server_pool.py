@@ -151,6 +151,16 @@ class ServerPoolBackend:
         return self.servers[self._live()[0]].version
 
     @property
+    def base_url(self) -> str:
+        """The first live server's URL: for callers that need one server of the pool (e.g. a served teacher scoring
+        sequences with the policy's weights, which every live server holds)."""
+        return self.base_urls[self._live()[0]]
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.servers[0].chunk_bytes
+
+    @property
     def protocol(self) -> str:
         return self.servers[0].protocol
 

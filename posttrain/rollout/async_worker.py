@@ -89,6 +89,12 @@ def check_async_rollout_options(config: Any, trainer_name: str, model_hint: str 
         raise ValueError(f"{trainer_name} trains each sample once: num_iterations must be 1.")
     if config.world_size != 1:
         raise ValueError(f"{trainer_name} in posttrain runs on a single training process (world_size 1).")
+    urls = getattr(config, "vllm_server_base_urls", None)
+    if urls is not None and len(urls) > 1:
+        raise ValueError(
+            f"{trainer_name} generates on one server in this release: vllm_server_base_urls lists {len(urls)}. Set "
+            "vllm_server_base_url to one of them (several servers work with GRPOTrainer/RLOOTrainer in server mode)."
+        )
     config.ignore_data_skip = True
 
 
