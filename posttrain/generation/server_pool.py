@@ -65,7 +65,8 @@ def split_groups(num_groups: int, num_chunks: int) -> list[range]:
 
 def resolve_server_urls(args: Any, base_urls: list[str] | None = None) -> list[str] | None:
     """The configured server list (``base_urls`` or ``args.vllm_server_base_urls``), or None for the single-URL
-    fields. Both ``vllm_server_base_url`` and a list set is an error (ambiguous)."""
+    fields. Both ``vllm_server_base_url`` (changed from its default, e.g. AsyncGRPO's ``http://localhost:8000``) and a
+    list not containing it is an error (ambiguous)."""
     urls = base_urls if base_urls is not None else getattr(args, "vllm_server_base_urls", None)
     if urls is None:
         return None
@@ -77,7 +78,8 @@ def resolve_server_urls(args: Any, base_urls: list[str] | None = None) -> list[s
     if len(set(urls)) != len(urls):
         raise ValueError(f"vllm_server_base_urls lists a server twice: {urls}.")
     single = getattr(args, "vllm_server_base_url", None)
-    if single is not None and single.rstrip("/") not in urls:
+    default = getattr(getattr(type(args), "__dataclass_fields__", {}).get("vllm_server_base_url"), "default", None)
+    if single is not None and single != default and single.rstrip("/") not in urls:
         raise ValueError(
             f"Both vllm_server_base_url={single!r} and vllm_server_base_urls={urls} are set; set only "
             "vllm_server_base_urls (every server) or only vllm_server_base_url (one server)."
@@ -147,8 +149,28 @@ class ServerPoolBackend:
 
     @property
     def version(self) -> int | None:
-        """The weight version of the live servers (they are pushed together)."""
-        return self.servers[self._live()[0]].version
+        """The oldest weight version the live servers last reported (they are pushed together; while a push is
+        landing server by server, the oldest is the one a round's staleness must be counted from)."""
+        versions = [self.servers[i].version for i in self._live()]
+        return None if any(v is None for v in versions) else min(versions)
+
+    @version.setter
+    def version(self, value: int | None) -> None:
+        for i in self._live():
+            self.servers[i].version = value
+
+    def health_version(self) -> int:
+        """The oldest weight version the live servers report on ``/health`` now (an unreachable one is dropped)."""
+        from posttrain.generation.client import ServerUnavailableError
+
+        versions = []
+        for i in self._live():
+            try:
+                versions.append(int(self.servers[i].client.health().get("version") or 0))
+            except ServerUnavailableError as err:
+                self._drop(i, err, "a health check")
+        self._live()  # all dropped: the error naming every server
+        return min(versions)
 
     @property
     def base_url(self) -> str:
@@ -328,3 +350,61 @@ class ServerPoolBackend:
                 server.close()
             except Exception:  # a dropped server may already be gone
                 logger.debug("closing %s failed", server.base_url, exc_info=True)
+
+
+class PushFanout:
+    """Weight pushes to several servers behind ``GenerationClient``'s push interface (``load_weights``,
+    ``get_sequence_logprobs``, ``base_url``, ``close``), for the async trainers' background uploader.
+
+    ``load_weights`` pushes the same chunks to every live server in turn (each push verified by that server's answer:
+    digests and version, ``WeightSyncError`` otherwise) and returns the version they report; a server that is
+    unreachable or stalls is dropped with a warning naming it; with none left, ``ServerUnavailableError``.
+    ``get_sequence_logprobs`` (the post-sync probe) asks the first live server.
+    """
+
+    def __init__(self, clients: list[Any]):
+        self.clients = list(clients)
+        self.live = list(range(len(self.clients)))
+        self.dropped: dict[int, str] = {}
+
+    @property
+    def base_url(self) -> str:
+        return self.clients[self._live()[0]].base_url
+
+    def _live(self) -> list[int]:
+        if not self.live:
+            from posttrain.generation.client import ServerUnavailableError
+
+            reasons = "; ".join(f"{self.clients[i].base_url}: {why}" for i, why in sorted(self.dropped.items()))
+            raise ServerUnavailableError(
+                f"All {len(self.clients)} generation servers in vllm_server_base_urls were dropped: {reasons}. "
+                "Restart them and resume from the last checkpoint."
+            )
+        return list(self.live)
+
+    def load_weights(self, chunks: list[bytes], version: int | None = None) -> int:
+        from posttrain.generation.client import ServerUnavailableError
+
+        versions = []
+        for i in self._live():
+            try:
+                versions.append(self.clients[i].load_weights(chunks, version))
+            except ServerUnavailableError as err:
+                self.live.remove(i)
+                self.dropped[i] = f"{type(err).__name__} during the weight push: {err}"
+                message = (
+                    f"Generation server {i} at {self.clients[i].base_url} failed during the weight push and is "
+                    f"dropped for the rest of the run ({type(err).__name__}: {err}); {len(self.live)} of "
+                    f"{len(self.clients)} servers left."
+                )
+                warnings.warn(message, RuntimeWarning, stacklevel=2)
+                logger.warning(message)
+        self._live()
+        return min(versions)
+
+    def get_sequence_logprobs(self, *args: Any, **kwargs: Any) -> Any:
+        return self.clients[self._live()[0]].get_sequence_logprobs(*args, **kwargs)
+
+    def close(self) -> None:
+        for client in self.clients:
+            client.close()

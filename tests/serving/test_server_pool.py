@@ -239,17 +239,15 @@ def test_rloo_over_two_servers_logs_per_server_metrics(tiny_model_path, tmp_path
     assert logs["server/0/requests"] >= 1 and logs["server/1/requests"] >= 1 and logs["server/1/tokens"] > 0
 
 
-def test_async_trainers_refuse_several_servers_clearly(monkeypatch):
-    """AsyncGRPO / AsyncDistillation stream rounds from one server in this release: a list of several is refused at
-    configuration time (it would otherwise silently use one of them)."""
+def test_async_distillation_refuses_several_servers_clearly(monkeypatch):
+    """AsyncDistillation streams rounds from one student server in this release: a list of several is refused at
+    configuration time (it would otherwise silently use one of them); AsyncGRPO takes it."""
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
     from posttrain.experimental.async_distillation import AsyncDistillationConfig
     from posttrain.experimental.async_grpo import AsyncGRPOConfig
 
     urls = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
-    for config in (AsyncGRPOConfig, AsyncDistillationConfig):
-        with pytest.raises(ValueError, match="generates on one server.*vllm_server_base_urls lists 2"):
-            config(output_dir="/tmp/unused", report_to="none", vllm_server_base_url=None, vllm_server_base_urls=urls)
-    one = AsyncGRPOConfig(output_dir="/tmp/unused", report_to="none", vllm_server_base_url=None,
-                          vllm_server_base_urls=urls[:1])  # fmt: skip
-    assert one.vllm_server_base_urls == urls[:1]
+    with pytest.raises(ValueError, match="generates on one server.*vllm_server_base_urls lists 2"):
+        AsyncDistillationConfig(output_dir="/tmp/unused", report_to="none", vllm_server_base_urls=urls)
+    args = AsyncGRPOConfig(output_dir="/tmp/unused", report_to="none", vllm_server_base_urls=urls)
+    assert resolve_server_urls(args) == urls  # AsyncGRPO's default vllm_server_base_url does not conflict
