@@ -26,6 +26,10 @@ generation round over them:
   ``server/<i>/requests``, ``server/<i>/tokens`` (completion tokens), ``server/<i>/tokens_per_second``,
   ``server/<i>/failures`` and ``server/live`` (the number of servers still in use).
 
+AsyncGRPO: the rollout worker builds this backend from the spec's ``base_urls`` (admission and a round's version use
+:meth:`ServerPoolBackend.health_version` / ``version``: the oldest live server's), and the trainer's background
+uploader pushes through :class:`PushFanout`, which drops a server whose push fails the same way.
+
 Several training processes: each routes its own share of the round over the servers; dropping a server is
 single-process only (only rank 0 pushes, so the ranks would disagree on who is live) — in a multi-process run a
 failed server ends training with ``ServerUnavailableError`` naming it, as with one server.
