@@ -251,3 +251,27 @@ def test_async_distillation_refuses_several_servers_clearly(monkeypatch):
         AsyncDistillationConfig(output_dir="/tmp/unused", report_to="none", vllm_server_base_urls=urls)
     args = AsyncGRPOConfig(output_dir="/tmp/unused", report_to="none", vllm_server_base_urls=urls)
     assert resolve_server_urls(args) == urls  # AsyncGRPO's default vllm_server_base_url does not conflict
+
+
+def test_push_fanout_all_servers_gone_is_a_clear_error():
+    """AsyncGRPO's uploader over several servers: every push refused → each dropped with a warning, then one error
+    naming both servers (bounded: refused connections fail after a few quick retries)."""
+    import socket
+
+    from posttrain.generation.client import GenerationClient
+    from posttrain.generation.server_pool import PushFanout
+
+    urls = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            urls.append(f"http://127.0.0.1:{s.getsockname()[1]}")  # closed again: connections are refused
+    fanout = PushFanout([GenerationClient(url, request_timeout=10.0, retry_backoff=0.01) for url in urls])
+    start = time.monotonic()
+    with (
+        pytest.warns(RuntimeWarning, match="failed during the weight push"),
+        pytest.raises(ServerUnavailableError, match=rf"All 2 generation servers .*{urls[0]}.*{urls[1]}"),
+    ):
+        fanout.load_weights([b"unused"], 1)
+    assert time.monotonic() - start < 10 and fanout.live == []
+    fanout.close()
