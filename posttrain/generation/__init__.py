@@ -5,7 +5,8 @@
 - ``"posttrain"`` (default): ``GroupSampler``, one prefill per unique prompt, KV cache expanded G ways, finished
   rows dropped from the decode batch;
 - ``"transformers"``: ``TransformersBackend``, ``model.generate`` as TRL calls it;
-- ``"vllm_server"``: ``VLLMServerBackend``, a client of ``posttrain serve`` / ``vllm serve`` (weights pushed to it);
+- ``"vllm_server"``: ``VLLMServerBackend``, a client of ``posttrain serve`` / ``vllm serve`` (weights pushed to it),
+  or ``ServerPoolBackend`` over several servers (``vllm_server_base_urls``);
 - ``"vllm_colocate"``: ``VLLMColocateBackend``, vLLM's engine in the trainer (``pip install posttrain[vllm]``, CUDA);
 - ``"rollout_func"``: ``RolloutFuncBackend``, the user's ``rollout_func(prompts, trainer)``.
 
@@ -26,6 +27,7 @@ from posttrain.generation.registry import BACKENDS, DEFAULT_BACKEND, backend_nam
 if TYPE_CHECKING:
     from posttrain.generation.group_sampler import GroupSampler
     from posttrain.generation.rollout_func import RolloutFuncBackend
+    from posttrain.generation.server_pool import ServerPoolBackend
     from posttrain.generation.transformers_backend import TransformersBackend
     from posttrain.generation.vllm_colocate import VLLMColocateBackend
     from posttrain.generation.vllm_server import VLLMServerBackend
@@ -34,6 +36,7 @@ _LAZY = {
     "GroupSampler": "posttrain.generation.group_sampler",
     "TransformersBackend": "posttrain.generation.transformers_backend",
     "RolloutFuncBackend": "posttrain.generation.rollout_func",
+    "ServerPoolBackend": "posttrain.generation.server_pool",
 }
 
 __all__ = [
@@ -44,6 +47,7 @@ __all__ = [
     "GroupSampler",
     "RolloutFuncBackend",
     "SamplingConfig",
+    "ServerPoolBackend",
     "TransformersBackend",
     "VLLMColocateBackend",
     "VLLMServerBackend",

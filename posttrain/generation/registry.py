@@ -21,7 +21,7 @@ BACKENDS: Registry[str] = Registry("generation backend")
 BACKENDS.add("posttrain", "posttrain.generation.group_sampler:GroupSampler")
 BACKENDS.add("transformers", "posttrain.generation.transformers_backend:TransformersBackend")
 BACKENDS.add("vllm_colocate", "posttrain.generation.vllm_colocate:VLLMColocateBackend")
-BACKENDS.add("vllm_server", "posttrain.generation.vllm_server:VLLMServerBackend")
+BACKENDS.add("vllm_server", "posttrain.generation.server_pool:make_server_backend")  # one URL or several
 BACKENDS.add("rollout_func", "posttrain.generation.rollout_func:RolloutFuncBackend.from_components")
 
 # The server backend is an HTTP client (httpx): it needs vLLM and a GPU only to talk NCCL to a real vLLM server.

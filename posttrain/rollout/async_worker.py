@@ -90,6 +90,12 @@ def check_async_rollout_options(config: Any, trainer_name: str, model_hint: str 
         raise ValueError(f"{trainer_name} trains each sample once: num_iterations must be 1.")
     if config.world_size != 1:
         raise ValueError(f"{trainer_name} in posttrain runs on a single training process (world_size 1).")
+    urls = getattr(config, "vllm_server_base_urls", None)
+    if urls is not None and len(urls) > 1 and trainer_name != "AsyncGRPO":
+        raise ValueError(
+            f"{trainer_name} generates on one server in this release: vllm_server_base_urls lists {len(urls)}. Set "
+            "vllm_server_base_url to one of them (several servers work with AsyncGRPO and GRPO/RLOO in server mode)."
+        )
     config.ignore_data_skip = True
 
 
@@ -124,6 +130,7 @@ class AsyncWorkerSpec(abc.ABC):
     seed_requests: bool = True
     max_rounds: int | None = None
     client_kwargs: dict[str, Any] = field(default_factory=dict)
+    base_urls: list[str] | None = None  # several servers (vllm_server_base_urls): a ServerPoolBackend
 
     @abc.abstractmethod
     def make_producer(self, backend: Any) -> Producer:
@@ -176,6 +183,13 @@ def _put(out: Any, payload: Any, stop: Any, parent: int, heartbeat: Any = None) 
     raise SystemExit(0)
 
 
+def _server_version(backend: Any) -> int:
+    """The weight version the server reports now (several servers: the oldest of them)."""
+    if hasattr(backend, "health_version"):
+        return backend.health_version()
+    return int(backend.client.health().get("version") or 0)
+
+
 def run_worker(spec: AsyncWorkerSpec, out: Any, stop: Any, parent: int, heartbeat: Any = None) -> None:
     """Process entry point: generate rounds ``spec.start_round, ...`` until ``stop`` is set (see the module doc).
     ``heartbeat``: a shared ``multiprocessing.Value("d")`` stamped on progress (None: none)."""
@@ -195,11 +209,16 @@ def _loop(spec: AsyncWorkerSpec, out: Any, stop: Any, parent: int, heartbeat: An
 
     torch.set_num_threads(1)  # the worker mostly waits on HTTP; leave the cores to server and trainer
     source = RoundSource(spec.dataset, spec.num_generations, spec.prompts_per_round, spec.shuffle, spec.seed)
-    backend = VLLMServerBackend(
-        tokenizer=spec.tokenizer, base_url=spec.base_url, protocol="posttrain", timeout=spec.server_timeout,
-        seed=spec.seed, seed_requests=spec.seed_requests,
-        client_kwargs={"request_timeout": spec.request_timeout, **spec.client_kwargs},
+    options = dict(
+        tokenizer=spec.tokenizer, protocol="posttrain", timeout=spec.server_timeout, seed=spec.seed,
+        seed_requests=spec.seed_requests, client_kwargs={"request_timeout": spec.request_timeout, **spec.client_kwargs},
     )  # fmt: skip
+    if spec.base_urls is not None and len(spec.base_urls) > 1:
+        from posttrain.generation.server_pool import ServerPoolBackend
+
+        backend: Any = ServerPoolBackend(base_urls=spec.base_urls, **options)
+    else:
+        backend = VLLMServerBackend(base_url=spec.base_url, **options)
     produce = spec.make_producer(backend)
     _beat(heartbeat)  # started
     backpressure = 0.0
@@ -209,7 +228,7 @@ def _loop(spec: AsyncWorkerSpec, out: Any, stop: Any, parent: int, heartbeat: An
         while not stop.is_set():  # admission: do not run further ahead of the weights than `ahead` rounds
             if os.getppid() != parent:
                 return
-            version = int(backend.client.health().get("version") or 0)
+            version = _server_version(backend)
             _beat(heartbeat)
             if r - version <= spec.ahead:
                 break
@@ -425,7 +444,8 @@ class AsyncRollout:
             inflight = args.max_staleness * args.per_device_train_batch_size * args.gradient_accumulation_steps
         return dict(
             dataset=trainer.train_dataset, tokenizer=trainer.processing_class, sampling=trainer.sampling,
-            base_url=self._server().base_url, num_generations=trainer.num_generations,
+            base_url=self._server().base_url, base_urls=getattr(self._server(), "base_urls", None),
+            num_generations=trainer.num_generations,
             prompts_per_round=trainer._prompts_per_round(), shuffle=bool(args.shuffle_dataset), seed=int(args.seed),
             start_round=self.next_round, ahead=max(0, inflight // rows), request_timeout=float(args.request_timeout),
             server_timeout=float(args.vllm_server_timeout), seed_requests=bool(args.seed_requests),
@@ -457,11 +477,21 @@ class AsyncRollout:
         if self.push_client is None:
             sync_timeout = getattr(self.args, "weight_sync_timeout", None)
             push_timeout = float(sync_timeout if sync_timeout is not None else self.args.request_timeout)
-            self.push_client = GenerationClient(
-                server.base_url, request_timeout=push_timeout,
-                health_check_interval=getattr(self.args, "vllm_server_health_check_interval", 10.0),
-                timeout_hint="weight_sync_timeout" if sync_timeout is not None else "request_timeout",
-            )  # fmt: skip
+            clients = [
+                GenerationClient(
+                    url,
+                    request_timeout=push_timeout,
+                    health_check_interval=getattr(self.args, "vllm_server_health_check_interval", 10.0),
+                    timeout_hint="weight_sync_timeout" if sync_timeout is not None else "request_timeout",
+                )  # fmt: skip
+                for url in getattr(server, "base_urls", None) or [server.base_url]
+            ]
+            if len(clients) > 1:
+                from posttrain.generation.server_pool import PushFanout
+
+                self.push_client = PushFanout(clients)
+            else:
+                self.push_client = clients[0]
         self.push_weights(wait=True)  # the server must hold this step's weights before the worker reads its version
         spec = self.checked_spec()
         context = multiprocessing.get_context("spawn")

@@ -787,10 +787,19 @@ class OnlineTrainerBase(BaseTrainer):
             trainer_state=self.state,
             record_metric=self._record(mode),
         )
+        self._record_backend_metrics(mode)
         if self.pipeline.last_completions is not None:
             self._pending_completions = self.pipeline.last_completions
             self._record_completion_logs(rows, self.pipeline.last_completions)
         return batch
+
+    def _record_backend_metrics(self, mode: str) -> None:
+        """Log the generation backend's own metrics when it has some (``pop_metrics``: the server pool's
+        ``server/<i>/requests``, ``tokens``, ``tokens_per_second``, ``failures``)."""
+        pop = getattr(self._inner_backend(), "pop_metrics", None)
+        if callable(pop):
+            for name, value in pop().items():
+                self.record_metric(name, value, mode=mode)
 
     def _record_completion_logs(self, rows: list[dict[str, Any]], table: Any) -> None:
         """Keep the round's prompts, completions, rewards, advantages and ``log_extra`` columns (over every process)

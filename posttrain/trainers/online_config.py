@@ -133,6 +133,15 @@ class OnlineRLConfig(BaseConfig):
     vllm_model_impl: str = field(default="vllm", metadata={"help": "'vllm' or 'transformers' model implementation."})
     vllm_structured_outputs_regex: str | None = field(default=None, metadata={"help": "Regex-constrained decoding."})
     vllm_server_base_url: str | None = field(default=None, metadata={"help": "Server URL (overrides host/port)."})
+    vllm_server_base_urls: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "posttrain (not a TRL field): several generation servers for vllm_mode='server'. Each round's "
+            "groups are split into one chunk per listed server (all completions of a group in one chunk), weights "
+            "are pushed to every server, and a server that dies or stalls is dropped with a warning and its chunks "
+            "re-issued to the others. Leave vllm_server_base_url unset when using it. None = one server."
+        },
+    )
     vllm_server_host: str = field(default="0.0.0.0", metadata={"help": "vLLM server host."})
     vllm_server_port: int = field(default=8000, metadata={"help": "vLLM server port."})
     vllm_server_timeout: float = field(
