@@ -184,6 +184,7 @@ class AgentRolloutFunc:
         self._backend: Any = None  # the weight pusher (a VLLMServerBackend), made on first use
         self._synced_step: int | None = None
         self.last_rows: list[list[CapturedRow]] = []  # every row of the last batch's rollouts (inspection, tests)
+        self.last_calls: list[list[dict[str, Any]]] = []  # the captured calls they were built from
 
     # -- plumbing ----------------------------------------------------------------------------------------------
     def _url(self, trainer: Any) -> str:
@@ -264,11 +265,13 @@ class AgentRolloutFunc:
             pool.shutdown(wait=False, cancel_futures=True)
         out: dict[str, list] = {k: [] for k in ("prompt_ids", "completion_ids", "logprobs", "env_mask",
                                                 "agent_reward", "capture_num_rows", "weight_version")}  # fmt: skip
-        self.last_rows = []
+        self.last_rows, self.last_calls = [], []
         with httpx.Client(timeout=60) as http:
             for rid, reward in zip(ids, rewards):
-                rows = captured_rows(self._collect(http, url, rid))
+                calls = self._collect(http, url, rid)
+                rows = captured_rows(calls)
                 self.last_rows.append(rows)
+                self.last_calls.append(calls)
                 row = self._row(rows, rid)
                 for key, value in (("prompt_ids", row.prompt_ids), ("completion_ids", row.completion_ids),
                                    ("logprobs", row.logprobs), ("env_mask", row.env_mask), ("agent_reward", reward),
