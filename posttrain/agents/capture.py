@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import math
 import os
 import subprocess
+import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -151,7 +153,8 @@ class AgentRolloutFunc:
             JSON) in its environment; it prints its reward as the last line of its stdout.
         server_url: The ``posttrain serve`` server (default: the trainer's ``vllm_server_base_url``).
         timeout: Seconds one agent run may take; a run over it is a ``TimeoutError`` naming the rollout (a
-            subprocess is killed; a thread cannot be, and is left to finish on its own).
+            subprocess is killed; a function's thread cannot be, and is left to finish on its own; the batch as a
+            whole waits at most ``timeout × ⌈prompts / max_workers⌉``, + 5 s for commands).
         max_workers: How many agents run at once (the server batches their calls).
         multi_row: What to do when an agent's calls give several rows (it rewrote its history): ``"last"`` trains
             on the last row (the stretch that ends in the answer the reward judged; the count is reported in the
@@ -185,6 +188,7 @@ class AgentRolloutFunc:
         self._synced_step: int | None = None
         self.last_rows: list[list[CapturedRow]] = []  # every row of the last batch's rollouts (inspection, tests)
         self.last_calls: list[list[dict[str, Any]]] = []  # the captured calls they were built from
+        self.last_ids: list[str] = []  # and the rollout ids they were captured under
 
     # -- plumbing ----------------------------------------------------------------------------------------------
     def _url(self, trainer: Any) -> str:
@@ -252,15 +256,24 @@ class AgentRolloutFunc:
         self._push_weights(trainer, url)
         run = uuid.uuid4().hex[:12]
         ids = [f"agent-{run}-{i}" for i in range(len(prompts))]
-        pool = concurrent.futures.ThreadPoolExecutor(max_workers=min(self.max_workers, max(len(prompts), 1)))
+        self.last_ids = ids
+        workers = min(self.max_workers, max(len(prompts), 1))
+        # the whole batch's bound: every wave of `workers` agents may take `timeout`; the margin lets a subprocess's
+        # own (exact) timeout fire first, so that it is killed rather than abandoned
+        margin = 0.0 if callable(self.agent) else 5.0
+        deadline = time.monotonic() + self.timeout * math.ceil(len(prompts) / workers) + margin
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers)
         try:
             futures = [pool.submit(self._run_agent, p, url, rid) for p, rid in zip(prompts, ids)]
             rewards = []
             for future, rid in zip(futures, ids):
                 try:
-                    rewards.append(future.result(timeout=self.timeout))
-                except concurrent.futures.TimeoutError as err:
-                    raise TimeoutError(f"The agent for rollout {rid!r} ran over timeout={self.timeout}s.") from err
+                    rewards.append(future.result(timeout=max(deadline - time.monotonic(), 0.0)))
+                except concurrent.futures.TimeoutError as err:  # (the builtin TimeoutError since Python 3.11)
+                    if future.done():  # the agent's own TimeoutError (a killed subprocess)
+                        raise
+                    raise TimeoutError(f"The agent for rollout {rid!r} ran over timeout={self.timeout}s (a function "
+                                       "agent cannot be stopped: its thread is left to finish).") from err  # fmt: skip
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
         out: dict[str, list] = {k: [] for k in ("prompt_ids", "completion_ids", "logprobs", "env_mask",

@@ -121,3 +121,70 @@ def test_grpo_trains_on_captured_agent_rollouts(ascii_model_path, tmp_path):
     assert logs["sampling/importance_sampling_ratio/min"] == pytest.approx(1.0, abs=1e-3)
     assert any(not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
     assert 0.0 <= logs["reward"] <= 1.0 and logs["reward_std"] > 0  # the rewards differ: advantages are not 0
+
+
+AGENT_SCRIPT = """
+import json, os, httpx
+prompt = json.loads(os.environ["POSTTRAIN_PROMPT"])
+base = os.environ["OPENAI_BASE_URL"]
+messages = [{"role": "user", "content": prompt}]
+for turn in range(2):
+    r = httpx.post(base + "/chat/completions", json={"messages": messages, "max_tokens": 4, "seed": turn}, timeout=60)
+    r.raise_for_status()
+    messages.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"] or ""})
+    messages.append({"role": "user", "content": "again"})
+print("working...")
+print(len(messages))
+"""
+
+
+@pytest.fixture(scope="module")
+def ascii_url(ascii_model_path):
+    with serve_in_thread(PosttrainEngine.from_pretrained(ascii_model_path, device="cpu")) as url:
+        yield url
+
+
+def test_a_subprocess_agent_is_captured_and_its_last_stdout_line_is_the_reward(ascii_url, tmp_path):
+    import sys
+
+    script = tmp_path / "agent.py"
+    script.write_text(AGENT_SCRIPT)
+    func = agent_rollout_func([sys.executable, str(script)], ascii_url, timeout=60)
+    out = func(["1+1", "2+2"], None)
+    assert out["agent_reward"] == [5.0, 5.0] and out["capture_num_rows"] == [1, 1]
+    for c, m, calls in zip(out["completion_ids"], out["env_mask"], func.last_calls):
+        assert len(calls) == 2
+        assert [t for t, k in zip(c, m) if k] == [t for call in calls for t in call["completions"][0]["token_ids"]]
+    with httpx.Client(timeout=30) as http:  # collected: the server forgot them
+        assert all(http.get(f"{ascii_url}/v1/rollouts/{r}").status_code == 404 for r in func.last_ids)
+
+
+def test_agent_failures_are_clear_errors(ascii_url, tmp_path):
+    import sys
+
+    with pytest.raises(ValueError, match="made no chat calls under rollout"):
+        agent_rollout_func(lambda prompt, base_url, rollout_id: 1.0, ascii_url)(["1+1"], None)
+    slow = agent_rollout_func([sys.executable, "-c", "import time; time.sleep(120)"], ascii_url, timeout=1)
+    with pytest.raises(TimeoutError, match="ran over timeout=1.0s and was killed"):
+        slow(["1+1"], None)
+    silent = agent_rollout_func([sys.executable, "-c", "print('no reward here')"], ascii_url, timeout=60)
+    with pytest.raises(RuntimeError, match="must print its reward"):
+        silent(["1+1"], None)
+    with pytest.raises(ValueError, match="needs the server's URL"):
+        agent_rollout_func(lambda *a: 0.0)(["1+1"], None)
+
+
+def test_a_function_agent_over_its_timeout_is_a_timeout_error(ascii_url):
+    import threading
+
+    release = threading.Event()
+
+    def stuck(prompt, base_url, rollout_id):
+        release.wait(30)
+        return 0.0
+
+    try:
+        with pytest.raises(TimeoutError, match="ran over timeout=0.5s"):
+            agent_rollout_func(stuck, ascii_url, timeout=0.5)(["1+1"], None)
+    finally:
+        release.set()
