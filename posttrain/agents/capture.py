@@ -161,6 +161,10 @@ class AgentRolloutFunc:
             ``capture_num_rows`` field), ``"error"`` refuses with a ``ValueError``.
         sync_weights: Push the policy's weights to the server before each generation batch (once per optimizer
             step, versioned with the trainer's ``global_step``), as the trainer does for its own server backend.
+
+    The agent decides how it samples; for the rows' log-probs to be the trainer's (importance-sampling ratio 1
+    on-policy) it should sample at the trainer's ``temperature`` with ``top_p=1`` and ``top_k=0`` (the server's
+    log-probs are those of the distribution it sampled from).
     """
 
     def __init__(

@@ -188,3 +188,26 @@ def test_a_function_agent_over_its_timeout_is_a_timeout_error(ascii_url):
             agent_rollout_func(stuck, ascii_url, timeout=0.5)(["1+1"], None)
     finally:
         release.set()
+
+
+def test_an_agent_that_rewrites_its_history_gives_several_rows(ascii_url):
+    """The second call drops the first answer (a summarised history): two rows; 'last' trains on the second,
+    'error' refuses the rollout."""
+
+    def rewriter(prompt, base_url, rollout_id):
+        with httpx.Client(base_url=base_url, timeout=60) as http:
+            first = http.post("/chat/completions", json={"messages": [{"role": "user", "content": prompt}],
+                                                         "max_tokens": 3, "seed": 1}).json()  # fmt: skip
+            summary = f"{prompt} (tried: {len(first['choices'][0]['token_ids'])} tokens)"
+            http.post("/chat/completions", json={"messages": [{"role": "user", "content": summary}],
+                                                 "max_tokens": 3, "seed": 2}).raise_for_status()  # fmt: skip
+        return 1.0
+
+    func = agent_rollout_func(rewriter, ascii_url)
+    out = func(["3+4"], None)
+    (rows,), (calls,) = func.last_rows, func.last_calls
+    assert out["capture_num_rows"] == [2] and [r.calls for r in rows] == [[0], [1]]
+    assert out["prompt_ids"] == [calls[1]["prompt_token_ids"]]
+    assert out["completion_ids"] == [calls[1]["completions"][0]["token_ids"]] and out["env_mask"] == [[1] * 3]
+    with pytest.raises(ValueError, match="gave 2 training rows"):
+        agent_rollout_func(rewriter, ascii_url, multi_row="error")(["3+4"], None)
