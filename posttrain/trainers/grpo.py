@@ -468,6 +468,8 @@ class GRPOTrainer(OnlineTrainerBase):
             "sampling_per_token_logps": inputs["sampling_per_token_logps"],
             "completion_mask": inputs["completion_mask"],
         }
+        if "sampling_log_kept_mass" in inputs:  # truncated sampling: TRL 1.17's correction, as in the pipeline
+            view["sampling_log_kept_mass"] = inputs["sampling_log_kept_mass"]
         self.pipeline.importance_sampling(view, self.pipeline.settings.importance_sampling, self._record(mode))
         return {**inputs, "importance_sampling_ratio": view["importance_sampling_ratio"]}
 
