@@ -18,7 +18,9 @@ module adds GRPO's config fields and its loss, which reads as TRL's ``_compute_l
 
 Deliberate differences from TRL: the ``vllm_importance_sampling_*`` correction can also be applied to posttrain's
 own sampler, which returns sampling log-probs (``rollout_importance_sampling=True``; TRL applies it only with
-vLLM, and so does posttrain by default). Agent training (``tools``, ``environment_factory``) runs the multi-turn tool
+vLLM, and so does posttrain by default). Under truncated sampling (``top_k`` / ``top_p`` / ``min_p``) the ratio
+takes TRL 1.17's correction: samplers that report the kept mass (the group sampler, ``posttrain serve``) have their
+processed log-probs put back on the full-softmax scale before the comparison (``core/importance.py``). Agent training (``tools``, ``environment_factory``) runs the multi-turn tool
 loop of ``posttrain.agents`` around the generation backend; tool-result tokens are context but not trained on.
 """
 
