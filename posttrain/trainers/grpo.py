@@ -566,6 +566,9 @@ class GRPOTrainer(OnlineTrainerBase):
             # transformers path none).
             external = is_ratio is not None or getattr(self, "rollout_func", None) is not None
             sampling_logps = inputs.get("sampling_per_token_logps") if external else None
+            if sampling_logps is not None and "sampling_log_kept_mass" in inputs:
+                # truncated sampling: the drift from the sampler on the full-softmax scale (TRL 1.17's correction)
+                sampling_logps = sampling_logps + inputs["sampling_log_kept_mass"].to(sampling_logps.dtype)
             sampling_logps = old_logps if sampling_logps is None else sampling_logps
             per_token_loss = per_token_loss * self.get_off_policy_mask(
                 advantages, logps, sampling_logps, mask, args.off_policy_mask_threshold
