@@ -5,6 +5,10 @@ high-entropy token mask.
   for the same tokens (kernels, precision, sampling post-processing). Re-weighting each token or sequence by
   π_old/π_sampler, truncated (TIS) or masked (MIS) to ``[C_min, C_max]``, keeps the policy gradient unbiased
   ("Your Efficient RL Framework Secretly Brings You Off-Policy RL Training", Yao et al. 2025).
+* :func:`truncated_log_kept_mass` — with ``top_k`` / ``top_p`` / ``min_p`` the sampler draws from the distribution
+  renormalised over the kept tokens, so its log-probs are log(p_t / S) with S the kept mass, while the trainer's
+  π is the full softmax. Comparing the two puts a factor S (not a policy change) into every ratio; the sampler
+  records log S per token and :func:`rollout_importance_weights` adds it back (TRL 1.17's correction).
 * :func:`off_policy_sequence_mask` — DeepSeek-V3.2's off-policy sequence masking: drop negative-advantage
   sequences that drifted too far from the sampling policy.
 * :func:`entropy_quantile_mask` / :func:`entropy_threshold` — "Beyond the 80/20 Rule" (Wang et al. 2025): train
@@ -25,7 +29,10 @@ __all__ = [
     "entropy_threshold",
     "off_policy_sequence_mask",
     "rollout_importance_weights",
+    "truncated_log_kept_mass",
 ]
+
+RATIO_TOLERANCE = 0.1  # ε of the ``frac_outside`` metrics: a ratio outside [1 − ε, 1 + ε] counts as mismatched
 
 ROLLOUT_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 RolloutISMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
@@ -37,6 +44,38 @@ def _stat(values: torch.Tensor, reduce: str, like: torch.Tensor) -> torch.Tensor
     return getattr(values, reduce)()
 
 
+def truncated_log_kept_mass(full_scores: torch.Tensor, kept_scores: torch.Tensor) -> torch.Tensor:
+    """log S per row: the log of the probability mass that top-k / top-p / min-p truncation kept.
+
+    S = Σ_{v kept} softmax(full)_v = exp(logsumexp(kept) − logsumexp(full)), where ``kept_scores`` equals
+    ``full_scores`` on the kept tokens and is −inf elsewhere (what transformers' warpers produce). Then
+    log softmax(kept)_t + log S = log softmax(full)_t for every kept token t: adding log S to the sampler's
+    processed log-prob gives the log-prob of the same token under the untruncated distribution, which is what the
+    trainer's full-vocabulary log-softmax computes.
+
+    Args:
+        full_scores: ``(..., V)`` scores before truncation (after temperature / repetition penalty).
+        kept_scores: ``(..., V)`` the same scores after truncation (−inf outside the kept set).
+
+    Returns:
+        ``(...)`` float32 log S ≤ 0 (0 when nothing was truncated).
+    """
+    full = torch.logsumexp(full_scores.float(), dim=-1)
+    kept = torch.logsumexp(kept_scores.float(), dim=-1)
+    return torch.clamp(kept - full, max=0.0)
+
+
+def _ratio_stats(prefix: str, ratio: torch.Tensor, like: torch.Tensor, tolerance: float) -> dict[str, torch.Tensor]:
+    """min / mean / max of ``ratio`` (1-D, valid entries) and the fraction outside [1 − ε, 1 + ε]."""
+    outside = ((ratio < 1.0 - tolerance) | (ratio > 1.0 + tolerance)).to(like.dtype)
+    return {
+        f"{prefix}/min": _stat(ratio, "min", like),
+        f"{prefix}/mean": _stat(ratio, "mean", like),
+        f"{prefix}/max": _stat(ratio, "max", like),
+        f"{prefix}/frac_outside": _stat(outside, "mean", like),
+    }
+
+
 def rollout_importance_weights(
     old_logp: torch.Tensor,
     sampling_logp: torch.Tensor,
@@ -45,8 +84,15 @@ def rollout_importance_weights(
     mode: RolloutISMode = "sequence_mask",
     clip_min: float | None = None,
     clip_max: float | None = 3.0,
+    sampling_log_kept_mass: torch.Tensor | None = None,
+    tolerance: float = RATIO_TOLERANCE,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Importance ratio π_old / π_sampler correcting the train–inference mismatch, truncated or masked.
+
+    With ``sampling_log_kept_mass`` (log S_t recorded by a sampler that truncated with top-k / top-p / min-p),
+    the sampler's processed log-probs log(p_t / S_t) are first put back on the full-vocabulary scale,
+    sampling_t ← sampling_t + log S_t, so that both sides of the ratio are log-probs under the untruncated policy
+    (TRL 1.17's correction; without it the ratio carries the factor S_t on every token, ≈ 0.8 at ``top_p=0.8``).
 
     Δ_t = (old_t − sampling_t)·m_t. Token modes: ρ_t = exp(Δ_t), shape ``(B, T)`` (padding gets ρ = 1). Sequence
     modes: ρ_i = exp(Σ_t Δ_t), shape ``(B, 1)``. Then ``*_truncate``: ρ ← clamp(ρ, C_min, C_max) (TIS);
@@ -60,12 +106,20 @@ def rollout_importance_weights(
         mode: ``"token_truncate"``, ``"token_mask"``, ``"sequence_truncate"`` or ``"sequence_mask"`` (TRL default).
         clip_min: C_min or None.
         clip_max: C_max or None.
+        sampling_log_kept_mass: ``(B, T)`` log S_t of each sampled token's step (0 where nothing was truncated),
+            or None when the sampler recorded none (no truncation, or a backend that cannot report it).
+        tolerance: ε of the ``frac_outside`` metrics.
 
     Returns:
         ``(ratio, stats)``: ``ratio`` detached, ``(B, T)`` or ``(B, 1)``; ``stats`` holds scalar tensors
         ``sampling_logp_difference/mean`` and ``/max`` (|old − sampling| over valid tokens) and
         ``importance_sampling_ratio/min``, ``/mean``, ``/max`` (after the constraint; over valid tokens, or over
         sequences in sequence modes). Empty selections give 0. The trainer logs them under ``sampling/``.
+        Besides TRL's, the distribution of the per-token ratio before the clip / mask:
+        ``raw_importance_sampling_ratio/min``, ``/mean``, ``/max``, ``/frac_outside`` (outside [1 − ε, 1 + ε]) and
+        ``frac_modified_importance_sampling_ratio`` (share of ratios the clip / mask changed); with
+        ``sampling_log_kept_mass`` also ``uncorrected_importance_sampling_ratio/*`` (the same four, against the
+        processed log-probs as TRL 1.16 compares them) and ``log_kept_mass/mean`` / ``/min``.
     """
     if mode not in ROLLOUT_IS_MODES:
         raise ValueError(
@@ -82,10 +136,20 @@ def rollout_importance_weights(
             "vllm_importance_sampling_clip_max."
         )
     with torch.no_grad():
+        valid = mask.bool()
+        uncorrected_logp = sampling_logp
+        if sampling_log_kept_mass is not None:
+            if sampling_log_kept_mass.shape != sampling_logp.shape:
+                raise ValueError(
+                    f"sampling_log_kept_mass has shape {tuple(sampling_log_kept_mass.shape)} but sampling_logp has "
+                    f"{tuple(sampling_logp.shape)}; the sampler must record one log kept mass per sampled token."
+                )
+            sampling_logp = sampling_logp + sampling_log_kept_mass.to(sampling_logp.dtype)
         diff = masked_where(old_logp - sampling_logp, mask)
         sequence_level = mode.startswith("sequence")
         log_ratio = diff.sum(dim=-1, keepdim=True) if sequence_level else diff
         ratio = torch.exp(log_ratio)
+        raw_ratio = ratio
         if mode.endswith("_truncate"):
             ratio = torch.clamp(ratio, min=clip_min, max=clip_max)
         else:
@@ -96,16 +160,27 @@ def rollout_importance_weights(
                 outside |= ratio < clip_min
             ratio = ratio.masked_fill(outside, 0.0)
 
-        valid = mask.bool()
         delta = (old_logp - sampling_logp).abs()[valid]
         flat_ratio = ratio.flatten() if sequence_level else ratio[valid]
+        flat_raw = raw_ratio.flatten() if sequence_level else raw_ratio[valid]
+        like = old_logp if old_logp.is_floating_point() else old_logp.float()
         stats = {
-            "sampling_logp_difference/mean": _stat(delta, "mean", old_logp),
-            "sampling_logp_difference/max": _stat(delta, "max", old_logp),
-            "importance_sampling_ratio/min": _stat(flat_ratio, "min", old_logp),
-            "importance_sampling_ratio/mean": _stat(flat_ratio, "mean", old_logp),
-            "importance_sampling_ratio/max": _stat(flat_ratio, "max", old_logp),
+            "sampling_logp_difference/mean": _stat(delta, "mean", like),
+            "sampling_logp_difference/max": _stat(delta, "max", like),
+            "importance_sampling_ratio/min": _stat(flat_ratio, "min", like),
+            "importance_sampling_ratio/mean": _stat(flat_ratio, "mean", like),
+            "importance_sampling_ratio/max": _stat(flat_ratio, "max", like),
         }
+        # The distribution before the clip / mask, per token whatever the mode: the mismatch the user should see.
+        raw_tokens = torch.exp(old_logp - sampling_logp)[valid]
+        stats.update(_ratio_stats("raw_importance_sampling_ratio", raw_tokens, like, tolerance))
+        stats["frac_modified_importance_sampling_ratio"] = _stat((flat_ratio != flat_raw).to(like.dtype), "mean", like)
+        if sampling_log_kept_mass is not None:
+            uncorrected = torch.exp(old_logp - uncorrected_logp)[valid]
+            stats.update(_ratio_stats("uncorrected_importance_sampling_ratio", uncorrected, like, tolerance))
+            kept = sampling_log_kept_mass.to(like.dtype)[valid]
+            stats["log_kept_mass/mean"] = _stat(kept, "mean", like)
+            stats["log_kept_mass/min"] = _stat(kept, "min", like)
     return ratio, stats
 
 

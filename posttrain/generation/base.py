@@ -157,6 +157,10 @@ class Completions:
         prompt_ids: The (unpadded) prompt ids of each row, repeated per generation.
         extra: Per-row extra fields (e.g. a ``rollout_func``'s ``env_mask`` or reward kwargs), each a list of
             length ``len(completion_ids)``.
+        log_kept_mass: Per generated token, log S: the log of the probability mass that top-k / top-p / min-p
+            kept at that step (0.0 where nothing was truncated), so that ``logprobs + log_kept_mass`` is the token's
+            log-prob under the untruncated distribution the trainer computes. ``None`` when the backend did not
+            truncate or cannot report it (vLLM, ``rollout_func``): the importance ratio then uses ``logprobs`` as is.
     """
 
     completion_ids: list[list[int]]
@@ -164,12 +168,15 @@ class Completions:
     finished: list[bool]
     prompt_ids: list[list[int]]
     extra: dict[str, list] = field(default_factory=dict)
+    log_kept_mass: list[list[float]] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)
         checks = {"finished": self.finished, "prompt_ids": self.prompt_ids, **self.extra}
         if self.logprobs is not None:
             checks["logprobs"] = self.logprobs
+        if self.log_kept_mass is not None:
+            checks["log_kept_mass"] = self.log_kept_mass
         for name, values in checks.items():
             if len(values) != n:
                 raise ValueError(f"Completions.{name} has {len(values)} rows but completion_ids has {n}.")

@@ -74,6 +74,8 @@ class Choice:
     token_ids: list[int]
     logprobs: list[float] | None
     finish_reason: str
+    # posttrain servers under top-k / top-p / min-p: log of the kept mass per token (``Completions.log_kept_mass``)
+    log_kept_mass: list[float] | None = None
 
 
 @dataclass
@@ -148,7 +150,13 @@ def parse_completions(data: dict[str, Any], num_prompts: int, n: int) -> Complet
                 "The server's completion has no token_ids; a vLLM server must get return_token_ids=true "
                 "(vLLM >= 0.10.2)."
             )
-        groups[idx // n][idx % n] = Choice(list(ids), None if token_lps is None else list(token_lps), c["finish_reason"])
+        kept = None if not lp else lp.get("log_kept_mass")
+        groups[idx // n][idx % n] = Choice(
+            list(ids),
+            None if token_lps is None else list(token_lps),
+            c["finish_reason"],
+            None if kept is None else list(kept),
+        )
     missing = [(p, j) for p, g in enumerate(groups) for j, c in enumerate(g) if c is None]
     if missing:
         raise ServerError(f"The server returned no completion for (prompt, sample) {missing[:5]}.")

@@ -10,7 +10,9 @@ completion is done. ``GroupSampler`` instead
    identical prompts were merged),
 3. decodes step by step with transformers' own ``LogitsProcessor`` classes in ``generate``'s order (repetition
    penalty → temperature → top-k → top-p → min-p) so the sampling distribution is the same, records each sampled
-   token's log-prob under that processed distribution,
+   token's log-prob under that processed distribution (and, when top-k / top-p / min-p truncate, the log of the
+   probability mass they kept, ``Completions.log_kept_mass``, so the importance ratio can compare the trainer's
+   full softmax with the sampler's on the same scale),
 4. runs decode steps through the model's own modules directly once that matched its forward bitwise
    (:mod:`posttrain.generation.lean_decode`), and
 5. drops finished rows from the decode batch (``batch_select_indices`` on the cache, and on the mask, positions and
@@ -74,6 +76,21 @@ def build_logits_processors(sampling: SamplingConfig) -> tuple[Any, Any]:
         if sampling.min_p is not None:
             processors.append(MinPLogitsWarper(min_p=sampling.min_p, min_tokens_to_keep=1))
     return repetition, processors
+
+
+def split_truncation(processors: Any) -> tuple[Any, Any]:
+    """``(before, truncation)``: the processors up to temperature, and the top-k / top-p / min-p warpers after them.
+
+    Truncation only sets scores to −inf, so ``before``'s output restricted to the kept tokens equals the final
+    scores: log S = logsumexp(final) − logsumexp(before) is the log of the mass truncation kept
+    (:func:`posttrain.core.importance.truncated_log_kept_mass`). ``truncation`` is empty when nothing truncates.
+    """
+    from transformers import LogitsProcessorList, MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    cut = (TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
+    before = LogitsProcessorList([p for p in processors if not isinstance(p, cut)])
+    truncation = LogitsProcessorList([p for p in processors if isinstance(p, cut)])
+    return before, truncation
 
 
 def sample_categorical(
@@ -181,6 +198,10 @@ class GroupSampler:
         n_rows = len(prompt_ids) * num_generations
         completion_ids: list[list[int]] = [[] for _ in range(n_rows)]
         logprobs: list[list[float]] | None = [[] for _ in range(n_rows)] if self.return_logprobs else None
+        _, truncation = split_truncation(build_logits_processors(s)[1])
+        kept_mass: list[list[float]] | None = (
+            [[] for _ in range(n_rows)] if logprobs is not None and truncation else None
+        )
         finished = [False] * n_rows
         self.last_top_logprobs = [[] for _ in range(n_rows)] if self.return_logprobs and self.top_logprobs > 0 else None
         for i, ids in enumerate(prompt_ids):
@@ -204,7 +225,7 @@ class GroupSampler:
                 self._generate_batch(
                     model, prompt_ids[start:stop], start * num_generations, s, num_generations,
                     completion_ids, logprobs, finished,
-                    vision=None if vision_inputs is None else vision_inputs[start:stop],
+                    vision=None if vision_inputs is None else vision_inputs[start:stop], kept_mass=kept_mass,
                 )  # fmt: skip
         if model_device(model).type == "cpu" and not self._trimmed_host_memory:
             # The first generation's freed decode buffers go back to the OS before training first allocates; later
@@ -213,7 +234,7 @@ class GroupSampler:
             self._trimmed_host_memory = True
             release_freed_host_memory()
         rows = [list(p) for p in prompt_ids for _ in range(num_generations)]
-        return Completions(completion_ids, logprobs, finished, rows)
+        return Completions(completion_ids, logprobs, finished, rows, log_kept_mass=kept_mass)
 
     def _batches(self, prompt_ids: list[list[int]], g: int, max_new_tokens: int) -> list[tuple[int, int]]:
         """Consecutive ``[start, stop)`` prompt ranges whose KV footprint stays under ``max_batch_tokens``."""
@@ -241,10 +262,12 @@ class GroupSampler:
         logprobs: list[list[float]] | None,
         finished: list[bool],
         vision: list[dict[str, Any]] | None = None,
+        kept_mass: list[list[float]] | None = None,
     ) -> None:
         """Prefill the unique prompts of ``prompts``, expand G ways, decode; write rows from ``row_offset`` on.
 
-        ``vision``: each prompt's vision inputs (prompts with images are never merged: equal ids, other images)."""
+        ``vision``: each prompt's vision inputs (prompts with images are never merged: equal ids, other images).
+        ``kept_mass``: when given (truncated sampling with log-probs), each token's log kept mass is appended."""
         from transformers import DynamicCache
 
         from posttrain.generation.kv_cache import preallocate_cache
@@ -308,10 +331,15 @@ class GroupSampler:
         decode = LeanDecoder(model, full_forward, cache_kw) if four_d else full_forward
 
         repetition, processors = build_logits_processors(s)
+        before, truncation = split_truncation(processors)
+        record_kept = kept_mass is not None and len(truncation) > 0
         if repetition is not None:
             pad_lens = attention_mask.shape[1] - positions  # (R,) left padding the penalty must not see
         eos = set(s.eos_token_ids)
         step_lps = torch.empty(s.max_new_tokens * len(source), dtype=torch.float32, device=device)
+        step_kept = torch.empty(
+            s.max_new_tokens * len(source) if record_kept else 0, dtype=torch.float32, device=device
+        )
         step_logprobs: list[tuple[list[int], int]] = []  # (rows, offset of their log-probs in step_lps) per step
         written = 0
         top_k = min(self.top_logprobs, vocab) if self.last_top_logprobs is not None else 0
@@ -319,7 +347,11 @@ class GroupSampler:
         for step in range(s.max_new_tokens):
             if repetition is not None:
                 repetition.prompt_ignore_length = pad_lens
-            scores = processors(history, logits)  # (R, V) float32, processed as in generate
+            if record_kept:
+                untruncated = before(history, logits)  # (R, V) after repetition penalty and temperature
+                scores = truncation(history, untruncated)  # (R, V) float32, processed as in generate
+            else:
+                scores = processors(history, logits)  # (R, V) float32, processed as in generate
             if s.do_sample:
                 probs = torch.softmax(scores, dim=-1, out=scratch.view(2, len(rows), vocab))
                 tokens = sample_categorical(probs, self.generator)  # (R,)
@@ -329,6 +361,11 @@ class GroupSampler:
                 lse = logsumexp_rows(scores, scratch.view(1, len(rows), vocab))  # (R,)
                 token_lp = step_lps[written : written + len(rows)]
                 torch.sub(scores.gather(-1, tokens[:, None]).squeeze(1), lse, out=token_lp)
+                if record_kept:
+                    # log S = logsumexp(kept) − logsumexp(all), ≤ 0 (clamped: the two sums round independently)
+                    full_lse = logsumexp_rows(untruncated, scratch.view(1, len(rows), vocab))
+                    torch.sub(lse, full_lse, out=step_kept[written : written + len(rows)]).clamp_(max=0.0)
+                    del untruncated
                 step_logprobs.append((rows, written))
                 written += len(rows)
                 if top_k:
@@ -372,6 +409,11 @@ class GroupSampler:
             for step_rows, _ in step_logprobs:
                 for r in step_rows:
                     logprobs[r].append(next(it))
+            if record_kept and kept_mass is not None:
+                it = iter(step_kept[:written].tolist())
+                for step_rows, _ in step_logprobs:
+                    for r in step_rows:
+                        kept_mass[r].append(next(it))
         if step_tops and self.last_top_logprobs is not None:
             for step_rows, values, ids in step_tops:
                 for r, vals, toks in zip(step_rows, values.tolist(), ids.tolist()):

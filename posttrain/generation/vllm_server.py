@@ -266,20 +266,23 @@ class VLLMServerBackend:
             repetition_penalty=s.repetition_penalty,
         )
         if self.protocol == "trl":
-            ids, lps = self._generate_trl(prompt_ids, fields, seed, extra)
+            ids, lps, kept = self._generate_trl(prompt_ids, fields, seed, extra)
         else:
-            ids, lps = self._generate_openai(prompt_ids, fields, seed, extra, s.eos_token_ids, images)
+            ids, lps, kept = self._generate_openai(prompt_ids, fields, seed, extra, s.eos_token_ids, images)
         eos = set(s.eos_token_ids)
-        out_ids, out_lps, finished = [], [], []
-        for row_ids, row_lps in zip(ids, lps):
+        out_ids, out_lps, out_kept, finished = [], [], [], []
+        for row_ids, row_lps, row_kept in zip(ids, lps, kept):
             cut, done = truncate_at_eos(row_ids, eos)
             out_ids.append(cut)
             finished.append(done)
             out_lps.append(None if row_lps is None else list(row_lps[: len(cut)]))
+            out_kept.append(None if row_kept is None else list(row_kept[: len(cut)]))
         logprobs = None if any(lp is None for lp in out_lps) else out_lps
-        return Completions(out_ids, logprobs, finished, rows)
+        # a posttrain server's kept mass under truncated sampling (vLLM reports none: the ratio stays uncorrected)
+        log_kept_mass = None if logprobs is None or any(k is None for k in out_kept) else out_kept
+        return Completions(out_ids, logprobs, finished, rows, log_kept_mass=log_kept_mass)
 
-    def _generate_openai(self, prompt_ids, fields, seed, extra, eos_ids, images=None) -> tuple[list, list]:
+    def _generate_openai(self, prompt_ids, fields, seed, extra, eos_ids, images=None) -> tuple[list, list, list]:
         if self.protocol == "vllm" and fields["top_k"] == 0:
             fields["top_k"] = -1  # "all tokens" in every vLLM version
         if self.regex is not None:
@@ -291,9 +294,9 @@ class VLLMServerBackend:
         if self.protocol == "posttrain":
             self.version = result.version
         choices = [c for group in result.choices for c in group]
-        return [c.token_ids for c in choices], [c.logprobs for c in choices]
+        return [c.token_ids for c in choices], [c.logprobs for c in choices], [c.log_kept_mass for c in choices]
 
-    def _generate_trl(self, prompt_ids, fields, seed, extra) -> tuple[list, list]:
+    def _generate_trl(self, prompt_ids, fields, seed, extra) -> tuple[list, list, list]:
         payload = {
             "prompts": [list(p) for p in prompt_ids],
             **fields,
@@ -304,7 +307,8 @@ class VLLMServerBackend:
         data = self.client.request("POST", "/generate/", json=payload).json()
         lps = data.get("logprobs")
         flat_lps = [None] * len(data["completion_ids"]) if lps is None else [[t[0] for t in row] for row in lps]
-        return data["completion_ids"], flat_lps
+        kept = data.get("log_kept_mass") or [None] * len(data["completion_ids"])  # posttrain servers only
+        return data["completion_ids"], flat_lps, kept
 
     # -- weights ------------------------------------------------------------------------------------------------
     def use_adapter_sync(self, model: Any) -> bool:

@@ -37,6 +37,7 @@ COMPLETION_KEYS = (
     "old_per_token_logps",
     "ref_per_token_logps",
     "sampling_per_token_logps",
+    "sampling_log_kept_mass",
     "tool_mask",
     "importance_sampling_ratio",
 )

@@ -107,6 +107,9 @@ class ImportanceSamplingSettings:
     mode: str = "sequence_mask"
     clip_min: float | None = None
     clip_max: float | None = 3.0
+    # TRL 1.17's correction: compare π_old with the sampler's log-probs put back on the full-vocabulary scale
+    # (processed log-prob + the log kept mass the sampler recorded under top-k / top-p / min-p truncation).
+    truncation_correction: bool = True
 
 
 @dataclass
@@ -317,6 +320,10 @@ def collate_completions(
         batch["sampling_per_token_logps"] = pad_rows(
             completions.logprobs, 0.0, torch.float32, "right", pad_to_multiple_of
         )
+        if completions.log_kept_mass is not None:
+            batch["sampling_log_kept_mass"] = pad_rows(
+                completions.log_kept_mass, 0.0, torch.float32, "right", pad_to_multiple_of
+            )
     return batch
 
 
@@ -698,11 +705,14 @@ class RolloutPipeline:
             mode=importance.mode,
             clip_min=importance.clip_min,
             clip_max=importance.clip_max,
+            sampling_log_kept_mass=batch.get("sampling_log_kept_mass") if importance.truncation_correction else None,
         )
         batch["importance_sampling_ratio"] = ratio
         for name, value in stats.items():
             gathered = self.gather(value.reshape(1).float())
             reduce = name.rsplit("/", 1)[-1]
+            if reduce not in ("min", "max"):
+                reduce = "mean"  # means and fractions: the mean of the processes' values, as TRL reduces its means
             reduced = {"mean": gathered.mean(), "max": gathered.max(), "min": gathered.min()}[reduce]
             record(f"sampling/{name}", float(reduced))
 

@@ -814,6 +814,8 @@ def create_app(
                         "top_logprobs": _top_logprobs(seq) if gen.top_logprobs else None,
                         "text_offset": None,
                     }
+                    if seq.log_kept_mass is not None:  # posttrain's extension: truncated sampling's kept mass
+                        logprobs["log_kept_mass"] = seq.log_kept_mass
                 choices.append(
                     {
                         "index": p * gen.n + j,
@@ -854,13 +856,16 @@ def create_app(
         state.count("completed")
         seqs = [seq for group in groups for seq in group]
         with_lp = all(s.logprobs is not None for s in seqs)
-        return JSONResponse({
+        body = {
             "prompt_ids": gen.prompts,
             "completion_ids": [s.token_ids for s in seqs],
             "logprobs": [[[lp] for lp in s.logprobs] for s in seqs] if with_lp else None,
             "logprob_token_ids": [[[t] for t in s.token_ids] for s in seqs],
             "version": version,
-        })
+        }
+        if seqs and all(s.log_kept_mass is not None for s in seqs):  # posttrain's extension (truncated sampling)
+            body["log_kept_mass"] = [s.log_kept_mass for s in seqs]
+        return JSONResponse(body)
 
     @app.post("/get_sequence_logprobs/")
     async def get_sequence_logprobs(body: SequenceLogprobsBody, request: Request):

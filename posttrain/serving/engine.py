@@ -75,6 +75,9 @@ class GeneratedSequence:
     finish_reason: str  # "stop" | "length"
     stop_reason: int | None = None  # the stop_token_id that ended it (None for EOS / length), as vLLM
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # per token, log of the mass top-k / top-p / min-p kept (None: nothing truncated); processed log-prob + this =
+    # the log-prob under the untruncated distribution, for the trainer's importance ratio (TRL 1.17's correction)
+    log_kept_mass: list[float] | None = None
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -299,6 +302,7 @@ class PosttrainEngine:
                         "stop" if out.finished[r] else "length",
                         stop_reason,
                         sampler.last_top_logprobs[r] if sampler.last_top_logprobs is not None else None,
+                        out.log_kept_mass[r] if out.log_kept_mass is not None else None,
                     )
                 )
             results.append(group)

@@ -18,7 +18,9 @@ module adds GRPO's config fields and its loss, which reads as TRL's ``_compute_l
 
 Deliberate differences from TRL: the ``vllm_importance_sampling_*`` correction can also be applied to posttrain's
 own sampler, which returns sampling log-probs (``rollout_importance_sampling=True``; TRL applies it only with
-vLLM, and so does posttrain by default). Agent training (``tools``, ``environment_factory``) runs the multi-turn tool
+vLLM, and so does posttrain by default). Under truncated sampling (``top_k`` / ``top_p`` / ``min_p``) the ratio
+takes TRL 1.17's correction: samplers that report the kept mass (the group sampler, ``posttrain serve``) have their
+processed log-probs put back on the full-softmax scale before the comparison (``core/importance.py``). Agent training (``tools``, ``environment_factory``) runs the multi-turn tool
 loop of ``posttrain.agents`` around the generation backend; tool-result tokens are context but not trained on.
 """
 
@@ -468,6 +470,8 @@ class GRPOTrainer(OnlineTrainerBase):
             "sampling_per_token_logps": inputs["sampling_per_token_logps"],
             "completion_mask": inputs["completion_mask"],
         }
+        if "sampling_log_kept_mass" in inputs:  # truncated sampling: TRL 1.17's correction, as in the pipeline
+            view["sampling_log_kept_mass"] = inputs["sampling_log_kept_mass"]
         self.pipeline.importance_sampling(view, self.pipeline.settings.importance_sampling, self._record(mode))
         return {**inputs, "importance_sampling_ratio": view["importance_sampling_ratio"]}
 
@@ -562,6 +566,9 @@ class GRPOTrainer(OnlineTrainerBase):
             # transformers path none).
             external = is_ratio is not None or getattr(self, "rollout_func", None) is not None
             sampling_logps = inputs.get("sampling_per_token_logps") if external else None
+            if sampling_logps is not None and "sampling_log_kept_mass" in inputs:
+                # truncated sampling: the drift from the sampler on the full-softmax scale (TRL 1.17's correction)
+                sampling_logps = sampling_logps + inputs["sampling_log_kept_mass"].to(sampling_logps.dtype)
             sampling_logps = old_logps if sampling_logps is None else sampling_logps
             per_token_loss = per_token_loss * self.get_off_policy_mask(
                 advantages, logps, sampling_logps, mask, args.off_policy_mask_threshold

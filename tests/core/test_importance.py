@@ -12,6 +12,7 @@ from posttrain.core.importance import (
     entropy_threshold,
     off_policy_sequence_mask,
     rollout_importance_weights,
+    truncated_log_kept_mass,
 )
 
 # Δ = old − sampling on valid tokens: [0.5, 0] (row 0), [−1, 0.2] (row 1); the third column is padding.
@@ -58,6 +59,59 @@ def test_rollout_empty_mask_stats_are_zero():
     ratio, stats = rollout_importance_weights(OLD, SAMPLING, torch.zeros_like(MASK), mode="token_truncate")
     assert ratio.eq(1).all()
     assert all(v.item() == 0.0 for v in stats.values())
+
+
+def test_truncated_log_kept_mass_by_hand():
+    """Scores log[0.5, 0.3, 0.2] (probabilities 0.5, 0.3, 0.2); top-2 keeps the first two: S = 0.8, log S =
+    −0.223144. Nothing truncated: log S = 0. Row-wise on (B, V)."""
+    full = torch.tensor([[math.log(0.5), math.log(0.3), math.log(0.2)], [0.0, 0.0, 0.0]])
+    kept = full.clone()
+    kept[0, 2] = -math.inf
+    torch.testing.assert_close(truncated_log_kept_mass(full, kept), torch.tensor([math.log(0.8), 0.0]))
+    # log softmax(kept) + log S = log softmax(full) on every kept token
+    fixed = torch.log_softmax(kept, -1) + truncated_log_kept_mass(full, kept)[:, None]
+    torch.testing.assert_close(fixed[0, :2], torch.log_softmax(full, -1)[0, :2])
+
+
+def test_kept_mass_correction_by_hand():
+    """Trainer (full softmax) p = 0.5 and 0.3 on two tokens; a top-2 sampler over [0.5, 0.3, 0.2] records the
+    renormalised 0.5/0.8 = 0.625 and 0.3/0.8 = 0.375 with log S = log 0.8 on both. Uncorrected ρ = 0.8 on both
+    tokens (the bias); corrected ρ = 1 exactly. ε = 0.1: both uncorrected ratios (0.8) are outside [0.9, 1.1]."""
+    old = torch.tensor([[math.log(0.5), math.log(0.3)]])
+    sampling = torch.tensor([[math.log(0.625), math.log(0.375)]])
+    kept = torch.full((1, 2), math.log(0.8))
+    mask = torch.ones(1, 2)
+    uncorrected, before = rollout_importance_weights(old, sampling, mask, mode="token_truncate")
+    torch.testing.assert_close(uncorrected, torch.full((1, 2), 0.8))
+    assert before["raw_importance_sampling_ratio/frac_outside"].item() == 1.0
+    ratio, stats = rollout_importance_weights(
+        old, sampling, mask, mode="token_truncate", sampling_log_kept_mass=kept
+    )
+    torch.testing.assert_close(ratio, torch.ones(1, 2))
+    assert stats["importance_sampling_ratio/mean"].item() == pytest.approx(1.0)
+    assert stats["raw_importance_sampling_ratio/frac_outside"].item() == 0.0
+    assert stats["sampling_logp_difference/max"].item() == pytest.approx(0.0, abs=1e-6)
+    assert stats["uncorrected_importance_sampling_ratio/mean"].item() == pytest.approx(0.8)
+    assert stats["uncorrected_importance_sampling_ratio/min"].item() == pytest.approx(0.8)
+    assert stats["uncorrected_importance_sampling_ratio/frac_outside"].item() == 1.0
+    assert stats["log_kept_mass/mean"].item() == pytest.approx(math.log(0.8))
+    # sequence mode: the uncorrected sequence ratio is 0.8² = 0.64, corrected 1
+    seq, _ = rollout_importance_weights(old, sampling, mask, mode="sequence_mask", sampling_log_kept_mass=kept)
+    torch.testing.assert_close(seq, torch.ones(1, 1))
+    with pytest.raises(ValueError, match="one log kept mass per sampled token"):
+        rollout_importance_weights(old, sampling, mask, sampling_log_kept_mass=kept[:, :1])
+
+
+def test_raw_ratio_and_frac_modified_by_hand():
+    """OLD/SAMPLING above, token_truncate to [0.5, 1.5]: raw ratios e^.5, 1, e^-1, e^.2 = 1.6487, 1, 0.3679, 1.2214;
+    min e^-1, max e^.5, mean 1.059502; outside [0.9, 1.1]: 3 of 4; the clip changed 2 of 4."""
+    _, stats = rollout_importance_weights(OLD, SAMPLING, MASK, mode="token_truncate", clip_min=0.5, clip_max=1.5)
+    assert stats["raw_importance_sampling_ratio/min"].item() == pytest.approx(E(-1))
+    assert stats["raw_importance_sampling_ratio/max"].item() == pytest.approx(E(0.5))
+    assert stats["raw_importance_sampling_ratio/mean"].item() == pytest.approx((E(0.5) + 1 + E(-1) + E(0.2)) / 4)
+    assert stats["raw_importance_sampling_ratio/frac_outside"].item() == pytest.approx(0.75)
+    assert stats["frac_modified_importance_sampling_ratio"].item() == pytest.approx(0.5)
+    assert "uncorrected_importance_sampling_ratio/mean" not in stats  # no kept mass recorded: nothing to compare
 
 
 def test_rollout_errors():

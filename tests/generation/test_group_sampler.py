@@ -259,3 +259,29 @@ def test_logsumexp_rows_is_torch_logsumexp_bit_for_bit():
         want = torch.logsumexp(x, dim=-1)
         assert torch.equal(got, want)
         assert got[2].item() == float("-inf")
+
+
+@pytest.mark.parametrize("knobs", [dict(top_p=0.8), dict(top_k=5), dict(min_p=0.1)])
+def test_log_kept_mass_puts_processed_logprobs_on_the_full_softmax_scale(llama, prompts, knobs):
+    """Truncated sampling records log S per token: processed log-prob + log S = log softmax(logits / T) of a plain
+    forward (what the trainer computes), while the processed log-prob alone is higher by −log S > 0 somewhere."""
+    sampling = SamplingConfig(6, temperature=0.9, eos_token_ids=[EOS], pad_token_id=PAD, **knobs)
+    out = GroupSampler(llama).generate(prompts[:3], sampling, num_generations=3)
+    assert out.log_kept_mass is not None
+    gaps = []
+    for prompt, ids, lps, kept in zip(out.prompt_ids, out.completion_ids, out.logprobs, out.log_kept_mass):
+        assert len(kept) == len(ids)
+        with torch.no_grad():
+            logits = llama(torch.tensor([prompt + ids])).logits[0]
+        full = torch.log_softmax(logits[len(prompt) - 1 : -1].double() / 0.9, -1)  # (T, V)
+        for t, (token, lp, log_s) in enumerate(zip(ids, lps, kept)):
+            assert log_s <= 0.0
+            assert abs(lp + log_s - full[t, token].item()) < 1e-4
+            gaps.append(lp - full[t, token].item())
+    assert max(gaps) > 0.01  # the uncorrected processed log-prob is measurably off the full softmax
+
+
+def test_no_truncation_records_no_kept_mass(llama, prompts, greedy):
+    sampling = SamplingConfig(4, temperature=0.7, eos_token_ids=[EOS], pad_token_id=PAD)
+    assert GroupSampler(llama).generate(prompts[:2], sampling, num_generations=2).log_kept_mass is None
+    assert GroupSampler(llama).generate(prompts[:2], greedy, num_generations=2).log_kept_mass is None

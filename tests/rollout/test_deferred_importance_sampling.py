@@ -17,8 +17,8 @@ from posttrain.generation.base import Completions
 class _Replay:
     """The first rollout's completions every time, with sampling log-probs moved off π_old (ratio ≠ 1)."""
 
-    def __init__(self, inner):
-        self.inner, self.cached = inner, None
+    def __init__(self, inner, kept_mass: bool = False):
+        self.inner, self.cached, self.kept_mass = inner, None, kept_mass
 
     def sync_weights(self, model):
         pass
@@ -28,12 +28,15 @@ class _Replay:
             out = self.inner.generate(prompt_ids, sampling, num_generations)
             g = torch.Generator().manual_seed(0)
             shifted = [[lp + 0.3 * float(torch.randn((), generator=g)) for lp in row] for row in out.logprobs]
-            self.cached = Completions(out.completion_ids, shifted, out.finished, out.prompt_ids)
+            # a truncating sampler's log kept mass (TRL 1.17's correction must be applied by both paths alike)
+            kept = [[-0.1 * (t % 3) for t in range(len(row))] for row in out.logprobs] if self.kept_mass else None
+            self.cached = Completions(out.completion_ids, shifted, out.finished, out.prompt_ids, log_kept_mass=kept)
         return copy.deepcopy(self.cached)
 
 
+@pytest.mark.parametrize("kept_mass", [False, True], ids=["full", "truncated"])
 @pytest.mark.parametrize("mode", ["token_truncate", "sequence_mask"])
-def test_deferred_equals_eager_on_a_fixed_rollout_without_the_extra_forward(tiny_model_path, tmp_path, mode):
+def test_deferred_equals_eager_on_a_fixed_rollout_without_the_extra_forward(tiny_model_path, tmp_path, mode, kept_mass):
     from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
 
     args = GRPOConfig(
@@ -45,7 +48,7 @@ def test_deferred_equals_eager_on_a_fixed_rollout_without_the_extra_forward(tiny
     dataset = Dataset.from_list([{"prompt": f"Question {i}:"} for i in range(4)])
     trainer = GRPOTrainer(tiny_model_path, varied_reward, args, train_dataset=dataset)
     pipeline, model = trainer.pipeline, trainer.model
-    pipeline.backend = _Replay(pipeline.backend)
+    pipeline.backend = _Replay(pipeline.backend, kept_mass)
     forwards = []
     model.register_forward_hook(lambda *a: forwards.append(1))
     rows = [dict(r) for r in dataset.select(range(2)) for _ in range(2)]
@@ -78,6 +81,7 @@ def test_deferred_equals_eager_on_a_fixed_rollout_without_the_extra_forward(tiny
     for name, grad in eager_grads.items():
         torch.testing.assert_close(deferred_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
     assert eager_metrics.keys() == deferred_metrics.keys() and eager_metrics
+    assert ("sampling/uncorrected_importance_sampling_ratio/mean" in eager_metrics) == kept_mass
     for name, values in eager_metrics.items():  # one micro-batch = the whole batch here: the same values
         assert deferred_metrics[name] == pytest.approx(values, rel=1e-5, abs=1e-6), name
 

@@ -36,6 +36,8 @@ def test_generate_equals_in_process_sampler(server_url, engine, protocol):
         local = _seeded(engine.model, 11, k).generate(PROMPTS, SAMPLING, 3)
         assert remote.completion_ids == local.completion_ids and remote.finished == local.finished
         assert remote.logprobs == local.logprobs and remote.prompt_ids == local.prompt_ids
+        # top_k=50 truncates: the server returns the kept mass too (TRL 1.17's correction works in server mode)
+        assert local.log_kept_mass is not None and remote.log_kept_mass == local.log_kept_mass
     greedy = backend.generate(PROMPTS[:1], SamplingConfig(5, do_sample=False, eos_token_ids=[EOS], pad_token_id=PAD), 2)
     assert greedy.completion_ids[0] == greedy.completion_ids[1]
 
