@@ -199,8 +199,19 @@ def section_gpu_tests(opts: argparse.Namespace) -> dict[str, Any]:
     if not files:
         return {"status": "ok", "files": [], "excluded": excluded, "tests": [], "note": "no gpu-marked test files"}
     junit = Path(opts.out) / "gpu_tests.junit.xml"
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-rA",
-           f"--junitxml={junit}", *files]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-m",
+        "gpu",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-rA",
+        f"--junitxml={junit}",
+        *files,
+    ]
     proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=max(opts.time_left - 5, 5))
     tests = []
     if junit.exists():
@@ -210,8 +221,14 @@ def section_gpu_tests(opts: argparse.Namespace) -> dict[str, Any]:
                 if child.tag in ("failure", "error", "skipped"):
                     outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[child.tag]
                     message = _tail(child.get("message") or child.text or "", 800)
-            tests.append({"test": f"{case.get('classname')}::{case.get('name')}", "outcome": outcome,
-                          "seconds": float(case.get("time") or 0.0), "message": message})  # fmt: skip
+            tests.append(
+                {
+                    "test": f"{case.get('classname')}::{case.get('name')}",
+                    "outcome": outcome,
+                    "seconds": float(case.get("time") or 0.0),
+                    "message": message,
+                }
+            )
     failed = [t for t in tests if t["outcome"] in ("failed", "error")]
     # exit 5 = every selected test deselected/none collected: not an error of the script
     status = "ok" if proc.returncode in (0, 5) and not failed else "failed"
@@ -241,13 +258,13 @@ def _logprob_checks(device, dry: bool) -> list[dict[str, Any]]:
         labels = torch.randint(0, v, (n,), generator=g).to(device)
         labels[::7] = -100  # ignored positions (prompt / padding)
 
-        def run(fn):
+        def run(fn, hidden0=hidden0, weight0=weight0):
             hidden, weight = hidden0.clone().requires_grad_(), weight0.clone().requires_grad_()
             logps, entropy = fn(hidden, weight)
             (logps.sum() + 0.1 * entropy.sum()).backward()
             return logps.detach(), entropy.detach(), hidden.grad, weight.grad
 
-        def naive(hidden, weight):
+        def naive(hidden, weight, labels=labels):
             logits = hidden.float() @ weight.float().T
             logp_all = torch.log_softmax(logits, dim=-1)
             valid = labels != -100
@@ -262,8 +279,11 @@ def _logprob_checks(device, dry: bool) -> list[dict[str, Any]]:
         # the kernels compute in float32 whatever the input dtype; gradients come back in the input dtype
         grad_tol = 1e-4 if dtype == torch.float32 else 2e-2
         for name, kwargs in variants.items():
-            out = run(lambda hd, w, kw=kwargs: chunked_logprobs_from_hidden(
-                hd, w, labels, compute_entropy=True, entropy_requires_grad=True, **kw))  # fmt: skip
+            out = run(
+                lambda hd, w, kw=kwargs, lb=labels: chunked_logprobs_from_hidden(
+                    hd, w, lb, compute_entropy=True, entropy_requires_grad=True, **kw
+                )
+            )
             tag = f"logprobs/{name}/{str(dtype).removeprefix('torch.')}"
             shape = {"n": n, "hidden": h, "vocab": v, **kwargs}
             results += [
@@ -320,12 +340,14 @@ def _block_attention_checks(device, dry: bool) -> list[dict[str, Any]]:
     results = []
     for dtype in (torch.float32, torch.bfloat16) if cuda else (torch.float32,):
         g = torch.Generator(device="cpu").manual_seed(1)
-        base = [torch.randn(packs, hh, length, dim, generator=g).to(device=device, dtype=dtype)
-                for hh in (heads, kv_heads, kv_heads)]  # fmt: skip
+        base = [
+            torch.randn(packs, hh, length, dim, generator=g).to(device=device, dtype=dtype)
+            for hh in (heads, kv_heads, kv_heads)
+        ]
         weights = torch.randn(packs, heads, length, dim, generator=g).to(device=device, dtype=dtype)
         sel = queried[:, None, :, None]
 
-        def run(fn):
+        def run(fn, base=base, weights=weights, sel=sel):
             q, k, v = (t.clone().requires_grad_() for t in base)
             out = fn(q, k, v)
             ((out * weights).float() * sel).sum().backward()
@@ -387,8 +409,15 @@ def _loss_precision_checks(device, dry: bool, cache_dir: Path) -> list[dict[str,
     fp32, bf16 = losses(False), losses(True)
     tol = 2e-2
     return [
-        _check(f"loss_bf16_vs_fp32/{k}", abs(float(bf16[k]) - float(fp32[k])) / max(abs(float(fp32[k])), 1e-6), tol,
-               fp32=float(fp32[k]), bf16=float(bf16[k]), batch=[batch, length], vocab=vocab)  # fmt: skip
+        _check(
+            f"loss_bf16_vs_fp32/{k}",
+            abs(float(bf16[k]) - float(fp32[k])) / max(abs(float(fp32[k])), 1e-6),
+            tol,
+            fp32=float(fp32[k]),
+            bf16=float(bf16[k]),
+            batch=[batch, length],
+            vocab=vocab,
+        )
         for k in fp32
     ]
 
@@ -404,11 +433,18 @@ def section_numerics(opts: argparse.Namespace) -> dict[str, Any]:
     _soft(checks, "loss_bf16_vs_fp32", lambda: _loss_precision_checks(device, opts.dry_run, Path(opts.cache_dir)))
     skipped = []
     if device.type != "cuda":
-        skipped.append("bf16 variants of the kernel checks and the bf16-vs-fp32 losses ran on CPU in autocast, not "
-                       "on CUDA: the CUDA numerics need a GPU (" + ("--dry-run" if opts.dry_run else "no CUDA") + ")")
+        skipped.append(
+            "bf16 variants of the kernel checks and the bf16-vs-fp32 losses ran on CPU in autocast, not "
+            "on CUDA: the CUDA numerics need a GPU (" + ("--dry-run" if opts.dry_run else "no CUDA") + ")"
+        )
     failed = [c["name"] for c in checks if not c["passed"]]
-    return {"status": "ok" if not failed else "failed", "device": str(device), "checks": checks,
-            "failed": failed, "skipped": skipped}  # fmt: skip
+    return {
+        "status": "ok" if not failed else "failed",
+        "device": str(device),
+        "checks": checks,
+        "failed": failed,
+        "skipped": skipped,
+    }
 
 
 def _workload(kind: str, cuda: bool) -> tuple[dict[str, Any], Any, list]:
@@ -416,23 +452,45 @@ def _workload(kind: str, cuda: bool) -> tuple[dict[str, Any], Any, list]:
     import random
 
     rng = random.Random(0)
-    words = "the of and to in is was for on that with as by at from his her it an are were be this".split()
+    words = ["the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "with", "as", "by", "at", "from"]
 
     def text(n_words: int) -> str:
         return " ".join(rng.choice(words) for _ in range(n_words))
 
-    common = {"logging_steps": 1, "report_to": "none", "save_strategy": "no", "seed": 0, "bf16": cuda,
-              "dataloader_num_workers": 0, "max_steps": 6 if cuda else 2, "learning_rate": 1e-5}  # fmt: skip
+    common = {
+        "logging_steps": 1,
+        "report_to": "none",
+        "save_strategy": "no",
+        "seed": 0,
+        "bf16": cuda,
+        "dataloader_num_workers": 0,
+        "max_steps": 6 if cuda else 2,
+        "learning_rate": 1e-5,
+    }
     if kind == "sft":
         rows = [{"text": text(rng.randint(20, 400 if cuda else 60))} for _ in range(400 if cuda else 16)]
-        fields = {**common, "packing": True, "max_length": 2048 if cuda else 128,
-                  "per_device_train_batch_size": 4 if cuda else 2}  # fmt: skip
+        fields = {
+            **common,
+            "packing": True,
+            "max_length": 2048 if cuda else 128,
+            "per_device_train_batch_size": 4 if cuda else 2,
+        }
         return fields, rows, []
     if kind == "dpo":
-        rows = [{"prompt": text(rng.randint(10, 60)), "chosen": text(rng.randint(20, 150 if cuda else 20)),
-                 "rejected": text(rng.randint(20, 150 if cuda else 20))} for _ in range(128 if cuda else 8)]  # fmt: skip
-        fields = {**common, "max_length": 1024 if cuda else 128, "per_device_train_batch_size": 8 if cuda else 2,
-                  "beta": 0.1}  # fmt: skip
+        rows = [
+            {
+                "prompt": text(rng.randint(10, 60)),
+                "chosen": text(rng.randint(20, 150 if cuda else 20)),
+                "rejected": text(rng.randint(20, 150 if cuda else 20)),
+            }
+            for _ in range(128 if cuda else 8)
+        ]
+        fields = {
+            **common,
+            "max_length": 1024 if cuda else 128,
+            "per_device_train_batch_size": 8 if cuda else 2,
+            "beta": 0.1,
+        }
         return fields, rows, []
     if kind == "grpo":
         rows = [{"prompt": text(rng.randint(10, 40))} for _ in range(64 if cuda else 8)]
@@ -440,8 +498,14 @@ def _workload(kind: str, cuda: bool) -> tuple[dict[str, Any], Any, list]:
         def length_reward(completions, **_):
             return [len(c) / 100.0 for c in completions]
 
-        fields = {**common, "max_steps": 3 if cuda else 1, "num_generations": 8, "per_device_train_batch_size": 16,
-                  "max_completion_length": 256 if cuda else 8, "temperature": 1.0}  # fmt: skip
+        fields = {
+            **common,
+            "max_steps": 3 if cuda else 1,
+            "num_generations": 8,
+            "per_device_train_batch_size": 16,
+            "max_completion_length": 256 if cuda else 8,
+            "temperature": 1.0,
+        }
         return fields, rows, [length_reward]
     raise ValueError(f"unknown workload {kind!r}")
 
@@ -450,8 +514,12 @@ def section_train(opts: argparse.Namespace, kind: str, lib_name: str) -> dict[st
     """Train ``kind`` for a few steps with ``lib_name`` (posttrain or trl) and measure step time, tokens/s, memory."""
     missing = [m for m in (("datasets", "trl") if lib_name == "trl" else ("datasets",)) if not _available(m)]
     if missing:
-        return {"status": "skipped", "reason": f"{', '.join(missing)} not importable here: carry the wheels of "
-                "benchmarks/gpu/fetch_wheels.sh and pass --wheels (README.md)", "missing": missing}  # fmt: skip
+        return {
+            "status": "skipped",
+            "reason": f"{', '.join(missing)} not importable here: carry the wheels of "
+            "benchmarks/gpu/fetch_wheels.sh and pass --wheels (README.md)",
+            "missing": missing,
+        }
     import importlib
 
     import datasets
@@ -481,8 +549,9 @@ def section_train(opts: argparse.Namespace, kind: str, lib_name: str) -> dict[st
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
-    trainer = trainer_cls(model=model_path, args=args, train_dataset=datasets.Dataset.from_list(rows),
-                          callbacks=[StepClock()], **extra)  # fmt: skip
+    trainer = trainer_cls(
+        model=model_path, args=args, train_dataset=datasets.Dataset.from_list(rows), callbacks=[StepClock()], **extra
+    )
     built = time.perf_counter()
     trainer.train()
     history = trainer.state.log_history
@@ -497,8 +566,11 @@ def section_train(opts: argparse.Namespace, kind: str, lib_name: str) -> dict[st
         "library": lib_name,
         "version": lib.__version__,
         "device": str(device),
-        "model": {"tag": tag, **({"spec": spec} if spec else {}), "parameters": sum(
-            p.numel() for p in trainer.model.parameters())},  # fmt: skip
+        "model": {
+            "tag": tag,
+            **({"spec": spec} if spec else {}),
+            "parameters": sum(p.numel() for p in trainer.model.parameters()),
+        },
         "config": {k: v for k, v in fields.items() if k not in ("report_to", "save_strategy", "logging_steps")},
         "build_s": round(built - start, 3),
         "steps": len(steps),
@@ -545,22 +617,42 @@ def _install_wheels(wheels: Path, site: Path) -> dict[str, Any]:
         return {"status": "failed", "reason": f"no *.whl in {wheels}"}
     if (site / ".installed").exists() and (site / ".installed").read_text() == "\n".join(found):
         return {"status": "ok", "wheels": [Path(p).name for p in found], "note": "already installed"}
-    cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--upgrade", "--target", str(site),
-           *found]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--no-deps",
+        "--no-index",
+        "--upgrade",
+        "--target",
+        str(site),
+        *found,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode == 0:
         (site / ".installed").write_text("\n".join(found))
-    return {"status": "ok" if proc.returncode == 0 else "failed", "wheels": [Path(p).name for p in found],
-            "output_tail": _tail(proc.stdout + proc.stderr, 1500)}  # fmt: skip
+    return {
+        "status": "ok" if proc.returncode == 0 else "failed",
+        "wheels": [Path(p).name for p in found],
+        "output_tail": _tail(proc.stdout + proc.stderr, 1500),
+    }
 
 
 def _child_env(opts: argparse.Namespace, site: Path | None) -> dict[str, str]:
     env = dict(os.environ)
     paths = [str(REPO_ROOT), *([str(site)] if site else []), env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
-    for key, value in {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                       "TOKENIZERS_PARALLELISM": "false", "WANDB_DISABLED": "true", "POSTTRAIN_NO_REPORT": "1",
-                       "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "TQDM_DISABLE": "1"}.items():  # fmt: skip
+    for key, value in {
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "WANDB_DISABLED": "true",
+        "POSTTRAIN_NO_REPORT": "1",
+        "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+        "TQDM_DISABLE": "1",
+    }.items():
         env.setdefault(key, value)
     if opts.dry_run:
         env["CUDA_VISIBLE_DEVICES"] = ""  # the dry run is a CPU run even on a GPU machine
@@ -572,15 +664,33 @@ def _spawn(name: str, opts: argparse.Namespace, timeout: float, env: dict[str, s
     out = Path(opts.out)
     result_file = out / "sections" / f"{name}.json"
     result_file.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "benchmarks.gpu.run", "--section", name, "--out", str(out),
-           "--cache-dir", str(opts.cache_dir), "--time-left", str(timeout)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.gpu.run",
+        "--section",
+        name,
+        "--out",
+        str(out),
+        "--cache-dir",
+        str(opts.cache_dir),
+        "--time-left",
+        str(timeout),
+    ]
     if opts.dry_run:
         cmd.append("--dry-run")
     if opts.hide:
         cmd += ["--hide", opts.hide]
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         output, _ = proc.communicate(timeout=timeout)
         timed_out = False
@@ -592,7 +702,11 @@ def _spawn(name: str, opts: argparse.Namespace, timeout: float, env: dict[str, s
     if result_file.exists():
         result = json.loads(result_file.read_text())
     elif timed_out:
-        result = {"status": "timeout", "reason": f"ran past its {timeout:.0f} s time box", "output_tail": _tail(output)}
+        result = {
+            "status": "timeout",
+            "reason": f"ran past its {timeout:.0f} s time box",
+            "output_tail": _tail(output),
+        }
     else:
         result = {"status": "error", "returncode": proc.returncode, "output_tail": _tail(output)}
     result.setdefault("log_tail", _tail(output, 1500))
@@ -625,33 +739,52 @@ def render_markdown(report: dict[str, Any]) -> str:
     ]
     for name, sec in report["sections"].items():
         note = sec.get("reason") or (", ".join(sec.get("failed", [])) if sec.get("failed") else "")
-        lines.append(f"| {name} | {sec.get('status')} | {_fmt(sec.get('seconds'))} | {_fmt(sec.get('time_box_s'))} "
-                     f"| {note} |")  # fmt: skip
+        lines.append(
+            f"| {name} | {sec.get('status')} | {_fmt(sec.get('seconds'))} | {_fmt(sec.get('time_box_s'))} | {note} |"
+        )
     tests = report["sections"].get("gpu_tests", {})
     if tests.get("tests") is not None:
-        lines += ["", "## gpu-marked tests", "", f"files: {tests.get('files')}; excluded: {tests.get('excluded')}", "",
-                  "| test | outcome | s | message |", "| --- | --- | --- | --- |"]  # fmt: skip
+        lines += [
+            "",
+            "## gpu-marked tests",
+            "",
+            f"files: {tests.get('files')}; excluded: {tests.get('excluded')}",
+            "",
+            "| test | outcome | s | message |",
+            "| --- | --- | --- | --- |",
+        ]
         for t in tests.get("tests", []):
             message = t["message"].replace("\n", " ").replace("|", "/")[:160]
             lines.append(f"| {t['test']} | {t['outcome']} | {t['seconds']:.2f} | {message} |")
     numerics = report["sections"].get("numerics", {})
     if numerics.get("checks"):
-        lines += ["", "## Numerics (relative error max|a−b|/max|ref| against the stated tolerance)", "",
-                  "| check | measured | tolerance | passed |", "| --- | --- | --- | --- |"]  # fmt: skip
+        lines += [
+            "",
+            "## Numerics (relative error max|a−b|/max|ref| against the stated tolerance)",
+            "",
+            "| check | measured | tolerance | passed |",
+            "| --- | --- | --- | --- |",
+        ]
         for c in numerics["checks"]:
             lines.append(f"| {c['name']} | {_fmt(c.get('measured'))} | {_fmt(c.get('tolerance'))} | {c['passed']} |")
         for reason in numerics.get("skipped", []):
             lines.append(f"\nskipped: {reason}")
     train = {k: v for k, v in report["sections"].items() if k.startswith(("train_", "trl_"))}
     if train:
-        lines += ["", "## Training (a few steps; the first step is not timed)", "",
-                  "| section | library | model | median step (s) | tokens/s | peak CUDA (MiB) | final loss | status |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+        lines += [
+            "",
+            "## Training (a few steps; the first step is not timed)",
+            "",
+            "| section | library | model | median step (s) | tokens/s | peak CUDA (MiB) | final loss | status |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
         for name, sec in train.items():
             model = (sec.get("model") or {}).get("tag")
-            lines.append(f"| {name} | {sec.get('library', '—')} | {_fmt(model)} | {_fmt(sec.get('median_step_s'))} | "
-                         f"{_fmt(sec.get('tokens_per_s'))} | {_fmt(sec.get('peak_cuda_mib'))} | "
-                         f"{_fmt(sec.get('final_loss'))} | {sec.get('status')} |")  # fmt: skip
+            lines.append(
+                f"| {name} | {sec.get('library', '—')} | {_fmt(model)} | {_fmt(sec.get('median_step_s'))} | "
+                f"{_fmt(sec.get('tokens_per_s'))} | {_fmt(sec.get('peak_cuda_mib'))} | "
+                f"{_fmt(sec.get('final_loss'))} | {sec.get('status')} |"
+            )
     lines += ["", "## Not run here", ""]
     lines += [f"- {item['what']}: {item['why']}" for item in report["not_run"]]
     errors = {k: v for k, v in report["sections"].items() if v.get("status") in ("error", "timeout", "failed")}
@@ -690,10 +823,13 @@ def orchestrate(opts: argparse.Namespace) -> dict[str, Any]:
             continue
         if name.startswith("trl_") and not have_trl:
             why = [m for m in ("trl", "datasets") if not _available(m)]
-            sections[name] = {"status": "skipped", "reason": f"{', '.join(why)} not importable"
-                              + (" (hidden by --hide)" if set(why) & set(hidden) else "")
-                              + ": TRL side-by-side needs the carried wheels (benchmarks/gpu/fetch_wheels.sh, "
-                              "--wheels); posttrain-only run"}  # fmt: skip
+            sections[name] = {
+                "status": "skipped",
+                "reason": f"{', '.join(why)} not importable"
+                + (" (hidden by --hide)" if set(why) & set(hidden) else "")
+                + ": TRL side-by-side needs the carried wheels (benchmarks/gpu/fetch_wheels.sh, "
+                "--wheels); posttrain-only run",
+            }
             continue
         left = opts.budget_s - (time.perf_counter() - start)
         box = min(left, opts.budget_s * BUDGET_SHARES[name] * (1.0 if have_trl else 1.0 / 0.73))
@@ -725,10 +861,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget-s", type=float, default=540.0, help="wall-clock budget of all sections (default 540)")
     p.add_argument("--sections", default=None, help=f"comma-separated subset of {','.join(SECTIONS)}")
     p.add_argument("--wheels", default=None, help="folder of carried wheels (fetch_wheels.sh) to install first")
-    p.add_argument("--site", default=str(Path(tempfile.gettempdir()) / "posttrain-gpu-site"),
-                   help="where --wheels are installed (added to the sections' PYTHONPATH)")  # fmt: skip
-    p.add_argument("--cache-dir", default=str(Path(tempfile.gettempdir()) / "posttrain-gpu-cache"),
-                   help="built models and trainer output dirs (kept out of --out: the model is ~2 GiB)")  # fmt: skip
+    p.add_argument(
+        "--site",
+        default=str(Path(tempfile.gettempdir()) / "posttrain-gpu-site"),
+        help="where --wheels are installed (added to the sections' PYTHONPATH)",
+    )
+    p.add_argument(
+        "--cache-dir",
+        default=str(Path(tempfile.gettempdir()) / "posttrain-gpu-cache"),
+        help="built models and trainer output dirs (kept out of --out: the model is ~2 GiB)",
+    )
     p.add_argument("--hide", default="", help="comma-separated modules made unimportable (simulate their absence)")
     p.add_argument("--section", default=None, help=argparse.SUPPRESS)  # internal: run one section in-process
     p.add_argument("--time-left", type=float, default=600.0, help=argparse.SUPPRESS)
