@@ -198,6 +198,14 @@ def section_gpu_tests(opts: argparse.Namespace) -> dict[str, Any]:
             files.append(rel)
     if not files:
         return {"status": "ok", "files": [], "excluded": excluded, "tests": [], "note": "no gpu-marked test files"}
+    if not _available("pytest"):
+        return {
+            "status": "skipped",
+            "files": files,
+            "excluded": excluded,
+            "reason": "pytest not importable here: "
+            "carry the wheels of benchmarks/gpu/fetch_wheels.sh (pytest is among them) and pass --wheels",
+        }
     junit = Path(opts.out) / "gpu_tests.junit.xml"
     cmd = [
         sys.executable,
