@@ -101,14 +101,18 @@ def test_dry_run_trains_each_trainer_and_measures_it(dry_report):
 
 
 def test_without_datasets_the_trainer_sections_are_skipped_with_the_fix(tmp_path):
-    """What the GPU machine does when no wheels are carried: `datasets` absent → skipped, reason names the carry."""
-    report = _run(tmp_path / "out", "--sections", "train_sft,trl_sft", "--hide", "datasets,trl")
+    """What the GPU machine does when no wheels are carried: `datasets` (and `pytest`) absent → skipped, the reason
+    names the carry."""
+    report = _run(tmp_path / "out", "--sections", "gpu_tests,train_sft,trl_sft", "--hide", "datasets,trl,pytest")
+    tests = report["sections"]["gpu_tests"]
+    assert tests["status"] == "skipped" and "pytest not importable" in tests["reason"]
+    assert "tests/core/test_logprobs.py" in tests["files"]
     sft = report["sections"]["train_sft"]
     assert sft["status"] == "skipped" and sft["missing"] == ["datasets"]
     assert "--wheels" in sft["reason"]
     assert report["sections"]["trl_sft"]["status"] == "skipped"
     assert "hidden by --hide" in report["sections"]["trl_sft"]["reason"]
-    assert report["hidden_modules"] == ["datasets", "trl"]
+    assert report["hidden_modules"] == ["datasets", "trl", "pytest"]
 
 
 def test_a_failing_section_is_recorded_and_the_next_one_runs(tmp_path):
