@@ -166,7 +166,23 @@ def section_env(opts: argparse.Namespace) -> dict[str, Any]:
         "dry_run": opts.dry_run,
         "modules": {m: _available(m) for m in ("datasets", "trl", "vllm", "peft", "accelerate", "liger_kernel")},
     }
-    for name in ("transformers", "accelerate", "peft", "safetensors", "datasets", "trl", "posttrain"):
+    names = (
+        "transformers",
+        "accelerate",
+        "peft",
+        "safetensors",
+        "datasets",
+        "trl",
+        "pyarrow",
+        "pandas",
+        "dill",
+        "multiprocess",
+        "fsspec",
+        "huggingface_hub",
+        "pytest",
+        "posttrain",
+    )
+    for name in names:
         try:
             info.setdefault("versions", {})[name] = __import__(name).__version__
         except Exception as exc:  # noqa: BLE001 - absent or broken: record why
@@ -203,8 +219,7 @@ def section_gpu_tests(opts: argparse.Namespace) -> dict[str, Any]:
             "status": "skipped",
             "files": files,
             "excluded": excluded,
-            "reason": "pytest not importable here: "
-            "carry the wheels of benchmarks/gpu/fetch_wheels.sh (pytest is among them) and pass --wheels",
+            "reason": "pytest not importable here (the GPU image has it): carry a pytest wheel and pass --wheels",
         }
     junit = Path(opts.out) / "gpu_tests.junit.xml"
     cmd = [
