@@ -141,10 +141,17 @@ def _model_dir(cache_dir: Path, spec: dict[str, Any], tag: str) -> str:
     path = cache_dir / f"model-{tag}"
     if (path / "config.json").exists():
         return str(path)
+    import torch
+
     from posttrain.models.tiny import save_tiny_model
 
     tmp = cache_dir / f".model-{tag}.partial"
-    save_tiny_model(tmp, arch="qwen2", **spec)
+    # random init of 0.5B parameters takes seconds on a GPU and much longer on the CPU; the weights are saved either way
+    try:
+        with torch.device("cuda" if spec and torch.cuda.is_available() else "cpu"):
+            save_tiny_model(tmp, arch="qwen2", **spec)
+    except Exception:  # noqa: BLE001 - building on the GPU is only a speed-up: fall back to the CPU
+        save_tiny_model(tmp, arch="qwen2", **spec)
     tmp.rename(path)
     return str(path)
 
