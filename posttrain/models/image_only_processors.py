@@ -27,11 +27,9 @@ class ImageOnlyQwen2VLProcessor(Qwen2VLProcessor):
     def __init__(self, image_processor: Any = None, tokenizer: Any = None, chat_template: str | None = None, **kwargs):
         super().__init__(image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template, **kwargs)
 
-    def replace_video_token(self, video_inputs: dict, video_idx: int, **kwargs) -> str:
-        raise ValueError(
-            f"{type(self).__name__} processes images only (videos need torchvision's video processor); pass images, "
-            "or use transformers' Qwen2VLProcessor with torchvision installed for videos."
-        )
+    def __call__(self, images: Any = None, text: Any = None, videos: Any = None, **kwargs: Any):
+        _refuse_videos(self, videos)
+        return super().__call__(images=images, text=text, **kwargs)
 
 
 class ImageOnlyQwen2_5_VLProcessor(Qwen2_5_VLProcessor):
@@ -40,7 +38,15 @@ class ImageOnlyQwen2_5_VLProcessor(Qwen2_5_VLProcessor):
     def __init__(self, image_processor: Any = None, tokenizer: Any = None, chat_template: str | None = None, **kwargs):
         super().__init__(image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template, **kwargs)
 
-    replace_video_token = ImageOnlyQwen2VLProcessor.replace_video_token
+    __call__ = ImageOnlyQwen2VLProcessor.__call__
+
+
+def _refuse_videos(processor: Any, videos: Any) -> None:
+    if videos is not None:
+        raise ValueError(
+            f"{type(processor).__name__} processes images only (videos need a torchvision video processor); pass "
+            "images, or use transformers' processor of this model with torchvision installed for videos."
+        )
 
 
 for _cls in (ImageOnlyQwen2VLProcessor, ImageOnlyQwen2_5_VLProcessor):

@@ -17,6 +17,7 @@ from trainer_helpers import fast_config, quiet_single_thread, trainable_params  
 from posttrain.data.vision_prompts import encode_vision_prompts
 from posttrain.models.tiny import VLM_FAMILIES, build_tiny_vlm, save_tiny_vlm
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
+from posttrain.trainers.rloo import RLOOConfig, RLOOTrainer
 
 # the per-family vision inputs the processor must produce for an image row (beyond pixel_values)
 FAMILY_KEYS = {
@@ -60,6 +61,26 @@ def test_grpo_trains_each_vlm_family_on_mixed_image_batches(tmp_path, family):
     assert counts == [0, 0, 1, 1, 1, 1, 2, 2]
 
 
+@pytest.mark.parametrize("family", VLM_FAMILIES)
+def test_rloo_trains_each_vlm_family_with_an_image_column(tmp_path, family):
+    """RLOO on TRL's single ``image`` column (None on the text-only row), two steps per family."""
+    model, processor = build_tiny_vlm(family=family)
+    rows = [{"prompt": r["prompt"], "image": (r["images"] or [None])[0]} for r in mixed_rows()]
+    trainer = RLOOTrainer(
+        model,
+        reward_funcs=lambda completions, **kwargs: [float(len(c[0]["content"])) for c in completions],
+        args=config(RLOOConfig, tmp_path, beta=0.05),
+        train_dataset=Dataset.from_list(rows),
+        processing_class=processor,
+    )
+    before = trainable_params(trainer.model)
+    trainer.train()
+    logs = [log for log in trainer.state.log_history if "loss" in log]
+    assert len(logs) == 2 and all(math.isfinite(log["loss"]) for log in logs)
+    after = dict(trainer.model.named_parameters())
+    assert any(part in n for n in before if not torch.equal(before[n], after[n].detach()) for part in VISION_PARTS)
+
+
 @pytest.mark.parametrize("family", ["qwen2_vl", "gemma3", "idefics3", "llava_next"])
 def test_saved_family_loads_by_path_offline(tmp_path, family):
     """GRPOTrainer(model=<path>) loads the saved tiny VLM and its processor (AutoProcessor, no torchvision)."""
@@ -74,3 +95,68 @@ def test_saved_family_loads_by_path_offline(tmp_path, family):
     assert type(trainer.processing_class) is type(expected)
     trainer.train()
     assert math.isfinite(trainer.state.log_history[0]["loss"])
+
+
+@pytest.mark.parametrize("family", VLM_FAMILIES)
+def test_shared_prompt_forward_matches_plain_for_each_family(family):
+    """Per family, two prompts with the same text but other images and a text-only prompt, G = 2 each: the scoring
+    forward with prompt sharing (or its fallback) gives the plain forward's log-probs and parameter gradients."""
+    from test_grpo_vlm import GREEN, RED, _image
+
+    from posttrain.models.completion_scoring import completion_token_stats
+
+    model, processor = build_tiny_vlm(family=family)
+    model.eval()
+    rows = [
+        {"prompt": [{"role": "user", "content": "Colour?"}], "images": [_image(RED)]},
+        {"prompt": [{"role": "user", "content": "Colour?"}], "images": [_image(GREEN, (30, 12))]},
+        {"prompt": [{"role": "user", "content": "Words only, please."}], "images": []},
+    ]
+    grouped = [row for row in rows for _ in range(2)]
+    _, _, prompt_ids, vision = encode_vision_prompts(grouped, processor)
+    lengths = [3, 1, 4, 2, 3, 3]
+    generator = torch.Generator().manual_seed(0)
+    width, pad = max(map(len, prompt_ids)), processor.tokenizer.pad_token_id
+    batch = {
+        "prompt_ids": torch.tensor([[pad] * (width - len(p)) + p for p in prompt_ids]),
+        "prompt_mask": torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids]),
+        "completion_ids": torch.randint(40, 120, (6, 4), generator=generator),
+        "completion_lengths": torch.tensor(lengths),
+        "vision_inputs": vision,
+    }
+    valid = torch.arange(4).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
+
+    def run(share: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        model.zero_grad()
+        logps = completion_token_stats(model, batch, share_prompts=share).logps
+        (logps * valid).sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return logps.detach(), grads
+
+    plain, plain_grads = run(False)
+    shared, shared_grads = run(True)
+    torch.testing.assert_close(shared[valid], plain[valid], atol=1e-5, rtol=1e-5)
+    assert set(shared_grads) == set(plain_grads)
+    assert any(part in n for n in plain_grads for part in VISION_PARTS)
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(shared_grads[name], grad, atol=1e-5, rtol=1e-4)
+
+
+def test_image_only_qwen2_vl_processor_saves_loads_and_refuses_videos(tmp_path):
+    """The image-only Qwen2-VL processor round-trips through AutoProcessor without torchvision, expands the image
+    placeholder to grid/merge² tokens with mm_token_type_ids, and names the problem when given a video."""
+    from test_grpo_vlm import RED, _image
+    from transformers import AutoProcessor
+
+    _, processor = build_tiny_vlm(family="qwen2_vl")
+    processor.save_pretrained(tmp_path)
+    loaded = AutoProcessor.from_pretrained(tmp_path)
+    assert type(loaded) is type(processor) and not hasattr(loaded, "video_processor")
+    text = "<|vision_start|><|image_pad|><|vision_end|>hi"
+    out = loaded(text=[text], images=[[_image(RED)]], return_tensors="pt")
+    image_tokens = int(out["image_grid_thw"].prod()) // 4
+    assert (
+        int(out["mm_token_type_ids"].sum()) == image_tokens == int((out["input_ids"] == loaded.image_token_id).sum())
+    )
+    with pytest.raises(ValueError, match="images only"):
+        loaded(text=[text], videos=[[_image(RED)]])
