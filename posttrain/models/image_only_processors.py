@@ -38,7 +38,9 @@ class ImageOnlyQwen2_5_VLProcessor(Qwen2_5_VLProcessor):
     def __init__(self, image_processor: Any = None, tokenizer: Any = None, chat_template: str | None = None, **kwargs):
         super().__init__(image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template, **kwargs)
 
-    __call__ = ImageOnlyQwen2VLProcessor.__call__
+    def __call__(self, images: Any = None, text: Any = None, videos: Any = None, **kwargs: Any):
+        _refuse_videos(self, videos)
+        return super().__call__(images=images, text=text, **kwargs)
 
 
 def _refuse_videos(processor: Any, videos: Any) -> None:

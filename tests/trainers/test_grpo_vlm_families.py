@@ -142,13 +142,14 @@ def test_shared_prompt_forward_matches_plain_for_each_family(family):
         torch.testing.assert_close(shared_grads[name], grad, atol=1e-5, rtol=1e-4)
 
 
-def test_image_only_qwen2_vl_processor_saves_loads_and_refuses_videos(tmp_path):
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_image_only_qwen_processor_saves_loads_and_refuses_videos(tmp_path, family):
     """The image-only Qwen2-VL processor round-trips through AutoProcessor without torchvision, expands the image
     placeholder to grid/merge² tokens with mm_token_type_ids, and names the problem when given a video."""
     from test_grpo_vlm import RED, _image
     from transformers import AutoProcessor
 
-    _, processor = build_tiny_vlm(family="qwen2_vl")
+    _, processor = build_tiny_vlm(family=family)
     processor.save_pretrained(tmp_path)
     loaded = AutoProcessor.from_pretrained(tmp_path)
     assert type(loaded) is type(processor) and not hasattr(loaded, "video_processor")

@@ -1,0 +1,89 @@
+"""Multimodal tool responses in the tool loop: a tool answering ``[{"type": "image", ...}, {"type": "text", ...}]``
+to a vision-language policy adds the image to the conversation (its placeholder expanded to the model's image
+tokens), the next turn is generated with the prompt's and the tool's images, and the tool tokens (image tokens
+included) are masked out of the loss (``tool_mask`` 0)."""
+
+from __future__ import annotations
+
+import torch
+from agent_helpers import EOS, ScriptedLM, call, tool_responses
+from PIL import Image
+
+from posttrain.agents.loop import ToolCallingBackend
+from posttrain.data.vision_prompts import encode_vision_prompts
+from posttrain.generation.base import SamplingConfig
+from posttrain.generation.group_sampler import GroupSampler
+from posttrain.models.tiny import IMAGE_TOKEN, build_tiny_vlm, chatml_template
+
+RED, BLUE = (255, 0, 0), (0, 0, 255)
+
+
+def look() -> list:
+    """Take a picture of the scene.
+
+    Returns:
+        The picture and its caption.
+    """
+    return [{"type": "image", "image": Image.new("RGB", (20, 24), BLUE)}, {"type": "text", "text": "the scene"}]
+
+
+def _vlm_tool_template() -> str:
+    """The tiny ChatML tool template whose message contents may be lists of blocks (image blocks -> ``<image>``)."""
+    blocks = (
+        "{%- if message.content is string %}{{- message.content }}{%- else %}{%- for b in message.content %}"
+        "{%- if b.type == 'image' %}{{- '" + IMAGE_TOKEN + "' }}{%- else %}{{- b.text }}{%- endif %}"
+        "{%- endfor %}{%- endif %}"
+    )
+    template = chatml_template()
+    tool = "{{- '<|im_start|>tool\\n<tool_response>' + message.content + '</tool_response><|im_end|>\\n' }}"
+    user = "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    assert tool in template and user in template
+    template = template.replace(tool, "{{- '<|im_start|>tool\\n<tool_response>' }}" + blocks
+                                + "{{- '</tool_response><|im_end|>\\n' }}")  # fmt: skip
+    return template.replace(user, "{{- '<|im_start|>' + message.role + '\\n' }}" + blocks + "{{- '<|im_end|>\\n' }}")
+
+
+def test_tool_image_reaches_the_next_turn_and_never_the_loss():
+    model, processor = build_tiny_vlm()
+    model.eval()
+    processor.chat_template = _vlm_tool_template()
+    tok = processor.tokenizer
+    tok.padding_side = "left"
+    image_id = tok.convert_tokens_to_ids(IMAGE_TOKEN)
+
+    def script(context: str) -> str:
+        return call("look", "{}") if not tool_responses(context) else "blue"
+
+    scripted = ScriptedLM(model, tok, script).eval()
+    seen: list[torch.Tensor] = []
+    model.register_forward_pre_hook(
+        lambda m, args, kwargs: seen.append(kwargs["pixel_values"]) if kwargs.get("pixel_values") is not None
+        else None, with_kwargs=True)  # fmt: skip
+    rows = [{"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What?"}]}],
+             "images": [Image.new("RGB", (20, 24), RED)]}]  # fmt: skip
+    _, _, prompt_ids, vision = encode_vision_prompts(rows, processor)
+    backend = ToolCallingBackend(
+        GroupSampler(scripted, tok), processor, [look], max_completion_length=120, tool_call_parser="hermes",
+        check_chat_template=False,
+    )  # fmt: skip
+    sampling = SamplingConfig(max_new_tokens=120, eos_token_ids=[EOS], pad_token_id=tok.pad_token_id)
+    out = backend.generate(prompt_ids, sampling, 2, vision_inputs=vision)
+
+    assert len(out) == 2 and out.extra["tool_call_count"] == [1, 1]
+    for ids, mask, rollout_vision in zip(out.completion_ids, out.extra["tool_mask"], out.extra["vision_inputs"]):
+        image_positions = [k for k, t in enumerate(ids) if t == image_id]
+        assert len(image_positions) == 4  # the tool's image, expanded to the model's 4 image tokens
+        assert all(mask[k] == 0 for k in image_positions)  # tool tokens: never in the loss
+        assert tok.decode([t for t, m in zip(ids, mask) if m]).endswith("blue<|im_end|>")
+        # the rollout's vision inputs: the prompt's image, then the tool's
+        assert rollout_vision["pixel_values"].shape[0] == 2
+        torch.testing.assert_close(rollout_vision["pixel_values"][:1], vision[0]["pixel_values"])
+    tool_pixels = processor.image_processor(images=[look()[0]["image"]], return_tensors="pt")["pixel_values"]
+    torch.testing.assert_close(out.extra["vision_inputs"][0]["pixel_values"][1:], tool_pixels)
+    # the first turn prefilled the prompt once with its image; the second turn ran both rollouts, each with the
+    # prompt's image and then the tool's
+    assert [p.shape[0] for p in seen] == [1, 4]
+    torch.testing.assert_close(seen[-1][1::2], torch.cat([tool_pixels, tool_pixels]).to(seen[-1].dtype))
+    torch.testing.assert_close(seen[-1][0::2], torch.cat([vision[0]["pixel_values"]] * 2).to(seen[-1].dtype))
+    messages = out.extra["completion_messages"][0]
+    assert messages[1]["role"] == "tool" and messages[1]["content"][0]["type"] == "image"
