@@ -400,7 +400,7 @@ def _extend_vision(vision: Mapping[str, Any], added: Mapping[str, Any], length: 
     zero-filled over the tokens between (generated text) and extended with the suffix's values."""
     import torch
 
-    from posttrain.data.vision_prompts import PER_TOKEN_VISION_KEYS
+    from posttrain.data.vision_prompts import PER_TOKEN_VISION_KEYS, collate_vision_inputs
 
     out = dict(vision)
     for key in PER_TOKEN_VISION_KEYS:
@@ -411,9 +411,9 @@ def _extend_vision(vision: Mapping[str, Any], added: Mapping[str, Any], length: 
             if current.shape[0] < length:
                 current = torch.cat([current, current.new_zeros(length - current.shape[0])])
             out[key] = torch.cat([current, added[key]]) if key in added else current
-    for key, value in added.items():
-        if key not in PER_TOKEN_VISION_KEYS:
-            out[key] = torch.cat([out[key], value]) if key in out else value
+    image_level = [{k: v for k, v in part.items() if k not in PER_TOKEN_VISION_KEYS} for part in (vision, added)]
+    # concatenated over the images, trailing dimensions zero-padded to the larger (e.g. LLaVA-NeXT's tile counts)
+    out.update(collate_vision_inputs([part for part in image_level if part], prompt_width=0))
     return out
 
 

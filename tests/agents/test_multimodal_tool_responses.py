@@ -87,3 +87,23 @@ def test_tool_image_reaches_the_next_turn_and_never_the_loss():
     torch.testing.assert_close(seen[-1][0::2], torch.cat([vision[0]["pixel_values"]] * 2).to(seen[-1].dtype))
     messages = out.extra["completion_messages"][0]
     assert messages[1]["role"] == "tool" and messages[1]["content"][0]["type"] == "image"
+
+
+def test_extend_vision_appends_images_and_per_token_types():
+    """A rollout's vision inputs grow by a tool suffix's: image-level outputs concatenated (tile counts padded, as
+    the processors pad a batch), per-token types zero over the generated text between and the suffix's after."""
+    from posttrain.agents.loop import _extend_vision
+
+    prompt = {"pixel_values": torch.ones(1, 3, 2, 2, 2), "image_sizes": torch.tensor([[4, 4]]),
+              "mm_token_type_ids": torch.tensor([0, 1, 1, 0])}  # fmt: skip
+    suffix = {"pixel_values": torch.full((1, 5, 2, 2, 2), 2.0), "image_sizes": torch.tensor([[8, 4]]),
+              "mm_token_type_ids": torch.tensor([0, 1, 0])}  # fmt: skip
+    out = _extend_vision(prompt, suffix, length=6)  # 4 prompt tokens, 2 generated, then the suffix
+    assert out["pixel_values"].shape == (2, 5, 2, 2, 2)
+    assert (
+        torch.equal(out["pixel_values"][0, :3], prompt["pixel_values"][0]) and out["pixel_values"][0, 3:].eq(0).all()
+    )
+    assert torch.equal(out["image_sizes"], torch.tensor([[4, 4], [8, 4]]))
+    assert out["mm_token_type_ids"].tolist() == [0, 1, 1, 0, 0, 0, 0, 1, 0]
+    # a text-only prompt whose tool answers with an image
+    assert _extend_vision({}, suffix, length=3)["mm_token_type_ids"].tolist() == [0, 0, 0, 0, 1, 0]
