@@ -313,7 +313,7 @@ class ToolCallingBackend:
         rollouts = [_Rollout(list(first.prompt_ids[i]), row_tools[i]) for i in range(n)]
         for i, rollout in enumerate(rollouts):
             if vision_inputs is not None:
-                rollout.vision = dict(vision_inputs[i // num_generations])
+                rollout.vision = vision_inputs[i // num_generations]  # shared until a tool adds images
             self._add_turn(rollout, first.completion_ids[i], _row(first.logprobs, i), first.finished[i])
 
         iterations, rolled_back = 0, 0

@@ -407,7 +407,6 @@ class OnlineTrainerBase(BaseTrainer):
         check_vision_setup(processing_class, unwrap_base_model(model), trainer, vision[0])
         unsupported = {
             "use_vllm=True with vllm_mode='colocate'": args.use_vllm and args.vllm_mode != "server",
-            "tools": bool(tools),
             "environment_factory": environment_factory is not None,
             "rollout_func": rollout_func is not None,
             "a `_generate` override": type(self)._generate is not OnlineTrainerBase._generate,

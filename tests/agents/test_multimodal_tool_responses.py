@@ -107,3 +107,69 @@ def test_extend_vision_appends_images_and_per_token_types():
     assert out["mm_token_type_ids"].tolist() == [0, 1, 1, 0, 0, 0, 0, 1, 0]
     # a text-only prompt whose tool answers with an image
     assert _extend_vision({}, suffix, length=3)["mm_token_type_ids"].tolist() == [0, 0, 0, 0, 1, 0]
+
+
+def test_grpo_trains_vlm_with_a_tool_that_answers_with_an_image(tmp_path):
+    """GRPO with images and tools: the scripted policy calls ``look`` (an image + caption), then answers; every
+    training forward sees the prompt's images and the tool's, and training runs on the model's own tokens only."""
+    import math
+
+    from datasets import Dataset
+
+    from posttrain import GRPOConfig, GRPOTrainer
+
+    model, processor = build_tiny_vlm()
+    processor.chat_template = _vlm_tool_template()
+    image_id = processor.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+    rows = [
+        {"prompt": [{"role": "user", "content": "What is there?"}], "images": [Image.new("RGB", (20, 24), RED)]},
+        {"prompt": [{"role": "user", "content": "Look around."}], "images": []},
+    ]
+
+    def reward(completions, **kwargs):
+        return [float(len(c[-1]["content"])) for c in completions]
+
+    args = GRPOConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, max_completion_length=120,
+        max_steps=2, learning_rate=1e-2, beta=0.1, report_to="none", save_strategy="no", logging_steps=1,
+        disable_tqdm=True, write_report=False, dataloader_pin_memory=False,
+    )  # fmt: skip
+    trainer = GRPOTrainer(
+        model, reward_funcs=reward, args=args, train_dataset=Dataset.from_list(rows), processing_class=processor,
+        tools=[look],
+    )  # fmt: skip
+    answers = iter(["blue", "a blue thing", "blue!", "it is blue"] * 4)
+
+    def script(context: str) -> str:
+        return call("look", "{}") if not tool_responses(context) else next(answers)
+
+    trainer.backend.inner = GroupSampler(ScriptedLM(trainer.model, processor.tokenizer, script), processor.tokenizer)
+    forwards: list[tuple[int, int]] = []  # (image tokens in input_ids, images in pixel_values) of each forward
+    trainer.model.register_forward_pre_hook(
+        lambda m, args, kwargs: forwards.append((int((kwargs["input_ids"] == image_id).sum()),
+                                                 0 if kwargs.get("pixel_values") is None
+                                                 else kwargs["pixel_values"].shape[0])),
+        with_kwargs=True)  # fmt: skip
+    trainer.train()
+    logs = [log for log in trainer.state.log_history if "loss" in log]
+    assert len(logs) == 2 and all(math.isfinite(log["loss"]) for log in logs)
+    assert all(log["tools/call_frequency"] == 1.0 for log in logs)
+    # the scoring forwards held the prompt's image (on the image rows) and every rollout's tool image, each image's
+    # 4 tokens matched by one image in pixel_values
+    scoring = [f for f in forwards if f[1] > 1]
+    assert scoring and all(tokens == 4 * images for tokens, images in scoring)
+    assert any(images == 2 * 1 + 4 for _, images in scoring)  # 2 image-prompt rows + 4 tool images
+
+
+def test_tool_images_for_per_token_type_models_raise_a_clear_error():
+    """Per-token types past the prompt (a tool image for Qwen2-VL / Gemma 3) cannot be scored yet: a clear error;
+    prompt-only per-token types and image-feature rows pass."""
+    import pytest
+
+    from posttrain.data.vision_prompts import check_tool_image_inputs
+
+    prompt_only = {"pixel_values": torch.ones(4, 8), "mm_token_type_ids": torch.tensor([0, 1, 0])}
+    check_tool_image_inputs([prompt_only, {}, {"pixel_values": torch.ones(2, 3, 4, 4)}], [[1, 2, 3], [4], [5, 6]])
+    extended = {"pixel_values": torch.ones(8, 8), "mm_token_type_ids": torch.tensor([0, 1, 0, 0, 0, 1, 0])}
+    with pytest.raises(ValueError, match="per-token 'mm_token_type_ids'.*Return text from the tool"):
+        check_tool_image_inputs([prompt_only, extended], [[1, 2, 3], [1, 2, 3]])
