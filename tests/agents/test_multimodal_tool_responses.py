@@ -88,6 +88,23 @@ def test_tool_image_reaches_the_next_turn_and_never_the_loss():
     messages = out.extra["completion_messages"][0]
     assert messages[1]["role"] == "tool" and messages[1]["content"][0]["type"] == "image"
 
+    # scoring the rollouts with their images (prompt's, then tool's): the shared-prompt forward equals the plain one
+    from posttrain.models.completion_scoring import completion_token_stats
+
+    width = max(map(len, out.completion_ids))
+    batch = {
+        "prompt_ids": torch.tensor(out.prompt_ids),
+        "prompt_mask": torch.ones(2, len(out.prompt_ids[0]), dtype=torch.long),
+        "completion_ids": torch.tensor([ids + [tok.pad_token_id] * (width - len(ids)) for ids in out.completion_ids]),
+        "completion_lengths": torch.tensor([len(ids) for ids in out.completion_ids]),
+        "vision_inputs": out.extra["vision_inputs"],
+    }
+    with torch.no_grad():
+        plain = completion_token_stats(model, batch, share_prompts=False).logps
+        shared = completion_token_stats(model, batch, share_prompts=True).logps
+    valid = torch.arange(width)[None] < batch["completion_lengths"][:, None]
+    torch.testing.assert_close(shared[valid], plain[valid], atol=1e-5, rtol=1e-5)
+
 
 def test_extend_vision_appends_images_and_per_token_types():
     """A rollout's vision inputs grow by a tool suffix's: image-level outputs concatenated (tile counts padded, as
