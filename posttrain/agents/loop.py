@@ -24,6 +24,12 @@ multiplied into the loss mask and excluded from token counts; their sampling log
 ``tool_call_count``, ``tool_failure_count`` and ``completion_messages`` (the parsed conversation: assistant turns
 with ``tool_calls``, tool messages, ...), which is what conversational reward functions receive as ``completions``.
 
+Vision-language rollouts (``generate(..., vision_inputs=...)``, a processor as ``tokenizer``): a tool may answer
+with image blocks (``[{"type": "image", "image": img}, {"type": "text", ...}]``); the processor expands their
+placeholders in the suffix and processes the images, which join the rollout's vision inputs (the prompt's images
+first, in sequence order) for the next turn and come back as ``extra["vision_inputs"]``; their tokens are tool
+tokens (``tool_mask`` 0).
+
 The chat template must be prefix-preserving (appending a tool message must not re-render earlier turns);
 :func:`prepare_tool_chat_template` checks it at start-up and swaps in a known training template or refuses.
 """

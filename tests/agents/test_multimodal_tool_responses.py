@@ -190,3 +190,20 @@ def test_tool_images_for_per_token_type_models_raise_a_clear_error():
     extended = {"pixel_values": torch.ones(8, 8), "mm_token_type_ids": torch.tensor([0, 1, 0, 0, 0, 1, 0])}
     with pytest.raises(ValueError, match="per-token 'mm_token_type_ids'.*Return text from the tool"):
         check_tool_image_inputs([prompt_only, extended], [[1, 2, 3], [1, 2, 3]])
+
+
+def test_tools_with_images_on_a_generation_server_are_refused(tmp_path):
+    """Server-mode tool turns with images are not wired yet: refused before training, naming the option."""
+    import pytest
+    from datasets import Dataset
+
+    from posttrain import GRPOConfig, GRPOTrainer
+
+    model, processor = build_tiny_vlm()
+    processor.chat_template = _vlm_tool_template()
+    rows = [{"prompt": [{"role": "user", "content": "What?"}], "images": [Image.new("RGB", (20, 24), RED)]}] * 2
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2, report_to="none",
+                      use_vllm=True, vllm_mode="server", max_steps=1)  # fmt: skip
+    with pytest.raises(ValueError, match="does not support tools with use_vllm=True"):
+        GRPOTrainer(model, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
+                    train_dataset=Dataset.from_list(rows), processing_class=processor, tools=[look])  # fmt: skip
