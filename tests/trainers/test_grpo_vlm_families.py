@@ -161,3 +161,8 @@ def test_image_only_qwen_processor_saves_loads_and_refuses_videos(tmp_path, fami
     )
     with pytest.raises(ValueError, match="images only"):
         loaded(text=[text], videos=[[_image(RED)]])
+
+
+def test_unknown_family_names_the_choices():
+    with pytest.raises(ValueError, match="family='pixtral' is not a tiny VLM family; choose one of llava, qwen2_vl"):
+        build_tiny_vlm(family="pixtral")
