@@ -24,6 +24,12 @@ multiplied into the loss mask and excluded from token counts; their sampling log
 ``tool_call_count``, ``tool_failure_count`` and ``completion_messages`` (the parsed conversation: assistant turns
 with ``tool_calls``, tool messages, ...), which is what conversational reward functions receive as ``completions``.
 
+Vision-language rollouts (``generate(..., vision_inputs=...)``, a processor as ``tokenizer``): a tool may answer
+with image blocks (``[{"type": "image", "image": img}, {"type": "text", ...}]``); the processor expands their
+placeholders in the suffix and processes the images, which join the rollout's vision inputs (the prompt's images
+first, in sequence order) for the next turn and come back as ``extra["vision_inputs"]``; their tokens are tool
+tokens (``tool_mask`` 0).
+
 The chat template must be prefix-preserving (appending a tool message must not re-render earlier turns);
 :func:`prepare_tool_chat_template` checks it at start-up and swaps in a known training template or refuses.
 """
@@ -104,6 +110,7 @@ class _Rollout:
     failures: int = 0
     finished: bool = False
     pending: list = field(default_factory=list)  # calls of the latest turn, not yet executed
+    vision: dict[str, Any] | None = None  # the prompt's + tool images' processor outputs (vision-language rollouts)
 
 
 def tool_metrics(call_counts: Sequence[float], failure_counts: Sequence[float]) -> dict[str, float]:
@@ -172,6 +179,8 @@ class ToolCallingBackend:
         self.eos_token_ids = {eos} if isinstance(eos, int) else set(eos or ())
         self._dummy_prefix: list[int] | None = None
         self.last_stats: dict[str, Any] = {}
+        # a processor with an image processor can show tools' image blocks to the model (multimodal tool responses)
+        self.supports_images = getattr(tokenizer, "image_processor", None) is not None
 
     def sync_weights(self, model: Any) -> None:
         """Forwarded to the inner backend."""
@@ -217,6 +226,43 @@ class ToolCallingBackend:
             )
         return full[len(prefix) :]
 
+    def tool_suffix_multimodal(self, tool_messages: list[dict[str, Any]]) -> tuple[list[int], dict[str, Any]]:
+        """Suffix ids and vision inputs for tool messages holding image blocks: the suffix *text* is the diff of two
+        renders (as :meth:`tool_suffix_ids`, cut after the dummy's last EOS), and the processor turns it and the
+        images into ids (each image placeholder expanded to the model's image tokens) plus the images' processor
+        outputs (per-token keys 1-D over the suffix)."""
+        from posttrain.data.chat_templates import render_chat
+        from posttrain.data.vision_prompts import PER_TOKEN_VISION_KEYS
+
+        tok = getattr(self.tokenizer, "tokenizer", self.tokenizer)
+        eos_text = tok.eos_token
+        prefix = render_chat(self.tokenizer, list(self._DUMMY), **self.chat_template_kwargs)
+        prefix = prefix[: prefix.rindex(eos_text) + len(eos_text)]
+        full = render_chat(
+            self.tokenizer, [*self._DUMMY, *tool_messages], add_generation_prompt=True, **self.chat_template_kwargs
+        )
+        if not full.startswith(prefix):
+            raise ValueError(
+                "Appending a tool message re-rendered the earlier turns (the chat template is not prefix-preserving "
+                "for these tool messages); use a prefix-preserving training template."
+            )
+        images = [
+            block["image"]
+            for message in tool_messages
+            if isinstance(message.get("content"), list)
+            for block in message["content"]
+            if block.get("type") == "image"
+        ]
+        processed = self.tokenizer(
+            text=[full[len(prefix) :]], images=[images], add_special_tokens=False, return_tensors="pt"
+        )
+        vision = {
+            key: (value[0] if key in PER_TOKEN_VISION_KEYS else value)
+            for key, value in processed.items()
+            if key not in ("input_ids", "attention_mask") and hasattr(value, "shape")
+        }
+        return [int(t) for t in processed["input_ids"][0].tolist()], vision
+
     def _decode_turn(self, ids: list[int]) -> str:
         end = len(ids)
         while end > 0 and ids[end - 1] in self.eos_token_ids:
@@ -241,6 +287,7 @@ class ToolCallingBackend:
         num_generations: int = 1,
         *,
         tools: Sequence[Mapping[str, Tool]] | None = None,
+        vision_inputs: Sequence[Mapping[str, Any]] | None = None,
     ) -> Completions:
         """Generate ``len(prompt_ids) * num_generations`` tool-using completions, ``[p0 g0, p0 g1, ..., p1 g0, ...]``.
 
@@ -250,6 +297,10 @@ class ToolCallingBackend:
             num_generations: Completions per prompt (the inner backend shares each prompt's prefill).
             tools: Per output row, the tools that rollout may call (e.g. its environment's methods); ``None`` =
                 this backend's ``tools`` for every row.
+            vision_inputs: A vision-language batch: per prompt, its processor outputs (``{}`` for a text-only
+                prompt). Tools may then answer with image blocks: the images join the rollout's vision inputs, the
+                next turn is generated with all of them, and their tokens are tool tokens (mask 0, never trained).
+                ``extra["vision_inputs"]`` holds each rollout's final vision inputs.
 
         Returns:
             ``Completions`` whose ``completion_ids`` hold model and tool tokens; see the module docstring for
@@ -257,13 +308,18 @@ class ToolCallingBackend:
         """
         s = sampling.resolved()
         budget = self.max_completion_length or s.max_new_tokens
-        first = self.inner.generate(prompt_ids, dataclasses.replace(s, max_new_tokens=budget), num_generations)
+        vision_kwargs = {} if vision_inputs is None else {"vision_inputs": list(vision_inputs)}
+        first = self.inner.generate(
+            prompt_ids, dataclasses.replace(s, max_new_tokens=budget), num_generations, **vision_kwargs
+        )
         n = len(first)
         if tools is not None and len(tools) != n:
             raise ValueError(f"tools has {len(tools)} entries but there are {n} rollouts; give one tool set per row.")
         row_tools = list(tools) if tools is not None else [self.tools] * n
         rollouts = [_Rollout(list(first.prompt_ids[i]), row_tools[i]) for i in range(n)]
         for i, rollout in enumerate(rollouts):
+            if vision_inputs is not None:
+                rollout.vision = vision_inputs[i // num_generations]  # shared until a tool adds images
             self._add_turn(rollout, first.completion_ids[i], _row(first.logprobs, i), first.finished[i])
 
         iterations, rolled_back = 0, 0
@@ -272,7 +328,11 @@ class ToolCallingBackend:
             acting = [r for r in rollouts if r.pending]
             if not acting:
                 break
-            outcomes = execute_tool_calls([r.pending for r in acting], [r.tools for r in acting])
+            outcomes = execute_tool_calls(
+                [r.pending for r in acting],
+                [r.tools for r in acting],
+                supports_images=self.supports_images and vision_inputs is not None,
+            )
             continuing = []
             for rollout, results in zip(acting, outcomes):
                 rollout.pending = []
@@ -280,7 +340,11 @@ class ToolCallingBackend:
                 rollout.failures += sum(o.failed for o in results)
                 tool_messages = [o.message for o in results]
                 rollout.messages.extend(tool_messages)
-                suffix = self.tool_suffix_ids(tool_messages)
+                suffix_vision = None
+                if any(isinstance(m.get("content"), list) for m in tool_messages):
+                    suffix, suffix_vision = self.tool_suffix_multimodal(tool_messages)
+                else:
+                    suffix = self.tool_suffix_ids(tool_messages)
                 total = len(rollout.ids) + len(suffix)
                 too_long = total >= budget or (
                     self.max_model_length is not None and len(rollout.prompt_ids) + total >= self.max_model_length
@@ -289,6 +353,10 @@ class ToolCallingBackend:
                     rollout.messages = rollout.messages[: len(rollout.messages) - len(tool_messages)]
                     rolled_back += 1
                     continue
+                if suffix_vision is not None:
+                    rollout.vision = _extend_vision(
+                        rollout.vision or {}, suffix_vision, len(rollout.prompt_ids) + len(rollout.ids)
+                    )
                 rollout.ids.extend(suffix)
                 rollout.mask.extend([0] * len(suffix))
                 rollout.logprobs.extend([0.0] * len(suffix))
@@ -298,7 +366,12 @@ class ToolCallingBackend:
                 break
             remaining = [budget - len(r.ids) for r in continuing]
             turn_sampling = dataclasses.replace(s, max_new_tokens=max(remaining))
-            out = self.inner.generate([r.prompt_ids + r.ids for r in continuing], turn_sampling, 1)
+            turn_vision = {}
+            if vision_inputs is not None:
+                turn_vision["vision_inputs"] = [
+                    _extend_vision(r.vision or {}, {}, len(r.prompt_ids) + len(r.ids)) for r in continuing
+                ]
+            out = self.inner.generate([r.prompt_ids + r.ids for r in continuing], turn_sampling, 1, **turn_vision)
             for k, (rollout, room) in enumerate(zip(continuing, remaining)):
                 ids, logprobs, finished = out.completion_ids[k], _row(out.logprobs, k), out.finished[k]
                 if len(ids) > room:  # the batch generated up to the largest budget; this rollout had less
@@ -322,8 +395,32 @@ class ToolCallingBackend:
                 "tool_call_count": [r.calls for r in rollouts],
                 "tool_failure_count": [r.failures for r in rollouts],
                 "completion_messages": [r.messages for r in rollouts],
+                **({"vision_inputs": [r.vision for r in rollouts]} if vision_inputs is not None else {}),
             },
         )
+
+
+def _extend_vision(vision: Mapping[str, Any], added: Mapping[str, Any], length: int) -> dict[str, Any]:
+    """A rollout's vision inputs with ``added`` (a tool suffix's processor outputs) appended at token ``length``:
+    image-level outputs concatenated after the earlier images (their order in the sequence), per-token outputs
+    zero-filled over the tokens between (generated text) and extended with the suffix's values."""
+    import torch
+
+    from posttrain.data.vision_prompts import PER_TOKEN_VISION_KEYS, collate_vision_inputs
+
+    out = dict(vision)
+    for key in PER_TOKEN_VISION_KEYS:
+        if key in out or key in added:
+            current = out.get(key)
+            if current is None:
+                current = torch.zeros(0, dtype=added[key].dtype)
+            if current.shape[0] < length:
+                current = torch.cat([current, current.new_zeros(length - current.shape[0])])
+            out[key] = torch.cat([current, added[key]]) if key in added else current
+    image_level = [{k: v for k, v in part.items() if k not in PER_TOKEN_VISION_KEYS} for part in (vision, added)]
+    # concatenated over the images, trailing dimensions zero-padded to the larger (e.g. LLaVA-NeXT's tile counts)
+    out.update(collate_vision_inputs([part for part in image_level if part], prompt_width=0))
+    return out
 
 
 def _row(logprobs: list[list[float]] | None, i: int) -> list[float] | None:

@@ -27,6 +27,7 @@ from posttrain.data.utils import is_conversational
 __all__ = [
     "PER_TOKEN_VISION_KEYS",
     "check_vision_rows",
+    "check_tool_image_inputs",
     "check_vision_setup",
     "collate_vision_inputs",
     "encode_vision_prompts",
@@ -135,6 +136,7 @@ def encode_vision_prompts(
     rows: Sequence[Mapping[str, Any]],
     processor: Any,
     chat_template_kwargs: Mapping[str, Any] | None = None,
+    tools: Sequence[Any] | None = None,
 ) -> tuple[list[Any], list[str], list[list[int]], list[dict[str, torch.Tensor]]]:
     """Multimodal prompts, their text, prompt ids and per-row vision inputs for a batch of rows with images.
 
@@ -143,7 +145,7 @@ def encode_vision_prompts(
     vision_inputs)``: the prompts with their images placed (what reward functions receive, as in TRL), the chat
     template's rendering (with the generation prompt), the processor's ids (image placeholders expanded) and, per
     row, the processor's other outputs with the batch dimension dropped for per-token keys (``{}`` for a text-only
-    row).
+    row). ``tools`` gives each row's tool schemas (agent training; a row's own ``tools`` column wins).
     """
     kwargs = dict(chat_template_kwargs or {})
     prompts: list[Any] = []
@@ -151,14 +153,19 @@ def encode_vision_prompts(
     ids: list[list[int]] = []
     inputs: list[dict[str, torch.Tensor]] = []
     for index, row in enumerate(rows):
-        if index and _same_row(row, rows[index - 1]):
+        row_tools = tools[index] if tools is not None else None
+        if index and _same_row(row, rows[index - 1]) and (tools is None or row_tools == tools[index - 1]):
             prompts.append(prompts[-1])
             texts.append(texts[-1])
             ids.append(list(ids[-1]))
             inputs.append(inputs[-1])
             continue
         prompt = prepare_vision_prompt(row, index, "batch")
-        text = _render(processor, row, prompt, kwargs, index) if is_conversational({"prompt": prompt}) else prompt
+        text = (
+            _render(processor, row, prompt, kwargs, index, row_tools)
+            if is_conversational({"prompt": prompt})
+            else prompt
+        )
         images = row_images(row)
         processed = processor(
             text=[text], images=[images] if images else None, add_special_tokens=False, return_tensors="pt"
@@ -177,19 +184,37 @@ def encode_vision_prompts(
     return prompts, texts, ids, inputs
 
 
-def _render(processor: Any, row: Mapping[str, Any], prompt: list[dict[str, Any]], kwargs: dict, index: int) -> str:
+def _render(
+    processor: Any, row: Mapping[str, Any], prompt: list[dict[str, Any]], kwargs: dict, index: int, tools: Any = None
+) -> str:
     """The prompt through the processor's chat template as text prompts are rendered (``tokenize_prompt``): the
     row's own ``tools`` / ``chat_template_kwargs`` columns honoured, a new assistant turn after a user/tool message
     or the final assistant message continued, template errors naming the row."""
     from posttrain.data.chat_templates import prompt_generation_flags
     from posttrain.data.tokenization import _RowContext
 
-    context = _RowContext(row, processor, None, kwargs, index)
+    context = _RowContext(row, processor, tools, kwargs, index)
     add_generation_prompt, continue_final = prompt_generation_flags(prompt, row=index)
     text = context.render_text(
         prompt, column="prompt", add_generation_prompt=add_generation_prompt, continue_final_message=continue_final
     )
     return text[0] if isinstance(text, list) else text
+
+
+def check_tool_image_inputs(vision_inputs: Sequence[Mapping[str, Any]], prompt_ids: Sequence[Sequence[int]]) -> None:
+    """Raise ValueError when a tool answered with images for a model whose vision inputs carry per-token types
+    (Qwen2-VL's ``mm_token_type_ids``, Gemma 3's ``token_type_ids``): the training forward places per-token values
+    over the prompt only, so such completions cannot be scored yet. Image-feature models (LLaVA, LLaVA-NeXT,
+    Idefics3/SmolVLM) need only the images in order, which the rollouts' vision inputs hold."""
+    for index, (row, ids) in enumerate(zip(vision_inputs, prompt_ids)):
+        for key in PER_TOKEN_VISION_KEYS:
+            if key in row and row[key].shape[0] > len(ids):
+                raise ValueError(
+                    f"A tool answered rollout {index} with images, and this model's vision inputs have per-token "
+                    f"{key!r} (multimodal RoPE / token types), which posttrain's training forward sets over the "
+                    "prompt only: multimodal tool responses train with image-feature models (LLaVA, LLaVA-NeXT, "
+                    "Idefics3/SmolVLM) for now. Return text from the tool for this model."
+                )
 
 
 def collate_vision_inputs(

@@ -186,7 +186,7 @@ def choose_shared_prompt_layout(model: torch.nn.Module, batch: RolloutBatch) -> 
             break  # already one pack per group: smaller caps give the same layout
     if plan is None:
         return None
-    pad_token_id = int(getattr(config, "pad_token_id", None) or 0)
+    pad_token_id = _safe_pad_token_id(config)
     return plan.materialize(
         pad_token_id=pad_token_id, device=batch["completion_ids"].device, block_attention=block_attention
     )
@@ -259,3 +259,16 @@ def _is_prompt_learning(model: torch.nn.Module) -> bool:
             return True
         model = getattr(model, "module", None)  # DDP / accelerate wrappers
     return False
+
+
+def _safe_pad_token_id(config: Any) -> int:
+    """An id to write at the packs' padding positions (masked out, but still embedded): the text model's pad id,
+    or 0 when there is none or it lies outside the embedding (a VLM's top-level config may carry a pad id of the
+    original checkpoint's vocabulary, e.g. Idefics3's default 128002, whatever the text model's size)."""
+    text_config = getattr(config, "text_config", None) or config
+    vocab_size = getattr(text_config, "vocab_size", None) or getattr(config, "vocab_size", None)
+    for source in (text_config, config):
+        pad = getattr(source, "pad_token_id", None)
+        if isinstance(pad, int) and pad >= 0 and (vocab_size is None or pad < vocab_size):
+            return pad
+    return 0

@@ -114,6 +114,8 @@ def load_processor(model: Any) -> Any:
     """The multimodal processor saved with ``model`` (a path/id, or a model's ``name_or_path``)."""
     from transformers import AutoProcessor
 
+    import posttrain.models.image_only_processors  # noqa: F401  (AutoProcessor finds posttrain's image-only ones)
+
     source = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", None)
     if not source:
         raise ValueError(

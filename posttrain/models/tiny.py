@@ -222,53 +222,49 @@ VLM_CHAT_TEMPLATE = (
 )
 
 
-def build_tiny_vlm(seed: int = 0, image_size: int = 16, patch_size: int = 8):
-    """Random tiny LLaVA (CLIP vision tower + Qwen2 text model) and its ``LlavaProcessor``; ``(model, processor)``.
+VLM_FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl", "llava_next", "gemma3", "idefics3")
 
-    The processor pairs a ``CLIPImageProcessor`` (images resized and cropped to ``image_size``) with the byte-level
-    tokenizer plus a special ``<image>`` token, which the processor expands to ``(image_size / patch_size)²`` image
-    tokens (4 by default), and carries :data:`VLM_CHAT_TEMPLATE`. Offline, deterministic from ``seed``.
+
+def vlm_chat_template(image_text: str = IMAGE_TOKEN) -> str:
+    """:data:`VLM_CHAT_TEMPLATE` with each ``{"type": "image"}`` block rendered as ``image_text`` (the family's
+    placeholder, which its processor expands)."""
+    return VLM_CHAT_TEMPLATE.replace("<image>", image_text)
+
+
+def build_tiny_vlm(seed: int = 0, image_size: int = 16, patch_size: int = 8, family: str = "llava"):
+    """A random tiny vision-language model of ``family`` and its processor; ``(model, processor)``.
+
+    ``family`` is one of :data:`VLM_FAMILIES`: ``"llava"`` (the default: CLIP vision tower + Qwen2 text model,
+    ``LlavaProcessor``), ``"qwen2_vl"`` / ``"qwen2_5_vl"`` (flattened patches with ``image_grid_thw``, multimodal RoPE,
+    per-token ``mm_token_type_ids``; processed by :mod:`posttrain.models.image_only_processors`' image-only
+    processors, because transformers' Qwen2-VL processors require a torchvision video processor), ``"llava_next"``
+    (any-resolution tiles with ``image_sizes``), ``"gemma3"`` (SigLIP + Gemma 3, ``token_type_ids``) and
+    ``"idefics3"`` (SmolVLM's architecture: SigLIP-like encoder, pixel shuffle, ``pixel_attention_mask``). Each
+    processor pairs the family's PIL image processor with the byte-level tokenizer plus the family's image tokens and
+    carries a ChatML chat template whose image blocks render as the family's placeholder. Offline, deterministic from
+    ``seed``; ``image_size`` / ``patch_size`` apply to the CLIP-based LLaVA families.
     """
+    builders = {
+        "llava": _tiny_llava,
+        "llava_next": _tiny_llava_next,
+        "qwen2_vl": _tiny_qwen2_vl,
+        "qwen2_5_vl": _tiny_qwen2_vl,
+        "gemma3": _tiny_gemma3,
+        "idefics3": _tiny_idefics3,
+    }
+    if family not in builders:
+        raise ValueError(f"family={family!r} is not a tiny VLM family; choose one of {', '.join(VLM_FAMILIES)}.")
     import torch
-    import transformers
-    from tokenizers import AddedToken
-    from transformers import CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor, Qwen2Config
 
-    tokenizer = build_tiny_tokenizer()
-    tokenizer.add_tokens([AddedToken(IMAGE_TOKEN, special=True, normalized=False)], special_tokens=True)
-    # Without torchvision, CLIPImageProcessor falls back (with a warning) to the PIL backend: use it directly.
-    image_processor_cls = getattr(transformers, "CLIPImageProcessorPil", None) or transformers.CLIPImageProcessor
-    image_processor = image_processor_cls(
-        size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size}
-    )
-    processor = LlavaProcessor(
-        image_processor=image_processor,
-        tokenizer=tokenizer,
-        patch_size=patch_size,
-        vision_feature_select_strategy="default",  # drop CLIP's CLS feature...
-        num_additional_image_tokens=1,  # ...which the processor counts here
-        chat_template=VLM_CHAT_TEMPLATE,
-        image_token=IMAGE_TOKEN,
-    )
-    vision_config = CLIPVisionConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=image_size,
-        patch_size=patch_size, projection_dim=32,
-    )  # fmt: skip
-    text_config = Qwen2Config(
-        vocab_size=((len(tokenizer) + 63) // 64) * 64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
-        use_sliding_window=False,
-    )  # fmt: skip
-    config = LlavaConfig(
-        vision_config=vision_config, text_config=text_config, image_token_index=tokenizer.convert_tokens_to_ids(
-            IMAGE_TOKEN), vision_feature_select_strategy="default", vision_feature_layer=-1,
-        projector_hidden_act="gelu", tie_word_embeddings=True,
-    )  # fmt: skip
+    kwargs = {"image_size": image_size, "patch_size": patch_size} if family.startswith("llava") else {}
+    if family.startswith("qwen"):
+        kwargs["version"] = family
+    config_fn, processor = builders[family](**kwargs)
+    tokenizer = processor.tokenizer
     rng_state = torch.random.get_rng_state()
     try:
         torch.manual_seed(seed)
-        model = LlavaForConditionalGeneration(config)
+        model = config_fn()
     finally:
         torch.random.set_rng_state(rng_state)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
@@ -277,8 +273,196 @@ def build_tiny_vlm(seed: int = 0, image_size: int = 16, patch_size: int = 8):
     return model, processor
 
 
+def _tokenizer_with(tokens: list[str]):
+    from tokenizers import AddedToken
+
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in tokens], special_tokens=True)
+    return tokenizer
+
+
+def _vocab(tokenizer) -> int:
+    return ((len(tokenizer) + 63) // 64) * 64
+
+
+def _qwen2_text(tokenizer, **extra) -> dict:
+    return dict(
+        vocab_size=_vocab(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+        use_sliding_window=False, **extra,
+    )  # fmt: skip
+
+
+def _clip_image_processor(image_processor_cls_name: str, image_size: int, **kwargs):
+    import transformers
+
+    # Without torchvision, the image processors fall back (with a warning) to the PIL backend: use it directly.
+    cls = getattr(transformers, f"{image_processor_cls_name}Pil", None) or getattr(
+        transformers, image_processor_cls_name
+    )
+    return cls(size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size}, **kwargs)
+
+
+def _clip_vision(image_size: int, patch_size: int):
+    from transformers import CLIPVisionConfig
+
+    return CLIPVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=image_size,
+        patch_size=patch_size, projection_dim=32,
+    )  # fmt: skip
+
+
+def _tiny_llava(image_size: int, patch_size: int):
+    from transformers import LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor, Qwen2Config
+
+    tokenizer = _tokenizer_with([IMAGE_TOKEN])
+    processor = LlavaProcessor(
+        image_processor=_clip_image_processor("CLIPImageProcessor", image_size),
+        tokenizer=tokenizer,
+        patch_size=patch_size,
+        vision_feature_select_strategy="default",  # drop CLIP's CLS feature...
+        num_additional_image_tokens=1,  # ...which the processor counts here
+        chat_template=VLM_CHAT_TEMPLATE,
+        image_token=IMAGE_TOKEN,
+    )
+    config = LlavaConfig(
+        vision_config=_clip_vision(image_size, patch_size), text_config=Qwen2Config(**_qwen2_text(tokenizer)),
+        image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN), vision_feature_select_strategy="default",
+        vision_feature_layer=-1, projector_hidden_act="gelu", tie_word_embeddings=True,
+    )  # fmt: skip
+    return (lambda: LlavaForConditionalGeneration(config)), processor
+
+
+def _tiny_llava_next(image_size: int, patch_size: int):
+    """LLaVA-NeXT: each image becomes a base tile plus the any-resolution grid it fits best (``image_sizes``)."""
+    from transformers import LlavaNextConfig, LlavaNextForConditionalGeneration, LlavaNextProcessor, Qwen2Config
+
+    tokenizer = _tokenizer_with([IMAGE_TOKEN])
+    pinpoints = [[image_size, image_size], [image_size, 2 * image_size], [2 * image_size, image_size]]
+    processor = LlavaNextProcessor(
+        image_processor=_clip_image_processor("LlavaNextImageProcessor", image_size, image_grid_pinpoints=pinpoints),
+        tokenizer=tokenizer,
+        patch_size=patch_size,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        chat_template=VLM_CHAT_TEMPLATE,
+        image_token=IMAGE_TOKEN,
+    )
+    config = LlavaNextConfig(
+        vision_config=_clip_vision(image_size, patch_size), text_config=Qwen2Config(**_qwen2_text(tokenizer)),
+        image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN), vision_feature_select_strategy="default",
+        vision_feature_layer=-1, image_grid_pinpoints=pinpoints, tie_word_embeddings=True,
+    )  # fmt: skip
+    return (lambda: LlavaNextForConditionalGeneration(config)), processor
+
+
+def _tiny_qwen2_vl(version: str = "qwen2_vl"):
+    """Qwen2-VL / Qwen2.5-VL: 4-pixel patches merged 2x2, images resized to 64-256 pixels."""
+    import transformers
+
+    from posttrain.models.image_only_processors import ImageOnlyQwen2_5_VLProcessor, ImageOnlyQwen2VLProcessor
+
+    names = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
+    tokenizer = _tokenizer_with(list(names))
+    ids = dict(zip(names, tokenizer.convert_tokens_to_ids(list(names))))
+    text = _qwen2_text(tokenizer, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]})
+    text["max_position_embeddings"] = 512
+    if version == "qwen2_5_vl":
+        vision = dict(
+            depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+            spatial_merge_size=2, temporal_patch_size=2, in_channels=3, window_size=8, fullatt_block_indexes=[0],
+        )  # fmt: skip
+        config_cls, model_cls = transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration
+        processor_cls = ImageOnlyQwen2_5_VLProcessor
+    else:
+        vision = dict(
+            depth=1, embed_dim=32, hidden_size=64, num_heads=2, patch_size=4, spatial_merge_size=2,
+            temporal_patch_size=2, in_chans=3,
+        )  # fmt: skip
+        config_cls, model_cls = transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration
+        processor_cls = ImageOnlyQwen2VLProcessor
+    config = config_cls(
+        text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=True,
+    )  # fmt: skip
+    image_processor = transformers.Qwen2VLImageProcessorPil(
+        min_pixels=64, max_pixels=256, patch_size=4, merge_size=2, temporal_patch_size=2
+    )
+    processor = processor_cls(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        chat_template=vlm_chat_template("<|vision_start|><|image_pad|><|vision_end|>"),
+    )
+    return (lambda: model_cls(config)), processor
+
+
+def _tiny_gemma3():
+    """Gemma 3: a SigLIP tower pooled to 4 soft tokens per 16-pixel image, ``token_type_ids`` marking them."""
+    import transformers
+
+    names = ["<start_of_image>", "<image_soft_token>", "<end_of_image>"]
+    from transformers import PreTrainedTokenizerFast
+
+    base = _tokenizer_with(names)
+    # Gemma3Processor reads the named tokens tokenizer.boi_token / image_token / eoi_token (saved with the tokenizer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=base.backend_tokenizer, bos_token=None, eos_token=base.eos_token, pad_token=base.pad_token,
+        unk_token=None, padding_side=base.padding_side, model_max_length=base.model_max_length,
+        extra_special_tokens={"boi_token": names[0], "image_token": names[1], "eoi_token": names[2]},
+    )  # fmt: skip
+    tokenizer.chat_template = base.chat_template
+    ids = dict(zip(names, tokenizer.convert_tokens_to_ids(names)))
+    text = transformers.Gemma3TextConfig(
+        vocab_size=_vocab(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512, sliding_window=64,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+    )  # fmt: skip
+    vision = transformers.SiglipVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=16, patch_size=4
+    )
+    config = transformers.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, boi_token_index=ids[names[0]],
+        eoi_token_index=ids[names[2]], image_token_index=ids[names[1]], tie_word_embeddings=True,
+    )  # fmt: skip
+    image_processor = transformers.Gemma3ImageProcessorPil(size={"height": 16, "width": 16})
+    processor = transformers.Gemma3Processor(
+        image_processor=image_processor, tokenizer=tokenizer, image_seq_length=4,
+        chat_template=vlm_chat_template(names[0]),
+    )  # fmt: skip
+    return (lambda: transformers.Gemma3ForConditionalGeneration(config)), processor
+
+
+def _tiny_idefics3():
+    """Idefics3 (SmolVLM's architecture): 16-pixel images, 4-pixel patches, pixel shuffle by 2 -> 4 tokens each."""
+    import transformers
+
+    tokenizer = _tokenizer_with(["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"])
+    text = transformers.LlamaConfig(
+        vocab_size=_vocab(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+    )  # fmt: skip
+    vision = transformers.Idefics3VisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=16, patch_size=4
+    )
+    config = transformers.Idefics3Config(
+        text_config=text, vision_config=vision, scale_factor=2,
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"), tie_word_embeddings=True,
+    )  # fmt: skip
+    image_processor = transformers.Idefics3ImageProcessorPil(
+        do_image_splitting=False, size={"longest_edge": 16}, max_image_size={"longest_edge": 16}
+    )
+    processor = transformers.Idefics3Processor(
+        image_processor=image_processor, tokenizer=tokenizer, image_seq_len=4, chat_template=VLM_CHAT_TEMPLATE
+    )
+    return (lambda: transformers.Idefics3ForConditionalGeneration(config)), processor
+
+
 def save_tiny_vlm(output_dir: str | os.PathLike, **kwargs) -> str:
-    """Build the tiny LLaVA and ``save_pretrained`` it with its processor into ``output_dir``; returns the path."""
+    """Build a tiny VLM (:func:`build_tiny_vlm`'s arguments, ``family="llava"`` by default) and ``save_pretrained``
+    it with its processor into ``output_dir``; returns the path."""
     model, processor = build_tiny_vlm(**kwargs)
     output_dir = str(output_dir)
     os.makedirs(output_dir, exist_ok=True)

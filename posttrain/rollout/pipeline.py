@@ -52,7 +52,7 @@ from posttrain.core.importance import rollout_importance_weights
 from posttrain.data.response_parsing import parse_response
 from posttrain.data.tokenization import tokenize_prompt
 from posttrain.data.utils import is_conversational
-from posttrain.data.vision_prompts import encode_vision_prompts, row_images
+from posttrain.data.vision_prompts import check_tool_image_inputs, encode_vision_prompts, row_images
 from posttrain.distributed import gather_objects, gather_rows
 from posttrain.generation.base import Completions, GenerationBackend, SamplingConfig
 from posttrain.rollout.buffer import RolloutBatch
@@ -511,7 +511,10 @@ class RolloutPipeline:
                 if (settings.multimodal and agent_batch is None) or any(row_images(row) for row in rows):
                     # images: placed in the prompts (what reward functions get, as TRL), processed once per group
                     prompts, prompt_texts, prompt_ids, vision_inputs = encode_vision_prompts(
-                        rows, self.tokenizer, settings.chat_template_kwargs
+                        rows,
+                        self.tokenizer,
+                        settings.chat_template_kwargs,
+                        agent_batch.tool_schemas if agent_batch else None,
                     )
                 else:
                     prompt_texts, prompt_ids = render_prompts(
@@ -524,7 +527,11 @@ class RolloutPipeline:
                         prompt_ids = [ids[-settings.max_prompt_length :] for ids in prompt_ids]
             with stage("generate"):
                 completions = self.generate(
-                    prompts, prompt_ids, g, agent_batch.tools if agent_batch else None, vision_inputs=vision_inputs,
+                    prompts,
+                    prompt_ids,
+                    g,
+                    agent_batch.tools if agent_batch else None,
+                    vision_inputs=vision_inputs,
                     rows=rows,
                 )
                 self.check_completions(completions, rows)
@@ -536,7 +543,11 @@ class RolloutPipeline:
                     pad_to_multiple_of=settings.pad_to_multiple_of,
                 )
                 if vision_inputs is not None:
-                    batch["vision_inputs"] = vision_inputs  # one dict per row (a group shares its prompt's)
+                    # one dict per row (a group shares its prompt's); with tools, each rollout's own when a tool
+                    # answered with images (the prompt's images, then the tools')
+                    vision_inputs = completions.extra.get("vision_inputs") or vision_inputs
+                    check_tool_image_inputs(vision_inputs, prompt_ids)
+                    batch["vision_inputs"] = vision_inputs
             with stage("decode"):
                 texts, completion_objs = self.decode(prompts, completions)
             importance = settings.importance_sampling if "sampling_per_token_logps" in batch else None

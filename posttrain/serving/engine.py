@@ -151,6 +151,8 @@ class PosttrainEngine:
         if getattr(AutoConfig.from_pretrained(model, **kwargs), "vision_config", None) is not None:
             from transformers import AutoModelForImageTextToText, AutoProcessor
 
+            import posttrain.models.image_only_processors  # noqa: F401  (image-only Qwen2-VL processors load)
+
             lm = AutoModelForImageTextToText.from_pretrained(model, dtype=torch_dtype, **kwargs)
             tokenizer = AutoProcessor.from_pretrained(model, **kwargs)
         else:

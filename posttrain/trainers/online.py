@@ -215,8 +215,10 @@ class OnlineTrainerBase(BaseTrainer):
         if train_dataset is None:
             train_dataset = self._environment_placeholder_dataset(args, environment_factory)
         model_id = model if isinstance(model, str) else None
-        if processing_class is None and self.supports_vision and any(
-            is_vision_dataset(split) for split in (train_dataset, eval_dataset) if split is not None
+        if (
+            processing_class is None
+            and self.supports_vision
+            and any(is_vision_dataset(split) for split in (train_dataset, eval_dataset) if split is not None)
         ):
             processing_class = load_processor(model)  # images: the model's processor, as TRL's AutoProcessor
         model, processing_class = self._setup_policy(model, args, processing_class, peft_config, quantization_config)
@@ -407,7 +409,8 @@ class OnlineTrainerBase(BaseTrainer):
         check_vision_setup(processing_class, unwrap_base_model(model), trainer, vision[0])
         unsupported = {
             "use_vllm=True with vllm_mode='colocate'": args.use_vllm and args.vllm_mode != "server",
-            "tools": bool(tools),
+            "tools with use_vllm=True (tool turns with images are generated in-process)": bool(tools)
+            and args.use_vllm,
             "environment_factory": environment_factory is not None,
             "rollout_func": rollout_func is not None,
             "a `_generate` override": type(self)._generate is not OnlineTrainerBase._generate,

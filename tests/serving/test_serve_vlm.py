@@ -224,23 +224,8 @@ def test_multimodal_rope_model_served_greedy_equals_in_process(tmp_path, monkeyp
     from test_grpo_vlm import _image as plain_image
     from test_grpo_vlm import _tiny_qwen2_vl
 
-    model, tok, prompt, vision = _tiny_qwen2_vl()
-
-    class ImageOnlyProcessor:  # transformers' Qwen2VLProcessor needs a video processor (torchvision)
-        model_input_names = ["input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids"]
-
-        def __init__(self):
-            import transformers
-
-            self.tokenizer = tok
-            self.image_processor = transformers.Qwen2VLImageProcessorPil(
-                min_pixels=64, max_pixels=256, patch_size=4, merge_size=2, temporal_patch_size=2
-            )
-
-        def decode(self, ids, skip_special_tokens=True):
-            return tok.decode(ids, skip_special_tokens=skip_special_tokens)
-
-    engine = PosttrainEngine(model, ImageOnlyProcessor(), "tiny-qwen2-vl")
+    model, tok, prompt, vision, processor = _tiny_qwen2_vl()  # ImageOnlyQwen2VLProcessor: no torchvision
+    engine = PosttrainEngine(model, processor, "tiny-qwen2-vl")
     rebuilt = engine.vision_inputs(prompt, [plain_image(RED)])
     assert set(rebuilt) == set(vision) and all(torch.equal(rebuilt[k], vision[k]) for k in vision)
     sampling = SamplingConfig(5, do_sample=False, eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)

@@ -434,35 +434,15 @@ def test_grpo_vlm_trains_a_lora_adapter(tmp_path):
 
 
 def _tiny_qwen2_vl():
-    """A random tiny Qwen2-VL (multimodal RoPE, flattened patches with ``image_grid_thw``) and one image's processor
-    outputs as the per-row vision inputs; built from the model and image-processor classes (no processor object:
-    transformers' Qwen2VLProcessor insists on a video processor)."""
-    import transformers
-    from tokenizers import AddedToken
-
-    tok = build_tiny_tokenizer()
-    names = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
-    tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in names], special_tokens=True)
+    """The tiny Qwen2-VL of :func:`build_tiny_vlm` (multimodal RoPE, flattened patches with ``image_grid_thw``),
+    its tokenizer, one image prompt's ids and that image's per-row vision inputs; also ``processor`` (the image-only
+    Qwen2-VL processor, no torchvision) as a fifth item."""
+    model, processor = build_tiny_vlm(family="qwen2_vl")
+    model.eval()
+    tok = processor.tokenizer
+    names = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
     ids = dict(zip(names, tok.convert_tokens_to_ids(list(names))))
-    config = transformers.Qwen2VLConfig(
-        text_config=dict(
-            vocab_size=((len(tok) + 63) // 64) * 64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
-            max_position_embeddings=512, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-        ),
-        vision_config=dict(
-            depth=1, embed_dim=32, hidden_size=64, num_heads=2, patch_size=4, spatial_merge_size=2,
-            temporal_patch_size=2, in_chans=3,
-        ),
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.Qwen2VLForConditionalGeneration(config).eval()
-    image_processor = transformers.Qwen2VLImageProcessorPil(
-        min_pixels=64, max_pixels=256, patch_size=4, merge_size=2, temporal_patch_size=2
-    )
-    pixels = image_processor(images=[_image(RED)], return_tensors="pt")
+    pixels = processor.image_processor(images=[_image(RED)], return_tensors="pt")
     n = int(pixels["image_grid_thw"].prod()) // 4
     prompt = [257, ids["<|vision_start|>"], *[ids["<|image_pad|>"]] * n, ids["<|vision_end|>"], 72, 105, 10]
     types = torch.tensor([1 if t == ids["<|image_pad|>"] else 0 for t in prompt])
@@ -471,14 +451,14 @@ def _tiny_qwen2_vl():
         "image_grid_thw": pixels["image_grid_thw"],
         "mm_token_type_ids": types,
     }
-    return model, tok, prompt, vision
+    return model, tok, prompt, vision, processor
 
 
 def test_multimodal_rope_model_scores_and_samples_with_its_images():
     """Qwen2-VL's path: the forward takes no position_ids (the model derives its 3-D positions from the images and
     the per-token types), a left-padded mixed batch scores each row as it scores alone, and the group sampler hands
     such prompts to model.generate."""
-    model, tok, prompt, vision = _tiny_qwen2_vl()
+    model, tok, prompt, vision, _ = _tiny_qwen2_vl()
     text_prompt = [257, 72, 105, 10]
     completion = [[40, 41, 42], [43, 44, 45]]
     width, pad = len(prompt), tok.pad_token_id
