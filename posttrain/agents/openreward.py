@@ -36,6 +36,7 @@ import keyword
 import os
 import re
 import textwrap
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -123,7 +124,9 @@ class OpenRewardClient:
             openreward = import_openreward()
             if self.is_url:
                 # A self-hosted server is one host: its API and its sessions share the URL (no api./sessions. hosts).
-                api = openreward.AsyncEnvironmentsAPI(base_url=self.target, api_key=self.api_key or "", api_base_url=None)
+                api = openreward.AsyncEnvironmentsAPI(
+                    base_url=self.target, api_key=self.api_key or "", api_base_url=None
+                )
                 self._env = api.get(self.env_name or "env")  # the server redirects unknown names to its default
             else:
                 os.environ.setdefault("OPENREWARD_DISABLE_UPDATE_CHECK", "1")
@@ -190,6 +193,22 @@ class OpenRewardClient:
 
 
 _OPEN_APIS: list[Any] = []
+_LIVE_SESSIONS: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _forget_sessions(sessions: list[Any]) -> None:
+    """Stop the SDK's keep-alive ping tasks of sessions whose server is gone (on the shared loop, bounded)."""
+    from posttrain.rewards.scoring import submit_coroutine
+
+    async def stop() -> None:
+        for session in sessions:
+            _LIVE_SESSIONS.discard(session)
+            task, session._ping_task = getattr(session, "_ping_task", None), None
+            if task is not None:
+                task.cancel()
+
+    with contextlib.suppress(Exception):
+        submit_coroutine(stop()).result(timeout=2.0)
 
 
 def _register_for_close(api: Any) -> None:
@@ -202,6 +221,16 @@ def _register_for_close(api: Any) -> None:
 def _close_apis() -> None:
     from posttrain.rewards.scoring import submit_coroutine
 
+    sessions = list(_LIVE_SESSIONS)
+    if sessions:  # end the sessions still open (pooled environments keep theirs until the next reset), concurrently
+
+        async def close_all() -> None:
+            await asyncio.gather(*(asyncio.wait_for(s.__aexit__(None, None, None), 2.0) for s in sessions),
+                                 return_exceptions=True)  # fmt: skip
+
+        with contextlib.suppress(Exception):
+            submit_coroutine(close_all()).result(timeout=3.0)
+        _forget_sessions(sessions)
     while _OPEN_APIS:
         api = _OPEN_APIS.pop()
         with contextlib.suppress(Exception):
@@ -264,7 +293,9 @@ class OpenRewardEnvironment:
         self._close()
         self._clear()
         if task_spec is None and (isinstance(task_index, bool) or not isinstance(task_index, int) or task_index < 0):
-            raise ValueError(f"task_index must be an integer >= 0 (the dataset's task_index column), got {task_index!r}.")
+            raise ValueError(
+                f"task_index must be an integer >= 0 (the dataset's task_index column), got {task_index!r}."
+            )
 
         async def open_session(env: Any) -> tuple[Any, str]:
             if task_spec is not None:
@@ -284,6 +315,7 @@ class OpenRewardEnvironment:
                 raise
 
         self._session, prompt = self._client.run(open_session, f"reset (task {task_index})")
+        _LIVE_SESSIONS.add(self._session)
         return prompt
 
     def _call_tool(self, name: str, arguments: dict[str, Any]) -> str:
@@ -293,6 +325,10 @@ class OpenRewardEnvironment:
             raise RuntimeError(f"{type(self).__name__}.{name} called before reset(): reset opens the ORS session.")
         try:
             output = self._client.run(lambda env: session.call_tool(name, arguments), f"tool call {name!r}")
+        except EnvironmentUnavailableError:
+            self._session = None  # the episode is lost; stop the SDK's keep-alive pings to the dead server
+            _forget_sessions([session])
+            raise
         except _refusal_types() as err:
             self.rewards.append(None)
             self.metadata.append(None)
@@ -312,8 +348,11 @@ class OpenRewardEnvironment:
         session, self._session = self._session, None
         if session is None:
             return
-        with contextlib.suppress(Exception):
+        _LIVE_SESSIONS.discard(session)
+        try:
             self._client.run(lambda env: session.__aexit__(None, None, None), "session close")
+        except Exception:  # noqa: BLE001 - the server may be gone; at least stop the pings
+            _forget_sessions([session])
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)

@@ -156,7 +156,10 @@ def test_grpo_trains_on_tasks_tools_and_rewards_from_the_server(ors_server, tiny
     # peek carries no reward (None); echo's reward is the server's: 1.0 for the short targets, 0.0 for "nope".
     assert seen["rewards"] == [[[None, 1.0]] * 4, [[None, 0.0]] * 4]
     first, second = trainer.state.log_history[0], trainer.state.log_history[1]
-    assert first["rewards/_outcome_only_reward_func/mean"] == 1.0 and second["rewards/_outcome_only_reward_func/mean"] == 0.0
+    assert (
+        first["rewards/_outcome_only_reward_func/mean"] == 1.0
+        and second["rewards/_outcome_only_reward_func/mean"] == 0.0
+    )
     assert first["rewards/server_reward/mean"] == 1.0 and second["rewards/server_reward/mean"] == 0.0
     assert first["tools/call_frequency"] == 2.0 and first["tools/failure_frequency"] == 0.0
     # The reset prompt reached the user message; tool outputs came back from the server.
@@ -228,7 +231,9 @@ def test_spec_selection_bounds_refusals_and_pickling(own_ors_server):
     # A server that stops answering: each call is bounded by timeout_s.
     own_ors_server.pause()
     start = time.monotonic()
-    with pytest.raises(EnvironmentUnavailableError, match=rf"{re.escape(url)} .*tool call 'echo': no answer within 2s"):
+    with pytest.raises(
+        EnvironmentUnavailableError, match=rf"{re.escape(url)} .*tool call 'echo': no answer within 2s"
+    ):
         copy.echo(text="reward")
     assert time.monotonic() - start < 2 + 5
     own_ors_server.resume()

@@ -139,7 +139,9 @@ class OpenRewardSpec:
                 continue
             for spec in found:
                 if spec["name"] in merged and merged[spec["name"]] != spec:
-                    logger.warning("OpenRewardSpec: tool %r differs between probe tasks; keeping the first.", spec["name"])
+                    logger.warning(
+                        "OpenRewardSpec: tool %r differs between probe tasks; keeping the first.", spec["name"]
+                    )
                 merged.setdefault(spec["name"], spec)
         if not merged:
             logger.warning("OpenRewardSpec: no task tool probe succeeded; using the environment's shared tools.")
