@@ -203,6 +203,10 @@ def test_spec_selection_bounds_refusals_and_pickling(own_ors_server):
     with pytest.raises(ValueError, match="indices must be a non-empty list"):
         OpenRewardSpec(url, indices=[-1])
     assert OpenRewardSpec(url, indices=[3, 1]).train_dataset["target"] == ["standard", "world"]
+    # A request the server rejects is a configuration error that says what to check, not an outage.
+    with pytest.raises(RuntimeError, match=r"rejected get_task\('train', 99\) with HTTP 400 .*task index") as rejected:
+        _ = OpenRewardSpec(url, indices=[99]).train_dataset
+    assert not isinstance(rejected.value, EnvironmentUnavailableError)
     assert OpenRewardSpec(url, num_tasks=10).train_dataset.num_rows == 4  # capped by the server's count
     held_out = OpenRewardSpec(url, split="test", include_metadata=False).train_dataset
     assert held_out.column_names == ["prompt", "task_index"] and held_out.num_rows == 2
@@ -218,6 +222,8 @@ def test_spec_selection_bounds_refusals_and_pickling(own_ors_server):
     assert str(inspect.signature(env.peek)) == "() -> str"
     with pytest.raises(RuntimeError, match="before reset"):
         env.echo(text="hello")
+    with pytest.raises(ValueError, match="task_index must be an integer >= 0"):
+        env.reset(task_index=-1)
     assert env.reset(task_index=0) == "Echo 'hello' to win."
     assert env.echo(text="hello") == "match" and env.finished and env.reward == 1.0
     # Errors the environment reports reach the model as the tool output, as TRL does (reward None).
