@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import copyreg
 import inspect
 import json
 import keyword
@@ -367,6 +368,19 @@ class OpenRewardEnvironment:
 _CLASSES: dict[str, type[OpenRewardEnvironment]] = {}
 
 
+class _ToolClassMeta(type):
+    """Metaclass of the per-tool-set subclasses: pickled as "the class for these tool specs" (see below)."""
+
+
+def _reduce_tool_class(cls: type) -> Any:
+    return (tool_class, (cls._tool_specs,))
+
+
+# A class made at run time cannot be pickled by reference (its name is not importable); AsyncGRPO's worker receives the
+# environment classes (pooled instances, reward columns), so pickle them as a rebuild from their tool specs.
+copyreg.pickle(_ToolClassMeta, _reduce_tool_class)
+
+
 def tool_class(tool_specs: list[dict[str, Any]]) -> type[OpenRewardEnvironment]:
     """The :class:`OpenRewardEnvironment` subclass with one method per tool spec (cached per tool set)."""
     key = json.dumps(tool_specs, sort_keys=True, default=str)
@@ -376,7 +390,7 @@ def tool_class(tool_specs: list[dict[str, Any]]) -> type[OpenRewardEnvironment]:
             method = _tool_method(spec)
             if method is not None:
                 namespace[spec["name"]] = method
-        _CLASSES[key] = type("OpenRewardEnvironment", (OpenRewardEnvironment,), namespace)
+        _CLASSES[key] = _ToolClassMeta("OpenRewardEnvironment", (OpenRewardEnvironment,), namespace)
     return _CLASSES[key]
 
 

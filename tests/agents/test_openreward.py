@@ -9,21 +9,17 @@ the protocol.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import inspect
 import os
 import pickle
 import re
-import signal
-import subprocess
 import sys
-import threading
 import time
-from pathlib import Path
 
 import pytest
-from agent_helpers import call, last_user, scripted_sampler, tool_responses
+from agent_helpers import last_user, scripted_sampler, tool_responses
+from openreward_helpers import OrsServer, peek_then_echo
 
 from posttrain import GRPOConfig, GRPOTrainer
 from posttrain.agents.tools import EnvironmentUnavailableError
@@ -32,53 +28,8 @@ HAVE_OPENREWARD = importlib.util.find_spec("openreward") is not None
 needs_openreward = pytest.mark.skipif(
     not HAVE_OPENREWARD, reason='the openreward package is not installed (pip install "posttrain[openreward]")'
 )
-SERVER = Path(__file__).resolve().parents[2] / "examples" / "openreward" / "echo_env.py"
-STARTUP_S = 120.0  # importing the SDK + uvicorn on a loaded 2-core machine
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-
-
-class OrsServer:
-    """The example ORS server as a subprocess on 127.0.0.1 (a free port, read from its ``PORT <n>`` line)."""
-
-    def __init__(self) -> None:
-        env = {**os.environ, "OPENREWARD_DISABLE_UPDATE_CHECK": "1"}
-        self.process = subprocess.Popen(
-            [sys.executable, str(SERVER), "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env=env,
-        )  # fmt: skip
-        got: dict[str, str] = {}
-        ready = threading.Event()
-
-        def read() -> None:
-            got["line"] = self.process.stdout.readline()
-            ready.set()
-
-        threading.Thread(target=read, daemon=True).start()
-        if not ready.wait(STARTUP_S) or not got.get("line", "").startswith("PORT "):
-            self.stop()
-            raise RuntimeError(f"ORS server did not start: {got.get('line')!r}")
-        self.port = int(got["line"].split()[1])
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def pause(self) -> None:
-        os.kill(self.process.pid, signal.SIGSTOP)
-
-    def resume(self) -> None:
-        os.kill(self.process.pid, signal.SIGCONT)
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            os.kill(self.process.pid, signal.SIGKILL)
-        self.process.wait(timeout=30)
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.resume()
-            self.kill()
-        for stream in (self.process.stdout, self.process.stderr):
-            stream.close()
 
 
 @pytest.fixture(scope="module")
@@ -116,18 +67,6 @@ def _use_script(trainer, script):
     sampler, _, scripted = scripted_sampler(script, tokenizer=trainer.processing_class)
     trainer.backend.inner = sampler
     return scripted
-
-
-def peek_then_echo(context: str) -> str:
-    """Peek (no reward), then echo: the target when it has at most 5 letters, a wrong word otherwise; then stop."""
-    responses = tool_responses(context)
-    target = re.search(r"Echo '(\w+)' to win\.", last_user(context)).group(1)
-    if not responses:
-        return call("peek", "{}")
-    if len(responses) == 1:
-        word = target if int(responses[0]) <= 5 else "nope"
-        return call("echo", f'{{"text": "{word}"}}')
-    return "Done."
 
 
 @needs_openreward
@@ -232,6 +171,7 @@ def test_spec_selection_bounds_refusals_and_pickling(own_ors_server):
     # A copy (what AsyncGRPO's worker receives) keeps the tools, drops the session and opens its own on reset.
     copy = pickle.loads(pickle.dumps(env))
     assert copy._session is None and callable(copy.echo)
+    assert pickle.loads(pickle.dumps(type(env))) is type(env)  # the per-tool-set class itself (AsyncGRPO's worker)
     assert pickle.loads(pickle.dumps(spec.environment_factory))().reset(task_index=1) == "Echo 'world' to win."
     assert copy.reset(task_index=2) == "Echo 'reward' to win." and copy.reward == 0.0 and copy.rewards == []
     # A server that stops answering: each call is bounded by timeout_s.
