@@ -7,6 +7,8 @@
 - ``environments``: ``environment_factory`` — one instance per rollout, ``reset``, methods as tools, ``get_reward``;
 - ``openenv``: ``OpenEnvSession``, a synchronous, bounded, picklable handle on an OpenEnv client for use inside an
   ``environment_factory`` class (optional extra ``posttrain[openenv]``);
+- ``openreward``: Open Reward Standard sessions (tasks, tools and per-call rewards served over HTTP + SSE) behind
+  ``posttrain.experimental.openreward.OpenRewardSpec`` (optional extra ``posttrain[openreward]``);
 - ``loop``: ``ToolCallingBackend``, the multi-turn loop as a generation-backend wrapper, and ``AgentRollout``, the
   trainer-side glue.
 
@@ -42,6 +44,8 @@ _LAZY = {
     "prepare_tool_chat_template": "posttrain.agents.loop",
     "tool_metrics": "posttrain.agents.loop",
     "OpenEnvSession": "posttrain.agents.openenv",
+    "OpenRewardClient": "posttrain.agents.openreward",
+    "OpenRewardEnvironment": "posttrain.agents.openreward",
 }
 
 __all__ = sorted(_LAZY)
