@@ -142,10 +142,19 @@ class OpenEnvSession:
             future.cancel()
             self._drop_connection()
             reason = f"no answer within {self.timeout_s:g}s" if isinstance(err, TimeoutError) else _describe(err)
+            hint = ""
+            if what == "reset" and type(err).__name__ == "ConnectionClosedOK":
+                # A server at its session limit sends CAPACITY_REACHED and closes; on a loaded machine the close can
+                # reach the client before that message does, leaving only the normal (1000) close.
+                hint = (
+                    " The server closed the session normally as it opened, which is what an OpenEnv server at its "
+                    "session limit does: it may have refused a new session, so serve the environment with "
+                    "max_concurrent_envs >= the rollouts per generation batch."
+                )
             raise EnvironmentUnavailableError(
                 f"OpenEnv server at {self.url} is unavailable during {what}: {reason}. Check that the environment "
                 "server is running and reachable; the episode in progress (if any) is lost, and the next reset "
-                "reconnects."
+                f"reconnects.{hint}"
             ) from err
 
     def _drop_connection(self) -> None:

@@ -189,7 +189,8 @@ def test_a_server_with_too_few_sessions_says_how_many_are_needed():
         second = OpenEnvSession(GuessClient(base_url=server.url), timeout_s=20)
         assert first.reset(seed=1).observation.guesses_left == 4
         start = time.monotonic()
-        with pytest.raises(EnvironmentUnavailableError, match=r"refused a new session .*max_concurrent_envs >= the"):
+        # the CAPACITY_REACHED answer, or (when the server's close overtakes it on a loaded machine) the normal close
+        with pytest.raises(EnvironmentUnavailableError, match=r"refused a new session.*max_concurrent_envs >= the"):
             second.reset(seed=1)
         assert time.monotonic() - start < 20  # refused at once, not retried
         first.close()
