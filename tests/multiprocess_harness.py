@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 from collections import Counter
@@ -26,13 +25,6 @@ SGD_ARGS.update(optim="sgd", learning_rate=0.5, lr_scheduler_type="constant", gr
 COMPLETIONS = ["a", "bb bb", "ccc ccc ccc", "d"]
 
 
-def free_port() -> int:
-    """A free loopback TCP port for torchrun's rendezvous."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch_two_processes(script: str, args: Sequence[str], timeout: float = 240) -> None:
     """Run ``script ARGS...`` under ``torchrun --nproc_per_node 2`` (gloo on CPU); fail with its stderr tail."""
     pythonpath = os.pathsep.join(p for p in (HERE, os.path.dirname(script), os.environ.get("PYTHONPATH")) if p)
@@ -45,7 +37,10 @@ def launch_two_processes(script: str, args: Sequence[str], timeout: float = 240)
         "PYTHONPATH": pythonpath,
     }
     env.pop("ACCELERATE_USE_CPU", None)  # BaseConfig must pick MULTI_CPU by itself under torchrun on CPU
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
+    # --standalone: torchrun binds its rendezvous store to a port of its own choosing (port 0) instead of one picked
+    # here and bound later, which another test's server could take in between (the rank then met a stranger's
+    # socket and aborted: "terminate called without an active exception")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     proc = subprocess.run([*cmd, script, *args], env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-6000:]
 
