@@ -8,16 +8,12 @@ openenv-core's ``Environment`` / ``create_app``); the classes wrap its ``EnvClie
 
 from __future__ import annotations
 
-import contextlib
-import os
 import re
-import signal
-import subprocess
 import sys
-import threading
 from pathlib import Path
 
 from agent_helpers import call, last_user, tool_responses
+from server_process import ServerProcess
 
 from posttrain.agents.openenv import OpenEnvSession
 
@@ -26,8 +22,6 @@ if str(EXAMPLES) not in sys.path:
     sys.path.insert(0, str(EXAMPLES))
 
 from envs import EchoAction, EchoClient, GuessAction, GuessClient, secret_for  # noqa: E402
-
-STARTUP_S = 120.0  # importing openenv-core + uvicorn on a loaded 2-core machine
 
 __all__ = [
     "EchoToolEnv",
@@ -41,46 +35,12 @@ __all__ = [
 ]
 
 
-class Server:
-    """An OpenEnv environment server subprocess on 127.0.0.1 (a free port, read from its ``PORT <n>`` line)."""
+class Server(ServerProcess):
+    """An OpenEnv environment server (``examples/openenv/envs.py``) as a subprocess on 127.0.0.1, on a free port."""
 
     def __init__(self, env: str, max_sessions: int = 64, port: int = 0):
-        self.process = subprocess.Popen(
-            [sys.executable, str(EXAMPLES / "envs.py"), env, "--port", str(port), "--max-sessions", str(max_sessions)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        got: dict[str, str] = {}
-        ready = threading.Event()
-
-        def read() -> None:
-            got["line"] = self.process.stdout.readline()
-            ready.set()
-
-        threading.Thread(target=read, daemon=True).start()
-        if not ready.wait(STARTUP_S) or not got.get("line", "").startswith("PORT "):
-            self.stop()
-            raise RuntimeError(f"OpenEnv {env} server did not start: {got.get('line')!r} {self.process.stderr.read()}")
-        self.port = int(got["line"].split()[1])
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def pause(self) -> None:
-        os.kill(self.process.pid, signal.SIGSTOP)
-
-    def resume(self) -> None:
-        os.kill(self.process.pid, signal.SIGCONT)
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            os.kill(self.process.pid, signal.SIGKILL)
-        self.process.wait(timeout=30)
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.resume()  # in case a test paused it
-            self.kill()
-        for stream in (self.process.stdout, self.process.stderr):
-            stream.close()
+        cmd = [sys.executable, str(EXAMPLES / "envs.py"), env, "--port", str(port), "--max-sessions", str(max_sessions)]
+        super().__init__(cmd, f"OpenEnv {env}")
 
 
 class EchoToolEnv:
