@@ -6,6 +6,7 @@ posttrain[vllm]``). ``posttrain vllm-serve`` takes TRL's ``trl vllm-serve`` flag
 ``--tensor_parallel_size``, ``--gpu_memory_utilization``, ``--host`` 0.0.0.0, ...) and starts the same server with
 the vLLM engine where vLLM and a GPU are available (``--backend auto``; otherwise the posttrain engine, said in the
 log). Both accept ``--config recipe.yaml`` and dashed spellings; both shut down gracefully on SIGTERM / Ctrl-C.
+``--data_parallel_size N`` starts N replicas of the engine on consecutive ports (``posttrain.cli.serve_replicas``).
 """
 
 from __future__ import annotations
@@ -62,8 +63,20 @@ class ServeArguments(_EngineOptions):
     model: str | None = field(default=None, metadata={"help": "Model path or hub id (required)."})
     host: str = field(default="127.0.0.1", metadata={"help": "Address to bind."})
     port: int = field(default=8000, metadata={"help": "Port to bind."})
+    data_parallel_size: int = field(
+        default=1,
+        metadata={"help": "Engine replicas on this machine, one process each on ports port..port+N-1 (seeds "
+                  "seed..seed+N-1); train against all of them with vllm_server_base_urls."},
+    )
 
     def __post_init__(self):
+        if self.data_parallel_size < 1:
+            raise ValueError(f"--data_parallel_size must be >= 1, got {self.data_parallel_size}.")
+        if self.data_parallel_size > 1 and self.port == 0:
+            raise ValueError(
+                "--port 0 cannot be combined with --data_parallel_size > 1: replicas listen on consecutive ports "
+                "port, port+1, ...; give a fixed --port."
+            )
         if not self.model:
             raise ValueError("--model is required: the path or hub id of the model to serve.")
         if self.backend not in ("posttrain", "vllm", "auto"):
@@ -79,16 +92,7 @@ class VLLMServeArguments(ServeArguments):
         default="auto",
         metadata={"help": "'auto' (vLLM when installed and a GPU is visible, else posttrain), 'vllm', 'posttrain'."},
     )
-    data_parallel_size: int = field(default=1, metadata={"help": "TRL's data parallel workers; only 1 is supported."})
     distributed_executor_backend: str | None = field(default=None, metadata={"help": "vLLM executor (e.g. ray)."})
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.data_parallel_size != 1:
-            raise ValueError(
-                f"--data_parallel_size {self.data_parallel_size} is not supported (TRL discourages it for dense models "
-                "too); start one server per GPU group instead."
-            )
 
 
 def _vllm_usable() -> bool:
@@ -142,6 +146,10 @@ def _main(verb: str, argv: list[str], args_class: type) -> int:
             raise ImportError(f"posttrain {verb} needs {err.name}: pip install posttrain[serve].") from err
         (args,) = parser.parse_args_and_config(argv)
         logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
+        if args.data_parallel_size > 1:
+            from posttrain.cli.serve_replicas import run_replicas
+
+            return run_replicas(verb, argv, args)
         from posttrain.serving.app import run_server
 
         engine = build_engine(args)

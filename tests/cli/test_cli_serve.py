@@ -92,7 +92,9 @@ def test_serve_option_errors(run_cli):
     assert code == 2 and "--model is required" in stderr
     code, _, stderr = run_cli("serve", "--model", "x", "--backend", "tgi")
     assert code == 2 and "--backend" in stderr
-    code, _, stderr = run_cli("vllm-serve", "--model", "x", "--data_parallel_size", "2")
-    assert code == 2 and "data_parallel_size" in stderr
+    code, _, stderr = run_cli("vllm-serve", "--model", "x", "--data_parallel_size", "0")
+    assert code == 2 and "--data_parallel_size must be >= 1" in stderr
+    code, _, stderr = run_cli("serve", "--model", "x", "--data_parallel_size", "2", "--port", "0")
+    assert code == 2 and "--port 0 cannot be combined" in stderr
     code, stdout, _ = run_cli("--help")
     assert "serve" in stdout and "vllm-serve" in stdout
