@@ -261,21 +261,33 @@ _RESERVED_TARGETS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
+def bind_target_problem(target: str, python_dirs: list[str] | None = None) -> str | None:
+    """Why ``target`` cannot be a :class:`Bind` target (None when it can): not a normalised absolute path, or it
+    overlaps a path the sandbox sets up itself (the system directories, ``/tmp``, ``/sandbox``, the Python)."""
+    norm = os.path.normpath(target) if isinstance(target, str) else ""
+    if not norm.startswith("/") or norm == "/" or norm != target.rstrip("/"):
+        return f"Bind target {target!r} must be a normalised absolute path, used once."
+    system = [*_RESERVED_TARGETS, *(python_dirs if python_dirs is not None else _python_dirs())]
+    if any(norm == r or norm.startswith(r.rstrip("/") + "/") or r.startswith(norm + "/") for r in system):
+        return (
+            f"Bind target {target!r} overlaps a path the sandbox sets up itself ({', '.join(system)}); pick another, "
+            "e.g. '/workdir'."
+        )
+    return None
+
+
 def _check_binds(binds: tuple[Bind, ...]) -> None:
     python_dirs = _python_dirs()
     seen: set[str] = set()
     for bind in binds:
         if not isinstance(bind, Bind):
             raise TypeError(f"binds must hold posttrain.rewards.sandbox.Bind objects, got {type(bind).__name__}.")
+        problem = bind_target_problem(bind.target, python_dirs)
+        if problem is not None:
+            raise ValueError(problem)
         target = os.path.normpath(bind.target)
-        if not os.path.isabs(bind.target) or target == "/" or target != bind.target.rstrip("/") or target in seen:
+        if target in seen:
             raise ValueError(f"Bind target {bind.target!r} must be a normalised absolute path, used once.")
-        system = [*_RESERVED_TARGETS, *python_dirs]
-        if any(target == r or target.startswith(r.rstrip("/") + "/") or r.startswith(target + "/") for r in system):
-            raise ValueError(
-                f"Bind target {bind.target!r} overlaps a path the sandbox sets up itself ({', '.join(system)}); "
-                "pick another, e.g. '/workdir'."
-            )
         if not os.path.isdir(bind.source) or os.path.islink(bind.source):
             raise ValueError(f"Bind source {bind.source!r} is not a directory (symlinks are refused).")
         if _is_root() and not _world_reachable(bind.source):

@@ -24,7 +24,9 @@ from posttrain.experimental.harbor import (
     HarborVerifierError,
     SandboxLimits,
 )
+from posttrain.experimental.harbor._local import plan_workspace
 from posttrain.experimental.harbor._spec import _outcome_reward_func, resolve_agent
+from posttrain.experimental.harbor._task import load_task
 
 BW = "bubblewrap"
 
@@ -137,18 +139,26 @@ def test_tasks_the_sandbox_cannot_run_are_refused_before_training(tmp_path):
     )
     make_task(tmp_path, "remote", "true\n", dockerfile="FROM x\nWORKDIR /workdir\nADD https://x.org/f.txt .\n")
     make_task(tmp_path, "shebang", "#!/opt/nowhere/bin/zsh\ntrue\n")
+    make_task(tmp_path, "workdir-tmp", "true\n", dockerfile="FROM x\nWORKDIR /tmp/app\n")
     expected = {
         "downloads": r"tests/test.sh line 1 runs 'curl', which needs the network",
         "installs": r"tests/test.sh line 3 runs 'pip'",
         "outside": r"copies to /opt/data.csv, outside the workspace /workdir",
         "remote": r"downloads https://x.org/f.txt; the bubblewrap sandbox has no network",
         "shebang": r"interpreter '/opt/nowhere/bin/zsh' is not on this host",
+        "workdir-tmp": r"WORKDIR /tmp/app cannot hold the workspace .*overlaps a path the sandbox sets up",
     }
     for index, (name, message) in enumerate(sorted(expected.items())):
         with pytest.raises(HarborTaskError, match=rf"Harbor task '{name}'.*{message}"):
             _ = HarborSpec(tmp_path, environment_type=BW, indices=[index]).train_dataset
     # The same suite is fine for Harbor's own backends, which build the Dockerfile (no local check).
-    assert HarborSpec(tmp_path).train_dataset.num_rows == 5
+    assert HarborSpec(tmp_path).train_dataset.num_rows == 6
+    # Copies are placed against the final WORKDIR (the workspace the agent gets), as the image would have them.
+    ok = make_task(tmp_path / "ok", "late-workdir", "true\n", dockerfile="COPY a.txt /srv/\nWORKDIR /srv\n",
+                   files={"a.txt": "a"})  # fmt: skip
+    plan = plan_workspace(load_task(ok))
+    assert plan.workdir == "/srv" and plan.copies == ((ok / "environment" / "a.txt", "a.txt"),)
+    assert plan.ignored == ()
 
 
 def test_harbor_backends_need_the_harbor_package_and_say_how_to_install_it(monkeypatch):

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from posttrain.experimental.harbor._task import HarborTask, HarborTaskError
-from posttrain.rewards.sandbox import Bind, SandboxResult, run_files
+from posttrain.rewards.sandbox import Bind, SandboxResult, bind_target_problem, run_files
 
 logger = logging.getLogger(__name__)
 
@@ -150,16 +150,8 @@ def plan_workspace(task: HarborTask) -> _Plan:
                     "(multi-stage or malformed copy); use environment_type='docker' with the harbor package."
                 )
             *sources, dest = parts
-            dest_abs = dest if dest.startswith("/") else str(PurePosixPath(workdir) / dest)
-            dest_norm = os.path.normpath(dest_abs)
-            if not (dest_norm == workdir or dest_norm.startswith(workdir.rstrip("/") + "/")):
-                raise HarborTaskError(
-                    f"Harbor task {task.name!r}: Dockerfile line {line!r} copies to {dest_abs}, outside the "
-                    f"workspace {workdir}; the bubblewrap backend has a read-only root and can only place files in "
-                    "the workspace. Copy them under WORKDIR, or use environment_type='docker' with harbor."
-                )
-            rel = os.path.relpath(dest_norm, workdir)
-            into_dir = dest.endswith("/") or len(sources) > 1
+            dest_abs = os.path.normpath(dest if dest.startswith("/") else str(PurePosixPath(workdir) / dest))
+            into_dir = dest.endswith("/") or dest in (".", "./") or len(sources) > 1
             for source in sources:
                 if "://" in source:
                     raise HarborTaskError(
@@ -172,16 +164,21 @@ def plan_workspace(task: HarborTask) -> _Plan:
                         f"Harbor task {task.name!r}: Dockerfile line {line!r} copies {source!r}, which is not a "
                         "file or directory inside environment/."
                     )
-                if local.is_dir():
-                    target = rel  # COPY dir dst copies the directory's contents into dst
-                elif into_dir or (task.environment_dir / source).is_dir():
-                    target = os.path.join(rel, local.name)
-                else:
-                    target = rel
-                copies.append((local, os.path.normpath(target)))
+                # a directory's contents go into the destination; a file into it (when it names a directory)
+                target = dest_abs if local.is_dir() or not into_dir else os.path.join(dest_abs, local.name)
+                copies.append((line, local, target))
         else:
             ignored.append(keyword)
-    return _Plan(workdir, tuple(copies), tuple(ignored))
+    placed = []
+    for line, local, target in copies:  # checked against the final WORKDIR: the workspace the agent gets
+        if not (target == workdir or target.startswith(workdir.rstrip("/") + "/")):
+            raise HarborTaskError(
+                f"Harbor task {task.name!r}: Dockerfile line {line!r} copies to {target}, outside the workspace "
+                f"{workdir}; the bubblewrap backend has a read-only root and can only place files in the workspace. "
+                "Copy them under WORKDIR, or use environment_type='docker' with the harbor package."
+            )
+        placed.append((local, os.path.relpath(target, workdir)))
+    return _Plan(workdir, tuple(placed), tuple(ignored))
 
 
 _INSTALLERS = re.compile(
@@ -197,6 +194,16 @@ def check_supported(task: HarborTask) -> _Plan:
         HarborTaskError: naming the task and what it needs that the sandbox lacks.
     """
     plan = plan_workspace(task)
+    problem = bind_target_problem(plan.workdir)
+    if problem is not None or any(
+        plan.workdir == p or plan.workdir.startswith(p + "/") or p.startswith(plan.workdir + "/")
+        for p in (TESTS_DIR, VERIFIER_DIR)
+    ):
+        raise HarborTaskError(
+            f"Harbor task {task.name!r}: its Dockerfile's WORKDIR {plan.workdir} cannot hold the workspace in the "
+            f"bubblewrap sandbox ({problem or 'it overlaps /tests or /logs/verifier'}). Use a directory such as "
+            f"{DEFAULT_WORKDIR}."
+        )
     script = (task.tests_dir / "test.sh").read_text(encoding="utf-8", errors="replace")
     match = _INSTALLERS.search(script)
     if match:
