@@ -7,6 +7,7 @@ that it cannot read the host's files, reach a listener on 127.0.0.1, or forge th
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import select
@@ -288,11 +289,23 @@ def test_the_agent_cannot_forge_the_verifiers_reward():
     env.bash("setsid sh -c 'while :; do echo 1 > /logs/verifier/reward.txt 2>/dev/null; sleep 0.01; done' "
              ">/dev/null 2>&1 < /dev/null & echo started")  # fmt: skip
     assert env.reward == 0.0  # the verifier's own verdict: hello.txt was never written
+    # fix-mean's verifier imports the agent's stats.py; code planted there that writes the reward (at import, and
+    # from a daemon) is outrun: the verifier kills what is left and writes its verdict last.
+    env = _bash_env(EXAMPLE_TASKS / "fix-mean")
+    planted = (
+        "import subprocess\n"
+        "open('/logs/verifier/reward.txt', 'w').write('1')\n"
+        "subprocess.Popen(['sh', '-c', 'while :; do echo 1 > /logs/verifier/reward.txt; done'], "
+        "start_new_session=True)\n"
+        "def mean(values):\n    return 0\n"
+    )
+    assert env.bash(f"cat > stats.py << 'EOF'\n{planted}EOF\necho ok") == "ok\n"
+    assert env.reward == 0.0
 
 
 @needs_bwrap
 @pytest.mark.usefixtures("sandbox_lock")
-def test_the_reward_file_is_read_outside_and_validated(tmp_path):
+def test_the_reward_file_is_read_outside_and_validated(tmp_path, caplog):
     cases = {
         "json": ("echo '{\"reward\": 0.75, \"extra\": \"x\"}' > /logs/verifier/reward.json", 0.75),
         "json-first": ("echo '{\"note\": \"x\", \"accuracy\": 0.25}' > /logs/verifier/reward.json", 0.25),
@@ -311,13 +324,19 @@ def test_the_reward_file_is_read_outside_and_validated(tmp_path):
         "list": ("echo '[1]' > /logs/verifier/reward.json", r"reward.json must be an object"),
         "empty": (": > /logs/verifier/reward.txt", r"/logs/verifier/reward.txt is empty"),
         "link": ("ln -s /etc/hostname /logs/verifier/reward.txt", r"reward.txt is not a regular file"),
-        "slow": ("sleep 30", r"the verifier timed out after 1 s"),
     }
     for name, (script, message) in failures.items():
         toml = "[verifier]\ntimeout_sec = 1.0\n" if name == "slow" else 'version = "1.0"\n'
         env = _bash_env(make_task(tmp_path, name, script + "\n", toml=toml))
         with pytest.raises(HarborVerifierError, match=rf"(?s)Harbor task '{name}' .*{message}"):
             _ = env.reward
+    # A verifier past its timeout scores 0 (what it runs may be the agent's endless loop): training goes on.
+    slow = make_task(
+        tmp_path, "slow", "echo 1 > /logs/verifier/reward.txt; sleep 30\n", toml="[verifier]\ntimeout_sec = 1.0\n"
+    )
+    with caplog.at_level(logging.WARNING, logger="posttrain.experimental.harbor"):
+        assert _bash_env(slow).reward == 0.0
+    assert "Harbor task 'slow': the verifier timed out after 1 s; the rollout scores 0.0." in caplog.text
 
 
 @needs_bwrap

@@ -16,6 +16,9 @@ What a task gets (beyond TRL, which needs Harbor's container backends):
   ``/tests`` (read-only; the agent never sees them) and a fresh, empty ``/logs/verifier`` that exists only for that
   run, so nothing the agent did can pre-write the reward. The reward file is read *outside* the sandbox (never
   following a link, size-capped) and validated: a finite float, else :class:`HarborVerifierError` naming the task.
+  A verifier past its timeout scores 0.0. Caveat (as in Harbor's containers): a verifier that *executes* the
+  agent's code (imports a module the agent edited, runs its script) gives that code the verifier's rights, including
+  writing the reward; verifiers that only read the agent's outputs cannot be forged.
 """
 
 from __future__ import annotations
@@ -410,7 +413,10 @@ class BubblewrapSandbox:
         """Run ``tests/test.sh`` once in a fresh sandbox and return the reward it wrote (read and checked here).
 
         Raises:
-            HarborVerifierError: no reward file, an unreadable or non-finite reward, or a verifier that timed out.
+            HarborVerifierError: no reward file, or an unreadable or non-finite reward (a bug of the task's verifier).
+
+        A verifier that runs past its timeout scores 0.0 (logged): what it runs may be the agent's code (an endless
+        loop in a function the tests call), which must not stop training.
         """
         if self.closed:
             raise RuntimeError("This Harbor sandbox is closed; reset the environment first.")
@@ -434,7 +440,12 @@ class BubblewrapSandbox:
         )
         output = _read_capped(os.path.join(logs, "test-stdout.txt"), 4000, tail=True) or ""
         if result.status == "timeout":
-            raise self._verifier_error(f"the verifier timed out after {self.verifier_timeout_s:g} s", output)
+            logger.warning(
+                "Harbor task %r: the verifier timed out after %g s; the rollout scores 0.0.",
+                self.task.name,
+                self.verifier_timeout_s,
+            )
+            return 0.0
         if result.status == "sandbox_error":
             raise self._verifier_error(f"the sandbox failed to start: {result.stderr.strip()}", output)
         return self._read_reward(logs, output)
