@@ -37,6 +37,10 @@ root and non-root callers:
     the working directory. Audit hooks are not a security boundary; use it for honest mistakes only. As root it
     switches to a per-run uid and refuses to run when it cannot (model code never runs as root).
 
+``run_files(..., binds=[Bind(host_dir, "/workdir", writable=True)], env=..., cwd="/workdir")`` additionally shows
+chosen host directories at chosen paths (read-only unless ``writable``; handed to the run's uid as root), for
+environments whose state outlives one run (the Harbor backend: one run per shell command over a kept workspace).
+
 Not enforced: CPU share (no cpu controller; ``RLIMIT_CPU`` per process and the wall-clock timeout bound it),
 read access to ``/usr`` and the Python installation, and timing side channels.
 """
