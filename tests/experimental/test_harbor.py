@@ -17,6 +17,7 @@ import sys
 import pytest
 from harbor_helpers import EXAMPLE_TASKS, HARNESSES, TASK_NAMES, make_task, needs_bwrap, solution
 
+from posttrain.agents.environments import EnvironmentPool, environment_tool_names
 from posttrain.experimental.harbor import (
     HarborBashEnv,
     HarborEnv,
@@ -76,6 +77,15 @@ def test_agents_resolve_from_names_import_paths_files_and_classes():
     assert resolve_agent("posttrain.experimental.harbor:HarborBashEnv") is HarborBashEnv
     jupyter = resolve_agent(f"{HARNESSES}:JupyterEnv")
     assert issubclass(jupyter, HarborEnv) and jupyter.__name__ == "JupyterEnv"
+    # The tools GRPO sees: public methods only (reset, the reward and task properties, _exec and _setup are not).
+    assert environment_tool_names(HarborBashEnv) == ["bash"]
+    assert environment_tool_names(jupyter) == ["add_and_execute_code_cell", "execute_shell_command"]
+    assert environment_tool_names(resolve_agent(f"{HARNESSES}:TerminalNotesEnv")) == [
+        "append_note", "create_note", "list_note", "read_note", "shell_exec", "shell_kill_process", "shell_view",
+        "shell_wait", "shell_write_content_to_file", "shell_write_to_process",
+    ]  # fmt: skip
+    pool = EnvironmentPool(HarborSpec(EXAMPLE_TASKS, agent=jupyter, environment_type=BW).environment_factory)
+    assert pool.reward_functions() == []  # no get_reward: the spec's reward_funcs read env.reward
 
     class Mine(HarborEnv):
         pass
