@@ -37,6 +37,10 @@ root and non-root callers:
     the working directory. Audit hooks are not a security boundary; use it for honest mistakes only. As root it
     switches to a per-run uid and refuses to run when it cannot (model code never runs as root).
 
+``run_files(..., binds=[Bind(host_dir, "/workdir", writable=True)], env=..., cwd="/workdir")`` additionally shows
+chosen host directories at chosen paths (read-only unless ``writable``; handed to the run's uid as root), for
+environments whose state outlives one run (the Harbor backend: one run per shell command over a kept workspace).
+
 Not enforced: CPU share (no cpu controller; ``RLIMIT_CPU`` per process and the wall-clock timeout bound it),
 read access to ``/usr`` and the Python installation, and timing side channels.
 """
@@ -47,6 +51,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import selectors
 import shlex
 import shutil
@@ -232,6 +237,78 @@ class SandboxResult:
     @property
     def ok(self) -> bool:
         return self.status == "ok"
+
+
+@dataclass(frozen=True)
+class Bind:
+    """A host directory made visible inside a bubblewrap sandbox at ``target``.
+
+    Used by environments whose state outlives one program run (e.g. a Harbor task's workspace, one sandboxed run
+    per shell command). Read-only unless ``writable``; a writable bind is on the host's disk, so its size is bounded
+    only by ``max_file_mb`` per file and the run's timeout: callers check its size between runs. As root, a writable
+    bind's tree is handed to the run's unprivileged uid first (``lchown``, symlinks never followed), and every
+    bind's source must be reachable by other users (the unprivileged bubblewrap mounts it).
+
+    Attributes:
+        source: An existing host directory.
+        target: An absolute path inside the sandbox, outside the system paths the sandbox itself sets up.
+        writable: Whether the program may write to it.
+    """
+
+    source: str
+    target: str
+    writable: bool = False
+
+
+_RESERVED_TARGETS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/proc", "/dev",
+                     "/tmp", "/sandbox")  # fmt: skip
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def bind_target_problem(target: str, python_dirs: list[str] | None = None) -> str | None:
+    """Why ``target`` cannot be a :class:`Bind` target (None when it can): not a normalised absolute path, or it
+    overlaps a path the sandbox sets up itself (the system directories, ``/tmp``, ``/sandbox``, the Python)."""
+    norm = os.path.normpath(target) if isinstance(target, str) else ""
+    if not norm.startswith("/") or norm == "/" or norm != target.rstrip("/"):
+        return f"Bind target {target!r} must be a normalised absolute path, used once."
+    system = [*_RESERVED_TARGETS, *(python_dirs if python_dirs is not None else _python_dirs())]
+    if any(norm == r or norm.startswith(r.rstrip("/") + "/") or r.startswith(norm + "/") for r in system):
+        return (
+            f"Bind target {target!r} overlaps a path the sandbox sets up itself ({', '.join(system)}); pick another, "
+            "e.g. '/workdir'."
+        )
+    return None
+
+
+def _check_binds(binds: tuple[Bind, ...]) -> None:
+    python_dirs = _python_dirs()
+    seen: set[str] = set()
+    for bind in binds:
+        if not isinstance(bind, Bind):
+            raise TypeError(f"binds must hold posttrain.rewards.sandbox.Bind objects, got {type(bind).__name__}.")
+        problem = bind_target_problem(bind.target, python_dirs)
+        if problem is not None:
+            raise ValueError(problem)
+        target = os.path.normpath(bind.target)
+        if target in seen:
+            raise ValueError(f"Bind target {bind.target!r} must be a normalised absolute path, used once.")
+        if not os.path.isdir(bind.source) or os.path.islink(bind.source):
+            raise ValueError(f"Bind source {bind.source!r} is not a directory (symlinks are refused).")
+        if _is_root() and not _world_reachable(bind.source):
+            raise ValueError(
+                f"Bind source {bind.source!r} is not reachable by other users; the sandbox's unprivileged user must "
+                "traverse every parent directory (mode o+x) to mount it. Put it under a directory with mode 0711."
+            )
+        seen.add(target)
+
+
+def _hand_over(path: str, uid: int) -> None:
+    """Give a writable bind's tree to ``uid`` (``lchown``: a symlink left by an earlier run is never followed)."""
+    os.lchown(path, uid, uid)
+    for root, dirs, files in os.walk(path, followlinks=False):
+        for name in dirs + files:
+            with contextlib.suppress(FileNotFoundError):
+                os.lchown(os.path.join(root, name), uid, uid)
 
 
 class _UidPool:
@@ -475,17 +552,38 @@ def run_files(
     max_file_mb: int = 16,
     disk_mb: int = 64,
     isolation: Isolation = "auto",
+    binds: tuple[Bind, ...] | list[Bind] = (),
+    env: Mapping[str, str] | None = None,
+    cwd: str = "/sandbox",
 ) -> SandboxResult:
     """Run ``main`` (one of ``files``, written into a fresh working directory) in the sandbox.
 
-    See :func:`run_python` for the arguments; ``files`` maps plain file names to their contents.
+    See :func:`run_python` for the arguments; ``files`` maps plain file names to their contents (always written to
+    ``/sandbox``). Beyond :func:`run_python` (bubblewrap isolation only):
+
+    Args:
+        binds: Host directories visible inside (:class:`Bind`); nothing else of the host's filesystem is, beyond
+            the read-only system paths.
+        env: Extra environment variables for the program (on top of ``PATH``, ``HOME``, ``TMPDIR``, ``LANG``).
+        cwd: The program's working directory inside the sandbox (``/sandbox``, ``/tmp`` or a bind's target).
     """
+    binds = tuple(binds)
+    extra_env = dict(env or {})
+    bad_env = [k for k in extra_env if not isinstance(k, str) or not _ENV_NAME.fullmatch(k)]
+    if bad_env or not all(isinstance(v, str) and "\0" not in v for v in extra_env.values()):
+        raise ValueError(f"env must map variable names to strings without NUL bytes; bad names: {bad_env}.")
     for name in files:
         if not name or "/" in name or name.startswith("."):
             raise ValueError(f"Sandbox file names must be plain names like 'main.py', got {name!r}.")
     if main not in files:
         raise ValueError(f"main={main!r} is not one of the files passed: {sorted(files)}.")
     mode = _resolve_isolation(isolation)
+    if mode == "basic" and (binds or extra_env or cwd != "/sandbox"):
+        raise SandboxUnavailable("binds, env and cwd need bubblewrap isolation (isolation='auto').")
+    if mode != "basic":
+        _check_binds(binds)
+        if cwd not in ("/sandbox", "/tmp") and cwd not in {b.target for b in binds}:
+            raise ValueError(f"cwd={cwd!r} must be '/sandbox', '/tmp' or the target of one of the binds.")
     limits = dict(
         stdin=stdin.encode() if isinstance(stdin, str) else (stdin or b""),
         timeout=timeout,
@@ -499,7 +597,15 @@ def run_files(
     try:
         if mode == "basic":
             return _run_basic(files, main, **limits)
-        return _run_bwrap(files, main, use_cgroup=sandbox_capabilities()["cgroup"] is not None, **limits)
+        return _run_bwrap(
+            files,
+            main,
+            use_cgroup=sandbox_capabilities()["cgroup"] is not None,
+            mounts=binds,
+            env=extra_env,
+            cwd=cwd,
+            **limits,
+        )
     except OSError as e:  # e.g. no cgroup could be created, fork failed: this run fails, training goes on
         logger.warning("sandbox run could not be set up: %s: %s", type(e).__name__, e)
         return SandboxResult("sandbox_error", "", f"sandbox setup failed: {type(e).__name__}: {e}\n", None, 0.0)
@@ -527,6 +633,9 @@ def _run_bwrap(
     max_processes: int,
     max_file_mb: int,
     disk_mb: int,
+    mounts: tuple[Bind, ...] = (),
+    env: Mapping[str, str] | None = None,
+    cwd: str = "/sandbox",
 ) -> SandboxResult:
     start = time.monotonic()
     fds: list[int] = []
@@ -573,11 +682,15 @@ def _run_bwrap(
             fd = _memfd("posttrain-file", content.encode() if isinstance(content, str) else bytes(content))
             fds.append(fd)
             argv += ["--file", str(fd), "/sandbox/" + name]
-        argv += ["--remount-ro", "/", "--chdir", "/sandbox", "--clearenv"]
-        for key, value in _child_env("/sandbox", "/tmp").items():
+        for bind in mounts:
+            if bind.writable and uid is not None:
+                _hand_over(bind.source, uid)
+            argv += ["--bind" if bind.writable else "--ro-bind", bind.source, bind.target]
+        argv += ["--remount-ro", "/", "--chdir", cwd, "--clearenv"]
+        for key, value in {**_child_env("/sandbox", "/tmp"), **(env or {})}.items():
             argv += ["--setenv", key, value]
         argv += ["--seccomp", str(seccomp_fd), "--", python, "-I", "-S", "-B", "-X", "utf8", "-c", _PRELUDE]
-        argv.append(json.dumps({"rlimits": rlimits, "main": main}))
+        argv.append(json.dumps({"rlimits": rlimits, "main": main if cwd == "/sandbox" else "/sandbox/" + main}))
         cfg = {
             "cgroup_procs": cgroup.procs_files if cgroup is not None else [],
             "binds": binds,

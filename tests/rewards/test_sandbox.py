@@ -379,6 +379,60 @@ def test_bad_arguments_are_rejected():
 
 
 @needs_sandbox
+def test_binds_env_and_cwd_expose_only_the_given_host_directories():
+    from posttrain.rewards.sandbox import Bind
+
+    base = tempfile.mkdtemp(prefix="posttrain-bind-test-")
+    try:
+        work, data, hidden = (os.path.join(base, name) for name in ("work", "data", "hidden"))
+        os.chmod(base, 0o755)
+        for path in (work, data):
+            os.mkdir(path)
+            os.chmod(path, 0o755)
+        os.mkdir(hidden, 0o700)  # as root: not reachable by the sandbox's unprivileged user
+        with open(os.path.join(data, "in.txt"), "w") as f:
+            f.write("data")
+        os.chmod(os.path.join(data, "in.txt"), 0o644)
+        code = (
+            "import os\nprint(os.getcwd(), os.environ['GREETING'], open('/data/in.txt').read())\n"
+            "open('out.txt', 'w').write('made')\n"
+            "try:\n    open('/data/x', 'w')\nexcept OSError as e:\n    print(e.errno)\n"
+            f"print(os.path.exists({base!r}))"
+        )
+        binds = [Bind(work, "/work", writable=True), Bind(data, "/data")]
+        result = sandbox_module.run_files(
+            {"main.py": code}, "main.py", timeout=5, binds=binds, env={"GREETING": "hi"}, cwd="/work"
+        )
+        assert result.ok, result.stderr
+        assert result.stdout == "/work hi data\n30\nFalse\n"  # 30: EROFS; the host path itself is not there
+        with open(os.path.join(work, "out.txt")) as f:
+            assert f.read() == "made"
+        if IS_ROOT:  # written by the run's unprivileged uid, never root
+            assert os.stat(os.path.join(work, "out.txt")).st_uid != 0
+        for bad, message in [
+            ([Bind(work, "/usr/local/x")], "overlaps a path the sandbox sets up"),
+            ([Bind(work, "/")], "normalised absolute path"),
+            ([Bind(work, "rel")], "normalised absolute path"),
+            ([Bind(work, "/a"), Bind(data, "/a")], "used once"),
+            ([Bind(os.path.join(base, "nope"), "/a")], "is not a directory"),
+            (["/tmp"], "Bind objects"),
+        ]:
+            with pytest.raises((ValueError, TypeError), match=message):
+                sandbox_module.run_files({"main.py": ""}, "main.py", binds=bad)
+        if IS_ROOT:
+            with pytest.raises(ValueError, match="not reachable by other users"):
+                sandbox_module.run_files({"main.py": ""}, "main.py", binds=[Bind(hidden, "/h")])
+        with pytest.raises(ValueError, match="env must map variable names"):
+            sandbox_module.run_files({"main.py": ""}, "main.py", env={"A-B": "x"})
+        with pytest.raises(ValueError, match="cwd='/elsewhere' must be"):
+            sandbox_module.run_files({"main.py": ""}, "main.py", cwd="/elsewhere")
+        with pytest.raises(SandboxUnavailable, match="need bubblewrap isolation"):
+            sandbox_module.run_files({"main.py": ""}, "main.py", binds=binds, isolation="basic")
+    finally:
+        shutil.rmtree(base)
+
+
+@needs_sandbox
 def test_setup_failures_are_a_status_not_an_exception(monkeypatch, caplog):
     from posttrain.rewards import _sandbox_cgroup
 

@@ -1,0 +1,2 @@
+#!/bin/bash
+grep -c ERROR /workdir/app.log > /workdir/answer.txt

@@ -1,0 +1,2 @@
+#!/bin/bash
+cd /workdir/photos && for f in *.JPG; do mv "$f" "${f%.JPG}.jpg"; done
