@@ -431,7 +431,18 @@ def _tiny_gemma3():
         image_processor=image_processor, tokenizer=tokenizer, image_seq_length=4,
         chat_template=vlm_chat_template(names[0]),
     )  # fmt: skip
-    return (lambda: transformers.Gemma3ForConditionalGeneration(config)), processor
+
+    def build():
+        import torch
+
+        model = transformers.Gemma3ForConditionalGeneration(config)
+        # transformers initialises Gemma 3's input projection to zeros (a checkpoint brings learnt weights): with it
+        # every image embeds to 0 and a random tiny model could never see its images. Draw it like other weights.
+        with torch.no_grad():
+            model.model.multi_modal_projector.mm_input_projection_weight.normal_(std=text.initializer_range)
+        return model
+
+    return build, processor
 
 
 def _tiny_idefics3():

@@ -98,6 +98,23 @@ def test_saved_family_loads_by_path_offline(tmp_path, family):
 
 
 @pytest.mark.parametrize("family", VLM_FAMILIES)
+def test_each_family_sees_its_image(family):
+    """A random tiny VLM's next-token logits change with the image: the image path is not constant (transformers
+    zero-initialises Gemma 3's input projection, which made every image embed to 0 until the builder drew it)."""
+    from PIL import Image
+
+    model, processor = build_tiny_vlm(family=family)
+    prompt = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Colour?"}]}]
+    text = processor.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+    logits = []
+    with torch.no_grad():
+        for rgb in ((255, 0, 0), (0, 0, 255)):
+            inputs = processor(text=[text], images=[Image.new("RGB", (20, 24), rgb)], return_tensors="pt")
+            logits.append(model(**inputs).logits[0, -1])
+    assert (logits[0] - logits[1]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("family", VLM_FAMILIES)
 def test_shared_prompt_forward_matches_plain_for_each_family(family):
     """Per family, two prompts with the same text but other images and a text-only prompt, G = 2 each: the scoring
     forward with prompt sharing (or its fallback) gives the plain forward's log-probs and parameter gradients."""
