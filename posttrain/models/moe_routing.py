@@ -41,9 +41,10 @@ router whose weights are neither form raises (routing replay would change its mi
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 

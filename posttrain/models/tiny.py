@@ -279,9 +279,7 @@ def build_tiny_moe_model(
             use_sliding_window=False,
         )
         if arch == "qwen2_moe":
-            config = Qwen2MoeConfig(
-                **common, **qwen, shared_expert_intermediate_size=width, norm_topk_prob=False
-            )
+            config = Qwen2MoeConfig(**common, **qwen, shared_expert_intermediate_size=width, norm_topk_prob=False)
             model_cls = Qwen2MoeForCausalLM
         else:
             config = Qwen3MoeConfig(**common, **qwen, norm_topk_prob=True)
