@@ -14,6 +14,7 @@ import torch
 
 from posttrain.data.vision_prompts import PER_TOKEN_VISION_KEYS, collate_vision_inputs, has_vision_inputs
 from posttrain.models.forward import TokenStats, forward_token_stats
+from posttrain.models.moe_routing import replay_routing, routing_for_rows
 from posttrain.models.prefix_sharing import MicroBatchRows, SharedPromptLayout, plan_shared_prompt_layout
 from posttrain.models.unwrap import unwrap_base_model
 
@@ -65,7 +66,32 @@ def completion_token_stats(
     as TRL). Positions past a completion's end get log-prob 0. ``entropy_requires_grad`` keeps the entropies
     differentiable (GRPO's entropy bonus), still chunked. ``share_prompts`` encodes each distinct prompt once
     (:mod:`posttrain.models.prefix_sharing`) when the model's attention takes a tree mask and that saves work.
+
+    A batch carrying the sampler's MoE routing (``prompt_routing`` / ``completion_routing``: ``keep_routing``) runs
+    the plain rows with that routing replayed (:func:`posttrain.models.moe_routing.replay_routing`).
     """
+    routing = routing_for_rows(batch)
+    if routing is not None:
+        with replay_routing(model, routing.to(batch["completion_ids"].device)):
+            return _completion_token_stats(
+                model, batch, temperature=temperature, compute_entropy=compute_entropy,
+                entropy_requires_grad=entropy_requires_grad, share_prompts=False,
+            )  # fmt: skip
+    return _completion_token_stats(
+        model, batch, temperature=temperature, compute_entropy=compute_entropy,
+        entropy_requires_grad=entropy_requires_grad, share_prompts=share_prompts,
+    )  # fmt: skip
+
+
+def _completion_token_stats(
+    model: torch.nn.Module,
+    batch: RolloutBatch,
+    *,
+    temperature: float,
+    compute_entropy: bool,
+    entropy_requires_grad: bool,
+    share_prompts: bool,
+) -> TokenStats:
     vision_kwargs = vision_model_inputs(model, batch)
     if share_prompts and vision_kwargs and not _shares_vision_prompts(vision_kwargs):
         global _logged_vision_fallback

@@ -52,6 +52,8 @@ from posttrain.core.routing import decode_routing, encode_routing, routing_stora
 
 __all__ = [
     "RoutingRecorder",
+    "SampledRouting",
+    "collate_routing",
     "find_routers",
     "replay_routing",
     "require_routers",
@@ -256,3 +258,65 @@ def routing_for_rows(batch: dict[str, Any]) -> torch.Tensor | None:
     if prompt is None or completion is None:
         return None
     return torch.cat([prompt, completion.to(prompt.device)], dim=1)
+
+
+class SampledRouting:
+    """The routing of one group-sampler batch, assembled per output row as ``[prompt | completion]`` tokens.
+
+    The sampler calls :meth:`prefill` after its prefill forward over the ``(U, P)`` left-padded unique prompts,
+    :meth:`step` after each decode forward (which fed completion token ``step`` of the live rows), and
+    :meth:`rows` at the end. A row's completion token that was never fed (its last) has no record (0).
+    """
+
+    def __init__(self, recorder: RoutingRecorder, prompt_lengths: list[int], source: list[int], max_new_tokens: int):
+        self.recorder = recorder
+        self.prompt_lengths = prompt_lengths  # (R0,) real prompt tokens of each batch row
+        self.source = source  # (R0,) unique prefill row of each batch row
+        self.max_new_tokens = max_new_tokens
+        self.prompts: torch.Tensor | None = None  # (U, P, L, k)
+        self.steps: torch.Tensor | None = None  # (max_new_tokens, R0, L, k)
+
+    def prefill(self, unique_rows: int, width: int) -> None:
+        taken = self.recorder.take()  # (U·P, L, k)
+        self.prompts = taken.view(unique_rows, width, *taken.shape[1:])
+
+    def step(self, step: int, batch_rows: list[int]) -> None:
+        """Record the decode forward of completion token ``step`` for the batch rows ``batch_rows`` (live ones)."""
+        taken = self.recorder.take()  # (R, L, k)
+        if self.steps is None:
+            shape = (self.max_new_tokens, len(self.source), *taken.shape[1:])
+            self.steps = torch.zeros(shape, dtype=taken.dtype, device=taken.device)
+        self.steps[step, torch.as_tensor(batch_rows, device=taken.device)] = taken
+
+    def rows(self, completion_lengths: list[int]) -> list[torch.Tensor]:
+        """Per batch row, ``(prompt + completion tokens, L, k)`` on the CPU (one transfer per tensor)."""
+        if self.prompts is None:
+            raise RuntimeError("keep_routing: the sampler's prefill routing was not recorded.")
+        prompts = self.prompts.cpu()
+        steps = None if self.steps is None else self.steps.cpu()
+        width = prompts.shape[1]
+        out = []
+        for i, (n, c) in enumerate(zip(self.prompt_lengths, completion_lengths)):
+            prompt = prompts[self.source[i], width - n :]
+            completion = torch.zeros((c, *prompts.shape[2:]), dtype=prompts.dtype)
+            if steps is not None and c:
+                completion[: min(c, steps.shape[0])] = steps[:c, i]
+            out.append(torch.cat([prompt, completion]))
+        return out
+
+
+def collate_routing(
+    rows: list[torch.Tensor], prompt_lengths: list[int], prompt_width: int, completion_width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(prompt_routing (B, P, L, k), completion_routing (B, C, L, k))`` from per-row ``[prompt | completion]``
+    routing, laid out as the rollout batch's left-padded prompts and right-padded completions (padding: 0)."""
+    shape = rows[0].shape[1:]
+    dtype = rows[0].dtype
+    prompt = torch.zeros((len(rows), prompt_width, *shape), dtype=dtype)
+    completion = torch.zeros((len(rows), completion_width, *shape), dtype=dtype)
+    for i, (row, n) in enumerate(zip(rows, prompt_lengths)):
+        if n:
+            prompt[i, prompt_width - n :] = row[:n]
+        c = min(row.shape[0] - n, completion_width)
+        completion[i, :c] = row[n : n + c]
+    return prompt, completion
