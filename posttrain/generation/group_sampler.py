@@ -213,9 +213,7 @@ class GroupSampler:
             [[] for _ in range(n_rows)] if logprobs is not None and truncation else None
         )
         finished = [False] * n_rows
-        self.last_top_logprobs = (
-            [[] for _ in range(n_rows)] if self.return_logprobs and self.top_logprobs > 0 else None
-        )
+        self.last_top_logprobs = [[] for _ in range(n_rows)] if self.return_logprobs and self.top_logprobs > 0 else None
         for i, ids in enumerate(prompt_ids):
             if len(ids) == 0:
                 raise ValueError(f"prompt_ids[{i}] is empty; every prompt needs at least one token.")

@@ -8,6 +8,7 @@
 ``from trl.models import ...`` does (lazily, so
 importing a submodule such as ``posttrain.models.tiny`` costs nothing extra)."""
 
+
 from __future__ import annotations
 
 from typing import Any
