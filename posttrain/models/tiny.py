@@ -223,6 +223,7 @@ def build_tiny_moe_model(
     num_kv_heads: int = 2,
     expert_intermediate_size: int | None = None,
     output_router_logits: bool = False,
+    router_spread: float | None = None,
     seed: int = 0,
     tokenizer=None,
 ):
@@ -234,6 +235,10 @@ def build_tiny_moe_model(
         num_experts: Routed experts per layer; ``num_experts_per_tok``: top-k.
         expert_intermediate_size: Each expert's MLP width (default ``hidden_size``).
         output_router_logits: The config flag that makes the forward return the load-balancing aux loss.
+        router_spread: Near-tied routers on purpose: every expert's router row is set to one shared row plus
+            Gaussian noise of this standard deviation (e.g. ``1e-7``; the rows are ~0.02). The router logits are
+            then nearly tied, and the sampler's KV-cache decode and the training forward route some tokens to
+            different experts — the mismatch routing replay (``keep_routing``) removes. None: random routers.
     """
     import torch
     from transformers import (
@@ -288,6 +293,12 @@ def build_tiny_moe_model(
     try:
         torch.manual_seed(seed)
         model = model_cls(config)
+        if router_spread is not None:
+            with torch.no_grad():
+                for module in model.modules():
+                    if "Router" in type(module).__name__:
+                        shared = module.weight[0].clone()  # (H,)
+                        module.weight.copy_(shared + router_spread * torch.randn_like(module.weight))
     finally:
         torch.random.set_rng_state(rng_state)
     gen_config = getattr(model, "generation_config", None)
