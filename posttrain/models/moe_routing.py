@@ -57,6 +57,7 @@ __all__ = [
     "find_routers",
     "replay_routing",
     "require_routers",
+    "routing_for_packs",
     "routing_for_rows",
 ]
 
@@ -320,3 +321,21 @@ def collate_routing(
         c = min(row.shape[0] - n, completion_width)
         completion[i, :c] = row[n : n + c]
     return prompt, completion
+
+
+def routing_for_packs(
+    routing: torch.Tensor, prompt_mask: torch.Tensor, token_row: torch.Tensor, position_ids: torch.Tensor
+) -> torch.Tensor:
+    """The plain rows' routing ``(B, P + C, L, k)`` laid out on the shared-prompt packs ``(K, T)``.
+
+    A pack token of plain row ``r`` at position ``p`` (counted from the row's first real token) sits in column
+    ``pad_r + p`` of the plain row, ``pad_r`` its prompt's left padding (``prompt_mask`` ``(B, P)``); ``token_row``
+    ``(K, T)`` names the row (``-1``: padding, which gets 0, "let the router choose"). A prompt token shared by
+    several rows takes one of their records (the sampler prefilled each of them the same way).
+    """
+    pad = prompt_mask.shape[1] - prompt_mask.sum(dim=1)  # (B,)
+    row = token_row.clamp(min=0)  # (K, T)
+    column = (pad[row] + position_ids).clamp(max=routing.shape[1] - 1)  # (K, T)
+    out = routing[row, column]  # (K, T, L, k)
+    out[token_row < 0] = 0
+    return out

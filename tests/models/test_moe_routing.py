@@ -14,7 +14,11 @@ import torch
 from posttrain.core.routing import decode_routing, encode_routing, routing_storage_dtype, routing_weights
 from posttrain.generation.base import SamplingConfig
 from posttrain.generation.group_sampler import GroupSampler
-from posttrain.models.completion_scoring import completion_inputs, completion_token_stats
+from posttrain.models.completion_scoring import (
+    choose_shared_prompt_layout,
+    completion_inputs,
+    completion_token_stats,
+)
 from posttrain.models.moe_routing import find_routers, replay_routing, routing_for_rows
 from posttrain.models.tiny import MOE_ARCHS, build_tiny_model, build_tiny_moe_model, build_tiny_tokenizer
 from posttrain.rollout.pipeline import collate_completions
@@ -93,6 +97,25 @@ def test_replay_makes_the_on_policy_ratio_one(arch):
     # without: the training forward routes some tokens to other experts than the sampler did
     assert log_ratio_plain.abs().max() > 1e-3
     assert (log_ratio_plain.abs() > 1e-4).float().mean() > 0.01
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_replay_in_the_shared_prompt_layout(arch):
+    """The packed layout (each prompt encoded once) replays each token's record too: its tokens are mapped back to
+    their plain rows' positions."""
+    model = build_tiny_moe_model(arch, num_experts=8, router_spread=1e-7).eval()
+    sampler = GroupSampler(model, record_routing=True, generator=torch.Generator().manual_seed(1))
+    sampling = SamplingConfig(max_new_tokens=10, temperature=1.0, eos_token_ids=[2], pad_token_id=0)
+    prompts = [list(range(5, 29)), list(range(40, 58))]  # long prompts: sharing them clearly saves work
+    batch = collate_completions(sampler.generate(prompts, sampling, num_generations=4), pad_token_id=0)
+    assert choose_shared_prompt_layout(model, batch) is not None
+    mask = batch["completion_mask"].bool()
+    with torch.no_grad():
+        shared = completion_token_stats(model, batch, share_prompts=True).logps
+        plain = completion_token_stats(model, _without_routing(batch), share_prompts=True).logps
+    sampled = batch["sampling_per_token_logps"]
+    assert (shared - sampled)[mask].abs().max() < 1e-5
+    assert (plain - sampled)[mask].abs().max() > 1e-3
 
 
 def _recorded_and_used(model, batch, replay: bool):
