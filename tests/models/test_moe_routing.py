@@ -99,6 +99,22 @@ def test_replay_makes_the_on_policy_ratio_one(arch):
     assert (log_ratio_plain.abs() > 1e-4).float().mean() > 0.01
 
 
+def test_recording_across_sampler_batches_and_merged_prompts():
+    """Rows land in the right place when the sampler splits prompts into several batches (max_batch_tokens) and
+    prefills identical prompts once."""
+    model = build_tiny_moe_model("qwen3_moe", num_experts=8, router_spread=1e-7).eval()
+    sampler = GroupSampler(model, record_routing=True, max_batch_tokens=80, generator=torch.Generator().manual_seed(2))
+    sampling = SamplingConfig(max_new_tokens=12, temperature=1.0, eos_token_ids=[2], pad_token_id=0)
+    prompts = [[5, 6, 7, 8, 9], [5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16]]
+    completions = sampler.generate(prompts, sampling, num_generations=2)
+    assert sampler.last_stats["num_batches"] > 1
+    batch = collate_completions(completions, pad_token_id=0)
+    mask = batch["completion_mask"].bool()
+    with torch.no_grad():
+        replayed = completion_token_stats(model, batch).logps
+    assert (replayed - batch["sampling_per_token_logps"])[mask].abs().max() < 1e-5
+
+
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
 def test_replay_in_the_shared_prompt_layout(arch):
     """The packed layout (each prompt encoded once) replays each token's record too: its tokens are mapped back to
