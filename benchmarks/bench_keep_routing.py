@@ -118,6 +118,9 @@ def micro(args: argparse.Namespace) -> dict:
     sampling = SamplingConfig(max_new_tokens=args.completion_length, eos_token_ids=[-1], pad_token_id=0)
     batch = collate_completions(sampler.generate(prompts, sampling, args.generations), pad_token_id=0)
     batch = {k: v.to(args.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    if args.gradient_checkpointing:
+        model.train()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     plain = {k: v for k, v in batch.items() if "routing" not in k}
     times: dict[str, list[float]] = {"on": [], "off": []}
     for rep in range(args.reps + 2):
