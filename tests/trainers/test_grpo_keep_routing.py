@@ -76,3 +76,27 @@ def test_keep_routing_errors(tiny_model_path, tmp_path):
         GRPOConfig(output_dir=str(tmp_path), keep_routing=True, generation_backend="transformers", report_to="none")
     with pytest.raises(ValueError, match="keep_routing=True records the MoE routing"):
         GRPOConfig(output_dir=str(tmp_path), keep_routing=True, use_vllm=True, report_to="none")
+
+
+def test_rloo_replays_the_routing_in_its_loss_forward(near_tied_moe_path, tmp_path, monkeypatch):
+    """RLOO scores through the same path: its training forward runs under the replay (counted), on every row."""
+    import posttrain.models.completion_scoring as scoring
+    from posttrain.trainers.rloo import RLOOConfig, RLOOTrainer
+
+    replayed_rows = []
+    original = scoring.replay_routing
+
+    def counting(model, routing):
+        replayed_rows.append(int(routing.shape[0]))
+        return original(model, routing)
+
+    monkeypatch.setattr(scoring, "replay_routing", counting)
+    args = fast_config(
+        RLOOConfig, tmp_path, per_device_train_batch_size=8, num_generations=4, max_completion_length=8,
+        max_steps=1, learning_rate=1e-3, keep_routing=True,
+    )  # fmt: skip
+    trainer = RLOOTrainer(
+        near_tied_moe_path, varied_reward, args, train_dataset=Dataset.from_list([{"prompt": f"Q{i}:"} for i in range(8)])
+    )
+    trainer.train()
+    assert replayed_rows  # the loss forward (plain rows or shared-prompt packs) replayed the sampler's routing
