@@ -219,6 +219,11 @@ class GroupSampler:
                 raise ValueError(f"prompt_ids[{i}] is empty; every prompt needs at least one token.")
         model = unwrap_parallel(self.model)
         if vision_inputs is not None and any("image_grid_thw" in inputs for inputs in vision_inputs):
+            if self.record_routing:
+                raise ValueError(
+                    "keep_routing=True: prompts with images on a multimodal-RoPE model (image_grid_thw) are sampled "
+                    "with model.generate, which records no MoE routing. Set keep_routing=False for this model."
+                )
             if "mrope" not in _warned:
                 _warned.add("mrope")
                 logger.info(
