@@ -264,3 +264,11 @@ def test_tiny_moe_builders():
     assert (weight - weight[0]).abs().max() < 1e-5
     with pytest.raises(ValueError, match="Unknown tiny MoE model"):
         build_tiny_moe_model("dbrx")  # type: ignore[arg-type]
+
+
+def test_multimodal_rope_prompts_are_a_clear_error():
+    """Such prompts are sampled by model.generate (no routing recorded): an error rather than a silent no-replay."""
+    sampler = GroupSampler(build_tiny_moe_model("qwen3_moe"), record_routing=True)
+    sampling = SamplingConfig(max_new_tokens=2, eos_token_ids=[2], pad_token_id=0)
+    with pytest.raises(ValueError, match="keep_routing=True.*multimodal-RoPE"):
+        sampler.generate([[5, 6]], sampling, vision_inputs=[{"image_grid_thw": torch.ones(1, 3, dtype=torch.long)}])
