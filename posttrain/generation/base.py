@@ -161,6 +161,10 @@ class Completions:
             kept at that step (0.0 where nothing was truncated), so that ``logprobs + log_kept_mass`` is the token's
             log-prob under the untruncated distribution the trainer computes. ``None`` when the backend did not
             truncate or cannot report it (vLLM, ``rollout_func``): the importance ratio then uses ``logprobs`` as is.
+        routing: MoE routing replay (``keep_routing``, the group sampler only): per row, the top-k experts of each
+            ``[prompt | completion]`` token at each router layer, ``(prompt + completion tokens, L, k)`` integer
+            tensors storing ``expert + 1`` (0 = not recorded, e.g. the completion's last token, never fed back);
+            see :mod:`posttrain.models.moe_routing`. ``None`` when not recorded.
     """
 
     completion_ids: list[list[int]]
@@ -169,6 +173,7 @@ class Completions:
     prompt_ids: list[list[int]]
     extra: dict[str, list] = field(default_factory=dict)
     log_kept_mass: list[list[float]] | None = None
+    routing: list[Any] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)
@@ -177,6 +182,8 @@ class Completions:
             checks["logprobs"] = self.logprobs
         if self.log_kept_mass is not None:
             checks["log_kept_mass"] = self.log_kept_mass
+        if self.routing is not None:
+            checks["routing"] = self.routing
         for name, values in checks.items():
             if len(values) != n:
                 raise ValueError(f"Completions.{name} has {len(values)} rows but completion_ids has {n}.")

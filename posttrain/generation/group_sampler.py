@@ -26,6 +26,7 @@ equality in distribution is.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
@@ -125,6 +126,9 @@ class GroupSampler:
         top_logprobs: With ``return_logprobs``, also keep each step's ``top_logprobs`` most likely tokens under the
             same processed distribution (vLLM's ``logprobs=N``): ``last_top_logprobs[row][step]`` is a list of
             ``(token id, log-prob)`` by decreasing log-prob (``-inf`` for tokens the warpers filtered out).
+        record_routing: For a mixture-of-experts model (``keep_routing``), record each token's top-k experts per
+            router layer during prefill and decode (:mod:`posttrain.models.moe_routing`) and return them as
+            ``Completions.routing``, for the training forward to replay.
 
     After each ``generate`` call, ``last_stats`` holds ``prefill_rows`` (unique prompts prefilled),
     ``prefill_tokens`` (padded prompt tokens run), ``decode_batch_sizes`` (rows per decode forward) and
@@ -139,6 +143,7 @@ class GroupSampler:
         max_batch_tokens: int | None = None,
         generator: torch.Generator | None = None,
         top_logprobs: int = 0,
+        record_routing: bool = False,
     ):
         if max_batch_tokens is not None and max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be a positive integer or None, got {max_batch_tokens!r}.")
@@ -151,6 +156,11 @@ class GroupSampler:
         self.last_top_logprobs: list[list[list[tuple[int, float]]]] | None = None
         self.last_stats: dict[str, Any] = {}
         self._trimmed_host_memory = False
+        self.record_routing = bool(record_routing)
+        if self.record_routing:
+            from posttrain.models.moe_routing import require_routers
+
+            require_routers(unwrap_parallel(model))
 
     def sync_weights(self, model: Any) -> None:
         """No-op: sampling runs on the trainer's own model object."""
@@ -209,6 +219,11 @@ class GroupSampler:
                 raise ValueError(f"prompt_ids[{i}] is empty; every prompt needs at least one token.")
         model = unwrap_parallel(self.model)
         if vision_inputs is not None and any("image_grid_thw" in inputs for inputs in vision_inputs):
+            if self.record_routing:
+                raise ValueError(
+                    "keep_routing=True: prompts with images on a multimodal-RoPE model (image_grid_thw) are sampled "
+                    "with model.generate, which records no MoE routing. Set keep_routing=False for this model."
+                )
             if "mrope" not in _warned:
                 _warned.add("mrope")
                 logger.info(
@@ -220,12 +235,15 @@ class GroupSampler:
 
             backend = TransformersBackend(self.model, self.tokenizer, return_logprobs=self.return_logprobs)
             return backend.generate(prompt_ids, sampling, num_generations, vision_inputs=vision_inputs)
-        with sampling_mode(model):
+        recorder = _routing_recorder(model) if self.record_routing else None
+        routing: list[Any] | None = None if recorder is None else [None] * n_rows
+        with sampling_mode(model), recorder.hooks() if recorder is not None else contextlib.nullcontext():
             for start, stop in self._batches(prompt_ids, num_generations, s.max_new_tokens):
                 self._generate_batch(
                     model, prompt_ids[start:stop], start * num_generations, s, num_generations,
                     completion_ids, logprobs, finished,
                     vision=None if vision_inputs is None else vision_inputs[start:stop], kept_mass=kept_mass,
+                    routing=None if recorder is None else (recorder, routing),
                 )  # fmt: skip
         if model_device(model).type == "cpu" and not self._trimmed_host_memory:
             # The first generation's freed decode buffers go back to the OS before training first allocates; later
@@ -234,7 +252,7 @@ class GroupSampler:
             self._trimmed_host_memory = True
             release_freed_host_memory()
         rows = [list(p) for p in prompt_ids for _ in range(num_generations)]
-        return Completions(completion_ids, logprobs, finished, rows, log_kept_mass=kept_mass)
+        return Completions(completion_ids, logprobs, finished, rows, log_kept_mass=kept_mass, routing=routing)
 
     def _batches(self, prompt_ids: list[list[int]], g: int, max_new_tokens: int) -> list[tuple[int, int]]:
         """Consecutive ``[start, stop)`` prompt ranges whose KV footprint stays under ``max_batch_tokens``."""
@@ -263,11 +281,13 @@ class GroupSampler:
         finished: list[bool],
         vision: list[dict[str, Any]] | None = None,
         kept_mass: list[list[float]] | None = None,
+        routing: tuple[Any, list] | None = None,
     ) -> None:
         """Prefill the unique prompts of ``prompts``, expand G ways, decode; write rows from ``row_offset`` on.
 
         ``vision``: each prompt's vision inputs (prompts with images are never merged: equal ids, other images).
-        ``kept_mass``: when given (truncated sampling with log-probs), each token's log kept mass is appended."""
+        ``kept_mass``: when given (truncated sampling with log-probs), each token's log kept mass is appended.
+        ``routing``: ``(RoutingRecorder, per-row output list)`` to record the MoE routing of every fed token."""
         from transformers import DynamicCache
 
         from posttrain.generation.kv_cache import preallocate_cache
@@ -299,6 +319,13 @@ class GroupSampler:
         logits = _forward_last(
             model, input_ids, attention_mask, position_ids, cache, cache_kw, **vision_kwargs
         )  # (U, V)
+        routing_log = None
+        if routing is not None:
+            from posttrain.models.moe_routing import SampledRouting
+
+            lengths = [len(prompts[i // g]) for i in range(len(source))]
+            routing_log = SampledRouting(routing[0], lengths, source, s.max_new_tokens)
+            routing_log.prefill(len(unique), input_ids.shape[1])
         if suppress:
             logits[:, suppress] = float("-inf")
         self.last_stats["prefill_rows"] += len(unique)
@@ -400,6 +427,8 @@ class GroupSampler:
                 logits = decode(
                     tokens[:, None], mask.extend(), positions[:, None], cache, out=scratch.view(0, len(rows), vocab)
                 )
+            if routing_log is not None:
+                routing_log.step(step, [r - row_offset for r in rows])
             if suppress:
                 logits[:, suppress] = float("-inf")
             positions = positions + 1
@@ -414,10 +443,21 @@ class GroupSampler:
                 for step_rows, _ in step_logprobs:
                     for r in step_rows:
                         kept_mass[r].append(next(it))
+        if routing_log is not None:
+            lengths = [len(completion_ids[row_offset + i]) for i in range(len(source))]
+            for i, value in enumerate(routing_log.rows(lengths)):
+                routing[1][row_offset + i] = value
         if step_tops and self.last_top_logprobs is not None:
             for step_rows, values, ids in step_tops:
                 for r, vals, toks in zip(step_rows, values.tolist(), ids.tolist()):
                     self.last_top_logprobs[r].append(list(zip(toks, vals)))
+
+
+def _routing_recorder(model: Any) -> Any:
+    """A :class:`~posttrain.models.moe_routing.RoutingRecorder` on ``model`` (``keep_routing``)."""
+    from posttrain.models.moe_routing import RoutingRecorder
+
+    return RoutingRecorder(model)
 
 
 def logsumexp_rows(x: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:

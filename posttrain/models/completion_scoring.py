@@ -8,12 +8,14 @@ per micro-batch; design §3.2) — same log-probs, entropies and gradients.
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 
 from posttrain.data.vision_prompts import PER_TOKEN_VISION_KEYS, collate_vision_inputs, has_vision_inputs
 from posttrain.models.forward import TokenStats, forward_token_stats
+from posttrain.models.moe_routing import replay_routing, routing_for_packs, routing_for_rows
 from posttrain.models.prefix_sharing import MicroBatchRows, SharedPromptLayout, plan_shared_prompt_layout
 from posttrain.models.unwrap import unwrap_base_model
 
@@ -65,6 +67,9 @@ def completion_token_stats(
     as TRL). Positions past a completion's end get log-prob 0. ``entropy_requires_grad`` keeps the entropies
     differentiable (GRPO's entropy bonus), still chunked. ``share_prompts`` encodes each distinct prompt once
     (:mod:`posttrain.models.prefix_sharing`) when the model's attention takes a tree mask and that saves work.
+
+    A batch carrying the sampler's MoE routing (``prompt_routing`` / ``completion_routing``: ``keep_routing``) is
+    scored with that routing replayed (:func:`posttrain.models.moe_routing.replay_routing`), in either layout.
     """
     vision_kwargs = vision_model_inputs(model, batch)
     if share_prompts and vision_kwargs and not _shares_vision_prompts(vision_kwargs):
@@ -91,18 +96,21 @@ def completion_token_stats(
     input_ids, attention_mask, position_ids, completion_attention = completion_inputs(batch)
     if "image_grid_thw" in vision_kwargs:
         position_ids = None  # multimodal RoPE (Qwen2-VL family): the model derives its 3-D positions itself
-    return forward_token_stats(
-        model,
-        input_ids,
-        attention_mask,
-        position_ids=position_ids,
-        logits_to_keep=completion_attention.shape[1],
-        temperature=temperature,
-        compute_entropy=compute_entropy,
-        entropy_requires_grad=entropy_requires_grad,
-        labels_mask=completion_attention,
-        **vision_kwargs,
-    )
+    routing = routing_for_rows(batch)
+    replay = nullcontext() if routing is None else replay_routing(model, routing.to(input_ids.device))
+    with replay:
+        return forward_token_stats(
+            model,
+            input_ids,
+            attention_mask,
+            position_ids=position_ids,
+            logits_to_keep=completion_attention.shape[1],
+            temperature=temperature,
+            compute_entropy=compute_entropy,
+            entropy_requires_grad=entropy_requires_grad,
+            labels_mask=completion_attention,
+            **vision_kwargs,
+        )
 
 
 def _shares_vision_prompts(vision_kwargs: dict[str, torch.Tensor]) -> bool:
@@ -220,17 +228,24 @@ def shared_prompt_token_stats(
         vision_kwargs = collate_vision_inputs(
             firsts, prompt_width=0, device=batch["completion_ids"].device, dtype=dtype
         )
-    stats = forward_token_stats(
-        model,
-        layout.input_ids,
-        layout.attention_mask,
-        labels=layout.labels,
-        position_ids=layout.position_ids,
-        temperature=temperature,
-        compute_entropy=compute_entropy,
-        entropy_requires_grad=entropy_requires_grad,
-        **vision_kwargs,
-    )
+    routing = routing_for_rows(batch)
+    replay = nullcontext()
+    if routing is not None:  # keep_routing: each pack token replays its plain row's record
+        prompt_mask = batch["prompt_mask"].to(layout.position_ids.device)
+        packed = routing_for_packs(routing.to(prompt_mask.device), prompt_mask, layout.token_row, layout.position_ids)
+        replay = replay_routing(model, packed)
+    with replay:
+        stats = forward_token_stats(
+            model,
+            layout.input_ids,
+            layout.attention_mask,
+            labels=layout.labels,
+            position_ids=layout.position_ids,
+            temperature=temperature,
+            compute_entropy=compute_entropy,
+            entropy_requires_grad=entropy_requires_grad,
+            **vision_kwargs,
+        )
     shape = tuple(batch["completion_ids"].shape)
     lengths = batch["completion_lengths"].to(batch["completion_ids"].device)
     return TokenStats(

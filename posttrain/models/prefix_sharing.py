@@ -56,6 +56,9 @@ class SharedPromptLayout:
         num_tokens: real (non-padding) tokens in the packs.
         plain_tokens: tokens the plain padded forward would process (``B × (P + C)``).
         batch_size: ``B``.
+        token_row: ``(K, L)`` long, a plain row each pack token belongs to (for a prompt segment shared by several
+            rows, one of them; ``-1`` on padding): with ``position_ids`` it locates the token in the plain
+            ``[prompt | completion]`` rows (routing replay reads each token's recorded MoE routing there).
     """
 
     input_ids: torch.Tensor
@@ -69,6 +72,7 @@ class SharedPromptLayout:
     num_tokens: int
     plain_tokens: int
     batch_size: int
+    token_row: torch.Tensor | None = None
 
     def cost_ratio(self, hidden_size: int) -> float:
         """Estimated cost of the packed forward over the plain one: Σ tokens × (12·d + 2·span) per layer.
@@ -282,7 +286,18 @@ class SharedPromptPlan:
         labels = torch.full((count, length), IGNORE_INDEX, dtype=torch.long)
         attention_mask = torch.zeros((count, 1, length, length), dtype=torch.bool)
         where: list[tuple[int, int, int, int]] = []  # (pack, pack position, row, column) of each scored token
+        token_row = torch.full((count, length), -1, dtype=torch.long)
         for k, segments in enumerate(self.packs):
+            # a row under each segment: its own for a completion, a descendant's for a prompt segment
+            rows: list[int | None] = [seg.row for seg in segments]
+            for i in range(len(segments) - 1, -1, -1):  # children come after their parents
+                parent = segments[i].parent
+                if rows[i] is not None and parent >= 0 and rows[parent] is None:
+                    rows[parent] = rows[i]
+            offset = 0
+            for seg, row in zip(segments, rows):
+                token_row[k, offset : offset + len(seg.tokens)] = -1 if row is None else row
+                offset += len(seg.tokens)
             builder = _PackBuilder()
             for seg in segments:
                 if seg.row is None:
@@ -314,6 +329,7 @@ class SharedPromptPlan:
             num_tokens=sum(self.pack_lengths),
             plain_tokens=self.plain_tokens,
             batch_size=self.batch_size,
+            token_row=token_row.to(device),
         )
 
 

@@ -209,6 +209,106 @@ def save_tiny_model(
     return output_dir
 
 
+MOE_ARCHS = ("qwen2_moe", "qwen3_moe", "mixtral")
+
+
+def build_tiny_moe_model(
+    arch: Literal["qwen2_moe", "qwen3_moe", "mixtral"] = "qwen3_moe",
+    *,
+    num_experts: int = 4,
+    num_experts_per_tok: int = 2,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    expert_intermediate_size: int | None = None,
+    output_router_logits: bool = False,
+    router_spread: float | None = None,
+    seed: int = 0,
+    tokenizer=None,
+):
+    """Random-initialised tiny mixture-of-experts causal LM (every layer sparse), deterministic from ``seed``.
+
+    Args:
+        arch: ``"qwen2_moe"`` (with its shared expert; ``norm_topk_prob=False`` as Qwen1.5-MoE), ``"qwen3_moe"``
+            (``norm_topk_prob=True``) or ``"mixtral"`` (always renormalised; no router jitter).
+        num_experts: Routed experts per layer; ``num_experts_per_tok``: top-k.
+        expert_intermediate_size: Each expert's MLP width (default ``hidden_size``).
+        output_router_logits: The config flag that makes the forward return the load-balancing aux loss.
+        router_spread: Near-tied routers on purpose: every expert's router row is set to one shared row plus
+            Gaussian noise of this standard deviation (e.g. ``1e-7``; the rows are ~0.02). The router logits are
+            then nearly tied, and the sampler's KV-cache decode and the training forward route some tokens to
+            different experts — the mismatch routing replay (``keep_routing``) removes. None: random routers.
+    """
+    import torch
+    from transformers import (
+        MixtralConfig,
+        MixtralForCausalLM,
+        Qwen2MoeConfig,
+        Qwen2MoeForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
+
+    if arch not in MOE_ARCHS:
+        raise ValueError(f"Unknown tiny MoE model {arch!r}. Valid: {list(MOE_ARCHS)}.")
+    tokenizer = tokenizer or build_tiny_tokenizer()
+    width = expert_intermediate_size or hidden_size
+    common = dict(
+        vocab_size=((len(tokenizer) + 63) // 64) * 64,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        num_experts_per_tok=num_experts_per_tok,
+        output_router_logits=output_router_logits,
+        router_aux_loss_coef=0.001,
+    )
+    if arch == "mixtral":
+        config = MixtralConfig(
+            **common, num_local_experts=num_experts, intermediate_size=width, router_jitter_noise=0.0
+        )
+        model_cls = MixtralForCausalLM
+    else:
+        qwen = dict(
+            num_experts=num_experts,
+            moe_intermediate_size=width,
+            intermediate_size=2 * hidden_size,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            use_sliding_window=False,
+        )
+        if arch == "qwen2_moe":
+            config = Qwen2MoeConfig(**common, **qwen, shared_expert_intermediate_size=width, norm_topk_prob=False)
+            model_cls = Qwen2MoeForCausalLM
+        else:
+            config = Qwen3MoeConfig(**common, **qwen, norm_topk_prob=True)
+            model_cls = Qwen3MoeForCausalLM
+    rng_state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        model = model_cls(config)
+        if router_spread is not None:
+            with torch.no_grad():
+                for module in model.modules():
+                    if "Router" in type(module).__name__:
+                        shared = module.weight[0].clone()  # (H,)
+                        module.weight.copy_(shared + router_spread * torch.randn_like(module.weight))
+    finally:
+        torch.random.set_rng_state(rng_state)
+    gen_config = getattr(model, "generation_config", None)
+    if gen_config is not None:
+        gen_config.pad_token_id = tokenizer.pad_token_id
+        gen_config.eos_token_id = tokenizer.eos_token_id
+        gen_config.bos_token_id = None
+    return model
+
+
 IMAGE_TOKEN = "<image>"
 # ChatML whose list contents render each {"type": "image"} block as one <image> placeholder (the processor expands it
 # to one token per image patch) and each {"type": "text"} block as its text.

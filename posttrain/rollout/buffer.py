@@ -30,7 +30,7 @@ import torch
 RolloutBatch = dict[str, Any]
 
 # Keys aligned with the prompt tokens (left-padded) and with the completion tokens (right-padded).
-PROMPT_KEYS = ("prompt_ids", "prompt_mask")
+PROMPT_KEYS = ("prompt_ids", "prompt_mask", "prompt_routing")
 COMPLETION_KEYS = (
     "completion_ids",
     "completion_mask",
@@ -40,6 +40,7 @@ COMPLETION_KEYS = (
     "sampling_log_kept_mass",
     "tool_mask",
     "importance_sampling_ratio",
+    "completion_routing",  # keep_routing: (N, C, L, k)
 )
 
 
@@ -135,7 +136,7 @@ def trim_padding(batch: RolloutBatch) -> RolloutBatch:
         end = max(end, 1)
         for key in COMPLETION_KEYS:
             value = out.get(key)
-            if isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[1] > 1:
+            if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] > 1:
                 out[key] = value[:, :end]
     return out
 

@@ -324,6 +324,15 @@ def collate_completions(
             batch["sampling_log_kept_mass"] = pad_rows(
                 completions.log_kept_mass, 0.0, torch.float32, "right", pad_to_multiple_of
             )
+    if completions.routing is not None:  # keep_routing: the sampler's MoE routing, aligned with the two halves
+        from posttrain.models.moe_routing import collate_routing
+
+        batch["prompt_routing"], batch["completion_routing"] = collate_routing(
+            completions.routing,
+            [len(p) for p in completions.prompt_ids],
+            batch["prompt_ids"].shape[1],
+            width,
+        )
     return batch
 
 
@@ -470,6 +479,9 @@ class RolloutPipeline:
         with torch.no_grad():
             for start in range(0, batch["completion_ids"].shape[0], size):
                 chunk = {k: batch[k][start : start + size].to(device) for k in keys}
+                for key in ("prompt_routing", "completion_routing"):  # keep_routing: replayed in these passes too
+                    if key in batch:
+                        chunk[key] = batch[key][start : start + size].to(device)
                 if batch.get("vision_inputs") is not None:  # per-row lists: moved to the device at forward time
                     chunk["vision_inputs"] = batch["vision_inputs"][start : start + size]
                 outputs.append(fn(chunk).float())

@@ -65,7 +65,7 @@ def _row_keys(batch: RolloutBatch) -> list[str]:
 
 
 def _is_token_aligned(key: str, value: Any, width: int) -> bool:
-    return key in COMPLETION_KEYS and isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[1] == width
+    return key in COMPLETION_KEYS and isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == width
 
 
 def slice_group(batch: RolloutBatch, group: int, num_generations: int) -> RolloutBatch:
@@ -92,7 +92,7 @@ def _pad_to(value: torch.Tensor, width: int, fill: float, left: bool) -> torch.T
     missing = width - value.shape[1]
     if missing <= 0:
         return value
-    pad = torch.full((value.shape[0], missing), fill, dtype=value.dtype, device=value.device)
+    pad = torch.full((value.shape[0], missing, *value.shape[2:]), fill, dtype=value.dtype, device=value.device)
     return torch.cat([pad, value] if left else [value, pad], dim=1)
 
 

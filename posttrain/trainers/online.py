@@ -365,6 +365,16 @@ class OnlineTrainerBase(BaseTrainer):
         self.num_generations_eval = args.num_generations_eval or args.num_generations
         self.sampling = SamplingConfig.from_args(args, self.processing_class).resolved()
         self.rollout_func = rollout_func
+        if getattr(args, "keep_routing", False) and (
+            rollout_func is not None
+            or self.agent is not None
+            or type(self)._generate is not OnlineTrainerBase._generate
+        ):
+            raise ValueError(
+                "keep_routing=True replays the routing the group sampler records for plain completions; it does not "
+                "support rollout_func, tools / environments or a _generate override (their completions carry no "
+                "routing). Set keep_routing=False."
+            )
         self.backend = self._make_backend(rollout_func)
         if type(self)._generate is not OnlineTrainerBase._generate:
             # TRL's rollout dispatch: a subclass's `_generate(prompts)` produces every completion (in TRL the tool
@@ -545,6 +555,19 @@ class OnlineTrainerBase(BaseTrainer):
                 stacklevel=3,
             )
             name = "transformers"
+        if getattr(args, "keep_routing", False):
+            if name != "posttrain" or self.sampling.generation_kwargs:
+                raise ValueError(
+                    "keep_routing=True needs the 'posttrain' group sampler, which records the MoE routing; "
+                    "generation_kwargs or use_transformers_continuous_batching select model.generate instead."
+                )
+            return get_backend(
+                name,
+                model,
+                self.processing_class,
+                return_logprobs=self._wants_sampling_logprobs(),
+                record_routing=True,
+            )
         if name == "posttrain" and self.sampling.generation_kwargs:
             # TRL passes generation_kwargs to model.generate: so does the transformers backend
             logger.info(

@@ -62,6 +62,18 @@ class OnlineRLConfig(BaseConfig):
             "attention when it is estimated to save work; False always runs one [prompt | completion] row each."
         },
     )
+    keep_routing: bool = field(
+        default=False,
+        metadata={
+            "help": "posttrain (not a TRL field): MoE routing replay for a mixture-of-experts policy (Qwen2-MoE, "
+            "Qwen3-MoE, Mixtral, ...). The group sampler records each token's top-k experts per layer and every "
+            "training-side forward (π_old, π_ref, the policy and its gradient-checkpoint recompute) routes each "
+            "token to those experts, with gate weights recomputed from the current router logits over them (the "
+            "router keeps its gradient; the load-balancing aux loss is unchanged). Removes the sampler-vs-trainer "
+            "mismatch that different expert choices cause. Needs generation_backend='posttrain' in-process (not "
+            "vLLM / `posttrain serve`, rollout_func or tool loops); an error for a dense model."
+        },
+    )
     pad_to_multiple_of: int | str | None = field(
         default="auto",
         metadata={"help": PAD_TO_MULTIPLE_OF_HELP},
@@ -257,6 +269,12 @@ class OnlineRLConfig(BaseConfig):
             raise ValueError(
                 f"Unknown generation_backend {self.generation_backend!r}. Valid values: "
                 f"{', '.join(GENERATION_BACKENDS)} (use use_vllm=True for vLLM)."
+            )
+        if self.keep_routing and (self.use_vllm or self.generation_backend != "posttrain"):
+            raise ValueError(
+                "keep_routing=True records the MoE routing in posttrain's in-process group sampler: set "
+                "generation_backend='posttrain' and use_vllm=False (vLLM and `posttrain serve` do not return it), "
+                "or set keep_routing=False."
             )
         if self.vllm_mode not in ("colocate", "server"):
             raise ValueError(f"vllm_mode must be 'colocate' or 'server', got {self.vllm_mode!r}.")
