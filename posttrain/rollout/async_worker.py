@@ -812,6 +812,7 @@ class AsyncRollout:
             record("sample/staleness_max", float(staleness))
         else:
             self._record_version_lags(record, item["batch"], token_versions, step, entry)
+            entry["groups"] = list(item.get("groups") or [])
         record("sample/version", float(item["version"]))
         record("sample/dropped_stale_total", float(self.dropped_stale_total))
         for name, value in item["metrics"]:
