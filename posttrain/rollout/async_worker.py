@@ -23,6 +23,10 @@ decode forward for every live row; per-group requests would halve the decode bat
 keeps its request seed, prompt order and weight version one value per step: ``max_staleness=0`` then reproduces
 synchronous server-mode GRPO bitwise and resume regenerates exactly the rounds in flight. The group sampler finishes a
 round's groups in one decode loop anyway, so a finer unit would not reach the trainer sooner from this server.
+Partial rollouts (AsyncGRPO ``partial_rollout_max_tokens``, ``spec.partial``) replace this loop with
+``posttrain.rollout.partial.partial_loop``: passes of a token budget, finished groups emitted as rounds at once,
+cut completions continued under newer weights, per-token weight versions in the batch (``token_versions``); the
+trainer then judges staleness by a round's oldest token and logs the token-level lag distribution.
 
 Trainer side (:class:`AsyncRollout`, a component the synchronous trainer owns and delegates to): at the first
 micro-step of each optimizer step it takes the next round from the queue, drops it when ``global_step - version >

@@ -14,6 +14,12 @@ worker wraps its server backend in the same tool-calling loop as ``GRPOTrainer``
 rollout's tool calls run here, in the worker, and their results enter the completion (masked out of the loss by
 ``tool_mask``); one environment per rollout is reset from its row before generation, and environments with
 ``get_reward`` add their reward column. Tools, environment factories and reward functions must be picklable.
+
+``rollout_func`` (TRL's ``rollout_func(prompts, trainer)``): called here once per round on the round's raw prompts
+(one per completion), with a :class:`WorkerTrainerView` as ``trainer`` (its ``backend`` is this worker's server
+backend); the round is tagged with the server's version read just before the call. Partial rollouts
+(``spec.partial``) render each group's prompt here (:meth:`RolloutWorkerSpec.partial_prompt_ids`) and replay the
+finished groups through the same pipeline (``posttrain.rollout.partial``).
 """
 
 from __future__ import annotations
