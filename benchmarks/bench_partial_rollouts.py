@@ -2,23 +2,25 @@
 
 Workload (``long_tail``): the tiny offline Qwen2 model (``posttrain.models.tiny``) behind a ``posttrain serve``
 subprocess, 64 prompts, G = 4, 2 prompts per round (8 completions per optimizer step), ``max_completion_length``
-96, and a wide stop set (``generation_kwargs={"eos_token_id": [...]}``: 20 of the byte vocabulary's ids end a
-completion, ~7 % per sampled token), so completion lengths are geometric: most completions stop within ~10 tokens,
-the tail runs to the 96-token cap (10× and more between a round's short and long rows). Reward: the fraction of
+256, and a stop set (``generation_kwargs={"eos_token_id": [...]}``: 6 of the byte vocabulary's ids end a completion,
+~2 % per sampled token), so completion lengths are geometric: half stop within ~35 tokens, a tenth run past ~115,
+some to the 256-token cap (10× and more between a round's short and long rows); a whole round waits for its
+longest row. Reward: the fraction of
 upper-case letters in the completion (independent of length, so both variants optimise the same thing).
 
 Variants, each in a fresh process (server, rollout worker and trainer at one torch thread each):
 
 - ``whole``: AsyncGRPO as shipped — each round is generated whole (waits for its longest completion);
-- ``partial``: ``partial_rollout_max_tokens=16`` (passes of at most 16 new tokens; finished groups train at once,
+- ``partial``: ``partial_rollout_max_tokens=32`` (passes of at most 16 new tokens; finished groups train at once,
   cut ones continue under the next weights);
 - ``lora_full`` / ``lora_adapter`` (``--bytes``): a LoRA student (r=8, q/k/v/o) pushed merged vs adapter-only
   (``vllm_sync_adapter_only``); the record's ``weight_sync_bytes`` is the logged ``perf/weight_sync_bytes``.
 
 Every record: ``median_step_s`` (wall time between optimizer steps after the warm-up), ``samples_per_s``
-(completions per step / median step), ``num_tokens_per_s`` (the logged ``num_tokens``, prompt + completion tokens trained, per second over the
-timed steps),
-``reward_curve`` (per step), ``reward_mean`` (over the timed steps), ``completion_len_p50/p90/max``, and for partial
+(completions per step / median step), ``completion_tokens_per_s`` (completion tokens trained per second over the
+timed steps), ``num_tokens_per_s`` (the logged ``num_tokens``, prompt + completion tokens, per second),
+``server_cpu_s_per_step`` / ``server_cpu_s_per_1k_tokens`` (the server's CPU time over the timed steps, from
+``/proc``: generation work, which a loaded machine inflates far less than wall time), ``reward_curve`` (per step), ``reward_mean`` (over the timed steps), ``completion_len_p50/p90/max``, and for partial
 runs the version-lag distribution (``lag_mean``, ``lag_max``, ``lag_frac``). Runs alternate between variants (ABAB
 per round), so drift of a shared machine falls on both.
 
@@ -46,12 +48,12 @@ if str(REPO_ROOT) not in sys.path:  # run as a script: make the `benchmarks` pac
     sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks import common  # noqa: E402
-from benchmarks.bench_async_grpo import posttrain_server  # noqa: E402
+from benchmarks.bench_async_grpo import cpu_seconds, posttrain_server  # noqa: E402
 
-STOP_IDS = list(range(97, 107)) + list(range(48, 58))  # a-j and 0-9: ~7 % of the tiny model's samples stop
+STOP_IDS = list(range(48, 54))  # the digits 0-5: ~2 % of the tiny model's samples stop
 PROMPTS = 64
-MAX_COMPLETION = 96
-PARTIAL_TOKENS = 16
+MAX_COMPLETION = 256
+PARTIAL_TOKENS = 32
 
 
 def upper_frac_reward(completions, **kwargs):
@@ -79,10 +81,12 @@ def run_one(variant: str, steps: int, warmup: int) -> dict:
     os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
     model_path = _model_path()
     stamps: list[float] = []
+    server_cpu: list[float] = []  # the server's CPU seconds at each step end (generation work, load-independent)
 
     class Stamp(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             stamps.append(time.perf_counter())
+            server_cpu.append(cpu_seconds(server_pid))
 
     dataset = Dataset.from_list([{"prompt": f"Question {i}: say something"} for i in range(PROMPTS)])
     extra: dict = {}
@@ -95,7 +99,7 @@ def run_one(variant: str, steps: int, warmup: int) -> dict:
     if variant in ("partial", "lora_full", "lora_adapter"):
         extra["partial_rollout_max_tokens"] = PARTIAL_TOKENS
     with contextlib.ExitStack() as stack:
-        url, _ = stack.enter_context(posttrain_server(model_path))
+        url, server_pid = stack.enter_context(posttrain_server(model_path))
         out = stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-partial-"))
         args = AsyncGRPOConfig(
             output_dir=out, report_to="none", write_report=False, disable_tqdm=True, save_strategy="no",
@@ -123,11 +127,23 @@ def run_one(variant: str, steps: int, warmup: int) -> dict:
         "reward_curve": [round(e["reward"], 4) for e in steps_logs],
         "reward_mean": round(statistics.fmean(e["reward"] for e in steps_logs[warmup:]), 4),
         "completion_mean_len": round(statistics.fmean(e["completions/mean_length"] for e in steps_logs[warmup:]), 2),
+        # completion tokens trained per second over the timed steps (steps warmup+1 .. end: the gaps measured)
+        "completion_tokens_per_s": round(
+            sum(e["completions/mean_length"] * per_step for e in steps_logs[warmup + 1 :])
+            / max(1e-9, timed[-1] - timed[0]),
+            1,
+        ),
         "completion_max_len": max(e["completions/max_length"] for e in steps_logs),
         "completion_min_len": min(e["completions/min_length"] for e in steps_logs),
         "dropped_stale_total": steps_logs[-1].get("sample/dropped_stale_total", 0),
         "run_wall_s": round(wall, 2),
+        # generation work: the server's CPU seconds per timed step and per 1000 completion tokens trained
+        "server_cpu_s_per_step": round((server_cpu[-1] - server_cpu[warmup]) / max(1, len(timed) - 1), 4),
     }  # fmt: skip
+    trained_tokens = sum(e["completions/mean_length"] * per_step for e in steps_logs[warmup + 1 :])
+    record["server_cpu_s_per_1k_tokens"] = round(
+        1000 * (server_cpu[-1] - server_cpu[warmup]) / max(1, trained_tokens), 4
+    )
     syncs = [e["perf/weight_sync_bytes"] for e in logs if "perf/weight_sync_bytes" in e]
     if syncs:
         record["weight_sync_bytes"] = int(statistics.median(syncs))

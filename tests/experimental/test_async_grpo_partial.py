@@ -271,3 +271,26 @@ def test_streaming_dataset_trains_and_resumes(tiny_model_path, server, tmp_path)
     # max_staleness=0 and the same request seeds: the resumed run ends at the uninterrupted run's parameters
     for (name, value), (_, expected) in zip(resumed.model.named_parameters(), full.model.named_parameters()):
         torch.testing.assert_close(value, expected, atol=0, rtol=0, msg=name)
+
+
+@pytest.mark.slow
+def test_partial_rollouts_on_a_streaming_dataset(tiny_model_path, server, tmp_path):
+    """Partial rollouts pick groups from a stream in order (regenerated groups keep their rows): every trained group
+    is a distinct ordinal and its rows are the stream's prompts of that ordinal."""
+    from posttrain.experimental.async_grpo import AsyncGRPOTrainer
+
+    rows = [{"prompt": f"Question {i}:"} for i in range(12)]
+    stream = Dataset.from_list(rows).to_iterable_dataset()
+    args = _args(tmp_path, server, partial_rollout_max_tokens=3, max_staleness=2, max_inflight_tasks=1, max_steps=3,
+                 shuffle_dataset=False, log_completions=True)  # fmt: skip
+    trainer = AsyncGRPOTrainer(tiny_model_path, length_reward, args, train_dataset=stream)
+    batches = _capture_batches(trainer)
+    trainer.train()
+    groups = [g for e in trainer.async_rollout.trained_rounds for g in e["groups"]]
+    assert len(groups) == len(set(groups)) == 6
+    tokenizer = trainer.processing_class
+    for entry, batch in zip(trainer.async_rollout.trained_rounds, batches):
+        for position, ordinal in enumerate(entry["groups"]):
+            for row in (2 * position, 2 * position + 1):  # G = 2 rows per group
+                prompt = batch["prompt_ids"][row][batch["prompt_mask"][row].bool()].tolist()
+                assert tokenizer.decode(prompt) == rows[ordinal]["prompt"]
