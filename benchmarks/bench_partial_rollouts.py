@@ -27,7 +27,7 @@ per round), so drift of a shared machine falls on both.
 Usage::
 
     python benchmarks/bench_partial_rollouts.py [--variants whole,partial] [--rounds 2] [--steps 12] [--warmup 2]
-        [--bytes] [--out results.jsonl]
+        [--ahead 1] [--bytes] [--out results.jsonl]
 """
 
 from __future__ import annotations
@@ -70,8 +70,9 @@ def _model_path() -> str:
     return str(path)
 
 
-def run_one(variant: str, steps: int, warmup: int) -> dict:
-    """One timed run of ``variant`` (call in a fresh process)."""
+def run_one(variant: str, steps: int, warmup: int, ahead: int = 1) -> dict:
+    """One timed run of ``variant`` (call in a fresh process); ``ahead``: rounds the worker may run ahead of the
+    server's weights (``max_inflight_tasks = ahead × 8``; -1: TRL's auto, ``max_staleness`` rounds)."""
     from datasets import Dataset
     from transformers import TrainerCallback
 
@@ -106,6 +107,7 @@ def run_one(variant: str, steps: int, warmup: int) -> dict:
             logging_steps=1, max_steps=steps + warmup, per_device_train_batch_size=8, num_generations=4,
             max_completion_length=MAX_COMPLETION, learning_rate=1e-2, temperature=1.0, seed=0,
             vllm_server_base_url=url, max_staleness=4, generation_kwargs={"eos_token_id": STOP_IDS},
+            max_inflight_tasks=-1 if ahead < 0 else 8 * ahead,
             gradient_checkpointing=False, **extra,
         )  # fmt: skip
         trainer = AsyncGRPOTrainer(model_path, upper_frac_reward, args, train_dataset=dataset, peft_config=peft_config)
@@ -121,7 +123,7 @@ def run_one(variant: str, steps: int, warmup: int) -> dict:
     per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps
     tokens = [e["num_tokens"] for e in steps_logs]
     record = {
-        "benchmark": "partial_rollouts", "variant": variant, "steps": steps, "warmup": warmup,
+        "benchmark": "partial_rollouts", "variant": variant, "steps": steps, "warmup": warmup, "ahead": ahead,
         "median_step_s": round(median, 4), "samples_per_s": round(per_step / median, 3),
         "num_tokens_per_s": round((tokens[-1] - tokens[warmup]) / max(1e-9, timed[-1] - timed[0]), 1),
         "reward_curve": [round(e["reward"], 4) for e in steps_logs],
@@ -166,18 +168,20 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="Interleaved rounds (each runs every variant once).")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--ahead", type=int, default=1, help="Rounds the worker may run ahead (-1: TRL's auto).")
     parser.add_argument("--bytes", action="store_true", help="Also run lora_full and lora_adapter once (3 steps).")
     parser.add_argument("--out", type=Path, default=None, help="Append the records to this JSONL file.")
     parser.add_argument("--single", metavar="VARIANT", help=argparse.SUPPRESS)
     opts = parser.parse_args()
     if opts.single:
-        common.emit(run_one(opts.single, opts.steps, opts.warmup))
+        common.emit(run_one(opts.single, opts.steps, opts.warmup, opts.ahead))
         return
     plan = [(v, opts.steps, opts.warmup) for _ in range(opts.rounds) for v in opts.variants.split(",")]
     if opts.bytes:
         plan += [("lora_full", 3, 1), ("lora_adapter", 3, 1)]
     for variant, steps, warmup in plan:
-        cmd = [sys.executable, __file__, "--single", variant, "--steps", str(steps), "--warmup", str(warmup)]
+        cmd = [sys.executable, __file__, "--single", variant, "--steps", str(steps), "--warmup", str(warmup),
+               "--ahead", str(opts.ahead)]  # fmt: skip
         env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
         done = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
         if done.returncode != 0:
