@@ -23,6 +23,10 @@ decode forward for every live row; per-group requests would halve the decode bat
 keeps its request seed, prompt order and weight version one value per step: ``max_staleness=0`` then reproduces
 synchronous server-mode GRPO bitwise and resume regenerates exactly the rounds in flight. The group sampler finishes a
 round's groups in one decode loop anyway, so a finer unit would not reach the trainer sooner from this server.
+Partial rollouts (AsyncGRPO ``partial_rollout_max_tokens``, ``spec.partial``) replace this loop with
+``posttrain.rollout.partial.partial_loop``: passes of a token budget, finished groups emitted as rounds at once,
+cut completions continued under newer weights, per-token weight versions in the batch (``token_versions``); the
+trainer then judges staleness by a round's oldest token and logs the token-level lag distribution.
 
 Trainer side (:class:`AsyncRollout`, a component the synchronous trainer owns and delegates to): at the first
 micro-step of each optimizer step it takes the next round from the queue, drops it when ``global_step - version >
@@ -131,10 +135,15 @@ class AsyncWorkerSpec(abc.ABC):
     max_rounds: int | None = None
     client_kwargs: dict[str, Any] = field(default_factory=dict)
     base_urls: list[str] | None = None  # several servers (vllm_server_base_urls): a ServerPoolBackend
+    partial: Any = None  # partial rollouts (posttrain.rollout.partial.PartialRolloutSpec); None: whole rounds
 
     @abc.abstractmethod
     def make_producer(self, backend: Any) -> Producer:
         """Build (in the child) the function turning a round's rows into its batch, generating with ``backend``."""
+
+    def partial_prompt_ids(self, rows: list[dict[str, Any]]) -> list[int]:
+        """The prompt ids a group's rows are generated from (partial rollouts render before generating)."""
+        raise TypeError(f"{type(self).__name__} does not support partial rollouts.")
 
 
 class RoundSource:
@@ -145,6 +154,7 @@ class RoundSource:
         from posttrain.rollout.sampler import RepeatSampler
 
         self.dataset = dataset
+        self.num_generations = num_generations
         self.sampler = RepeatSampler(
             dataset, mini_repeat_count=num_generations, batch_size=prompts_per_round, shuffle=shuffle, seed=seed
         )
@@ -162,6 +172,62 @@ class RoundSource:
             self._order, self._epoch = list(self.sampler), epoch
         indices = self._order[k * self.rows_per_round : (k + 1) * self.rows_per_round]
         return [self.dataset[int(i)] for i in indices]
+
+    def group_rows(self, ordinal: int) -> list[dict[str, Any]]:
+        """The G rows of group ``ordinal`` (group ``k`` of the prompt order; partial rollouts pick groups)."""
+        round_index, position = divmod(ordinal, self.rows_per_round // self.num_generations)
+        rows = self.rows(round_index)
+        g = self.num_generations
+        return rows[position * g : (position + 1) * g]
+
+
+class StreamRoundSource(RoundSource):
+    """Rows of round ``r`` from a streaming (``IterableDataset``) train dataset: ``RepeatIterableDataset``'s
+    grouping (``prompts_per_round`` rows read, each repeated G times; shuffled with the stream's own buffered
+    shuffle, epoch ``e`` seeded ``seed + e``), read in order. Rounds must be asked for in increasing order; on
+    resume the stream is re-read from its start and the rounds already consumed are skipped. An exhausted stream
+    starts its next epoch (the trainer's ``max_steps`` ends the run)."""
+
+    def __init__(self, dataset: Any, num_generations: int, prompts_per_round: int, shuffle: bool, seed: int):
+        from posttrain.rollout.sampler import RepeatIterableDataset
+
+        self.dataset = dataset
+        self.num_generations = num_generations
+        self.rows_per_round = num_generations * prompts_per_round
+        self.stream = RepeatIterableDataset(
+            dataset, mini_repeat_count=num_generations, batch_size=prompts_per_round, shuffle=shuffle, seed=seed
+        )
+        self._epoch = 0
+        self._iter: Any = None
+        self._next = 0  # index of the next round the stream yields
+        self._cache: tuple[int, list[dict[str, Any]]] | None = None
+
+    def _read_round(self) -> list[dict[str, Any]]:
+        for _ in range(2):  # the rest of this epoch, then (exhausted) one fresh epoch
+            if self._iter is None:
+                self.stream.set_epoch(self._epoch)
+                self._iter = iter(self.stream)
+            rows = []
+            for row in self._iter:  # the stream yields whole rounds only (RepeatIterableDataset drops a short one)
+                rows.append(row)
+                if len(rows) == self.rows_per_round:
+                    return rows
+            self._iter, self._epoch = None, self._epoch + 1
+        raise ValueError(
+            f"The streaming train_dataset yields fewer than {self.rows_per_round // self.num_generations} prompts "
+            "per epoch; one round needs that many."
+        )
+
+    def rows(self, round_index: int) -> list[dict[str, Any]]:
+        if self._cache is not None and self._cache[0] == round_index:
+            return self._cache[1]
+        if round_index < self._next:
+            raise ValueError(f"A streaming dataset is read in order: round {round_index} was already read.")
+        while self._next <= round_index:
+            rows = self._read_round()
+            self._next += 1
+        self._cache = (round_index, rows)
+        return rows
 
 
 def _beat(heartbeat: Any) -> None:
@@ -208,7 +274,9 @@ def _loop(spec: AsyncWorkerSpec, out: Any, stop: Any, parent: int, heartbeat: An
     from posttrain.generation.vllm_server import VLLMServerBackend
 
     torch.set_num_threads(1)  # the worker mostly waits on HTTP; leave the cores to server and trainer
-    source = RoundSource(spec.dataset, spec.num_generations, spec.prompts_per_round, spec.shuffle, spec.seed)
+    streaming = isinstance(spec.dataset, torch.utils.data.IterableDataset) or not hasattr(spec.dataset, "__len__")
+    source_class = StreamRoundSource if streaming else RoundSource
+    source = source_class(spec.dataset, spec.num_generations, spec.prompts_per_round, spec.shuffle, spec.seed)
     options = dict(
         tokenizer=spec.tokenizer, protocol="posttrain", timeout=spec.server_timeout, seed=spec.seed,
         seed_requests=spec.seed_requests, client_kwargs={"request_timeout": spec.request_timeout, **spec.client_kwargs},
@@ -219,22 +287,38 @@ def _loop(spec: AsyncWorkerSpec, out: Any, stop: Any, parent: int, heartbeat: An
         backend: Any = ServerPoolBackend(base_urls=spec.base_urls, **options)
     else:
         backend = VLLMServerBackend(base_url=spec.base_url, **options)
+
+    def admit(r: int) -> bool:
+        """Admission: wait until round ``r`` is at most ``ahead`` rounds ahead of the server's weights (False: stop)."""
+        wait = POLL_MIN_S
+        while not stop.is_set():
+            if os.getppid() != parent:
+                return False
+            version = _server_version(backend)
+            _beat(heartbeat)
+            if r - version <= spec.ahead:
+                return True
+            time.sleep(wait)
+            wait = min(2 * wait, POLL_MAX_S)  # back off: each poll costs the server a request
+        return False
+
+    if spec.partial is not None:
+        from posttrain.rollout.partial import ReplayBackend, partial_loop
+
+        replay = ReplayBackend()
+        _beat(heartbeat)  # started
+        partial_loop(
+            spec, source, backend, spec.make_producer(replay), replay, admit,
+            emit=lambda item: _put(out, ("round", pickle.dumps(item)), stop, parent, heartbeat),
+            beat=lambda: _beat(heartbeat),
+        )  # fmt: skip
+        return
     produce = spec.make_producer(backend)
     _beat(heartbeat)  # started
     backpressure = 0.0
     r = spec.start_round
     while spec.max_rounds is None or r < spec.max_rounds:
-        wait = POLL_MIN_S
-        while not stop.is_set():  # admission: do not run further ahead of the weights than `ahead` rounds
-            if os.getppid() != parent:
-                return
-            version = _server_version(backend)
-            _beat(heartbeat)
-            if r - version <= spec.ahead:
-                break
-            time.sleep(wait)
-            wait = min(2 * wait, POLL_MAX_S)  # back off: each poll costs the server a request
-        if stop.is_set():
+        if not admit(r):
             return
         backend.set_request_index(r)  # seed of round r: the same tokens whenever generated from the same weights
         metrics: list[tuple[str, float]] = []
@@ -401,7 +485,10 @@ class AsyncRollout:
         self.stop: Any = None
         self.next_round = 0  # first round not yet consumed (the trained position; saved in rollout_state.json)
         self.dropped_stale_total = 0
-        self.trained_rounds: list[dict[str, int]] = []  # {"step", "round", "version", "staleness"} per trained round
+        self.trained_rounds: list[dict[str, Any]] = []  # {"step", "round", "version", "staleness"} per trained round
+        # partial rollouts: group ordinals consumed (trained or dropped) above the first one not consumed yet
+        self.partial_next_group: int | None = None  # None: whole rounds (no group bookkeeping)
+        self.partial_consumed: set[int] = set()
         self.uploader: WeightUploader | None = None
         self.push_client: Any = None
         self._probe_lock = threading.Lock()
@@ -705,31 +792,69 @@ class AsyncRollout:
         step = trainer.state.global_step
         while True:
             item = pickle.loads(self.get_item()[1])
+            # partial rollouts: per-token versions; the round's "version" is its oldest token's (per-token rule)
+            token_versions = item["batch"].pop("token_versions", None)
             staleness = step - item["version"]
-            if staleness < 0:
+            if staleness < 0 or (token_versions is not None and int(token_versions.max()) > step):
                 raise RolloutWorkerError(
                     f"A round was generated with weight version {item['version']}, ahead of the trainer's step "
                     f"{step}: is another trainer pushing weights to {self._server().base_url}?"
                 )
             self.next_round = item["round"] + 1
+            if item.get("groups") is not None:
+                self._consume_groups(item["groups"])
             if staleness <= self.args.max_staleness:
                 break
             self.dropped_stale_total += batch_size_of(item["batch"])
         record = trainer._record("train")
         record("perf/rollout_wait_s", time.perf_counter() - wait_start)
         record("sample/time_in_queue_s", max(0.0, time.time() - item["put_time"]))
-        record("sample/staleness_mean", float(staleness))  # one version per round: mean = max
-        record("sample/staleness_max", float(staleness))
+        entry: dict[str, Any] = {"step": step, "round": item["round"], "version": item["version"],
+                                 "staleness": staleness}  # fmt: skip
+        if token_versions is None:
+            record("sample/staleness_mean", float(staleness))  # one version per round: mean = max
+            record("sample/staleness_max", float(staleness))
+        else:
+            self._record_version_lags(record, item["batch"], token_versions, step, entry)
+            entry["groups"] = list(item.get("groups") or [])
         record("sample/version", float(item["version"]))
         record("sample/dropped_stale_total", float(self.dropped_stale_total))
         for name, value in item["metrics"]:
             record(name, value)
-        self.trained_rounds.append(
-            {"step": step, "round": item["round"], "version": item["version"], "staleness": staleness}
-        )
+        self.trained_rounds.append(entry)
         if item["table"] is not None:
             trainer._pending_completions = item["table"]
         return self.score(item["batch"], record)
+
+    def _record_version_lags(self, record: Callable[[str, float], None], batch: Any, token_versions: Any, step: int,
+                             entry: dict[str, Any]) -> None:  # fmt: skip
+        """Partial rollouts: the round's token-level version-lag distribution (``core.staleness``): mean / max lag
+        over every sampled completion token and ``sample/version_lag_frac/<k>``, the fraction of tokens ``k``
+        versions old (k = 0 .. max_staleness). ``entry`` (``trained_rounds``) keeps the per-token versions."""
+        import torch
+
+        from posttrain.core.staleness import version_lag_stats
+
+        width = token_versions.shape[1]
+        valid = torch.arange(width).unsqueeze(0) < batch["completion_lengths"].cpu().unsqueeze(1)  # (B, C)
+        stats = version_lag_stats(token_versions, valid, step)
+        record("sample/staleness_mean", stats["mean"])
+        record("sample/staleness_max", float(stats["max"]))
+        for lag in range(self.args.max_staleness + 1):
+            record(f"sample/version_lag_frac/{lag}", stats["frac"].get(lag, 0.0))
+        entry["token_versions"] = [
+            row[: int(n)] for row, n in zip(token_versions.tolist(), batch["completion_lengths"])
+        ]
+        entry["lag_max"], entry["lag_mean"] = stats["max"], stats["mean"]
+
+    def _consume_groups(self, ordinals: list[int]) -> None:
+        """Partial rollouts: mark group ordinals consumed; advance the first-not-consumed mark (resume state)."""
+        if self.partial_next_group is None:
+            self.partial_next_group = 0
+        self.partial_consumed.update(int(k) for k in ordinals)
+        while self.partial_next_group in self.partial_consumed:
+            self.partial_consumed.discard(self.partial_next_group)
+            self.partial_next_group += 1
 
     def to_device(self, batch: Any, record: Callable[[str, float], None] | None = None) -> Any:
         """A round that needs nothing more under the current weights: its tensors moved to the trainer's device."""
@@ -746,9 +871,15 @@ class AsyncRollout:
             "weight_version": int(self.trainer._last_synced_step or 0),
             "dropped_stale_total": self.dropped_stale_total,
         }
+        if self.partial_next_group is not None:  # partial rollouts: which groups are consumed (the rest regenerate)
+            state["partial_next_group"] = self.partial_next_group
+            state["partial_consumed_groups"] = sorted(self.partial_consumed)
         return {**states, ROLLOUT_STATE: state}
 
     def load_checkpoint_state(self, states: dict[str, Any]) -> None:
         if ROLLOUT_STATE in states:
             self.next_round = int(states[ROLLOUT_STATE]["next_round"])
             self.dropped_stale_total = int(states[ROLLOUT_STATE]["dropped_stale_total"])
+            if "partial_next_group" in states[ROLLOUT_STATE]:
+                self.partial_next_group = int(states[ROLLOUT_STATE]["partial_next_group"])
+                self.partial_consumed = {int(k) for k in states[ROLLOUT_STATE]["partial_consumed_groups"]}

@@ -7,7 +7,8 @@ The asynchronous pipeline's fields are TRL's (``max_staleness`` 4, ``weight_sync
 ``vllm_importance_sampling_*`` correction, ...) carries over from ``GRPOConfig``. Generation always goes through a
 server (``use_vllm=True, vllm_mode="server"``: ``posttrain serve`` or ``posttrain vllm-serve``).
 
-posttrain adds ``heartbeat_stale_after_s`` (300, as AsyncDistillation): the trainer aborts with
+posttrain adds ``partial_rollout_max_tokens`` (None: off; partial rollouts, see ``posttrain.rollout.partial``) and
+``heartbeat_stale_after_s`` (300, as AsyncDistillation): the trainer aborts with
 ``RolloutWorkerError`` when the rollout worker has made no progress for that long; with ``request_timeout`` and the
 ``/health`` probe of ``vllm_server_health_check_interval`` (GRPOConfig's) no wait on the server is unbounded.
 """
@@ -63,6 +64,17 @@ class AsyncGRPOConfig(AsyncRolloutConfig, GRPOConfig):
         },
     )
     seed_requests: bool = async_rollout_field("seed_requests")
+    partial_rollout_max_tokens: int | None = field(
+        default=None,
+        metadata={
+            "help": "posttrain: partial rollouts (opt-in; None = whole rounds). The rollout worker generates in passes "
+            "of at most this many new tokens per completion: groups that finished train at once, unfinished "
+            "completions are cut and continue (prompt + partial completion) under the next weights. Every token "
+            "keeps the weight version that sampled it: the IS correction and the max_staleness rule are per token "
+            "(sample/version_lag_frac/<k>). Use it when completion lengths are long-tailed. Needs max_staleness >= "
+            "1; not with tools, environment_factory or rollout_func."
+        },
+    )
 
     _trainer_name = "AsyncGRPO"
 
@@ -71,8 +83,30 @@ class AsyncGRPOConfig(AsyncRolloutConfig, GRPOConfig):
         self.check_async_rollout()
         if self.heartbeat_stale_after_s is not None and not self.heartbeat_stale_after_s > 0:
             raise ValueError(f"heartbeat_stale_after_s must be > 0 (or None), got {self.heartbeat_stale_after_s}.")
+        self._check_partial_rollouts()
         if self.steps_per_generation != self.gradient_accumulation_steps:
             raise ValueError(
                 "AsyncGRPO generates one optimizer step's worth of samples per round: leave steps_per_generation / "
                 "generation_batch_size unset (steps_per_generation = gradient_accumulation_steps)."
+            )
+
+    def _check_partial_rollouts(self) -> None:
+        """``partial_rollout_max_tokens``: a positive budget below ``max_completion_length`` (else no round is ever
+        cut), and ``max_staleness >= 1`` (a continued completion has tokens from an older version than the step
+        that trains it)."""
+        budget = self.partial_rollout_max_tokens
+        if budget is None:
+            return
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+            raise ValueError(f"partial_rollout_max_tokens must be a positive integer or None, got {budget!r}.")
+        if self.max_completion_length is not None and budget >= self.max_completion_length:
+            raise ValueError(
+                f"partial_rollout_max_tokens={budget} >= max_completion_length={self.max_completion_length}: no "
+                "completion would ever be cut. Lower partial_rollout_max_tokens, or set it to None for whole rounds."
+            )
+        if self.max_staleness < 1:
+            raise ValueError(
+                "partial_rollout_max_tokens needs max_staleness >= 1: a completion cut and continued under the next "
+                "weights holds tokens one version older than the step that trains it, which max_staleness=0 drops. "
+                "Raise max_staleness or set partial_rollout_max_tokens=None."
             )

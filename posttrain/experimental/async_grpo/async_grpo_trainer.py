@@ -28,7 +28,16 @@ scheduler, RNG states and the micro-batch buffer's shuffle RNG are HF/posttrain'
 the trainer pushes its checkpoint weights (``version = global_step``) and starts a fresh worker at ``next_round``;
 rounds that were in flight or queued when the run stopped are lost and regenerated (from the restored weights,
 with the same request seeds). The vllm_server backend's request counter (evaluation requests) is in posttrain's
-resume state. Not supported: multi-process training, ``rollout_func``, streaming datasets, ``num_iterations > 1``.
+resume state. Not supported: multi-process training, ``num_iterations > 1``.
+
+Partial rollouts (``partial_rollout_max_tokens``, opt-in; ``posttrain.rollout.partial``): the worker generates in
+passes of at most that many new tokens per row; finished groups train at once, unfinished completions continue
+under the next weights; every token carries the weight version that sampled it, the IS correction is per token and
+so is staleness (the round's oldest token decides), and the version-lag distribution is logged
+(``sample/version_lag_frac/<k>``).
+
+``rollout_func`` runs in the worker (``WorkerTrainerView``); a streaming ``train_dataset`` is read in order by the
+worker (``StreamRoundSource``; on resume the stream is re-read and the consumed rounds skipped).
 
 Agent training as in ``GRPOTrainer`` (TRL's ``tools=`` and ``environment_factory``): the tool-calling loop runs in
 the rollout worker around its server requests (see ``rollout_worker``), one environment per rollout.
@@ -44,6 +53,7 @@ from posttrain.experimental.async_grpo.async_grpo_config import AsyncGRPOConfig
 from posttrain.experimental.async_grpo.rollout_worker import RolloutWorkerSpec
 from posttrain.rollout.async_worker import ROLLOUT_STATE, AsyncRollout, RolloutWorkerError
 from posttrain.rollout.buffer import RolloutBatch
+from posttrain.rollout.partial import PartialRolloutSpec
 from posttrain.rollout.pipeline import RolloutSettings
 from posttrain.trainers.grpo import GRPOTrainer
 
@@ -53,9 +63,10 @@ __all__ = ["ROLLOUT_STATE", "AsyncGRPOTrainer", "RolloutWorkerError"]
 class AsyncGRPOTrainer(GRPOTrainer):
     """GRPO with a rollout worker streaming generation rounds from a server (see the module docstring).
 
-    The constructor is ``GRPOTrainer``'s (``tools`` and ``environment_factory`` included); ``rollout_func`` is
-    refused. Reward functions, tools and environment factories must be picklable: the worker process receives them
-    pickled.
+    The constructor is ``GRPOTrainer``'s (``tools``, ``environment_factory`` and ``rollout_func`` included; the
+    worker calls a ``rollout_func`` with a ``WorkerTrainerView`` as its ``trainer``). ``train_dataset`` may be a
+    streaming ``IterableDataset`` (``max_steps`` required, as in GRPO). Reward functions, tools, environment
+    factories, the rollout function and the dataset must be picklable: the worker process receives them pickled.
 
     The rollout worker and the weight pushes are the :class:`~posttrain.rollout.async_worker.AsyncRollout` component
     (``self.async_rollout``); the loss is ``GRPOTrainer``'s.
@@ -68,15 +79,34 @@ class AsyncGRPOTrainer(GRPOTrainer):
     _picklable_hint = "reward functions, tools, environment factories, their processing classes and the dataset"
 
     def __init__(self, model, reward_funcs=None, args=None, train_dataset=None, *a, **kwargs):
-        if kwargs.get("rollout_func") is not None:
-            raise ValueError("AsyncGRPOTrainer does not support rollout_func in posttrain; use GRPOTrainer.")
-        if isinstance(train_dataset, torch.utils.data.IterableDataset):
-            raise ValueError("AsyncGRPOTrainer needs a map-style train_dataset (the worker indexes prompts).")
         super().__init__(model, reward_funcs, args, train_dataset, *a, **kwargs)
+        if self.args.partial_rollout_max_tokens is not None:
+            refused = {
+                "rollout_func": self.rollout_func is not None,
+                "tools / environment_factory": self.agent is not None,
+            }
+            for option, used in refused.items():
+                if used:
+                    raise ValueError(
+                        f"partial_rollout_max_tokens cannot be combined with {option}: a partial rollout continues a "
+                        "completion from its tokens on the generation server, which a rollout function or a tool "
+                        "loop does not expose. Set partial_rollout_max_tokens=None (whole rounds)."
+                    )
         self.async_rollout = AsyncRollout(
             self, make_spec=self._worker_spec, score=self._score_with_current_policy, trainer_name=self._trainer_name,
             picklable_hint=self._picklable_hint,
         )  # fmt: skip
+
+    def _make_backend(self, rollout_func: Any) -> Any:
+        """The server backend; with a ``rollout_func``, the function's backend over it (``inner``): evaluation
+        calls the function in this process (with this trainer), the weight pushes and versions reach the server,
+        and the rollout worker calls the function with a ``WorkerTrainerView``."""
+        server = super()._make_backend(None)
+        if rollout_func is None:
+            return server
+        backend = super()._make_backend(rollout_func)
+        backend.inner = server
+        return backend
 
     # -- worker ------------------------------------------------------------------------------------------------
     def _worker_settings(self) -> RolloutSettings:
@@ -92,7 +122,23 @@ class AsyncGRPOTrainer(GRPOTrainer):
             raise ValueError(f"{type(estimator).__name__} needs log-probs, which the rollout worker cannot compute.")
         return RolloutWorkerSpec(
             **self.async_rollout.spec_fields(), scorer=self.scorer, estimator=estimator, settings=self._worker_settings(),
-            agent=self.agent,
+            agent=self.agent, rollout_func=self.rollout_func, args=self.args if self.rollout_func is not None else None,
+            partial=self._partial_spec(),
+        )  # fmt: skip
+
+    def _partial_spec(self) -> PartialRolloutSpec | None:
+        """Partial rollouts (``partial_rollout_max_tokens``): the worker's settings, resumed at the first group the
+        trainer has not consumed (the consumed ones after it are skipped; see ``posttrain.rollout.partial``)."""
+        args = self.args
+        if args.partial_rollout_max_tokens is None:
+            return None
+        rollout = self.async_rollout
+        if rollout.partial_next_group is None:
+            rollout.partial_next_group = 0
+        return PartialRolloutSpec(
+            max_tokens=int(args.partial_rollout_max_tokens), max_staleness=int(args.max_staleness),
+            max_completion_length=int(self.sampling.max_new_tokens), start_group=rollout.partial_next_group,
+            skip_groups=sorted(rollout.partial_consumed),
         )  # fmt: skip
 
     # -- data path ---------------------------------------------------------------------------------------------
