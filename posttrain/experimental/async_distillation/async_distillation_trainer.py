@@ -305,9 +305,7 @@ class AsyncDistillationTrainer(DistillationTrainer):
         forwarded = (batch["prompt_mask"].sum(1) + batch["completion_lengths"]).float()
         trained = batch["completion_mask"].sum(1).float()
         with contextlib.suppress(NotImplementedError, OSError, ValueError):  # qsize is not available everywhere
-            record(
-                "sample/rollout_queue_size", float(self.async_rollout.queue.qsize() * self.async_rollout.round_rows())
-            )
+            record("sample/rollout_queue_size", self.async_rollout.queued_rows())
         record("sample/forwarded_tokens_mean", forwarded.mean().item())
         record("sample/forwarded_tokens_max", forwarded.max().item())
         record("sample/trained_tokens_mean", trained.mean().item())

@@ -18,6 +18,7 @@ rollout's tool calls run here, in the worker, and their results enter the comple
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -37,13 +38,16 @@ class RolloutWorkerSpec(AsyncWorkerSpec):
     settings: Any
     agent: Any = None
 
-    def make_producer(self, backend: Any) -> Producer:
+    def make_producer(self, backend: Any, accelerator: Any = None) -> Producer:
         from posttrain.rollout.pipeline import RolloutPipeline
 
-        generator = self.agent.wrap(backend) if self.agent is not None else backend
+        # several training ranks: one producer per rank, in threads; each gets its own environments and tool loop
+        agent = copy.deepcopy(self.agent) if accelerator is not None else self.agent
+        generator = agent.wrap(backend) if agent is not None else backend
         pipeline = RolloutPipeline(
             tokenizer=self.tokenizer, backend=generator, scorer=self.scorer, sampling=self.sampling,
-            settings=self.settings, estimator=self.estimator, policy_logps=_no_policy, agent=self.agent,
+            settings=self.settings, estimator=self.estimator, policy_logps=_no_policy, agent=agent,
+            accelerator=accelerator,
         )  # fmt: skip
 
         def produce(rows: list, record: Any) -> tuple[Any, Any]:
