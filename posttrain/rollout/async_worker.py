@@ -440,8 +440,13 @@ class AsyncRollout:
         state *before* it creates the epoch's dataloader iterator, which draws its base seed from the global torch
         RNG; the generation-batch shuffle (TRL's: the global RNG) would then see another state than the
         uninterrupted run. Restored again at the first micro-step, it sees the same one (HF does likewise when it
-        skips batches: ``rng_to_sync``)."""
+        skips batches: ``rng_to_sync``). Not when the checkpoint ends an epoch (``state.epoch`` integral): the
+        uninterrupted run then also created the next epoch's iterator (one draw) before its next shuffle, so HF's
+        restore alone already matches it."""
         restore(checkpoint)
+        epoch = getattr(self.trainer.state, "epoch", None)
+        if epoch is not None and float(epoch).is_integer():
+            return
         self._rng_restore = (restore, checkpoint)
 
     # -- worker lifecycle --------------------------------------------------------------------------------------

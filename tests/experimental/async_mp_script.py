@@ -65,8 +65,13 @@ def build(kind: str, model: str, teacher: str, url: str, out: str):
     from posttrain.trainers.distillation import DistillationConfig, DistillationTrainer
 
     values = dict(DISTILL, output_dir=path, vllm_server_base_url=url)
-    if kind == "distill_sync":
-        return DistillationTrainer(model, teacher, DistillationConfig(**values), train_dataset=distill_data()), None
+    if kind.startswith("distill_sync"):
+        if kind == "distill_sync_ckpt":
+            values.update(save_strategy="steps", save_steps=1)
+        elif kind == "distill_sync_resume":
+            resume = os.path.join(out, "distill_sync_ckpt", "checkpoint-1")
+        trainer = DistillationTrainer(model, teacher, DistillationConfig(**values), train_dataset=distill_data())
+        return trainer, resume
     values.update(max_staleness=0, teacher_temperature=values["temperature"], request_timeout=120,
                   vllm_server_timeout=60)  # fmt: skip
     if kind == "distill_async":
@@ -79,6 +84,7 @@ def build(kind: str, model: str, teacher: str, url: str, out: str):
 
 
 def run(kind: str, model: str, teacher: str, url: str, out: str) -> None:
+
     trainer, resume = build(kind, model, teacher, url, out)
     trainer.train(resume_from_checkpoint=resume)
     rank = trainer.accelerator.process_index
