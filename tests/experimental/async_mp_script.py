@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import torch
 from datasets import Dataset
@@ -83,7 +84,36 @@ def build(kind: str, model: str, teacher: str, url: str, out: str):
     return trainer, resume
 
 
+def channel(out: str) -> None:
+    """The round channel alone: rank 0 sends a keep-alive then an error (rank 1 skips the first, gets the second);
+    then rank 0 stays silent and rank 1's bounded receive raises naming what it waited for. Writes
+    ``OUT/channel_1.json``. Last scenario: the timed-out group is not used again."""
+    from posttrain.rollout.async_worker import RolloutWorkerError
+    from posttrain.rollout.multiprocess import RoundChannel
+
+    if not torch.distributed.is_initialized():  # run alone: no trainer set the group up
+        torch.distributed.init_process_group("gloo")
+    torch.distributed.barrier()  # the group's set-up waits on the store with the group's (short) timeout
+    chan = RoundChannel("AsyncGRPO", timeout_s=5.0)
+    if chan.is_main:
+        chan.send_all(("wait",))
+        chan.send_all(("error", "boom on rank 0"))
+    else:
+        got = chan.receive("round 5 (step 5)")
+        start = time.monotonic()
+        try:
+            chan.receive("round 6 (step 6)")
+            error = None
+        except RolloutWorkerError as err:
+            error = str(err)
+        with open(os.path.join(out, "channel_1.json"), "w") as f:
+            json.dump({"got": list(got), "error": error, "waited_s": time.monotonic() - start}, f)
+    torch.distributed.barrier()  # rank 0 waits here (default group) until rank 1 gave up
+
+
 def run(kind: str, model: str, teacher: str, url: str, out: str) -> None:
+    if kind == "channel":
+        return channel(out)
 
     trainer, resume = build(kind, model, teacher, url, out)
     trainer.train(resume_from_checkpoint=resume)
