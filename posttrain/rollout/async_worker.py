@@ -40,6 +40,11 @@ pushed and a fresh worker starts at ``next_round`` (rounds in flight when the ru
 the uploader, once the push landed, has the server score the same sequence (``/get_sequence_logprobs/``) and raises
 ``WeightSyncError`` when they differ by more than ``vllm_weight_sync_probe_atol``. With ``vllm_sync_adapter_only`` a
 LoRA policy's snapshot is its adapter alone (``push_payload``); ``perf/weight_sync_bytes`` logs each snapshot's size.
+
+Several training processes (``AsyncRollout.ranks``, ``posttrain.rollout.multiprocess``): the worker runs on rank 0 and
+produces each round as one shard per rank (each rank's share as the synchronous trainer's, rewards and advantages over
+the whole round); rank 0 takes rounds from the queue, decides staleness and drops, and sends every rank its shard;
+rank 0 pushes the weights (FSDP2 ranks take part in the gather).
 """
 
 from __future__ import annotations
@@ -58,6 +63,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from transformers import TrainerCallback
+
+from posttrain.rollout.errors import RolloutWorkerError
+from posttrain.rollout.multiprocess import RankRounds
 
 ROLLOUT_STATE = "rollout_state.json"
 POLL_MIN_S, POLL_MAX_S = 0.005, 0.2
@@ -95,10 +103,6 @@ def check_async_rollout_options(config: Any, trainer_name: str, model_hint: str 
             "vllm_server_base_url to one of them (several servers work with AsyncGRPO and GRPO/RLOO in server mode)."
         )
     config.ignore_data_skip = True
-
-
-class RolloutWorkerError(RuntimeError):
-    """The rollout worker process failed (its exception type, message and traceback are in the message)."""
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -420,8 +424,6 @@ class AsyncRollout:
         self.worker_started = 0.0  # time.time() of the spawn (a starting worker has not beaten yet)
         self._rng_restore: tuple[Callable[[Any], None], Any] | None = None  # see load_rng_state
         trainer.add_callback(_WeightSyncCallback(self))
-        from posttrain.rollout.multiprocess import RankRounds
-
         # several training processes: the worker runs on rank 0, which sends each rank its shard of every round
         self.ranks = RankRounds.for_trainer(trainer, trainer_name)
 
@@ -450,10 +452,13 @@ class AsyncRollout:
         self._rng_restore = (restore, checkpoint)
 
     # -- worker lifecycle --------------------------------------------------------------------------------------
+    def num_processes(self) -> int:
+        """Training processes (accelerate's ``num_processes``; 1 for a trainer without an accelerator)."""
+        return int(getattr(getattr(self.trainer, "accelerator", None), "num_processes", 1))
+
     def round_rows(self) -> int:
         """Rows (completions) per round: one optimizer step's worth, over every training process."""
-        processes = int(getattr(self.trainer.accelerator, "num_processes", 1))
-        return self.args.per_device_train_batch_size * self.args.steps_per_generation * processes
+        return self.args.per_device_train_batch_size * self.args.steps_per_generation * self.num_processes()
 
     def spec_fields(self) -> dict[str, Any]:
         """The :class:`AsyncWorkerSpec` fields every worker shares, from the trainer's config and sampler."""
@@ -470,7 +475,7 @@ class AsyncRollout:
             start_round=self.next_round, ahead=max(0, inflight // rows), request_timeout=float(args.request_timeout),
             server_timeout=float(args.vllm_server_timeout), seed_requests=bool(args.seed_requests),
             client_kwargs={"health_check_interval": getattr(args, "vllm_server_health_check_interval", 10.0)},
-            num_processes=int(getattr(trainer.accelerator, "num_processes", 1)),
+            num_processes=self.num_processes(),
         )  # fmt: skip
 
     def checked_spec(self) -> AsyncWorkerSpec:
@@ -770,7 +775,10 @@ class AsyncRollout:
         """Rows waiting in the worker's queue (rank 0; other ranks: rank 0's count when it sent the last round)."""
         if self.queue is None:
             return float(self.ranks.queued_rows if self.ranks is not None else 0)
-        return float(self.queue.qsize() * self.round_rows())
+        try:
+            return float(self.queue.qsize() * self.round_rows())
+        except (NotImplementedError, OSError, ValueError):  # qsize is not available everywhere (macOS)
+            return float("nan")
 
     def next_trainable_round(self) -> Any:
         """Take rounds from the queue, dropping stale ones, and prepare the first fresh one for the loss (several

@@ -47,6 +47,8 @@ from typing import Any
 
 import torch
 
+from posttrain.rollout.errors import RolloutWorkerError
+
 __all__ = [
     "KEEPALIVE_S",
     "RankRounds",
@@ -293,8 +295,6 @@ class RoundChannel:
         self._collective(lambda: dist.barrier(group=self.group), what)
 
     def _collective(self, call: Callable[[], Any], what: str) -> None:
-        from posttrain.rollout.async_worker import RolloutWorkerError
-
         start = time.monotonic()
         try:
             call()
@@ -327,7 +327,7 @@ class RankRounds:
     @classmethod
     def for_trainer(cls, trainer: Any, trainer_name: str) -> RankRounds | None:
         """None with one process; else the rank's ``RankRounds`` (refusing modes the push cannot gather)."""
-        if int(getattr(trainer.accelerator, "num_processes", 1)) <= 1:
+        if int(getattr(getattr(trainer, "accelerator", None), "num_processes", 1)) <= 1:
             return None
         return cls(trainer, trainer_name)
 
@@ -338,13 +338,11 @@ class RankRounds:
     def next_item(self, rollout: Any, step: int) -> dict[str, Any]:
         """This rank's share of the next fresh round: rank 0 takes it (with ``rollout.take_fresh_round``) and sends
         every rank its shard; the others receive theirs. Errors on rank 0 reach every rank."""
-        from posttrain.rollout.async_worker import RolloutWorkerError
-
         first = not self.started
         self.started = True
         if not self.is_main:
-            if first and self.gather_mode == "collective":
-                rollout.follow_push()  # rank 0's first push gathers the sharded weights with every rank
+            if first:  # rank 0 pushes the starting weights now (FSDP2: gathered with every rank)
+                rollout.follow_push()
             kind, payload = self.channel.receive(f"round {rollout.next_round} (step {step})")
             if kind == "error":
                 raise RolloutWorkerError(f"Rank 0 failed to produce round {rollout.next_round}: {payload}")

@@ -1,8 +1,8 @@
 """AsyncGRPO / AsyncDistillation under torchrun (2 processes, gloo on CPU) against a ``posttrain serve`` server, next to
 their synchronous server-mode counterparts (``test_async_multiprocess.py``).
 
-Run as ``python -m torch.distributed.run --standalone --nproc_per_node 2 async_mp_script.py MODEL TEACHER URL OUT
-KINDS``. Every run writes, from each process, ``OUT/<kind>_<rank>.json`` (the rounds it trained: round, version,
+Run as ``python -m torch.distributed.run --standalone --nproc_per_node 2 async_mp_script.py MODEL TEACHER URLS OUT
+KINDS`` (``URLS``: two server URLs, comma-separated; the ``grpo_pool_*`` runs use both, the others the first). Every run writes, from each process, ``OUT/<kind>_<rank>.json`` (the rounds it trained: round, version,
 staleness; its ``rollout_state.json`` values; its log history) and ``OUT/<kind>_<rank>_params.pt`` (its final
 parameters: under DDP both ranks must hold the same ones). ``*_async`` runs save checkpoint-1, which ``*_resume``
 resumes from (``max_steps=2``), so resumed ≡ uninterrupted is checked with the synchronous run too.
@@ -50,10 +50,15 @@ def build(kind: str, model: str, teacher: str, url: str, out: str):
         from posttrain.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
         from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
 
-        values = dict(GRPO, output_dir=path, vllm_server_base_url=url)
-        if kind == "grpo_sync":
+        urls = url.split(",")
+        values = dict(GRPO, output_dir=path, vllm_server_base_url=urls[0])
+        if kind.startswith("grpo_pool"):  # both servers: each rank's share split into one chunk per server
+            values.update(vllm_server_base_url=None, vllm_server_base_urls=urls)
+        if kind in ("grpo_sync", "grpo_pool_sync"):
             return GRPOTrainer(model, varied_reward, GRPOConfig(**values), train_dataset=grpo_data()), None
-        if kind == "grpo_async":
+        if kind == "grpo_pool_async":
+            values.update(max_staleness=0)
+        elif kind == "grpo_async":
             values.update(max_staleness=0, save_strategy="steps", save_steps=1)
         elif kind == "grpo_resume":
             values.update(max_staleness=0)
@@ -65,7 +70,7 @@ def build(kind: str, model: str, teacher: str, url: str, out: str):
     from posttrain.experimental.async_distillation import AsyncDistillationConfig, AsyncDistillationTrainer
     from posttrain.trainers.distillation import DistillationConfig, DistillationTrainer
 
-    values = dict(DISTILL, output_dir=path, vllm_server_base_url=url)
+    values = dict(DISTILL, output_dir=path, vllm_server_base_url=url.split(",")[0])
     if kind.startswith("distill_sync"):
         if kind == "distill_sync_ckpt":
             values.update(save_strategy="steps", save_steps=1)

@@ -23,7 +23,10 @@ from multiprocess_harness import launch_two_processes
 pytestmark = pytest.mark.usefixtures("no_leaked_children")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-KINDS = "grpo_sync,grpo_async,grpo_resume,grpo_stale,distill_sync,distill_async,distill_resume,channel"
+KINDS = (
+    "grpo_sync,grpo_async,grpo_resume,grpo_stale,grpo_pool_sync,grpo_pool_async,distill_sync,distill_async,"
+    "distill_resume,channel"
+)
 
 
 @pytest.fixture(scope="module")
@@ -33,9 +36,11 @@ def runs(tmp_path_factory, tiny_model_path, abc_teacher_path):
     from posttrain.serving.engine import PosttrainEngine
 
     out = tmp_path_factory.mktemp("async-two-proc")
-    with serve_in_thread(PosttrainEngine.from_pretrained(tiny_model_path, device="cpu")) as url:
+    engines = [PosttrainEngine.from_pretrained(tiny_model_path, device="cpu") for _ in range(2)]
+    with serve_in_thread(engines[0]) as first, serve_in_thread(engines[1]) as second:
+        urls = f"{first},{second}"
         launch_two_processes(
-            os.path.join(HERE, "async_mp_script.py"), [tiny_model_path, abc_teacher_path, url, str(out), KINDS],
+            os.path.join(HERE, "async_mp_script.py"), [tiny_model_path, abc_teacher_path, urls, str(out), KINDS],
             timeout=1200,
         )  # fmt: skip
     return out
@@ -98,6 +103,18 @@ def test_two_process_resume_equals_uninterrupted(runs, family):
         record = _record(runs, f"{family}_resume", rank)
         assert [r["round"] for r in record["rounds"]] == [1]
         _assert_equal_params(_params(runs, f"{family}_resume", rank), expected, f"{family} resumed rank {rank}")
+
+
+@pytest.mark.slow
+@pytest.mark.invariance
+def test_two_servers_max_staleness_0_equals_synchronous_two_process_run(runs):
+    """vllm_server_base_urls with 2 servers: the worker's virtual ranks split their shares over the servers as the
+    synchronous ranks do (one chunk per server, seeded from the rank's request seed), so the runs agree bitwise."""
+    expected = _params(runs, "grpo_pool_sync", 0)
+    # the round really was split over 2 servers: other tokens than the one-server run (module doc of server_pool)
+    assert any(not torch.equal(value, _params(runs, "grpo_sync", 0)[name]) for name, value in expected.items())
+    for rank in (0, 1):
+        _assert_equal_params(_params(runs, "grpo_pool_async", rank), expected, f"two servers, rank {rank}")
 
 
 @pytest.mark.slow

@@ -44,7 +44,8 @@ GRPO's server mode; TRL's merged-sync fallback), or, with ``vllm_sync_adapter_on
 as its LoRA adapter alone (``adapter_weights``; the server applies it to its base with PEFT).
 
 Resume (``rollout_state.json``: ``next_round``, ``weight_version``, ``dropped_stale_total``, here also
-``dropped_oversize_total``) as AsyncGRPO. Not supported: multi-process training, tools (as TRL), streaming datasets,
+``dropped_oversize_total``) as AsyncGRPO; several training processes as AsyncGRPO (``posttrain.rollout.multiprocess``).
+Not supported: tools (as TRL), streaming datasets,
 LoRA adapter-only sync with vLLM ``--enable-lora`` servers (merged pushes instead), injected ``rollout_worker`` / ``weight_transfer`` objects.
 """
 

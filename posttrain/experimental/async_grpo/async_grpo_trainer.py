@@ -28,7 +28,11 @@ scheduler, RNG states and the micro-batch buffer's shuffle RNG are HF/posttrain'
 the trainer pushes its checkpoint weights (``version = global_step``) and starts a fresh worker at ``next_round``;
 rounds that were in flight or queued when the run stopped are lost and regenerated (from the restored weights,
 with the same request seeds). The vllm_server backend's request counter (evaluation requests) is in posttrain's
-resume state. Not supported: multi-process training, ``rollout_func``, streaming datasets, ``num_iterations > 1``.
+resume state. Not supported: ``rollout_func``, streaming datasets, ``num_iterations > 1``.
+
+Several training processes (accelerate / torchrun; DDP, FSDP2): one worker on rank 0 produces each round as one shard
+per rank, rank 0 sends each rank its shard and pushes the weights (``posttrain.rollout.multiprocess``: why one worker,
+the bounded waits, the distributed modes refused); ``max_staleness=0`` equals synchronous N-process server-mode GRPO.
 
 Agent training as in ``GRPOTrainer`` (TRL's ``tools=`` and ``environment_factory``): the tool-calling loop runs in
 the rollout worker around its server requests (see ``rollout_worker``), one environment per rollout.
