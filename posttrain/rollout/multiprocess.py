@@ -26,8 +26,8 @@ Under accelerate / torchrun with ``N`` training processes (DDP; FSDP2 where note
   keeps the same ``rollout_state.json``. While rank 0 waits for the worker it sends a keep-alive every
   ``KEEPALIVE_S``; a failure on rank 0 (worker error, stale heartbeat, failed push) is sent to the other ranks, which
   raise ``RolloutWorkerError`` with its text. A rank that hears nothing from rank 0 for the group's timeout
-  (``request_timeout + vllm_server_timeout + 60`` s: the longest rank 0 can be busy without sending, in its first
-  weight push) raises naming the round it waited for.
+  (``max(request_timeout, weight_sync_timeout) + vllm_server_timeout + 60`` s: rank 0 sends nothing only while it
+  pushes the starting weights and spawns the worker) raises naming the round it waited for.
 - **Weights** (:func:`weight_gather_mode`). After the optimizer step rank 0 snapshots and pushes (the verified push
   and probe of one process). DDP, and DeepSpeed ZeRO-1/2, keep the full weights on every rank: rank 0 alone
   snapshots. FSDP2 shards parameters as DTensors that ``policy_weights`` gathers with ``full_tensor()`` — a
@@ -302,8 +302,9 @@ class RoundChannel:
             raise RolloutWorkerError(
                 f"{self.trainer_name}: rank {self.rank} of {self.size} waited {time.monotonic() - start:.1f} s to "
                 f"{what} (rank 0 runs the rollout worker and sends every rank its share of each round) and gave up: "
-                f"another rank died or made no progress within {self.timeout_s:g} s (request_timeout + "
-                f"vllm_server_timeout + 60). Look for the first failing rank's error above. ({err})"
+                f"another rank died or made no progress within {self.timeout_s:g} s (max(request_timeout, "
+                f"weight_sync_timeout) + vllm_server_timeout + 60). Look for the first failing rank's error above. "
+                f"({err})"
             ) from err
 
 
@@ -319,7 +320,10 @@ class RankRounds:
     def __init__(self, trainer: Any, trainer_name: str):
         args = trainer.args
         self.gather_mode = weight_gather_mode(trainer.accelerator, trainer_name)
-        timeout = float(args.request_timeout) + float(getattr(args, "vllm_server_timeout", 240.0)) + 60.0
+        # rank 0 sends nothing only while it pushes the starting weights (bounded by the push timeout) and spawns the
+        # worker; everywhere else it sends a keep-alive at least every KEEPALIVE_S
+        push = max(float(args.request_timeout), float(getattr(args, "weight_sync_timeout", None) or 0.0))
+        timeout = push + float(getattr(args, "vllm_server_timeout", 240.0)) + 60.0
         self.channel = RoundChannel(trainer_name, timeout)
         self.started = False  # the first round was asked for (rank 0 connected, pushed and spawned the worker)
         self.queued_rows = 0.0  # rank 0's queue size (rows) when it sent the last round
