@@ -91,6 +91,10 @@ def gather_objects(accelerator: Any, values: list) -> list:
     """Concatenate Python lists over processes (identity on one process)."""
     if _num_processes(accelerator) == 1:
         return values
+    # the async rollout worker's virtual ranks (posttrain.rollout.multiprocess) gather over threads
+    own = getattr(accelerator, "gather_python_objects", None)
+    if own is not None:
+        return own(values)
     from accelerate.utils import gather_object
 
     return gather_object(values)

@@ -28,8 +28,8 @@ ASYNC_ROLLOUT_FIELDS: dict[str, tuple[Any, str]] = {
     "max_inflight_tasks": (
         -1,
         "Most samples generated ahead of the server's weight version. -1 (auto) = max_staleness × "
-        "per_device_train_batch_size × gradient_accumulation_steps (at least one round): generating more only "
-        "produces samples that are dropped as stale.",
+        "per_device_train_batch_size × gradient_accumulation_steps × processes (at least one round): generating "
+        "more only produces samples that are dropped as stale.",
     ),
     "max_staleness": (
         4,

@@ -131,6 +131,7 @@ class ServerPoolBackend:
         self.live = list(range(len(urls)))
         self.dropped: dict[int, str] = {}  # server index -> why it was dropped
         self._requests = 0
+        self.seed_rank: int | None = None  # as VLLMServerBackend.seed_rank (None: this process's rank)
         self._lock = threading.Lock()
         self._metrics: dict[str, float] = {}
         self._totals = {i: {"requests": 0, "tokens": 0, "failures": 0} for i in range(len(urls))}
@@ -241,7 +242,7 @@ class ServerPoolBackend:
         extra = dict(sampling.generation_kwargs or {})
         base = extra.pop("seed", None)
         if base is None and self.seed_requests:
-            base = request_seed(self.seed, _dist()[0], self._requests)
+            base = request_seed(self.seed, _dist()[0] if self.seed_rank is None else self.seed_rank, self._requests)
         self._requests += 1
         chunks = [c for c in split_groups(len(prompt_ids), len(self.base_urls))]
         results: dict[int, Completions] = {}

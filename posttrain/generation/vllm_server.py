@@ -187,6 +187,9 @@ class VLLMServerBackend:
         if self.protocol == "vllm":
             self.model_name = self.client.request("GET", "/v1/models").json()["data"][0]["id"]
         self._requests = 0
+        # the rank in request_seed(seed, rank, k): this process's (None), or the training rank a multi-process async
+        # rollout worker generates a share for (posttrain.rollout.multiprocess)
+        self.seed_rank: int | None = None
         self._nccl: Any = None  # the weight-transfer group (vllm / trl protocols)
         logger.info("Generation server at %s (%s protocol, weight version %s).", self.base_url, self.protocol,
                     self.version)  # fmt: skip
@@ -254,7 +257,7 @@ class VLLMServerBackend:
         extra = dict(s.generation_kwargs or {})
         seed = extra.pop("seed", None)
         if seed is None and self.seed_requests:
-            seed = request_seed(self.seed, _dist()[0], self._requests)
+            seed = request_seed(self.seed, _dist()[0] if self.seed_rank is None else self.seed_rank, self._requests)
         self._requests += 1
         fields = dict(
             n=num_generations,

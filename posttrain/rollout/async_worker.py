@@ -44,6 +44,11 @@ pushed and a fresh worker starts at ``next_round`` (rounds in flight when the ru
 the uploader, once the push landed, has the server score the same sequence (``/get_sequence_logprobs/``) and raises
 ``WeightSyncError`` when they differ by more than ``vllm_weight_sync_probe_atol``. With ``vllm_sync_adapter_only`` a
 LoRA policy's snapshot is its adapter alone (``push_payload``); ``perf/weight_sync_bytes`` logs each snapshot's size.
+
+Several training processes (``AsyncRollout.ranks``, ``posttrain.rollout.multiprocess``): the worker runs on rank 0 and
+produces each round as one shard per rank (each rank's share as the synchronous trainer's, rewards and advantages over
+the whole round); rank 0 takes rounds from the queue, decides staleness and drops, and sends every rank its shard;
+rank 0 pushes the weights (FSDP2 ranks take part in the gather).
 """
 
 from __future__ import annotations
@@ -63,6 +68,9 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from posttrain.rollout.errors import RolloutWorkerError
+from posttrain.rollout.multiprocess import RankRounds
+
 ROLLOUT_STATE = "rollout_state.json"
 POLL_MIN_S, POLL_MAX_S = 0.005, 0.2
 _QUEUE_POLL_S = 0.2
@@ -73,7 +81,7 @@ Producer = Callable[[list, Callable[[str, float], None]], tuple[Any, Any]]
 
 def check_async_rollout_options(config: Any, trainer_name: str, model_hint: str = "MODEL") -> None:
     """The checks every async trainer's config shares: generation on a server only, a staleness bound the weight
-    sync can meet, one pass over each sample, one training process. Sets ``ignore_data_skip`` (the worker resumes
+    sync can meet, one pass over each sample. Sets ``ignore_data_skip`` (the worker resumes
     the prompt order itself, from ``rollout_state.json``)."""
     if not config.use_vllm or config.vllm_mode != "server":
         raise ValueError(
@@ -92,8 +100,6 @@ def check_async_rollout_options(config: Any, trainer_name: str, model_hint: str 
         )
     if config.num_iterations != 1:
         raise ValueError(f"{trainer_name} trains each sample once: num_iterations must be 1.")
-    if config.world_size != 1:
-        raise ValueError(f"{trainer_name} in posttrain runs on a single training process (world_size 1).")
     urls = getattr(config, "vllm_server_base_urls", None)
     if urls is not None and len(urls) > 1 and trainer_name != "AsyncGRPO":
         raise ValueError(
@@ -101,10 +107,6 @@ def check_async_rollout_options(config: Any, trainer_name: str, model_hint: str 
             "vllm_server_base_url to one of them (several servers work with AsyncGRPO and GRPO/RLOO in server mode)."
         )
     config.ignore_data_skip = True
-
-
-class RolloutWorkerError(RuntimeError):
-    """The rollout worker process failed (its exception type, message and traceback are in the message)."""
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -136,10 +138,12 @@ class AsyncWorkerSpec(abc.ABC):
     client_kwargs: dict[str, Any] = field(default_factory=dict)
     base_urls: list[str] | None = None  # several servers (vllm_server_base_urls): a ServerPoolBackend
     partial: Any = None  # partial rollouts (posttrain.rollout.partial.PartialRolloutSpec); None: whole rounds
+    num_processes: int = 1  # training processes: each round is produced as one shard per rank (rollout.multiprocess)
 
     @abc.abstractmethod
-    def make_producer(self, backend: Any) -> Producer:
-        """Build (in the child) the function turning a round's rows into its batch, generating with ``backend``."""
+    def make_producer(self, backend: Any, accelerator: Any = None) -> Producer:
+        """Build (in the child) the function turning a round's rows into its batch, generating with ``backend``;
+        ``accelerator`` gathers over the training ranks' shards of a round (None: one process)."""
 
     def partial_prompt_ids(self, rows: list[dict[str, Any]]) -> list[int]:
         """The prompt ids a group's rows are generated from (partial rollouts render before generating)."""
@@ -281,12 +285,22 @@ def _loop(spec: AsyncWorkerSpec, out: Any, stop: Any, parent: int, heartbeat: An
         tokenizer=spec.tokenizer, protocol="posttrain", timeout=spec.server_timeout, seed=spec.seed,
         seed_requests=spec.seed_requests, client_kwargs={"request_timeout": spec.request_timeout, **spec.client_kwargs},
     )  # fmt: skip
-    if spec.base_urls is not None and len(spec.base_urls) > 1:
-        from posttrain.generation.server_pool import ServerPoolBackend
 
-        backend: Any = ServerPoolBackend(base_urls=spec.base_urls, **options)
+    def make_backend() -> Any:
+        if spec.base_urls is not None and len(spec.base_urls) > 1:
+            from posttrain.generation.server_pool import ServerPoolBackend
+
+            return ServerPoolBackend(base_urls=spec.base_urls, **options)
+        return VLLMServerBackend(base_url=spec.base_url, **options)
+
+    if spec.num_processes > 1:  # one shard per training rank, each rank's share as the synchronous trainer's
+        from posttrain.rollout.multiprocess import RankShards
+
+        produce: Any = RankShards(spec, make_backend, lambda: _beat(heartbeat))
+        backend, requests = produce.backends[0], produce
     else:
-        backend = VLLMServerBackend(base_url=spec.base_url, **options)
+        backend = make_backend()
+        requests = backend
 
     def admit(r: int) -> bool:
         """Admission: wait until round ``r`` is at most ``ahead`` rounds ahead of the server's weights (False: stop)."""
@@ -313,14 +327,15 @@ def _loop(spec: AsyncWorkerSpec, out: Any, stop: Any, parent: int, heartbeat: An
             beat=lambda: _beat(heartbeat),
         )  # fmt: skip
         return
-    produce = spec.make_producer(backend)
+    if spec.num_processes <= 1:
+        produce = spec.make_producer(backend)
     _beat(heartbeat)  # started
     backpressure = 0.0
     r = spec.start_round
     while spec.max_rounds is None or r < spec.max_rounds:
         if not admit(r):
             return
-        backend.set_request_index(r)  # seed of round r: the same tokens whenever generated from the same weights
+        requests.set_request_index(r)  # seed of round r: the same tokens whenever generated from the same weights
         metrics: list[tuple[str, float]] = []
 
         def record(name: str, value: float, sink: list = metrics) -> None:  # producers record after each server answer
@@ -332,7 +347,8 @@ def _loop(spec: AsyncWorkerSpec, out: Any, stop: Any, parent: int, heartbeat: An
         metrics.append(("rollout/duration_s", time.perf_counter() - start))
         metrics.append(("rollout/cpu_s", time.process_time() - cpu))
         metrics.append(("rollout/backpressure_s", backpressure))
-        item = {"round": r, "version": int(backend.version or 0), "batch": batch, "metrics": metrics,
+        version = produce.version if spec.num_processes > 1 else int(backend.version or 0)
+        item = {"round": r, "version": version, "batch": batch, "metrics": metrics,
                 "table": table, "put_time": time.time()}  # fmt: skip
         backpressure = _put(out, ("round", pickle.dumps(item)), stop, parent, heartbeat)
         r += 1
@@ -497,6 +513,8 @@ class AsyncRollout:
         self.worker_started = 0.0  # time.time() of the spawn (a starting worker has not beaten yet)
         self._rng_restore: tuple[Callable[[Any], None], Any] | None = None  # see load_rng_state
         trainer.add_callback(_WeightSyncCallback(self))
+        # several training processes: the worker runs on rank 0, which sends each rank its shard of every round
+        self.ranks = RankRounds.for_trainer(trainer, trainer_name)
 
     @property
     def args(self) -> Any:
@@ -513,14 +531,23 @@ class AsyncRollout:
         state *before* it creates the epoch's dataloader iterator, which draws its base seed from the global torch
         RNG; the generation-batch shuffle (TRL's: the global RNG) would then see another state than the
         uninterrupted run. Restored again at the first micro-step, it sees the same one (HF does likewise when it
-        skips batches: ``rng_to_sync``)."""
+        skips batches: ``rng_to_sync``). Not when the checkpoint ends an epoch (``state.epoch`` integral): the
+        uninterrupted run then also created the next epoch's iterator (one draw) before its next shuffle, so HF's
+        restore alone already matches it."""
         restore(checkpoint)
+        epoch = getattr(self.trainer.state, "epoch", None)
+        if epoch is not None and float(epoch).is_integer():
+            return
         self._rng_restore = (restore, checkpoint)
 
     # -- worker lifecycle --------------------------------------------------------------------------------------
+    def num_processes(self) -> int:
+        """Training processes (accelerate's ``num_processes``; 1 for a trainer without an accelerator)."""
+        return int(getattr(getattr(self.trainer, "accelerator", None), "num_processes", 1))
+
     def round_rows(self) -> int:
-        """Rows (completions) per round: one optimizer step's worth."""
-        return self.args.per_device_train_batch_size * self.args.steps_per_generation
+        """Rows (completions) per round: one optimizer step's worth, over every training process."""
+        return self.args.per_device_train_batch_size * self.args.steps_per_generation * self.num_processes()
 
     def spec_fields(self) -> dict[str, Any]:
         """The :class:`AsyncWorkerSpec` fields every worker shares, from the trainer's config and sampler."""
@@ -528,7 +555,7 @@ class AsyncRollout:
         rows = self.round_rows()
         inflight = args.max_inflight_tasks
         if inflight is None or inflight < 0:
-            inflight = args.max_staleness * args.per_device_train_batch_size * args.gradient_accumulation_steps
+            inflight = args.max_staleness * rows  # max_staleness rounds
         return dict(
             dataset=trainer.train_dataset, tokenizer=trainer.processing_class, sampling=trainer.sampling,
             base_url=self._server().base_url, base_urls=getattr(self._server(), "base_urls", None),
@@ -537,6 +564,7 @@ class AsyncRollout:
             start_round=self.next_round, ahead=max(0, inflight // rows), request_timeout=float(args.request_timeout),
             server_timeout=float(args.vllm_server_timeout), seed_requests=bool(args.seed_requests),
             client_kwargs={"health_check_interval": getattr(args, "vllm_server_health_check_interval", 10.0)},
+            num_processes=self.num_processes(),
         )  # fmt: skip
 
     def checked_spec(self) -> AsyncWorkerSpec:
@@ -664,6 +692,10 @@ class AsyncRollout:
         """
         from posttrain.generation.weights import push_payload
 
+        if self.ranks is not None and not self.ranks.is_main:  # rank 0 pushes (see follow_push)
+            if self.ranks.started:
+                self.follow_push()
+            return
         if self.push_client is None:  # not connected yet: the worker's start pushes these weights
             return
         if self.uploader is None:
@@ -683,7 +715,25 @@ class AsyncRollout:
         trainer.record_metric("perf/weight_sync_bytes", float(sum(len(c) for c in chunks)), mode="train")
         trainer.record_metric("perf/weight_pushes_superseded_total", float(self.uploader.superseded), mode="train")
         if wait:
-            self.join_push()
+            self._join_upload()
+
+    def follow_push(self) -> None:
+        """A rank > 0 at a weight push: with FSDP2-sharded weights, take part in the gather rank 0's snapshot runs
+        (``full_tensor()`` per parameter, then the probe's forward) and drop the bytes; with the full weights on every
+        rank (DDP) there is nothing to do but note the step."""
+        trainer = self.trainer
+        step = trainer.state.global_step
+        if self.ranks.gather_mode == "collective":
+            from posttrain.generation.weights import push_payload
+
+            model = trainer.accelerator.unwrap_model(trainer.model)
+            server = self._server()
+            adapter_only = server.use_adapter_sync(model) if hasattr(server, "use_adapter_sync") else False
+            with push_payload(model, server.chunk_bytes, adapter_only=adapter_only) as payload:
+                for _ in payload:
+                    pass
+            self._expect_probe(step)
+        trainer._last_synced_step = step
 
     def _expect_probe(self, version: int) -> None:
         """With ``vllm_weight_sync_probe``: the trainer's log-probs of the fixed probe sequence under the weights
@@ -720,7 +770,13 @@ class AsyncRollout:
     def join_push(self, check_only: bool = False) -> None:
         """Wait for the upload in flight (or, ``check_only``, just look whether one failed) and raise its error; past
         ``weight_sync_timeout`` (when the config has one; it counts the upload, not the snapshot) raise
-        ``TimeoutError`` naming it."""
+        ``TimeoutError`` naming it. Several processes (every rank calls it, but ``check_only``): the other ranks
+        wait until rank 0's push landed, so what follows (evaluation) sees the pushed weights on the server."""
+        self._join_upload(check_only)
+        if not check_only and self.ranks is not None and self.ranks.started:
+            self.ranks.channel.barrier("wait for rank 0's weight push to land on the server")
+
+    def _join_upload(self, check_only: bool = False) -> None:
         uploader = self.uploader
         if uploader is None:
             return
@@ -767,6 +823,8 @@ class AsyncRollout:
             try:
                 message = self.queue.get(timeout=_QUEUE_POLL_S)
             except queue_module.Empty:
+                if self.ranks is not None:
+                    self.ranks.channel.keepalive()  # the other ranks wait for this round: tell them rank 0 is alive
                 self.join_push(check_only=True)
                 if not self.worker.is_alive():
                     code = self.worker.exitcode
@@ -783,17 +841,16 @@ class AsyncRollout:
                 raise RolloutWorkerError(f"The rollout worker ran out of rounds at round {message[1]}.")
             return message
 
-    def next_trainable_round(self) -> Any:
-        """Take rounds from the queue, dropping stale ones, and prepare the first fresh one for the loss."""
+    def take_fresh_round(self, step: int) -> tuple[dict[str, Any], int]:
+        """Take rounds from the queue, dropping (and counting) the stale ones; the first fresh one and its staleness."""
         from posttrain.rollout.buffer import batch_size_of
 
-        trainer = self.trainer
-        wait_start = time.perf_counter()
-        step = trainer.state.global_step
         while True:
             item = pickle.loads(self.get_item()[1])
             # partial rollouts: per-token versions; the round's "version" is its oldest token's (per-token rule)
-            token_versions = item["batch"].pop("token_versions", None)
+            batch = item["batch"]  # a dict; several processes: a list of one shard per rank (no partial rollouts)
+            token_versions = batch.pop("token_versions", None) if isinstance(batch, dict) else None
+            item["token_versions"] = token_versions
             staleness = step - item["version"]
             if staleness < 0 or (token_versions is not None and int(token_versions.max()) > step):
                 raise RolloutWorkerError(
@@ -804,13 +861,39 @@ class AsyncRollout:
             if item.get("groups") is not None:
                 self._consume_groups(item["groups"])
             if staleness <= self.args.max_staleness:
-                break
-            self.dropped_stale_total += batch_size_of(item["batch"])
+                return item, staleness
+            batch = item["batch"]  # several processes: one shard per rank
+            shards = [shard["batch"] for shard in batch] if isinstance(batch, list) else [batch]
+            self.dropped_stale_total += sum(batch_size_of(shard) for shard in shards)
+
+    def queued_rows(self) -> float:
+        """Rows waiting in the worker's queue (rank 0; other ranks: rank 0's count when it sent the last round)."""
+        if self.queue is None:
+            return float(self.ranks.queued_rows if self.ranks is not None else 0)
+        try:
+            return float(self.queue.qsize() * self.round_rows())
+        except (NotImplementedError, OSError, ValueError):  # qsize is not available everywhere (macOS)
+            return float("nan")
+
+    def next_trainable_round(self) -> Any:
+        """Take rounds from the queue, dropping stale ones, and prepare the first fresh one for the loss (several
+        processes: rank 0 decides and sends each rank its shard, ``posttrain.rollout.multiprocess``)."""
+        trainer = self.trainer
+        wait_start = time.perf_counter()
+        step = trainer.state.global_step
+        if self.ranks is not None:
+            item = self.ranks.next_item(self, step)
+            staleness = item["staleness"]
+            self.next_round, self.dropped_stale_total = item["round"] + 1, item["dropped_stale_total"]
+            self.ranks.queued_rows = item["queued_rows"]
+        else:
+            item, staleness = self.take_fresh_round(step)
         record = trainer._record("train")
         record("perf/rollout_wait_s", time.perf_counter() - wait_start)
         record("sample/time_in_queue_s", max(0.0, time.time() - item["put_time"]))
         entry: dict[str, Any] = {"step": step, "round": item["round"], "version": item["version"],
                                  "staleness": staleness}  # fmt: skip
+        token_versions = item.get("token_versions")
         if token_versions is None:
             record("sample/staleness_mean", float(staleness))  # one version per round: mean = max
             record("sample/staleness_max", float(staleness))

@@ -44,7 +44,8 @@ GRPO's server mode; TRL's merged-sync fallback), or, with ``vllm_sync_adapter_on
 as its LoRA adapter alone (``adapter_weights``; the server applies it to its base with PEFT).
 
 Resume (``rollout_state.json``: ``next_round``, ``weight_version``, ``dropped_stale_total``, here also
-``dropped_oversize_total``) as AsyncGRPO. Not supported: multi-process training, tools (as TRL), streaming datasets,
+``dropped_oversize_total``) as AsyncGRPO; several training processes as AsyncGRPO (``posttrain.rollout.multiprocess``).
+Not supported: tools (as TRL), streaming datasets,
 LoRA adapter-only sync with vLLM ``--enable-lora`` servers (merged pushes instead), injected ``rollout_worker`` / ``weight_transfer`` objects.
 """
 
@@ -305,9 +306,7 @@ class AsyncDistillationTrainer(DistillationTrainer):
         forwarded = (batch["prompt_mask"].sum(1) + batch["completion_lengths"]).float()
         trained = batch["completion_mask"].sum(1).float()
         with contextlib.suppress(NotImplementedError, OSError, ValueError):  # qsize is not available everywhere
-            record(
-                "sample/rollout_queue_size", float(self.async_rollout.queue.qsize() * self.async_rollout.round_rows())
-            )
+            record("sample/rollout_queue_size", self.async_rollout.queued_rows())
         record("sample/forwarded_tokens_mean", forwarded.mean().item())
         record("sample/forwarded_tokens_max", forwarded.max().item())
         record("sample/trained_tokens_mean", trained.mean().item())

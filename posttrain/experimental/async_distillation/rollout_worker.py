@@ -117,12 +117,13 @@ class DistillationWorkerSpec(AsyncWorkerSpec):
     teacher_temperature: float
     vocab_rows: int
 
-    def make_producer(self, backend: Any) -> Producer:
+    def make_producer(self, backend: Any, accelerator: Any = None) -> Producer:
         from posttrain.experimental._distill_support import ServedTeacher
         from posttrain.rollout.distillation import DistillationRollout
 
         rollout = DistillationRollout(
-            tokenizer=self.tokenizer, student_backend=backend, sampling=self.sampling, **self.rollout_kwargs
+            tokenizer=self.tokenizer, student_backend=backend, sampling=self.sampling, accelerator=accelerator,
+            **self.rollout_kwargs,
         )
         teachers = {
             name: ServedTeacher(url, self.vocab_rows, self.request_timeout)

@@ -28,7 +28,7 @@ scheduler, RNG states and the micro-batch buffer's shuffle RNG are HF/posttrain'
 the trainer pushes its checkpoint weights (``version = global_step``) and starts a fresh worker at ``next_round``;
 rounds that were in flight or queued when the run stopped are lost and regenerated (from the restored weights,
 with the same request seeds). The vllm_server backend's request counter (evaluation requests) is in posttrain's
-resume state. Not supported: multi-process training, ``num_iterations > 1``.
+resume state. Not supported: ``num_iterations > 1``.
 
 Partial rollouts (``partial_rollout_max_tokens``, opt-in; ``posttrain.rollout.partial``): the worker generates in
 passes of at most that many new tokens per row; finished groups train at once, unfinished completions continue
@@ -38,6 +38,10 @@ so is staleness (the round's oldest token decides), and the version-lag distribu
 
 ``rollout_func`` runs in the worker (``WorkerTrainerView``); a streaming ``train_dataset`` is read in order by the
 worker (``StreamRoundSource``; on resume the stream is re-read and the consumed rounds skipped).
+
+Several training processes (accelerate / torchrun; DDP, FSDP2): one worker on rank 0 produces each round as one shard
+per rank, rank 0 sends each rank its shard and pushes the weights (``posttrain.rollout.multiprocess``: why one worker,
+the bounded waits, the distributed modes refused); ``max_staleness=0`` equals synchronous N-process server-mode GRPO.
 
 Agent training as in ``GRPOTrainer`` (TRL's ``tools=`` and ``environment_factory``): the tool-calling loop runs in
 the rollout worker around its server requests (see ``rollout_worker``), one environment per rollout.
@@ -91,6 +95,21 @@ class AsyncGRPOTrainer(GRPOTrainer):
                         f"partial_rollout_max_tokens cannot be combined with {option}: a partial rollout continues a "
                         "completion from its tokens on the generation server, which a rollout function or a tool "
                         "loop does not expose. Set partial_rollout_max_tokens=None (whole rounds)."
+                    )
+        if self.accelerator.num_processes > 1:
+            from datasets import IterableDataset
+
+            several = {
+                "partial_rollout_max_tokens": self.args.partial_rollout_max_tokens is not None,
+                "rollout_func": self.rollout_func is not None,
+                "a streaming train_dataset": isinstance(self.train_dataset, IterableDataset),
+            }
+            for option, used in several.items():
+                if used:
+                    raise ValueError(
+                        f"AsyncGRPO with {self.accelerator.num_processes} training processes does not support "
+                        f"{option} yet (the worker's per-rank shards are built from whole rounds of a map-style "
+                        "dataset); train it with one process, or drop that option."
                     )
         self.async_rollout = AsyncRollout(
             self, make_spec=self._worker_spec, score=self._score_with_current_policy, trainer_name=self._trainer_name,

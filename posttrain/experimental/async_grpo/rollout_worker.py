@@ -24,6 +24,7 @@ finished groups through the same pipeline (``posttrain.rollout.partial``).
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -45,10 +46,12 @@ class RolloutWorkerSpec(AsyncWorkerSpec):
     rollout_func: Any = None  # TRL's rollout_func(prompts, trainer), called here with a WorkerTrainerView
     args: Any = None  # the trainer's config (the view's ``args``)
 
-    def make_producer(self, backend: Any) -> Producer:
+    def make_producer(self, backend: Any, accelerator: Any = None) -> Producer:
         from posttrain.rollout.pipeline import RolloutPipeline
 
-        generator = self.agent.wrap(backend) if self.agent is not None else backend
+        # several training ranks: one producer per rank, in threads; each gets its own environments and tool loop
+        agent = copy.deepcopy(self.agent) if accelerator is not None else self.agent
+        generator = agent.wrap(backend) if agent is not None else backend
         view = None
         if self.rollout_func is not None:
             from posttrain.generation.rollout_func import RolloutFuncBackend
@@ -58,7 +61,8 @@ class RolloutWorkerSpec(AsyncWorkerSpec):
             generator = RolloutFuncBackend(self.rollout_func, view, tokenizer=self.tokenizer)
         pipeline = RolloutPipeline(
             tokenizer=self.tokenizer, backend=generator, scorer=self.scorer, sampling=self.sampling,
-            settings=self.settings, estimator=self.estimator, policy_logps=_no_policy, agent=self.agent,
+            settings=self.settings, estimator=self.estimator, policy_logps=_no_policy, agent=agent,
+            accelerator=accelerator,
         )  # fmt: skip
 
         def produce(rows: list, record: Any) -> tuple[Any, Any]:
