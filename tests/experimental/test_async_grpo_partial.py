@@ -294,3 +294,24 @@ def test_partial_rollouts_on_a_streaming_dataset(tiny_model_path, server, tmp_pa
             for row in (2 * position, 2 * position + 1):  # G = 2 rows per group
                 prompt = batch["prompt_ids"][row][batch["prompt_mask"][row].bool()].tolist()
                 assert tokenizer.decode(prompt) == rows[ordinal]["prompt"]
+
+
+
+def test_several_processes_refuse_partial_rollouts_rollout_func_and_streams():
+    """The worker's per-rank shards are built from whole rounds of a map-style dataset: with several training
+    processes these three options are refused, naming the option (2-process runs: test_async_multiprocess.py)."""
+    from types import SimpleNamespace
+
+    from posttrain.experimental.async_grpo.async_grpo_trainer import check_several_processes
+
+    plain, partial = SimpleNamespace(partial_rollout_max_tokens=None), SimpleNamespace(partial_rollout_max_tokens=3)
+    check_several_processes(2, plain, None, _dataset())  # whole rounds of a map-style dataset: fine
+    check_several_processes(1, partial, server_rollout_func, _dataset().to_iterable_dataset())  # one process: fine
+    cases = [
+        ((partial, None, _dataset()), "partial_rollout_max_tokens"),
+        ((plain, server_rollout_func, _dataset()), "rollout_func"),
+        ((plain, None, _dataset().to_iterable_dataset()), "a streaming train_dataset"),
+    ]
+    for arguments, option in cases:
+        with pytest.raises(ValueError, match=f"AsyncGRPO with 2 training processes does not support {option}"):
+            check_several_processes(2, *arguments)

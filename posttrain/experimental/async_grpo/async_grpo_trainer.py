@@ -96,21 +96,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
                         "completion from its tokens on the generation server, which a rollout function or a tool "
                         "loop does not expose. Set partial_rollout_max_tokens=None (whole rounds)."
                     )
-        if self.accelerator.num_processes > 1:
-            from datasets import IterableDataset
-
-            several = {
-                "partial_rollout_max_tokens": self.args.partial_rollout_max_tokens is not None,
-                "rollout_func": self.rollout_func is not None,
-                "a streaming train_dataset": isinstance(self.train_dataset, IterableDataset),
-            }
-            for option, used in several.items():
-                if used:
-                    raise ValueError(
-                        f"AsyncGRPO with {self.accelerator.num_processes} training processes does not support "
-                        f"{option} yet (the worker's per-rank shards are built from whole rounds of a map-style "
-                        "dataset); train it with one process, or drop that option."
-                    )
+        check_several_processes(self.accelerator.num_processes, self.args, self.rollout_func, self.train_dataset)
         self.async_rollout = AsyncRollout(
             self, make_spec=self._worker_spec, score=self._score_with_current_policy, trainer_name=self._trainer_name,
             picklable_hint=self._picklable_hint,
@@ -203,3 +189,24 @@ class AsyncGRPOTrainer(GRPOTrainer):
     def _load_extra_checkpoint_state(self, states: dict[str, Any]) -> None:
         super()._load_extra_checkpoint_state(states)
         self.async_rollout.load_checkpoint_state(states)
+
+
+def check_several_processes(num_processes: int, args: Any, rollout_func: Any, train_dataset: Any) -> None:
+    """Refuse what AsyncGRPO does not support with several training processes yet: the worker's per-rank shards are
+    built from whole rounds of a map-style dataset (``ValueError`` naming the option and the fix)."""
+    if num_processes <= 1:
+        return
+    from datasets import IterableDataset
+
+    several = {
+        "partial_rollout_max_tokens": args.partial_rollout_max_tokens is not None,
+        "rollout_func": rollout_func is not None,
+        "a streaming train_dataset": isinstance(train_dataset, IterableDataset),
+    }
+    for option, used in several.items():
+        if used:
+            raise ValueError(
+                f"AsyncGRPO with {num_processes} training processes does not support {option} yet (the worker's "
+                "per-rank shards are built from whole rounds of a map-style dataset); train it with one process, "
+                "or drop that option."
+            )
