@@ -42,6 +42,13 @@ REQUIRES = {
                      "math_verify", "latex2sympy2_extended"],
 }
 
+# What makes them importable (checked: open-r1's three runnable GRPO recipes pass with these installed).
+INSTALL_HINT = {
+    "open-r1:grpo": "pip install e2b-code-interpreter morphcloud==0.1.67 async-lru aiofiles python-dotenv "
+                    "latex2sympy2_extended math-verify (morphcloud pinned as open-r1 pins it: newer ones lack "
+                    "morphcloud.sandbox)",
+}
+
 # The recipes of the pinned commits (see script_sources.py), per entry point.
 RECIPES = {
     "alignment-handbook:sft": [
@@ -218,7 +225,8 @@ def test_recipe_runs(entry, recipe, tmp_path, tiny_model_path):
     root = h.require_source(source)
     missing = [m for m in REQUIRES.get(entry, []) if importlib.util.find_spec(m) is None]
     if missing:
-        pytest.skip(f"{entry} imports {', '.join(missing)} ({source}'s own dependencies), not installed here")
+        pytest.skip(f"{entry} imports {', '.join(missing)} ({source}'s own dependencies), not installed here; "
+                    f"{INSTALL_HINT.get(entry, '')}")
     work = tmp_path / "work"
     src = work / "src"
     h.copy_rewritten(root / package, src / Path(package).name)
