@@ -68,11 +68,17 @@ def _stage(verb: str, argv: list[str]) -> None:
         raise SystemExit(f"posttrain demo: the {verb} stage failed (exit code {code}); see the message above.")
 
 
-def _print_table(metrics: dict[str, dict[str, tuple[float, float]]], gains: dict, verdict: str, n_eval: int) -> None:
+def _print_table(
+    metrics: dict[str, dict[str, tuple[float, float]]], gains: dict, verdict: str, n_eval: int | str
+) -> None:
+    """Print the before/after table; ``n_eval`` is the held-out problem count, or the whole title as a string."""
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"posttrain demo: {n_eval} held-out problems (operand pairs never seen in training), ± s.e.")
+    title = n_eval if isinstance(n_eval, str) else None
+    table = Table(
+        title=title or f"posttrain demo: {n_eval} held-out problems (operand pairs never seen in training), ± s.e."
+    )
     table.add_column("metric")
     for stage in metrics:
         table.add_column(stage, justify="right")
@@ -271,17 +277,31 @@ def _torch_threads() -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="posttrain demo",
-        description="Offline end-to-end demo: a tiny model learns two-digit addition from a sloppy teacher by SFT, "
-        "then GRPO with a verifier teaches it to remember the carry.",
+        description="Offline end-to-end demo. --task arithmetic (default): a tiny model learns two-digit addition "
+        "from a sloppy teacher by SFT, then GRPO with a verifier teaches it to remember the carry. --task agent: a "
+        "tiny model learns from a lazy teacher to call a calculator tool sometimes, then GRPO with a calculator "
+        "environment per rollout (environment_factory) makes it use the tool and get three-digit products right.",
+    )
+    parser.add_argument(
+        "--task",
+        choices=("arithmetic", "agent"),
+        default="arithmetic",
+        help="Which demo: 'arithmetic' (SFT then GRPO on two-digit addition) or 'agent' (tool use with an "
+        "environment).",
     )
     parser.add_argument("--quick", action="store_true", help="A smoke run (tiny stages, well under a minute).")
-    parser.add_argument("--output_dir", default="demo_output", help="Where models, data and the report go.")
+    parser.add_argument(
+        "--output_dir",
+        default=None,
+        help="Where models, data and the report go (default demo_output, or demo_agent_output for --task agent).",
+    )
     parser.add_argument("--seed", type=int, default=0, help="Seed for the model, the data and training.")
     parser.add_argument(
         "--eval_size",
         type=int,
         default=None,
-        help=f"Held-out problems to evaluate on (default {EVAL_SIZE['full']}; {EVAL_SIZE['quick']} with --quick).",
+        help=f"Held-out problems to evaluate on (default {EVAL_SIZE['full']}; {EVAL_SIZE['quick']} with --quick; "
+        "the agent task: 200, 12 with --quick).",
     )
     parser.add_argument(
         "--reuse_sft",
@@ -290,7 +310,24 @@ def main(argv: list[str] | None = None) -> int:
         "evaluations, e.g. after editing the GRPO recipe).",
     )
     args = parser.parse_args(sys.argv[2:] if argv is None else argv)
-    run_demo(args.output_dir, quick=args.quick, seed=args.seed, eval_size=args.eval_size, reuse_sft=args.reuse_sft)
+    if args.task == "agent":
+        from posttrain.demo.agent import run_agent_demo
+
+        run_agent_demo(
+            args.output_dir or "demo_agent_output",
+            quick=args.quick,
+            seed=args.seed,
+            eval_size=args.eval_size,
+            reuse_sft=args.reuse_sft,
+        )
+        return 0
+    run_demo(
+        args.output_dir or "demo_output",
+        quick=args.quick,
+        seed=args.seed,
+        eval_size=args.eval_size,
+        reuse_sft=args.reuse_sft,
+    )
     return 0
 
 
