@@ -14,7 +14,7 @@ from typing import Any
 
 from posttrain.demo.evaluate import mean_and_stderr
 
-MAX_COMPLETION_LENGTH = 96  # tool call (~55 tokens) + tool answer (~25) + boxed answer (~12)
+MAX_COMPLETION_LENGTH = 128  # tool call (~53 tokens) + tool answer (~28) + boxed answer (~15), with room
 
 
 @dataclass
@@ -33,6 +33,7 @@ class AgentEvalResult:
     answers: list[int]
     greedy_transcripts: list[str]
     sampled_transcripts: list[str]  # the first sample of each problem
+    sampled_transcript_success: list[float]  # whether that sample succeeded
 
     def metrics(self) -> dict[str, tuple[float, float]]:
         """``{metric: (mean, standard error)}`` over held-out problems."""
@@ -148,4 +149,5 @@ def evaluate_agent(model, tokenizer, dataset, *, num_samples: int = 4, seed: int
         answers=[int(r["a"]) * int(r["b"]) for r in rows],
         greedy_transcripts=out["g_text"],
         sampled_transcripts=out["s_text"][::k],
+        sampled_transcript_success=out["s_ok"][::k],
     )

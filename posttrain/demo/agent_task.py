@@ -3,11 +3,11 @@
 The model is asked ``What is 347 * 826?``. It may call the calculator — a tool of :class:`CalculatorEnv`, the
 environment GRPO builds once per rollout through ``environment_factory`` — and then state the answer::
 
-    <tool_call>{"name": "multiply", "arguments": {"a": 347, "b": 826}}</tool_call>
+    347 * 826 = <tool_call>{"name": "multiply", "arguments": {"a": 347, "b": 826}}</tool_call>
     (tool) 286622
     \\boxed{286622}
 
-or answer at once from "mental math" (``\\boxed{280000}``). A tiny model cannot multiply three-digit numbers in its
+or answer at once from "mental math" (``347 * 826 ≈ 350 * 830 = \\boxed{290500}``). A tiny model cannot multiply three-digit numbers in its
 head, but it can copy digits: into the call, and from the tool's answer into the box.
 
 The SFT traces come from a *lazy teacher* that calls the calculator only ``TOOL_RATE`` (30%) of the time and
@@ -28,7 +28,7 @@ from typing import Any
 
 TOOL_RATE = 0.3  # how often the lazy teacher calls the calculator
 LOW, HIGH = 100, 1000  # both factors are three-digit numbers
-PROMPT_TEMPLATES = ["What is {a} * {b}?", "Compute {a} * {b}.", "Multiply {a} by {b}."]
+PROMPT_TEMPLATES = ["What is {a} * {b}?"]  # one layout: each digit to copy sits at a fixed distance
 _BOXED = re.compile(r"\\boxed\{(-?\d+)\}")
 _LAST_NUMBER = re.compile(r"(-?\d+)\D*$")
 
@@ -51,17 +51,21 @@ class MulProblem:
         return PROMPT_TEMPLATES[template % len(PROMPT_TEMPLATES)].format(a=self.a, b=self.b)
 
     def tool_trace(self) -> list[dict[str, Any]]:
-        """The completion messages of a calculator trace: the call, the tool's answer, the boxed result."""
+        """The completion messages of a calculator trace: the problem restated and the call, the tool's answer, the
+        boxed result. Both kinds of trace start by restating the problem, so the choice between the tool and mental
+        math is one token (``=`` or ``≈``) and the call copies its arguments from just before it."""
         call = {"type": "function", "function": {"name": "multiply", "arguments": {"a": self.a, "b": self.b}}}
         return [
-            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "assistant", "content": f"{self.a} * {self.b} = ", "tool_calls": [call]},
             {"role": "tool", "name": "multiply", "content": str(self.answer)},
             {"role": "assistant", "content": f"\\boxed{{{self.answer}}}"},
         ]
 
     def mental_trace(self) -> list[dict[str, Any]]:
-        """The completion messages of a mental-math trace: the estimate, boxed."""
-        return [{"role": "assistant", "content": f"\\boxed{{{self.estimate}}}"}]
+        """The completion messages of a mental-math trace: the problem restated, rounded, and the estimate boxed
+        (``347 * 826 ≈ 350 * 830 = \\boxed{290500}``)."""
+        rounded = f"{_round_ten(self.a)} * {_round_ten(self.b)}"
+        return [{"role": "assistant", "content": f"{self.a} * {self.b} ≈ {rounded} = \\boxed{{{self.estimate}}}"}]
 
 
 def _round_ten(x: int) -> int:
@@ -146,7 +150,7 @@ _TOOLS_HEADER = (
     "{%- for tool in tools %}\n"
     "{{- (tool | tojson) + '\\n' }}\n"
     "{%- endfor %}\n"
-    "{{- '</tools>\\nTo call a function, reply with <tool_call>{\"name\": <function-name>, \"arguments\": "
+    '{{- \'</tools>\\nTo call a function, reply with <tool_call>{"name": <function-name>, "arguments": '
     "<args-json-object>}</tool_call>.<|im_end|>\\n' }}\n"
 )
 _COMPACT_TOOLS_HEADER = (
@@ -222,7 +226,9 @@ def make_agent_datasets(*, n_sft: int = 4000, n_rl: int = 2000, eval_size: int =
     def prompt_rows(problems: list[MulProblem], rng: random.Random | None) -> list[dict[str, Any]]:
         return [
             {
-                "prompt": [{"role": "user", "content": p.prompt_text(rng.randrange(3) if rng else i)}],
+                "prompt": [
+                    {"role": "user", "content": p.prompt_text(rng.randrange(len(PROMPT_TEMPLATES)) if rng else i)}
+                ],
                 "a": p.a,
                 "b": p.b,
             }

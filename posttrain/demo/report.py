@@ -303,13 +303,13 @@ def _transcripts_table(after_sft, after_grpo, limit: int) -> str:
     ]
     for i in range(min(limit, len(after_sft.prompts))):
         cells = []
-        for result, texts, ok in (
-            (after_sft, after_sft.greedy_transcripts, after_sft.greedy_success),
-            (after_grpo, after_grpo.greedy_transcripts, after_grpo.greedy_success),
-            (after_sft, after_sft.sampled_transcripts, None),
-            (after_grpo, after_grpo.sampled_transcripts, None),
+        for texts, ok in (
+            (after_sft.greedy_transcripts, after_sft.greedy_success),
+            (after_grpo.greedy_transcripts, after_grpo.greedy_success),
+            (after_sft.sampled_transcripts, after_sft.sampled_transcript_success),
+            (after_grpo.sampled_transcripts, after_grpo.sampled_transcript_success),
         ):
-            right = ok[i] > 0 if ok is not None else str(result.answers[i]) in texts[i].rsplit("\n", 1)[-1]
+            right = ok[i] > 0
             mark = "<span class='ok'>✓</span>" if right else "<span class='no'>✗</span>"
             cells.append(f"<td class='comp'>{mark} {html.escape(texts[i])}</td>")
         rows.append(
