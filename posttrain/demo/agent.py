@@ -22,7 +22,7 @@ import os
 import time
 from pathlib import Path
 
-from posttrain.demo.run import RECIPES, _print_table, _stage, _torch_threads, _write_jsonl
+from posttrain.demo.common import RECIPES, _print_table, _stage, _torch_threads, _write_jsonl
 
 # model size, stage lengths and evaluation size: (full demo, --quick)
 MODEL_SIZE = {"full": {"hidden_size": 128, "num_layers": 4}, "quick": {"hidden_size": 64, "num_layers": 2}}
@@ -31,7 +31,7 @@ SFT_OVERRIDES = {
     "quick": ["--max_steps", "6", "--logging_steps", "2", "--per_device_train_batch_size", "8"],
 }
 GRPO_OVERRIDES = {"full": {}, "quick": {"max_steps": 2, "logging_steps": 1, "per_device_train_batch_size": 16}}
-SFT_ROWS = {"full": 16000, "quick": 48}  # = max_steps x batch size: one pass, no repeated rows
+SFT_ROWS = {"full": 8000, "quick": 48}  # = max_steps x batch size: one pass, no repeated rows
 RL_ROWS = {"full": 2000, "quick": 16}
 EVAL_SIZE = {"full": 200, "quick": 12}
 EVAL_SAMPLES = {"full": 4, "quick": 2}
@@ -84,7 +84,6 @@ def run_agent_demo(
     import yaml
     from datasets import Dataset
 
-    from posttrain import GRPOConfig, GRPOTrainer
     from posttrain.demo.agent_evaluate import evaluate_agent
     from posttrain.demo.agent_task import (
         CalculatorEnv,
@@ -96,6 +95,7 @@ def run_agent_demo(
     from posttrain.demo.report import write_agent_report
     from posttrain.models.loading import create_model_from_path
     from posttrain.models.tiny import build_tiny_model
+    from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
 
     mode = "quick" if quick else "full"
     out = Path(output_dir).resolve()
