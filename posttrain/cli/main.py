@@ -28,7 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "Serve a model for generation (/v1/completions, /v1/chat/completions, weight updates) for vllm_mode='server'.",
     ),
     "vllm-serve": ("posttrain.cli.serve:vllm_serve_cli", "TRL's `trl vllm-serve` flags: the generation server."),
-    "demo": ("posttrain.demo.run:main", "Offline end-to-end demo: SFT then GRPO on a tiny model, with a report."),
+    "demo": ("posttrain.demo.run:main", "Offline end-to-end demo: SFT then GRPO on a tiny model (--task arithmetic | agent), with a report."),
     "env": ("posttrain.cli.main:_run_env", "Print versions, devices and the accelerate config for bug reports."),
     "report": ("posttrain.cli.main:_run_report", "Write the HTML training report for an output directory."),
 }

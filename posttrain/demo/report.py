@@ -67,7 +67,7 @@ def _png(fig) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
-def _stage_plots(output_dir: str) -> list[tuple[str, list[tuple[str, str]]]]:
+def _stage_plots(output_dir: str, stage_panels: list = STAGE_PANELS) -> list[tuple[str, list[tuple[str, str]]]]:
     """[(column title, [(panel title, base64 PNG)])] for the two stages, from their ``metrics.jsonl``."""
     import matplotlib
 
@@ -75,7 +75,7 @@ def _stage_plots(output_dir: str) -> list[tuple[str, list[tuple[str, str]]]]:
     import matplotlib.pyplot as plt
 
     columns = []
-    for folder, column_title, panels in STAGE_PANELS:
+    for folder, column_title, panels in stage_panels:
         records = read_metrics(os.path.join(output_dir, folder))
         images = []
         for title, ylabel, keys in panels:
@@ -186,27 +186,32 @@ def write_demo_report(output_dir: str, summary: dict, after_sft, after_grpo, *, 
         "<p class='note'>“verified” = <code>accuracy_reward</code>, the verifier GRPO trains on (reads "
         "<code>\\boxed{}</code>); “right answer, any format” = the last number stated after the reasoning, boxed or "
         "not. Standard errors are over problems; changes are paired (same problems, same sampling seed).</p>",
-        "<h2>Training curves</h2><div class='stages'>",
+        *_curves_section(output_dir, STAGE_PANELS),
     ]
-    for column_title, images in _stage_plots(output_dir):
-        parts.append(f"<div class='stage'><h3>{html.escape(column_title)}</h3>")
-        parts += [f"<img alt='{html.escape(t)}' src='data:image/png;base64,{data}'>" for t, data in images]
-        if not images:
-            parts.append("<p class='note'>No metrics were logged.</p>")
-        parts.append("</div>")
-    parts.append("</div>")
     parts.append(
         f"<h2>The same held-out prompts, after SFT and after GRPO</h2><p class='note'>The first {min(num_completions, n)}"
         f" held-out problems in order (not selected). Over all {n}: GRPO fixed {fixed} greedy answers and broke "
         f"{broken}.</p>"
     )
     parts.append(_completions_table(after_sft, after_grpo, num_completions))
-    stage_links = " · ".join(
+    parts.append(
+        f"<h2>Details</h2><p class='note'>{_stage_links(output_dir)}<br>Timings: {html.escape(_timing_text(timings))}.<br>"
+        "Recipes: <code>examples/demo/sft.yaml</code>, <code>examples/demo/grpo.yaml</code>; data in "
+        "<code>data/</code>; numbers in <code>summary.json</code>.</p>"
+    )
+    return _write_page(output_dir, parts)
+
+
+def _stage_links(output_dir: str) -> str:
+    return " · ".join(
         f"<a href='{stage}/report/index.html'>{stage.upper()} stage report</a>"
         for stage in ("sft", "grpo")
         if os.path.exists(os.path.join(output_dir, stage, "report", "index.html"))
     )
-    timing_text = " · ".join(
+
+
+def _timing_text(timings: dict) -> str:
+    return " · ".join(
         f"{label} {timings[f'{key}_wall_s']:.0f} s wall"
         + (f" / {timings[f'{key}_cpu_s']:.0f} s CPU" if f"{key}_cpu_s" in timings else "")
         for key, label in (
@@ -218,15 +223,153 @@ def write_demo_report(output_dir: str, summary: dict, after_sft, after_grpo, *, 
         )
         if f"{key}_wall_s" in timings
     )
-    parts.append(
-        f"<h2>Details</h2><p class='note'>{stage_links}<br>Timings: {html.escape(timing_text)}.<br>"
-        "Recipes: <code>examples/demo/sft.yaml</code>, <code>examples/demo/grpo.yaml</code>; data in "
-        "<code>data/</code>; numbers in <code>summary.json</code>.</p>"
-    )
-    parts.append("</main></body></html>")
+
+
+def _curves_section(output_dir: str, stage_panels: list) -> list[str]:
+    parts = ["<h2>Training curves</h2><div class='stages'>"]
+    for column_title, images in _stage_plots(output_dir, stage_panels):
+        parts.append(f"<div class='stage'><h3>{html.escape(column_title)}</h3>")
+        parts += [f"<img alt='{html.escape(t)}' src='data:image/png;base64,{data}'>" for t, data in images]
+        if not images:
+            parts.append("<p class='note'>No metrics were logged.</p>")
+        parts.append("</div>")
+    parts.append("</div>")
+    return parts
+
+
+def _write_page(output_dir: str, parts: list[str]) -> str:
+    """Write the page atomically to ``output_dir/report.html`` and return its path."""
+    parts = [*parts, "</main></body></html>"]
     path = os.path.join(output_dir, "report.html")
     fd, tmp = tempfile.mkstemp(dir=output_dir, prefix=".report-", suffix=".html")
     with os.fdopen(fd, "w") as f:
         f.write("\n".join(parts))
     os.replace(tmp, path)
     return path
+
+
+# the agent demo's curves: (stage folder, column title, [(panel title, y label, [(metric key, legend label)])])
+AGENT_STAGE_PANELS = [
+    (
+        "sft",
+        "Stage 1 · SFT on the lazy teacher's traces",
+        [
+            ("Training loss", "cross-entropy (nats/token)", [("loss", "loss")]),
+            ("Token accuracy", "fraction of assistant tokens", [("mean_token_accuracy", "mean token accuracy")]),
+        ],
+    ),
+    (
+        "grpo",
+        "Stage 2 · GRPO with a calculator environment per rollout",
+        [
+            ("Reward on training prompts", "verified answers", [("reward", "mean reward")]),
+            ("Tool use on training prompts", "calls per rollout", [("tools/call_frequency", "calculator calls")]),
+        ],
+    ),
+]
+
+
+def _agent_metrics_table(after_sft, after_grpo, summary: dict) -> str:
+    m_sft, m_grpo = after_sft.metrics(), after_grpo.metrics()
+    gains = summary.get("gains", {})
+    rows = [
+        "<table><tr><th>held-out metric</th><th>after SFT</th><th>after GRPO</th><th>change (paired ± s.e.)</th></tr>"
+    ]
+    for name in m_sft:
+        plain = "tokens" in name or name.startswith("sampled:")  # ratios over samples: no per-problem s.e.
+        gain = gains.get(name)
+        change = ""
+        if gain:
+            se = gain["standard_error"]
+            cls = "pos" if gain["mean"] > 2 * se else "neg" if gain["mean"] < -2 * se else ""
+            change = f"<span class='{cls}'>{gain['mean']:+.3f}</span> <span class='note'>± {se:.3f}</span>"
+        key = " class='key'" if name.startswith("greedy: success") or name == "greedy: tool-use rate" else ""
+        cells = [
+            (f"{m[name][0]:.1f}" if "tokens" in name else f"{m[name][0]:.3f}") if plain else _fmt(*m[name])
+            for m in (m_sft, m_grpo)
+        ]
+        rows.append(
+            f"<tr{key}><td>{html.escape(name)}</td><td class='num'>{cells[0]}</td><td class='num'>{cells[1]}</td>"
+            f"<td class='num'>{change}</td></tr>"
+        )
+    rows.append("</table>")
+    return "".join(rows)
+
+
+def _transcripts_table(after_sft, after_grpo, limit: int) -> str:
+    rows = [
+        "<table><tr><th>held-out prompt</th><th>answer</th><th>after SFT (greedy)</th><th>after GRPO (greedy)</th>"
+        "<th>after SFT (a sample)</th><th>after GRPO (a sample)</th></tr>"
+    ]
+    for i in range(min(limit, len(after_sft.prompts))):
+        cells = []
+        for texts, ok in (
+            (after_sft.greedy_transcripts, after_sft.greedy_success),
+            (after_grpo.greedy_transcripts, after_grpo.greedy_success),
+            (after_sft.sampled_transcripts, after_sft.sampled_transcript_success),
+            (after_grpo.sampled_transcripts, after_grpo.sampled_transcript_success),
+        ):
+            right = ok[i] > 0
+            mark = "<span class='ok'>✓</span>" if right else "<span class='no'>✗</span>"
+            cells.append(f"<td class='comp'>{mark} {html.escape(texts[i])}</td>")
+        rows.append(
+            f"<tr><td>{html.escape(after_sft.prompts[i])}</td><td class='num'>{after_sft.answers[i]}</td>"
+            + "".join(cells)
+            + "</tr>"
+        )
+    rows.append("</table>")
+    return "".join(rows)
+
+
+def write_agent_report(output_dir: str, summary: dict, after_sft, after_grpo, *, num_transcripts: int = 12) -> str:
+    """Write the agent demo's ``output_dir/report.html`` and return its path.
+
+    Args:
+        output_dir: The demo's output folder (holds ``sft/`` and ``grpo/`` with their ``metrics.jsonl``).
+        summary: The agent demo summary (``posttrain.demo.agent``): verdict, gains, timings, seed.
+        after_sft / after_grpo: ``posttrain.demo.agent_evaluate.AgentEvalResult`` of the two stages.
+        num_transcripts: How many held-out prompts (the first ones, in order) to show as transcripts.
+    """
+    from posttrain.demo.agent_task import TOOL_RATE
+
+    gain = summary.get("success_gain", 0.0)
+    gain_se = summary.get("gains", {}).get("greedy: success (verified answer)", {}).get("standard_error", 0.0)
+    verdict_cls = "good" if gain > 2 * gain_se and gain > 0 else "meh" if gain > 0 else "bad"
+    fixed = sum(1 for a, b in zip(after_sft.greedy_success, after_grpo.greedy_success) if b > a)
+    broken = sum(1 for a, b in zip(after_sft.greedy_success, after_grpo.greedy_success) if b < a)
+    timings = summary.get("timings", {})
+    n = len(after_sft.prompts)
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'><meta name='viewport' content='width=device-width'>",
+        "<title>posttrain agent demo report</title>",
+        f"<style>{CSS}</style></head><body><main>",
+        "<h1>posttrain demo --task agent: an agent learns to use its calculator</h1>",
+        f"<p class='sub'>seed {summary.get('seed')} · {summary.get('mode')} run · {n} held-out problems × "
+        f"{after_sft.num_samples} samples · {timings.get('total_wall_s', 0):.0f} s wall, "
+        f"{timings.get('total_cpu_s', 0):.0f} s CPU ({summary.get('torch_threads', '?')} torch threads)</p>",
+        "<div class='task'><b>The task.</b> Three-digit multiplication, e.g. <code>What is 347 * 826?</code>, with a "
+        "calculator tool: <code>multiply(a, b)</code>, a method of <code>CalculatorEnv</code>, the environment GRPO "
+        "builds once per rollout (<code>environment_factory</code>). A tiny model cannot multiply in its head but can "
+        'copy digits: <code>&lt;tool_call&gt;{"name": "multiply", "arguments": {"a": 347, "b": 826}}'
+        "&lt;/tool_call&gt;</code> → <code>286622</code> → <code>\\boxed{286622}</code>. The SFT traces come from a "
+        f"<i>lazy teacher</i> that calls the calculator only {TOOL_RATE:.0%} of the time and otherwise boxes its "
+        "estimate (both factors rounded to tens). GRPO samples 8 rollouts per training problem and rewards verified "
+        "answers (the product checked against the rollout's environment); the rollouts that used the tool win. "
+        "Held-out problems use factor pairs that never appear in training, in either order.</div>",
+        f"<div class='verdict {verdict_cls}'>{html.escape(summary.get('verdict', '')).replace(chr(10), '<br>')}</div>",
+        "<h2>Before and after, on held-out problems</h2>",
+        _agent_metrics_table(after_sft, after_grpo, summary),
+        "<p class='note'>“success” = the boxed final answer is the exact product; “tool-use rate” = the rollout "
+        "called the calculator. Standard errors are over problems; changes are paired (same problems, same sampling "
+        "seed). The two “sampled:” rows pool all samples.</p>",
+        *_curves_section(output_dir, AGENT_STAGE_PANELS),
+        f"<h2>Transcripts: the same held-out prompts, after SFT and after GRPO</h2><p class='note'>The first "
+        f"{min(num_transcripts, n)} held-out problems in order (not selected); → a tool call, ← the tool's answer. "
+        f"Over all {n}: GRPO fixed {fixed} greedy answers and broke {broken}.</p>",
+        _transcripts_table(after_sft, after_grpo, num_transcripts),
+        f"<h2>Details</h2><p class='note'>{_stage_links(output_dir)}<br>Timings: {html.escape(_timing_text(timings))}."
+        "<br>Recipes: <code>posttrain/demo/recipes/agent_sft.yaml</code>, "
+        "<code>posttrain/demo/recipes/agent_grpo.yaml</code>; data in <code>data/</code>; numbers in "
+        "<code>summary.json</code>.</p>",
+    ]
+    return _write_page(output_dir, parts)

@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-RECIPES = Path(__file__).resolve().parent / "recipes"
+from posttrain.demo.common import RECIPES, _print_table, _stage, _torch_threads, _write_jsonl
 
 # model size, stage lengths and evaluation size: (full demo, --quick)
 MODEL_SIZE = {"full": {"hidden_size": 128, "num_layers": 4}, "quick": {"hidden_size": 64, "num_layers": 2}}
@@ -48,45 +48,6 @@ EVAL_SIZE = {"full": 400, "quick": 24}
 EVAL_SAMPLES = {"full": 8, "quick": 2}
 # the headline rows of the printed table (EvalResult.metrics() names)
 HEADLINE = "greedy: right answer, any format"
-
-
-def _write_jsonl(path: Path, dataset) -> str:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "w") as f:
-        for row in dataset:
-            f.write(json.dumps(row) + "\n")
-    os.replace(tmp, path)
-    return str(path)
-
-
-def _stage(verb: str, argv: list[str]) -> None:
-    from posttrain.cli.run import run_training_command
-
-    code = run_training_command(verb, argv)
-    if code != 0:
-        raise SystemExit(f"posttrain demo: the {verb} stage failed (exit code {code}); see the message above.")
-
-
-def _print_table(metrics: dict[str, dict[str, tuple[float, float]]], gains: dict, verdict: str, n_eval: int) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"posttrain demo: {n_eval} held-out problems (operand pairs never seen in training), ± s.e.")
-    table.add_column("metric")
-    for stage in metrics:
-        table.add_column(stage, justify="right")
-    table.add_column("change (paired)", justify="right")
-    first = next(iter(metrics.values()))
-    for name in first:
-        cells = [f"{metrics[stage][name][0]:.3f} ± {metrics[stage][name][1]:.3f}" for stage in metrics]
-        if "tokens" in name:
-            cells = [f"{metrics[stage][name][0]:.1f}" for stage in metrics]
-        gain = gains.get(name)
-        table.add_row(name, *cells, f"{gain[0]:+.3f} ± {gain[1]:.3f}" if gain else "")
-    console = Console(width=max(Console().width, 104))
-    console.print(table)
-    console.print(verdict)
 
 
 def _verdict(after_sft, after_grpo, gains: dict) -> tuple[str, str]:
@@ -262,26 +223,34 @@ def run_demo(
     return summary
 
 
-def _torch_threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="posttrain demo",
-        description="Offline end-to-end demo: a tiny model learns two-digit addition from a sloppy teacher by SFT, "
-        "then GRPO with a verifier teaches it to remember the carry.",
+        description="Offline end-to-end demo. --task arithmetic (default): a tiny model learns two-digit addition "
+        "from a sloppy teacher by SFT, then GRPO with a verifier teaches it to remember the carry. --task agent: a "
+        "tiny model learns from a lazy teacher to call a calculator tool sometimes, then GRPO with a calculator "
+        "environment per rollout (environment_factory) makes it use the tool and get three-digit products right.",
+    )
+    parser.add_argument(
+        "--task",
+        choices=("arithmetic", "agent"),
+        default="arithmetic",
+        help="Which demo: 'arithmetic' (SFT then GRPO on two-digit addition) or 'agent' (tool use with an "
+        "environment).",
     )
     parser.add_argument("--quick", action="store_true", help="A smoke run (tiny stages, well under a minute).")
-    parser.add_argument("--output_dir", default="demo_output", help="Where models, data and the report go.")
+    parser.add_argument(
+        "--output_dir",
+        default=None,
+        help="Where models, data and the report go (default demo_output, or demo_agent_output for --task agent).",
+    )
     parser.add_argument("--seed", type=int, default=0, help="Seed for the model, the data and training.")
     parser.add_argument(
         "--eval_size",
         type=int,
         default=None,
-        help=f"Held-out problems to evaluate on (default {EVAL_SIZE['full']}; {EVAL_SIZE['quick']} with --quick).",
+        help=f"Held-out problems to evaluate on (default {EVAL_SIZE['full']}; {EVAL_SIZE['quick']} with --quick; "
+        "the agent task: 200, 12 with --quick).",
     )
     parser.add_argument(
         "--reuse_sft",
@@ -290,7 +259,24 @@ def main(argv: list[str] | None = None) -> int:
         "evaluations, e.g. after editing the GRPO recipe).",
     )
     args = parser.parse_args(sys.argv[2:] if argv is None else argv)
-    run_demo(args.output_dir, quick=args.quick, seed=args.seed, eval_size=args.eval_size, reuse_sft=args.reuse_sft)
+    if args.task == "agent":
+        from posttrain.demo.agent import run_agent_demo
+
+        run_agent_demo(
+            args.output_dir or "demo_agent_output",
+            quick=args.quick,
+            seed=args.seed,
+            eval_size=args.eval_size,
+            reuse_sft=args.reuse_sft,
+        )
+        return 0
+    run_demo(
+        args.output_dir or "demo_output",
+        quick=args.quick,
+        seed=args.seed,
+        eval_size=args.eval_size,
+        reuse_sft=args.reuse_sft,
+    )
     return 0
 
 

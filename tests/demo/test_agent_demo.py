@@ -1,0 +1,182 @@
+"""`posttrain demo --task agent`: the calculator environment, the lazy teacher, the verifier, the compact tool
+template, and the quick smoke run end to end."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from posttrain.agents.environments import EnvironmentPool, environment_tool_names
+from posttrain.agents.loop import prepare_tool_chat_template
+from posttrain.agents.tool_calls import TOOL_CALL_PARSERS, detect_tool_call_parser
+from posttrain.demo.agent_evaluate import AgentEvalResult, transcript
+from posttrain.demo.agent_task import (
+    CalculatorEnv,
+    MulProblem,
+    build_agent_tokenizer,
+    calculator_tools,
+    final_answer,
+    make_agent_datasets,
+    split_problems,
+    verified_answer_reward,
+)
+
+
+def _factors(text):
+    return tuple(map(int, re.findall(r"\d+", text)))
+
+
+def test_calculator_env_is_one_tool_and_counts_calls():
+    assert environment_tool_names(CalculatorEnv) == ["multiply"]
+    env = CalculatorEnv()
+    assert env.reset(a=347, b=826, prompt=[{"role": "user", "content": "x"}]) is None
+    assert (env.a, env.b, env.calls) == (347, 826, 0)
+    assert env.multiply(347, 826) == 286622 and env.multiply(a=2, b=3) == 6 and env.calls == 2
+    env.reset(a=100, b=101)
+    assert env.calls == 0  # a new rollout starts with no calls
+    # the pool builds one per rollout and GRPO renders its schema from the docstring and hints
+    batch = EnvironmentPool(CalculatorEnv).prepare([{"a": 1, "b": 2, "prompt": []}, {"a": 3, "b": 4, "prompt": []}])
+    assert [(e.a, e.b) for e in batch.environments] == [(1, 2), (3, 4)]
+    assert batch.environments[0] is not batch.environments[1]
+    (schema,) = calculator_tools()
+    assert schema["function"]["name"] == "multiply"
+    assert schema["function"]["parameters"]["properties"]["a"]["type"] == "integer"
+
+
+def test_traces_and_estimates():
+    p = MulProblem(347, 826)
+    assert p.answer == 286622 and p.estimate == 350 * 830
+    call, tool, answer = p.tool_trace()
+    assert call["tool_calls"][0]["function"] == {"name": "multiply", "arguments": {"a": 347, "b": 826}}
+    assert call["content"] == "347 * 826 = "  # both routes restate the problem: the choice is "=" or "≈"
+    assert tool == {"role": "tool", "name": "multiply", "content": "286622"}
+    assert answer["content"] == "\\boxed{286622}"
+    assert p.mental_trace() == [{"role": "assistant", "content": "347 * 826 ≈ 350 * 830 = \\boxed{290500}"}]
+    assert MulProblem(125, 996).estimate == 130 * 1000  # rounds half up
+
+
+def test_lazy_teacher_calls_the_tool_at_the_set_rate_and_held_out_pairs_are_unseen():
+    sft, rl, ev = make_agent_datasets(n_sft=3000, n_rl=500, eval_size=100, tool_rate=0.3, seed=0)
+    assert len(sft) == 3000 and len(rl) == 500 and len(ev) == 100
+    calls = right_mental = 0
+    for row in sft:
+        a, b = _factors(row["prompt"][0]["content"])
+        assert 100 <= a < 1000 and 100 <= b < 1000
+        completion = row["completion"]
+        assert final_answer(completion) is not None  # every trace ends in a boxed answer
+        if len(completion) == 3:
+            calls += 1
+            assert completion[0]["tool_calls"][0]["function"]["arguments"] == {"a": a, "b": b}
+            assert final_answer(completion) == a * b
+        else:
+            assert final_answer(completion) == MulProblem(a, b).estimate
+            right_mental += MulProblem(a, b).estimate == a * b
+        assert row["tools"][0]["function"]["name"] == "multiply"
+    assert 0.27 < calls / 3000 < 0.33
+    assert right_mental < 0.02 * (3000 - calls)  # mental math is (almost) never right
+    held = {frozenset((r["a"], r["b"])) for r in ev}
+    assert len(held) == 100
+    assert not held & {frozenset(_factors(r["prompt"][0]["content"])) for r in sft}
+    assert not held & {frozenset((r["a"], r["b"])) for r in rl}
+    assert all(_factors(r["prompt"][0]["content"]) == (r["a"], r["b"]) for r in list(rl) + list(ev))
+    # seeded: same seed, same split; another seed, another one
+    assert split_problems(50, seed=3)[1] == split_problems(50, seed=3)[1] != split_problems(50, seed=4)[1]
+
+
+def test_verifier_checks_the_final_boxed_answer_against_the_environment():
+    envs = [CalculatorEnv() for _ in range(5)]
+    for env in envs:
+        env.reset(a=347, b=826)
+    tool_route = MulProblem(347, 826).tool_trace()
+    completions = [
+        tool_route,
+        [{"role": "assistant", "content": "\\boxed{290500}"}],  # mental math: wrong
+        [{"role": "assistant", "content": "286622"}],  # right number, no box: not verified
+        [{"role": "assistant", "content": "\\boxed{1} then \\boxed{286622}"}],  # the last box counts
+        "\\boxed{286622}",  # plain text completions work too
+    ]
+    assert verified_answer_reward(completions, envs) == [1.0, 0.0, 0.0, 1.0, 1.0]
+    envs[0].reset(a=100, b=100)  # the truth is the environment's problem, not the completion's claim
+    assert verified_answer_reward([tool_route], envs[:1]) == [0.0]
+    assert final_answer([{"role": "assistant", "content": ""}]) is None
+    with pytest.raises(ValueError, match="needs the rollouts' environments"):
+        verified_answer_reward(completions, None)
+
+
+def test_compact_template_keeps_the_tool_format_and_the_tool_loop_checks():
+    tok = build_agent_tokenizer()
+    assert prepare_tool_chat_template(tok) is None  # prefix-preserving: kept as it is
+    assert detect_tool_call_parser(tok) == "hermes"
+    p = MulProblem(347, 826)
+    prompt = [{"role": "user", "content": p.prompt_text()}]
+    text = tok.apply_chat_template(prompt + p.tool_trace(), tools=calculator_tools(), tokenize=False)
+    assert text.startswith("<|im_start|>system\n# Tools: multiply(a, b)<|im_end|>\n")
+    turn = text.split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0]
+    _, (call,) = TOOL_CALL_PARSERS.get("hermes")(turn)
+    assert (call.name, call.arguments) == ("multiply", {"a": 347, "b": 826})
+    assert "<tool_response>286622</tool_response>" in text
+    assert len(tok(text, add_special_tokens=False)["input_ids"]) < 200  # the full schema header is ~650
+
+
+def test_transcript_and_pooled_rates():
+    assert (
+        transcript(MulProblem(347, 826).tool_trace())
+        == "347 * 826 = \n→ multiply(a=347, b=826)\n← 286622\n\\boxed{286622}"
+    )
+    result = AgentEvalResult(
+        num_samples=2,
+        greedy_success=[1.0, 0.0],
+        greedy_tool_use=[1.0, 0.0],
+        sampled_success=[1.0, 0.5],
+        sampled_tool_use=[1.0, 0.5],
+        sampled_success_with_tool=[2.0, 0.0],  # problem 2: its tool sample failed, its mental one was right
+        pass_at_k=[1.0, 1.0],
+        lengths=[80.0, 40.0],
+        prompts=["a", "b"],
+        answers=[1, 2],
+        greedy_transcripts=["", ""],
+        sampled_transcripts=["", ""],
+        sampled_transcript_success=[1.0, 0.0],
+    )
+    m = result.metrics()
+    assert m["sampled: success when the tool was used"][0] == pytest.approx(2 / 3)
+    assert m["sampled: success without the tool"][0] == pytest.approx(1.0)
+    assert m["greedy: success (verified answer)"][0] == 0.5 and m["sampled (T=1): tool-use rate"][0] == 0.75
+
+
+def test_agent_demo_quick_end_to_end(tmp_path):
+    out = tmp_path / "agent"
+    proc = subprocess.run(
+        [sys.executable, "-m", "posttrain.cli.main", "demo", "--task", "agent", "--quick", "--output_dir", str(out)],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["task"] == "agent" and summary["mode"] == "quick" and summary["eval_problems"] == 12
+    headline = {"greedy: success (verified answer)", "greedy: tool-use rate", "sampled (T=1): tool-use rate"}
+    for stage in ("after_sft", "after_grpo"):
+        row = summary[stage]
+        assert headline <= set(row)
+        assert all(0.0 <= v <= 1.0 for k, v in row.items() if "tokens" not in k)
+        assert 0 < row["mean completion tokens (sampled)"] <= 128
+    assert set(summary["gains"]) == {
+        "greedy: success (verified answer)",
+        "greedy: tool-use rate",
+        "sampled (T=1): success",
+        "sampled (T=1): tool-use rate",
+    }
+    assert {"sft_cpu_s", "grpo_cpu_s", "total_wall_s", "total_cpu_s"} <= set(summary["timings"])
+    grpo = [json.loads(line) for line in (out / "grpo" / "metrics.jsonl").read_text().splitlines()]
+    assert any("tools/call_frequency" in r and "reward" in r for r in grpo)
+    assert (out / "sft" / "metrics.jsonl").exists() and (out / "grpo" / "model.safetensors").exists()
+    page = (out / "report.html").read_text()
+    assert "held-out metric" in page and "tool-use rate" in page and "after GRPO (greedy)" in page
+    assert page.count("<td class='comp'>") == 4 * 12  # greedy and sampled transcripts of both models
+    assert page.count("data:image/png;base64,") == 4
+    assert "after SFT" in proc.stdout and "after GRPO" in proc.stdout
