@@ -326,7 +326,7 @@ def cmd_fidelity(args: argparse.Namespace) -> list[Any]:
     # Teachers (GKD, distillation): the tiny causal LM after a few supervised steps, so teacher != student.
     teacher = common.ensure_model("tiny", "causal-lm", warm_start="varied_eos", cache_dir=args.cache_dir)
     # Tiny VLMs (vlm/ scenarios), saved only when a selected scenario needs one
-    families = sorted({s.task[len("vlm-"):] for s in scenarios if s.task.startswith("vlm-")})
+    families = sorted({s.task[len("vlm-") :] for s in scenarios if s.task.startswith("vlm-")})
     vlms = {family: fidelity.ensure_tiny_vlm(causal, family) for family in families}
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="fidelity-") as tmp:

@@ -198,7 +198,7 @@ DATASETS: dict[str, Callable[..., list[dict[str, Any]]]] = {
     "vlm_prompts": ds_vlm_prompts,
 }
 # Tiny VLM families of the ``vlm/`` scenarios (``model="vlm-<family>"``): saved by :func:`ensure_tiny_vlm`.
-VLM_FAMILIES = ("llava", "gemma3", "idefics3")
+VLM_FAMILIES = ("llava", "llava_next", "gemma3", "idefics3")
 
 
 def ds_triple(n: int = 16, seed: int = 0) -> list[dict[str, Any]]:
@@ -305,7 +305,6 @@ def patch_generation(trainer: Any) -> None:
     tok = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
     max_len, eos = trainer.args.max_completion_length, tok.eos_token_id
     if hasattr(trainer, "_generate_single_turn"):  # TRL
-
         grpo = type(trainer).__name__ == "GRPOTrainer"  # GRPO's returns (completion_ids, sampling logprobs)
 
         def generate_single_turn(prompt_ids, images=None, multimodal_fields=None, *rest, **kw):
