@@ -631,6 +631,10 @@ def _scenarios() -> list[Scenario]:
             model=f"vlm-{family}")  # fmt: skip
     add("vlm/grpo_llava_beta0.04_mu2", "grpo", {**online, "beta": 0.04, "num_iterations": 2}, "vlm_prompts",
         reward_funcs=("vowels",), model="vlm-llava")  # fmt: skip
+    # ... and sampling for real: model.generate with the image in both libraries (posttrain's
+    # generation_backend="transformers"), the global torch RNG
+    add("vlm/grpo_llava_generate", "grpo", {**online, "beta": 0.0}, "vlm_prompts", reward_funcs=("vowels",),
+        model="vlm-llava", sample=True, posttrain_args={"generation_backend": "transformers"})  # fmt: skip
     add("vlm/rloo_llava", "rloo", {k: v for k, v in online.items() if k != "use_bias_correction_kl"}, "vlm_prompts",
         reward_funcs=("vowels",), model="vlm-llava")  # fmt: skip
 
