@@ -325,6 +325,9 @@ def cmd_fidelity(args: argparse.Namespace) -> list[Any]:
     no_newline = fidelity.ensure_no_newline_copy(causal)
     # Teachers (GKD, distillation): the tiny causal LM after a few supervised steps, so teacher != student.
     teacher = common.ensure_model("tiny", "causal-lm", warm_start="varied_eos", cache_dir=args.cache_dir)
+    # Tiny VLMs (vlm/ scenarios), saved only when a selected scenario needs one
+    families = sorted({s.task[len("vlm-") :] for s in scenarios if s.task.startswith("vlm-")})
+    vlms = {family: fidelity.ensure_tiny_vlm(causal, family) for family in families}
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="fidelity-") as tmp:
         names = os.path.join(tmp, "names.txt")
@@ -336,6 +339,8 @@ def cmd_fidelity(args: argparse.Namespace) -> list[Any]:
             cmd = [python, "-m", "benchmarks.fidelity_runner", "--impl", impl, "--names-file", names]
             cmd += ["--causal", causal, "--seqcls", seqcls, "--qwen3", qwen3, "--no-newline", no_newline]
             cmd += ["--teacher", teacher, "--out", out, *steps_flag]
+            if vlms:
+                cmd += ["--vlm", *(f"{family}={path}" for family, path in vlms.items())]
             env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV",)}
             if impl == "trl":
                 env.pop("PYTHONPATH", None)

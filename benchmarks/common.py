@@ -44,6 +44,9 @@ MODEL_SPECS: dict[str, dict[str, Any]] = {
     "tiny": {},
     "small": {"hidden_size": 256, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2},
     "bigvocab": {"vocab_size": 151_936},
+    # A tiny LLaVA (CLIP vision tower + the tiny Qwen2 text model; posttrain.models.tiny.build_tiny_vlm): 64x64
+    # images in 8x8 patches = 64 image tokens per prompt. Its processor needs no torchvision, so TRL's venv loads it.
+    "tiny-vlm": {"vlm": {"family": "llava", "image_size": 64, "patch_size": 8}},
 }
 # Bump when the tiny model definition or the warm-start recipe changes, so cached copies are rebuilt.
 MODEL_CACHE_VERSION = "1"
@@ -124,6 +127,18 @@ def ensure_model(
     from posttrain.models.tiny import build_tiny_model, build_tiny_tokenizer
 
     target.parent.mkdir(parents=True, exist_ok=True)
+    if "vlm" in MODEL_SPECS[model]:
+        from posttrain.models.tiny import save_tiny_vlm
+
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+        save_tiny_vlm(tmp, **MODEL_SPECS[model]["vlm"])
+        try:
+            os.replace(tmp, target)
+        except OSError:  # another process won the race
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+        return str(target)
     tokenizer = build_tiny_tokenizer()
     net = build_tiny_model("qwen2", task, tokenizer=tokenizer, **MODEL_SPECS[model])
     if warm_start:

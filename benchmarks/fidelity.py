@@ -157,6 +157,26 @@ def ds_prompts_privileged(n: int = 16, seed: int = 0) -> list[dict[str, Any]]:
     return rows
 
 
+_COLOURS = {"red": (220, 30, 30), "green": (30, 200, 60), "blue": (40, 60, 220), "white": (245, 245, 245)}
+
+
+def ds_vlm_prompts(n: int = 16, seed: int = 0) -> list[dict[str, Any]]:
+    """VLM GRPO prompts in TRL's format: a conversational ``prompt`` whose user turn holds an ``{"type": "image"}``
+    block before a question, and an ``image`` column (a solid-colour PIL image, 12..24 px a side, some not square);
+    the questions vary in length, so batches are left-padded."""
+    from PIL import Image
+
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        colour = rng.choice(list(_COLOURS))
+        size = (rng.randint(12, 24), rng.randint(12, 24))
+        question = "What colour? " + _rng_text(rng, 1, 3)
+        prompt = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+        rows.append({"prompt": prompt, "image": Image.new("RGB", size, _COLOURS[colour])})
+    return rows
+
+
 DATASETS: dict[str, Callable[..., list[dict[str, Any]]]] = {
     "lm_text": ds_lm_text,
     "prompt_completion": ds_prompt_completion,
@@ -175,7 +195,10 @@ DATASETS: dict[str, Callable[..., list[dict[str, Any]]]] = {
     "prompts_privileged": ds_prompts_privileged,
     "prompts_equal_text": lambda **kw: ds_prompts_equal_length(conversational=False, **kw),
     "triple": lambda **kw: ds_triple(**kw),
+    "vlm_prompts": ds_vlm_prompts,
 }
+# Tiny VLM families of the ``vlm/`` scenarios (``model="vlm-<family>"``): saved by :func:`ensure_tiny_vlm`.
+VLM_FAMILIES = ("llava", "llava_next", "gemma3", "idefics3")
 
 
 def ds_triple(n: int = 16, seed: int = 0) -> list[dict[str, Any]]:
@@ -275,13 +298,18 @@ def fixed_completions(prompt_rows: list[list[int]], max_len: int, eos: int) -> l
 def patch_generation(trainer: Any) -> None:
     """RLOO has no ``rollout_func`` in TRL 1.16: replace each library's generation step by :func:`fixed_completion`
     (TRL: ``_generate_single_turn(prompt_ids, ...)``, one row per completion; posttrain: the pipeline's backend,
-    ``generate(unique_prompt_ids, sampling, num_generations)``)."""
+    ``generate(unique_prompt_ids, sampling, num_generations)``). VLM GRPO takes this path too: a ``rollout_func``
+    would have to re-render the prompts with their images, while here each library's own processed prompt ids
+    (image placeholders expanded) key the completions, so a prompt-processing difference shows up. No sampling
+    log-probs on either side (TRL's transformers path has none)."""
     tok = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
     max_len, eos = trainer.args.max_completion_length, tok.eos_token_id
     if hasattr(trainer, "_generate_single_turn"):  # TRL
+        grpo = type(trainer).__name__ == "GRPOTrainer"  # GRPO's returns (completion_ids, sampling logprobs)
 
-        def generate_single_turn(prompt_ids, images=None, multimodal_fields=None, *rest):
-            return fixed_completions([list(ids) for ids in prompt_ids], max_len, eos)
+        def generate_single_turn(prompt_ids, images=None, multimodal_fields=None, *rest, **kw):
+            rows = fixed_completions([list(ids) for ids in prompt_ids], max_len, eos)
+            return (rows, None) if grpo else rows
 
         trainer._generate_single_turn = generate_single_turn
         return
@@ -596,6 +624,20 @@ def _scenarios() -> list[Scenario]:
         tools=("multiply", "async_add"), compare_keys=("tools/call_frequency", "tools/failure_frequency"),
         model="causal-lm-qwen3", steps=4)  # fmt: skip
 
+    # VLM GRPO (issue 37): conversational prompts with an image, each library's processor (image placeholders expanded)
+    # and vision forward (pixel_values, ... in old / ref / policy log-probs); completions from patch_generation
+    for family in VLM_FAMILIES:
+        add(f"vlm/grpo_{family}", "grpo", {**online, "beta": 0.0}, "vlm_prompts", reward_funcs=("vowels",),
+            model=f"vlm-{family}")  # fmt: skip
+    add("vlm/grpo_llava_beta0.04_mu2", "grpo", {**online, "beta": 0.04, "num_iterations": 2}, "vlm_prompts",
+        reward_funcs=("vowels",), model="vlm-llava")  # fmt: skip
+    # ... and sampling for real: model.generate with the image in both libraries (posttrain's
+    # generation_backend="transformers"), the global torch RNG
+    add("vlm/grpo_llava_generate", "grpo", {**online, "beta": 0.0}, "vlm_prompts", reward_funcs=("vowels",),
+        model="vlm-llava", sample=True, posttrain_args={"generation_backend": "transformers"})  # fmt: skip
+    add("vlm/rloo_llava", "rloo", {k: v for k, v in online.items() if k != "use_bias_correction_kl"}, "vlm_prompts",
+        reward_funcs=("vowels",), model="vlm-llava")  # fmt: skip
+
     # RLOO
     online = {k: v for k, v in online.items() if k != "use_bias_correction_kl"}  # GRPO only
     add("rloo/default", "rloo", {**online}, "prompts", reward_funcs=("vowels",))
@@ -756,6 +798,7 @@ def run_scenario(scenario: Scenario, model_paths: dict[str, str], trainer_classe
     from transformers import TrainerCallback
 
     model_path = model_paths[scenario.task]
+    vlm = scenario.task.startswith("vlm-")
     config_cls, trainer_cls = trainer_classes[scenario.trainer]
     rows = DATASETS[scenario.dataset](**scenario.dataset_kwargs)
     dataset = Dataset.from_list(rows)
@@ -772,7 +815,7 @@ def run_scenario(scenario: Scenario, model_paths: dict[str, str], trainer_classe
         kwargs["reward_funcs"] = [REWARD_FUNCS[name] for name in scenario.reward_funcs]
         if scenario.tools:
             kwargs["tools"] = [TOOLS[name] for name in scenario.tools]
-        elif scenario.trainer in ROLLOUT_FUNC_TRAINERS and not scenario.sample:
+        elif scenario.trainer in ROLLOUT_FUNC_TRAINERS and not scenario.sample and not vlm:
             kwargs["rollout_func"] = fixed_rollout_func
     logs: list[dict[str, Any]] = []
 
@@ -786,7 +829,7 @@ def run_scenario(scenario: Scenario, model_paths: dict[str, str], trainer_classe
     record = logs
     torch.manual_seed(0)
     trainer = trainer_cls(**kwargs)
-    if scenario.trainer in PATCHED_TRAINERS and not scenario.sample:
+    if (scenario.trainer in PATCHED_TRAINERS or vlm) and not scenario.sample:
         patch_generation(trainer)
     if scenario.trainer in GENERATE_PATCHED_TRAINERS:
         patch_model_generation(trainer)
@@ -1101,6 +1144,25 @@ def ensure_qwen3_copy(causal_dir: str) -> str:
 
 
 _TURN_NEWLINE = "{%- endgeneration %}\n{{- '\\n' }}"
+
+
+def ensure_tiny_vlm(causal_dir: str, family: str) -> str:
+    """The tiny VLM of ``family`` (``posttrain.models.tiny.save_tiny_vlm``, seed 0) saved next to the tiny causal LM
+    (``<dir>-vlm-<family>``); made once. Its processor needs no torchvision, so TRL's venv loads it too. posttrain's
+    venv only."""
+    import shutil
+    from pathlib import Path
+
+    target = Path(causal_dir).with_name(Path(causal_dir).name + f"-vlm-{family}")
+    if (target / "config.json").is_file():
+        return str(target)
+    from posttrain.models.tiny import save_tiny_vlm
+
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_tiny_vlm(tmp, family=family)
+    tmp.rename(target)
+    return str(target)
 
 
 def ensure_no_newline_copy(causal_dir: str) -> str:

@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--qwen3", required=True, help="The tiny causal LM with a Qwen3 chat template.")
     parser.add_argument("--no-newline", required=True, help="The tiny causal LM, no newline after an assistant turn.")
     parser.add_argument("--teacher", required=True, help="A different tiny causal LM (same tokenizer): teachers.")
+    parser.add_argument("--vlm", nargs="*", default=[], metavar="FAMILY=DIR", help="Saved tiny VLMs (vlm/ scenarios).")
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=None, help="Override every scenario's optimizer steps.")
     args = parser.parse_args(argv)
@@ -73,6 +74,9 @@ def main(argv: list[str] | None = None) -> None:
         "causal-lm-no-newline": args.no_newline,
         "teacher": args.teacher,
     }
+    for item in args.vlm:
+        family, _, path = item.partition("=")
+        paths[f"vlm-{family}"] = path
     results = fidelity.run_many(scenarios, paths, trainer_classes(args.impl))
     other = "posttrain" if args.impl == "trl" else "trl"
     if other in sys.modules:

@@ -56,9 +56,13 @@ if ! "${PIP[@]}" "torch==$TORCH_VERSION" "${pins[@]}" "trl==$TRL_VERSION"; then
     "${PIP[@]}" "torch==$TORCH_VERSION" "${pins[@]}" trl
 fi
 
+# 3. Pillow for the VLM workload and the vlm/ fidelity scenarios (PIL images in the dataset; the tiny VLMs' image
+#    processors are the PIL ones). Not torchvision: PyPI's build does not import beside the pinned CPU torch.
+"${PIP[@]}" pillow
+
 # peft comes with the pins (as in posttrain's venv): the LoRA workload (DPO without a reference copy) needs it.
 "$VENV/bin/python" - <<'EOF'
-import peft, torch, transformers, trl
+import peft, PIL, torch, transformers, trl
 
 print(f"TRL venv ready: trl {trl.__version__}, transformers {transformers.__version__}, torch {torch.__version__}")
 EOF

@@ -55,6 +55,24 @@ def arithmetic_prompts(n: int = 256, seed: int = 0, system: bool = False) -> lis
     return rows
 
 
+_COLOURS = {"red": (220, 30, 30), "green": (30, 200, 60), "blue": (40, 60, 220), "yellow": (230, 220, 40)}
+
+
+def image_prompts(n: int = 256, seed: int = 0) -> list[dict[str, Any]]:
+    """VLM GRPO rows in TRL's format: a conversational ``prompt`` whose user turn is an ``{"type": "image"}`` block and
+    a question, an ``image`` column (a solid-colour 64x64 PIL image) and the ``answer`` colour."""
+    from PIL import Image
+
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        colour = rng.choice(list(_COLOURS))
+        content = [{"type": "image"}, {"type": "text", "text": "What colour is this image? Answer with one word."}]
+        rows.append({"prompt": [{"role": "user", "content": content}], "image": Image.new("RGB", (64, 64),
+                     _COLOURS[colour]), "answer": colour})  # fmt: skip
+    return rows
+
+
 def sft_conversations(n: int = 512, seed: int = 0) -> list[dict[str, Any]]:
     """Conversational language-modelling rows ``{"messages": [...]}`` of varied length (40–700 tokens)."""
     rng = random.Random(seed)
@@ -98,6 +116,7 @@ DATASETS: dict[str, Callable[..., list[dict[str, Any]]]] = {
     "sft_conversations": sft_conversations,
     "preference_pairs": preference_pairs,
     "unpaired_preferences": unpaired_preferences,
+    "image_prompts": image_prompts,
 }
 
 
@@ -131,7 +150,20 @@ def arithmetic_reward(completions: list[Any], answer: list[int], **kwargs) -> li
     return rewards
 
 
-REWARD_FUNCS: dict[str, Callable[..., list[float]]] = {"arithmetic_reward": arithmetic_reward}
+def colour_reward(completions: list[Any], answer: list[str], **kwargs) -> list[float]:
+    """1.0 if the completion names the image's colour, else the fraction of letters / 2 (varied on an untrained
+    model, so advantages are not all zero)."""
+    rewards = []
+    for completion, colour in zip(completions, answer):
+        text = _text(completion)
+        rewards.append(1.0 if colour in text.lower() else 0.5 * sum(c.isalpha() for c in text) / max(len(text), 1))
+    return rewards
+
+
+REWARD_FUNCS: dict[str, Callable[..., list[float]]] = {
+    "arithmetic_reward": arithmetic_reward,
+    "colour_reward": colour_reward,
+}
 
 
 # -- warm starts (posttrain venv only: they run before the model is saved) ---------------------------------------
@@ -206,6 +238,8 @@ class Workload:
 
     @property
     def task(self) -> str:
+        if self.model.endswith("-vlm"):
+            return "image-text-to-text"
         return "sequence-classification" if self.trainer == "reward" else "causal-lm"
 
 
@@ -261,6 +295,18 @@ WORKLOADS: dict[str, Workload] = {
             warm_start="varied_eos",
             reward_funcs=("arithmetic_reward",),
             steps=4,
+            warmup=1,
+        ),
+        Workload(
+            "grpo_vlm",
+            "grpo",
+            "VLM GRPO: tiny LLaVA, one 64x64 image per prompt (64 image tokens), G=8, 16 completions/step, "
+            "32 new tokens, beta=0",
+            {**_GRPO, "beta": 0.0},
+            "image_prompts",
+            model="tiny-vlm",
+            reward_funcs=("colour_reward",),
+            steps=6,
             warmup=1,
         ),
         Workload(

@@ -21,7 +21,13 @@ if not getattr(sys.modules.get("benchmarks"), "__file__", None):
 
 from benchmarks import common  # noqa: E402
 from benchmarks.__main__ import build_parser, summarize  # noqa: E402
-from benchmarks.workloads import WORKLOADS, arithmetic_reward, build_dataset, get_workload  # noqa: E402
+from benchmarks.workloads import (  # noqa: E402
+    WORKLOADS,
+    arithmetic_reward,
+    build_dataset,
+    colour_reward,
+    get_workload,
+)
 
 
 @pytest.fixture(scope="module")
@@ -157,3 +163,21 @@ def test_arithmetic_reward():
     rewards = arithmetic_reward(completions, answer=[4, 4, 4])
     assert rewards[0] == 1.0 and rewards[1] == 0.0
     assert rewards[2] == pytest.approx(0.5 / 8)
+
+
+def test_vlm_grpo_workload_runs_one_step(tmp_path, capsys, monkeypatch):
+    """``grpo_vlm``: the tiny LLaVA (``tiny-vlm``, saved by ``ensure_model``) trains on TRL's image format."""
+    path = common.ensure_model("tiny-vlm", get_workload("grpo_vlm").task, cache_dir=tmp_path)
+    assert Path(path, "processor_config.json").is_file()
+    record = _run(str(tmp_path), capsys, monkeypatch, "--config", "grpo_vlm")
+    assert record["config"] == "grpo_vlm" and record["model"] == "tiny-vlm"
+    assert record["tokens_per_step"] > 16 * 64  # 16 prompts of 64 image tokens each, at least
+    row = build_dataset("image_prompts", n=2)[0]
+    assert row["image"].size == (64, 64) and row["prompt"][0]["content"][0]["type"] == "image"
+
+
+def test_colour_reward():
+    completions = [[{"role": "assistant", "content": "It is Red."}], "blue", "xx"]
+    rewards = colour_reward(completions, answer=["red", "green", "red"])
+    assert rewards[0] == 1.0 and rewards[1] == 0.5 and rewards[2] == 0.5
+    assert colour_reward(["1 2"], answer=["red"]) == [0.0]

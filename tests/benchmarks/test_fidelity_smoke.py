@@ -108,3 +108,59 @@ def test_scenario_grid_covers_every_trainer_and_loss_type():
             "rloo/generate_beta0.04_mu2"} <= names  # fmt: skip
     sampled = fidelity.SCENARIOS["rloo/generate_beta0.04_mu2"]
     assert sampled.sample and sampled.posttrain_args == {"generation_backend": "transformers"}
+
+
+def test_vlm_scenario_trains_on_the_images(tmp_path):
+    """The posttrain half of ``vlm/grpo_llava`` (tiny LLaVA, images in conversational prompts, completions from
+    ``patch_generation``) logs every step, deterministically; with the images blackened the same completions give
+    another ``grad_norm``, so the images reach the compared forwards (what makes the TRL comparison meaningful)."""
+    from PIL import Image
+
+    from posttrain.models.tiny import save_tiny_vlm
+
+    paths = {"vlm-llava": save_tiny_vlm(str(tmp_path / "vlm"), family="llava")}
+    scenario = dataclasses.replace(fidelity.SCENARIOS["vlm/grpo_llava"], steps=2)
+    logs = fidelity.run_scenario(scenario, paths, trainer_classes("posttrain"), str(tmp_path / "a"))
+    assert [row["step"] for row in logs] == [1, 2]
+    again = fidelity.run_scenario(scenario, paths, trainer_classes("posttrain"), str(tmp_path / "b"))
+    assert fidelity.compare("vlm", {"logs": logs}, {"logs": again}).status == "equal"
+
+    def black(**kw):
+        rows = fidelity.ds_vlm_prompts(**kw)
+        for row in rows:
+            row["image"] = Image.new("RGB", row["image"].size, (0, 0, 0))
+        return rows
+
+    fidelity.DATASETS["vlm_black"] = black
+    try:
+        blackened = dataclasses.replace(scenario, dataset="vlm_black")
+        other = fidelity.run_scenario(blackened, paths, trainer_classes("posttrain"), str(tmp_path / "c"))
+    finally:
+        del fidelity.DATASETS["vlm_black"]
+    result = fidelity.compare("vlm", {"logs": logs}, {"logs": other})
+    assert result.status == "differs" and "grad_norm" in result.differing_keys
+
+
+def test_patched_trl_generation_keys_completions_on_the_processed_prompt():
+    """TRL's side of ``patch_generation``: GRPO's ``_generate_single_turn`` returns ``(completion_ids, None)`` (no
+    sampling log-probs), RLOO's the rows alone; each row is ``fixed_completions`` of the prompt ids TRL built."""
+    tok = SimpleNamespace(eos_token_id=258)
+
+    class GRPOTrainer:
+        processing_class = SimpleNamespace(tokenizer=tok)
+        args = SimpleNamespace(max_completion_length=8)
+
+        def _generate_single_turn(self, *a):
+            raise AssertionError("replaced")
+
+    class RLOOTrainer(GRPOTrainer):
+        pass
+
+    prompts = [[5, 6, 7], [5, 6, 7], [9, 9]]
+    grpo, rloo = GRPOTrainer(), RLOOTrainer()
+    fidelity.patch_generation(grpo)
+    fidelity.patch_generation(rloo)
+    expected = fidelity.fixed_completions(prompts, 8, 258)
+    assert grpo._generate_single_turn(prompts, [["img"]] * 3, {}, 2) == (expected, None)
+    assert rloo._generate_single_turn(prompts, None, None, 2) == expected
+    assert expected[0] != expected[1]  # the group's k-th completions differ
