@@ -535,10 +535,20 @@ class AsyncRollout:
         uninterrupted run then also created the next epoch's iterator (one draw) before its next shuffle, so HF's
         restore alone already matches it."""
         restore(checkpoint)
-        epoch = getattr(self.trainer.state, "epoch", None)
-        if epoch is not None and float(epoch).is_integer():
+        if self._checkpoint_ends_an_epoch():
             return
         self._rng_restore = (restore, checkpoint)
+
+    def _checkpoint_ends_an_epoch(self) -> bool:
+        """Whether the checkpoint being resumed ends an epoch of a map-style dataset. A streaming dataset has no
+        epochs of known length (HF counts ``state.epoch`` against ``max_steps`` there, so a 1-step run's checkpoint
+        reads 1.0 though a longer run is mid-stream at that step): never an epoch end."""
+        from datasets import IterableDataset
+
+        if isinstance(getattr(self.trainer, "train_dataset", None), IterableDataset):
+            return False
+        epoch = getattr(self.trainer.state, "epoch", None)
+        return epoch is not None and float(epoch).is_integer()
 
     # -- worker lifecycle --------------------------------------------------------------------------------------
     def num_processes(self) -> int:
