@@ -49,3 +49,14 @@ class CounterEnv:
 
     def get_reward(self) -> float:
         return float(self.calls == 1 and self.value == self.start + 4)
+
+
+# -- images (tests/experimental/test_async_grpo_vlm.py)
+
+
+def distinct_chars_reward(completions, images=None, **kwargs):
+    """The number of distinct characters of each (conversational) completion; ``images`` must reach reward functions
+    (one list per row, as TRL passes them)."""
+    if images is None or len(images) != len(completions):
+        raise ValueError("the reward function did not get the rows' images")
+    return [float(len(set(c[0]["content"]))) for c in completions]
