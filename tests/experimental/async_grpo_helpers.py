@@ -49,3 +49,51 @@ class CounterEnv:
 
     def get_reward(self) -> float:
         return float(self.calls == 1 and self.value == self.start + 4)
+
+
+# -- images (tests/experimental/test_async_grpo_vlm.py)
+
+
+def distinct_chars_reward(completions, images=None, **kwargs):
+    """The number of distinct characters of each (conversational) completion; ``images`` must reach reward functions
+    (one list per row, as TRL passes them)."""
+    if images is None or len(images) != len(completions):
+        raise ValueError("the reward function did not get the rows' images")
+    return [float(len(set(c[0]["content"]))) for c in completions]
+
+
+# -- captured agent rollouts (tests/experimental/test_async_grpo_capture.py): an agent program the worker runs
+
+CALC_TOOL = {"type": "function", "function": {"name": "calculator", "description": "Evaluate a + b.",
+             "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
+                            "required": ["expression"]}}}  # fmt: skip
+
+
+def calculator_agent(prompt: str, base_url: str, rollout_id: str) -> float:
+    """Ask, send the calculator's result back as a tool message, ask again (two chat calls under ``rollout_id``);
+    reward = the share of digits in the final answer. The token ids the server returned for each call are appended
+    to ``$POSTTRAIN_TEST_TOKEN_LOG`` (one JSON line per rollout), so the trainer's side can check its loss mask."""
+    import json
+    import os
+
+    import httpx
+
+    messages = [{"role": "system", "content": "Add the numbers."}, {"role": "user", "content": prompt}]
+    body = {"model": "tiny", "tools": [CALC_TOOL], "max_tokens": 6, "temperature": 1.0}
+    index = int(rollout_id.rsplit("-", 1)[1])  # the row's place in the batch: a distinct seed per rollout
+    sampled: list[int] = []
+    with httpx.Client(base_url=base_url, timeout=60) as http:
+        answer = ""
+        for turn in range(2):
+            r = http.post("/chat/completions", json={**body, "messages": messages, "seed": 10 * index + turn})
+            r.raise_for_status()
+            choice = r.json()["choices"][0]
+            sampled += choice["token_ids"]
+            answer = choice["message"]["content"] or ""
+            messages.append({"role": "assistant", "content": answer})
+            if turn == 0:
+                a, b = (int(x) for x in prompt.split("+"))
+                messages.append({"role": "tool", "tool_call_id": "calc-0", "content": str(a + b)})
+    with open(os.environ["POSTTRAIN_TEST_TOKEN_LOG"], "a") as log:
+        log.write(json.dumps({"rollout_id": rollout_id, "sampled": sampled}) + "\n")
+    return sum(ch.isdigit() for ch in answer) / max(len(answer), 1)

@@ -36,6 +36,12 @@ under the next weights; every token carries the weight version that sampled it, 
 so is staleness (the round's oldest token decides), and the version-lag distribution is logged
 (``sample/version_lag_frac/<k>``).
 
+Images (TRL's VLM format: ``prompt`` plus an ``image`` / ``images`` column, checked as in ``GRPOTrainer``): the worker
+renders each prompt with the model's processor and sends its images to the server in vLLM's multimodal prompt format
+(the server's processor rebuilds the vision inputs); the round carries each row's processor outputs
+(``vision_inputs``), which the trainer's π_old / π_ref / loss forwards get. ``max_staleness=0`` then equals
+server-mode VLM GRPO bitwise, as for text. Not with partial rollouts.
+
 ``rollout_func`` runs in the worker (``WorkerTrainerView``); a streaming ``train_dataset`` is read in order by the
 worker (``StreamRoundSource``; on resume the stream is re-read and the consumed rounds skipped).
 
@@ -79,7 +85,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
     config_class = AsyncGRPOConfig
     _trainer_name = "AsyncGRPO"
     _tag_names = ["posttrain", "async-grpo"]
-    supports_vision = False  # its rollout path does not carry the per-row vision inputs yet
+    supports_vision = True  # image rows: the worker sends them to the server, the trainer's forwards get their inputs
     _picklable_hint = "reward functions, tools, environment factories, their processing classes and the dataset"
 
     def __init__(self, model, reward_funcs=None, args=None, train_dataset=None, *a, **kwargs):
@@ -88,13 +94,14 @@ class AsyncGRPOTrainer(GRPOTrainer):
             refused = {
                 "rollout_func": self.rollout_func is not None,
                 "tools / environment_factory": self.agent is not None,
+                "image rows (an `image` / `images` column)": getattr(self, "_vision", False),
             }
             for option, used in refused.items():
                 if used:
                     raise ValueError(
                         f"partial_rollout_max_tokens cannot be combined with {option}: a partial rollout continues a "
-                        "completion from its tokens on the generation server, which a rollout function or a tool "
-                        "loop does not expose. Set partial_rollout_max_tokens=None (whole rounds)."
+                        "completion from its text-only tokens on the generation server, which a rollout "
+                        "function, a tool loop or an image prompt does not expose. Set partial_rollout_max_tokens=None (whole rounds)."
                     )
         check_several_processes(self.accelerator.num_processes, self.args, self.rollout_func, self.train_dataset)
         self.async_rollout = AsyncRollout(
