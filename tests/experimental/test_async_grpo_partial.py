@@ -315,3 +315,5 @@ def test_several_processes_refuse_partial_rollouts_rollout_func_and_streams():
     for arguments, option in cases:
         with pytest.raises(ValueError, match=f"AsyncGRPO with 2 training processes does not support {option}"):
             check_several_processes(2, *arguments)
+    with pytest.raises(ValueError, match="does not support image rows"):
+        check_several_processes(2, plain, None, _dataset(), images=True)

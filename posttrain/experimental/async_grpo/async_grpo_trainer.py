@@ -103,7 +103,10 @@ class AsyncGRPOTrainer(GRPOTrainer):
                         "completion from its text-only tokens on the generation server, which a rollout "
                         "function, a tool loop or an image prompt does not expose. Set partial_rollout_max_tokens=None (whole rounds)."
                     )
-        check_several_processes(self.accelerator.num_processes, self.args, self.rollout_func, self.train_dataset)
+        check_several_processes(
+            self.accelerator.num_processes, self.args, self.rollout_func, self.train_dataset,
+            images=getattr(self, "_vision", False),
+        )
         self.async_rollout = AsyncRollout(
             self, make_spec=self._worker_spec, score=self._score_with_current_policy, trainer_name=self._trainer_name,
             picklable_hint=self._picklable_hint,
@@ -198,7 +201,9 @@ class AsyncGRPOTrainer(GRPOTrainer):
         self.async_rollout.load_checkpoint_state(states)
 
 
-def check_several_processes(num_processes: int, args: Any, rollout_func: Any, train_dataset: Any) -> None:
+def check_several_processes(
+    num_processes: int, args: Any, rollout_func: Any, train_dataset: Any, images: bool = False
+) -> None:
     """Refuse what AsyncGRPO does not support with several training processes yet: the worker's per-rank shards are
     built from whole rounds of a map-style dataset (``ValueError`` naming the option and the fix)."""
     if num_processes <= 1:
@@ -209,6 +214,7 @@ def check_several_processes(num_processes: int, args: Any, rollout_func: Any, tr
         "partial_rollout_max_tokens": args.partial_rollout_max_tokens is not None,
         "rollout_func": rollout_func is not None,
         "a streaming train_dataset": isinstance(train_dataset, IterableDataset),
+        "image rows": images,
     }
     for option, used in several.items():
         if used:
