@@ -35,6 +35,7 @@ import torch
 
 from posttrain.core.logprobs import chunked_logprobs_from_hidden, entropy_from_logits, selective_log_softmax
 from posttrain.core.tied_embedding import in_place_tied_grad_supported, route_embedding_grad_in_place
+from posttrain.models.padding_free import PaddingFreeLayout, padding_free_layout
 from posttrain.models.unwrap import unwrap_base_model, unwrap_parallel
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,8 @@ class TokenStats:
         correct: bool, the top-1 prediction equals the target at scored positions, or None.
         aux_loss: the MoE load-balancing loss reported by the model (``outputs.aux_loss``), or None.
         chunked: whether the chunked path was used (False: plain full-logits path).
+        padding_free: the flat layout the model ran on (:mod:`posttrain.models.padding_free`), None for a padded
+            call; its ``to_rows`` maps a capture of that call (e.g. the LM head's input) back to ``(B, T)``.
     """
 
     logps: torch.Tensor
@@ -83,6 +86,7 @@ class TokenStats:
     correct: torch.Tensor | None = None
     aux_loss: torch.Tensor | None = None
     chunked: bool = True
+    padding_free: PaddingFreeLayout | None = None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -622,6 +626,42 @@ def _bucketed_token_stats(
     )
 
 
+def _padding_free_token_stats(
+    model: torch.nn.Module,
+    layout: PaddingFreeLayout,
+    *,
+    labels: torch.Tensor | None,
+    labels_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> TokenStats:
+    """:func:`forward_token_stats` of a right-padded batch run as one flat row (:mod:`posttrain.models.padding_free`),
+    its results put back into the ``(B, T)`` layout: padding and each row's first token unscored, as in the padded
+    call."""
+    scored = layout.rows if labels is None else labels != IGNORE_INDEX
+    if labels_mask is not None:
+        scored = scored & labels_mask.bool()
+    scored = scored & layout.rows
+    scored[:, 0] = False  # a row's first token is never scored (no predictor)
+    stats = forward_token_stats(
+        model,
+        layout.input_ids,
+        layout.attention_mask,
+        labels=None if labels is None else layout.flatten(labels),
+        labels_mask=layout.scored(scored),
+        position_ids=layout.position_ids,
+        **kwargs,
+    )
+    return TokenStats(
+        logps=layout.to_rows(stats.logps) * scored,
+        mask=scored,
+        entropy=None if stats.entropy is None else layout.to_rows(stats.entropy) * scored,
+        correct=None if stats.correct is None else layout.to_rows(stats.correct, False) & scored,
+        aux_loss=stats.aux_loss,
+        chunked=stats.chunked,
+        padding_free=layout,
+    )
+
+
 def sequence_scores(
     model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, length_buckets: bool = True
 ) -> torch.Tensor:
@@ -701,6 +741,22 @@ def forward_token_stats(
     Returns:
         :class:`TokenStats` with ``(B, T)`` (or ``(B, K)``) float32 ``logps`` that carry gradients.
     """
+    if length_buckets and logits_to_keep is None and not model_kwargs:
+        share = labels_mask if labels is None else None  # scored tokens mark the prompt (preference rows)
+        layout = padding_free_layout(model, input_ids, attention_mask, position_ids, share_prompts=share)
+        if layout is not None:
+            return _padding_free_token_stats(
+                model,
+                layout,
+                labels=labels,
+                labels_mask=labels_mask,
+                temperature=temperature,
+                compute_entropy=compute_entropy,
+                compute_accuracy=compute_accuracy,
+                chunk_size=chunk_size,
+                chunked=chunked,
+                entropy_requires_grad=entropy_requires_grad,
+            )
     if length_buckets and logits_to_keep is None and position_ids is None and not model_kwargs:
         groups = length_bucket_groups(model, attention_mask)
         if groups is not None:
