@@ -13,7 +13,7 @@ so per-token log-probs, losses and gradients equal the padded forward's up to fl
 :meth:`PaddingFreeLayout.to_rows` puts per-token results back into the ``(B, T)`` layout (differentiably).
 
 It applies only where that equality is known to hold and the work is clearly smaller (see
-:func:`padding_free_layout`): sdpa attention (other implementations would run the ``N × N`` mask densely), right
+:func:`padding_free_layout`): CPU tensors (measured there; accelerators keep the padded call), sdpa attention (other implementations would run the ``N × N`` mask densely), right
 padding, no MoE router loss (computed over the whole call), and a flat row short enough for its dense ``N × N``
 boolean mask (:data:`MAX_FLAT_TOKENS`).
 """
@@ -182,13 +182,16 @@ def padding_free_layout(
             position, which sees the earlier row's other prompt tokens, so every scored token sees the very same
             keys and positions as in its padded row. Ignored with ``position_ids``.
 
-    None when: the mask is not 2-D, fewer than two rows, left padding or gaps, an empty row, attention other than
+    None when: the mask is not 2-D, fewer than two rows, left padding or gaps, an empty row, tensors off the CPU
+    (the cost model is the CPU kernels'; accelerators keep the padded call until measured), attention other than
     sdpa, ``output_router_logits`` (the MoE load-balancing loss is a statistic of the whole call), more than
     :data:`MAX_FLAT_TOKENS` flat tokens, or an estimated saving below ``1 − MAX_COST_RATIO``.
     """
     if attention_mask is None or attention_mask.dim() != 2 or input_ids.dim() != 2 or input_ids.shape[0] < 2:
         return None
     if attention_mask.shape != input_ids.shape or isinstance(attention_mask, TreeAttentionMask):
+        return None
+    if input_ids.device.type != "cpu":  # the cost model is the CPU kernels'; not yet measured on an accelerator
         return None
     config = getattr(unwrap_base_model(model), "config", None)
     if config is None or str(getattr(config, "_attn_implementation", None) or "") != "sdpa":

@@ -189,6 +189,7 @@ def test_not_used_where_it_cannot_equal_or_gain(monkeypatch):
     assert padding_free_layout(model, ids[:1], mask[:1]) is None  # one row: no padding between rows
     assert padding_free_layout(model, ids, mask.flip(1)) is None  # left padding
     assert padding_free_layout(model, ids, None) is None
+    assert padding_free_layout(model, ids.to("meta"), mask.to("meta")) is None  # accelerators: not measured yet
     eager = _sdpa_model()
     eager.config._attn_implementation = "eager"  # would run the N x N mask densely
     assert padding_free_layout(eager, ids, mask) is None
