@@ -20,7 +20,9 @@ boolean mask (:data:`MAX_FLAT_TOKENS`).
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -201,6 +203,12 @@ def padding_free_layout(
     hidden_size = _hidden_size(model)
     if hidden_size is None:
         return None
+    key = _cache_key(hidden_size, input_ids, attention_mask, position_ids, share_prompts)
+    cached = _LAST[0]
+    if key is not None and cached is not None and cached[0] == key[0] and all(
+        ref() is tensor for ref, tensor in zip(cached[1], key[1])
+    ):
+        return cached[2]
     rows = attention_mask.bool()
     lengths_t = rows.sum(dim=1)
     batch, width = input_ids.shape
@@ -224,7 +232,27 @@ def padding_free_layout(
     flat_cost, chunk = _flat_cost(segments, hidden_size)
     if flat_cost > MAX_COST_RATIO * batch * width * (12 * hidden_size + 2 * width):
         return None
-    return _materialize(input_ids, rows, position_ids, segments, chunk)
+    layout = _materialize(input_ids, rows, position_ids, segments, chunk)
+    _LAST[0] = None if key is None else (key[0], tuple(weakref.ref(t) for t in key[1]), layout)
+    return layout
+
+
+# The last layout built, for the very same (unmodified) tensors: DPO/KTO score one batch with the reference model
+# and then the policy. ``((versions...), (weak refs...), layout)``; a tensor's ``_version`` changes on every in-place
+# write, and the weak references must still point at the same objects.
+_LAST: list[Any] = [None]
+
+
+def _cache_key(
+    hidden_size: int, *tensors: torch.Tensor | None
+) -> tuple[tuple[Any, ...], tuple[torch.Tensor, ...]] | None:
+    """(hidden size, each tensor's version and shape; the tensors), or None for tensors without a version counter
+    (made under ``torch.inference_mode``): those are never cached."""
+    try:
+        versions = tuple(None if t is None else (t._version, tuple(t.shape)) for t in tensors)
+    except RuntimeError:
+        return None
+    return (hidden_size, *versions), tuple(t for t in tensors if t is not None)
 
 
 def _materialize(

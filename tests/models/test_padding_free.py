@@ -89,6 +89,23 @@ def test_shared_prompt_layout_by_hand(monkeypatch):
         layout.flatten(ids)
 
 
+def test_layout_reused_only_for_the_same_unmodified_tensors(monkeypatch):
+    """DPO scores a batch with the reference, then the policy: the second call reuses the layout; a new tensor or
+    an in-place write builds a new one."""
+    monkeypatch.setattr(padding_free, "MAX_COST_RATIO", 1e9)
+    model = _sdpa_model()
+    ids, mask = _right_padded([[11, 12, 13], [21], [31, 32]])
+    first = padding_free_layout(model, ids, mask)
+    assert padding_free_layout(model, ids, mask) is first
+    other = padding_free_layout(model, ids.clone(), mask)
+    assert other is not first and torch.equal(other.input_ids, first.input_ids)
+    ids[1, 0] = 22  # in place: the cached flat ids would be stale
+    assert padding_free_layout(model, ids, mask).input_ids.tolist() == [[11, 12, 13, 22, 31, 32]]
+    with torch.inference_mode():
+        frozen_ids, frozen_mask = ids.clone(), mask.clone()
+    assert padding_free_layout(model, frozen_ids, frozen_mask) is not padding_free_layout(model, frozen_ids, frozen_mask)
+
+
 def _grads(model) -> dict[str, torch.Tensor]:
     out = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
@@ -199,7 +216,7 @@ def test_not_used_where_it_cannot_equal_or_gain(monkeypatch):
     full = torch.ones_like(mask)
     assert padding_free_layout(model, torch.full_like(ids, 5)[:, :8], full[:, :8]) is None  # nothing to save
     monkeypatch.setattr(padding_free, "MAX_FLAT_TOKENS", 64)  # the dense N x N mask stays bounded
-    assert padding_free_layout(model, ids, mask) is None
+    assert padding_free_layout(model, ids.clone(), mask.clone()) is None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -208,12 +225,20 @@ def test_not_used_where_it_cannot_equal_or_gain(monkeypatch):
 
 
 def _train_both_ways(monkeypatch, make_trainer):
-    runs = []
+    """Train with padding-free disabled, then enabled (asserting the flat forward ran)."""
+    runs, calls = [], []
+
+    def spy(*args, **kwargs):
+        layout = padding_free_layout(*args, **kwargs)
+        calls.append(layout is not None)
+        return layout
+
     for enabled in (False, True):
-        monkeypatch.setattr(forward, "padding_free_layout", padding_free_layout if enabled else lambda *a, **k: None)
+        monkeypatch.setattr(forward, "padding_free_layout", spy if enabled else lambda *a, **k: None)
         trainer = make_trainer(enabled)
         trainer.train()
         runs.append(trainer)
+    assert any(calls), "the padding-free path was not taken"
     return runs
 
 
@@ -276,4 +301,31 @@ def test_dpo_trainer_equals_padded(monkeypatch, tmp_path, tiny_model_path):
     rows_p, rows_f = _metric_rows(padded, keys), _metric_rows(flat, keys)
     torch.testing.assert_close(torch.tensor(rows_f), torch.tensor(rows_p), atol=1e-5, rtol=1e-4)
     for (name, p), q in zip(flat.model.named_parameters(), padded.model.parameters()):
+        torch.testing.assert_close(p, q, atol=2e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.invariance
+def test_sft_gradient_accumulation_equals_larger_batch_padding_free(monkeypatch, tmp_path, tiny_model_path):
+    """Under the flat forward (forced for these short rows), 2 × GA 2 ≡ 4 × GA 1: the loss is normalised by the
+    accumulated label-token count either way."""
+    from posttrain.trainers.sft import SFTConfig, SFTTrainer
+
+    monkeypatch.setattr(padding_free, "MAX_COST_RATIO", 1e9)
+    data = Dataset.from_dict({"text": [("y" * n) + " ok" for n in (3, 40, 7, 25, 60, 2, 33, 12)]})
+    runs = []
+    for batch, accumulation in ((4, 1), (2, 2)):
+        args = SFTConfig(
+            output_dir=str(tmp_path / str(batch)), report_to="none", save_strategy="no", logging_steps=1,
+            max_steps=2, per_device_train_batch_size=batch, gradient_accumulation_steps=accumulation, optim="sgd",
+            learning_rate=0.5, disable_tqdm=True, gradient_checkpointing=False, train_sampling_strategy="sequential",
+            write_report=False, dataloader_pin_memory=False, seed=0,
+        )  # fmt: skip
+        trainer = SFTTrainer(tiny_model_path, args=args, train_dataset=data)
+        trainer.train()
+        runs.append(trainer)
+    keys = ["loss", "num_tokens"]
+    torch.testing.assert_close(
+        torch.tensor(_metric_rows(runs[1], keys)), torch.tensor(_metric_rows(runs[0], keys)), atol=1e-5, rtol=1e-5
+    )
+    for (name, p), q in zip(runs[1].model.named_parameters(), runs[0].model.parameters()):
         torch.testing.assert_close(p, q, atol=2e-5, rtol=1e-4, msg=name)
