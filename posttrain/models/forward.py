@@ -731,17 +731,21 @@ def forward_token_stats(
         chunked: False forces the plain full-logits path (TRL's ``nll`` loss type, and reference checks).
         entropy_requires_grad: return the entropy with its autograd graph (an entropy bonus in the loss); on the
             chunked path its gradient −p (log p + H) is recomputed chunk-wise, so still no ``(B, T, V)`` logits.
-        length_buckets: for right-padded rows of very different lengths, run the model on groups of similar
-            length, each trimmed to its longest row (:func:`plan_length_buckets`), when that is estimated to save
-            work. Rows never interact, so the result is the same; only padding work is skipped. Ignored with
-            ``logits_to_keep``, ``position_ids``, extra model inputs, 4-D masks, MoE router losses and several
-            processes (DDP/FSDP synchronise on every forward call, so all ranks must make the same calls).
+        length_buckets: skip the work on padding of right-padded rows. First choice: the padding-free layout
+            (:func:`posttrain.models.padding_free.padding_free_layout`: the real tokens as one flat row with block
+            attention per row, rows with the same prompt before their first ``labels_mask`` token sharing it;
+            sdpa on CPU, see there for when it applies; ``position_ids`` are carried over). Otherwise groups of
+            similar length, each trimmed to its longest row (:func:`plan_length_buckets`), when that is estimated
+            to save work; ignored with ``position_ids``, 4-D masks, MoE router losses and several processes
+            (DDP/FSDP synchronise on every forward call, so all ranks must make the same calls). Rows never
+            interact, so the result is the same up to float summation order. Both are off with
+            ``logits_to_keep`` and extra model inputs.
         **model_kwargs: passed to the model (e.g. ``pixel_values``).
 
     Returns:
         :class:`TokenStats` with ``(B, T)`` (or ``(B, K)``) float32 ``logps`` that carry gradients.
     """
-    if length_buckets and logits_to_keep is None and not model_kwargs:
+    if length_buckets and logits_to_keep is None and not model_kwargs and _accepts(model, "position_ids"):
         share = labels_mask if labels is None else None  # scored tokens mark the prompt (preference rows)
         layout = padding_free_layout(model, input_ids, attention_mask, position_ids, share_prompts=share)
         if layout is not None:

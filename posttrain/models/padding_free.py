@@ -89,6 +89,26 @@ class PaddingFreeLayout:
         return torch.where(keep, gathered, torch.full((), fill, dtype=values.dtype, device=values.device))
 
 
+def _attention_window(config: Any) -> int | None:
+    """How far back a token may attend when the model restricts it, None when every layer is full causal attention;
+    0 for restrictions the flat row cannot express (e.g. chunked attention).
+
+    A 4-D mask given to the model replaces the sliding-window masks transformers would build from a 2-D one, so
+    the flat row equals the padded forward only when no row is longer than the window.
+    """
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    types = getattr(text, "layer_types", None)
+    window = getattr(text, "sliding_window", None)
+    if types is not None:
+        if any(t not in ("full_attention", "sliding_attention") for t in types):
+            return 0
+        if all(t == "full_attention" for t in types):
+            return None
+    elif window is None or getattr(text, "use_sliding_window", True) is False:
+        return None
+    return int(window) if window else 0
+
+
 def _hidden_size(model: torch.nn.Module) -> int | None:
     config = getattr(unwrap_base_model(model), "config", None)
     if config is None:
@@ -184,7 +204,8 @@ def padding_free_layout(
             position, which sees the earlier row's other prompt tokens, so every scored token sees the very same
             keys and positions as in its padded row. Ignored with ``position_ids``.
 
-    None when: the mask is not 2-D, fewer than two rows, left padding or gaps, an empty row, tensors off the CPU
+    None when: a row is longer than the model's sliding attention window (or the model restricts attention in
+    another way), the mask is not 2-D, fewer than two rows, left padding or gaps, an empty row, tensors off the CPU
     (the cost model is the CPU kernels'; accelerators keep the padded call until measured), attention other than
     sdpa, ``output_router_logits`` (the MoE load-balancing loss is a statistic of the whole call), more than
     :data:`MAX_FLAT_TOKENS` flat tokens, or an estimated saving below ``1 − MAX_COST_RATIO``.
@@ -199,6 +220,9 @@ def padding_free_layout(
     if config is None or str(getattr(config, "_attn_implementation", None) or "") != "sdpa":
         return None
     if getattr(config, "output_router_logits", False):
+        return None
+    window = _attention_window(config)
+    if window is not None and (window <= 0 or input_ids.shape[1] > window):
         return None
     hidden_size = _hidden_size(model)
     if hidden_size is None:

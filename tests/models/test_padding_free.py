@@ -213,6 +213,14 @@ def test_not_used_where_it_cannot_equal_or_gain(monkeypatch):
     eager.config._attn_implementation = "sdpa"
     eager.config.output_router_logits = True  # an MoE router loss is a statistic of the whole call
     assert padding_free_layout(eager, ids, mask) is None
+    windowed = _sdpa_model()
+    windowed.config.layer_types = ["sliding_attention"] * len(windowed.config.layer_types)
+    windowed.config.sliding_window = 59  # a 60-token row would lose its window in the flat row's mask
+    assert padding_free_layout(windowed, ids, mask) is None
+    windowed.config.sliding_window = 60
+    assert padding_free_layout(windowed, ids.clone(), mask.clone()) is not None
+    windowed.config.layer_types = ["chunked_attention"] * len(windowed.config.layer_types)
+    assert padding_free_layout(windowed, ids.clone(), mask.clone()) is None
     full = torch.ones_like(mask)
     assert padding_free_layout(model, torch.full_like(ids, 5)[:, :8], full[:, :8]) is None  # nothing to save
     monkeypatch.setattr(padding_free, "MAX_FLAT_TOKENS", 64)  # the dense N x N mask stays bounded
