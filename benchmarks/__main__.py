@@ -86,17 +86,10 @@ def prepare_model(workload, model: str, cache_dir: str | None) -> str:
 
 # -- run ---------------------------------------------------------------------------------------------------------
 def _parse_overrides(items: list[str]) -> dict[str, Any]:
-    """``["key=value", ...]`` → config overrides; values are read as JSON when they parse (numbers, true/false)."""
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, raw = item.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"--set expects key=value, got {item!r}.")
-        try:
-            out[key] = json.loads(raw)
-        except json.JSONDecodeError:
-            out[key] = raw
-    return out
+    try:
+        return common.parse_overrides(items)
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
 
 
 def cmd_run(args: argparse.Namespace) -> dict[str, Any]:
@@ -105,10 +98,12 @@ def cmd_run(args: argparse.Namespace) -> dict[str, Any]:
     steps = args.steps if args.steps is not None else workload.steps
     warmup = args.warmup if args.warmup is not None else workload.warmup
     model_path = prepare_model(workload, model, args.cache_dir)
-    if args.set:
-        if args.impl == "trl":
-            raise SystemExit("--set overrides posttrain's config only; drop it with --impl trl.")
-        workload = dataclasses.replace(workload, args={**workload.args, **_parse_overrides(args.set)})
+    if args.both and args.impl == "trl":
+        return run_trl(workload.name, model, model_path, steps, warmup, args.threads, args.profile, args.both)
+    if args.set or args.both:
+        if args.impl == "trl" and args.set:
+            raise SystemExit("--set overrides posttrain's config only; drop it with --impl trl (--both: both sides).")
+        workload = dataclasses.replace(workload, args={**workload.args, **_parse_overrides(args.set + args.both)})
     if args.impl == "trl":
         return run_trl(workload.name, model, model_path, steps, warmup, args.threads, args.profile)
     common.env_setup(args.threads)
@@ -130,12 +125,21 @@ def cmd_run(args: argparse.Namespace) -> dict[str, Any]:
             lora_config_cls=LoraConfig,
             profile_path=args.profile,
         )
+    if args.both:
+        record["overrides"] = _parse_overrides(args.both)
     common.emit(record)
     return record
 
 
 def run_trl(
-    config: str, model: str, model_path: str, steps: int, warmup: int, threads: int, profile: str | None
+    config: str,
+    model: str,
+    model_path: str,
+    steps: int,
+    warmup: int,
+    threads: int,
+    profile: str | None,
+    both: list[str] | None = None,
 ) -> dict[str, Any]:
     if not TRL_PYTHON.exists():
         raise SystemExit(f"No TRL venv at {TRL_PYTHON.parent.parent}; create it with: bash benchmarks/setup_trl.sh")
@@ -143,6 +147,8 @@ def run_trl(
     cmd += ["--model-name", model, "--steps", str(steps), "--warmup", str(warmup), "--threads", str(threads)]
     if profile:
         cmd += ["--profile", profile]
+    for item in both or []:
+        cmd += ["--set", item]
     record = _child(cmd)
     common.emit(record)
     return record
@@ -158,11 +164,21 @@ def _child(cmd: list[str]) -> dict[str, Any]:
 
 
 # -- compare -----------------------------------------------------------------------------------------------------
-def _posttrain_cmd(config: str, model: str, steps: int, warmup: int, threads: int, cache_dir: str | None) -> list[str]:
+def _posttrain_cmd(
+    config: str,
+    model: str,
+    steps: int,
+    warmup: int,
+    threads: int,
+    cache_dir: str | None,
+    both: list[str] | None = None,
+) -> list[str]:
     cmd = [sys.executable, "-m", "benchmarks", "run", "--config", config, "--model", model]
     cmd += ["--steps", str(steps), "--warmup", str(warmup), "--threads", str(threads)]
     if cache_dir:
         cmd += ["--cache-dir", cache_dir]
+    for item in both or []:
+        cmd += ["--both", item]
     return cmd
 
 
@@ -230,10 +246,14 @@ def cmd_compare(args: argparse.Namespace) -> list[dict[str, Any]]:
     try:
         for round_index in range(args.runs):
             for workload, model, steps, warmup, path in pairs:
-                posttrain_cmd = _posttrain_cmd(workload.name, model, steps, warmup, args.threads, args.cache_dir)
+                posttrain_cmd = _posttrain_cmd(
+                    workload.name, model, steps, warmup, args.threads, args.cache_dir, args.both
+                )
                 trl_cmd = [str(TRL_PYTHON), "-m", "benchmarks.trl_runner", "--config", workload.name]
                 trl_cmd += ["--model-path", path, "--model-name", model, "--steps", str(steps)]
                 trl_cmd += ["--warmup", str(warmup), "--threads", str(args.threads)]
+                for item in args.both:
+                    trl_cmd += ["--set", item]
                 order = [("posttrain", posttrain_cmd), ("trl", trl_cmd)]
                 if round_index % 2 == 1:  # ABBA: alternate who goes first
                     order.reverse()
@@ -252,6 +272,8 @@ def cmd_compare(args: argparse.Namespace) -> list[dict[str, Any]]:
                         out_file.flush()
         for workload, model, *_ in pairs:
             summary = summarize(workload.name, model, records[(workload.name, model)])
+            if args.both:
+                summary["overrides"] = _parse_overrides(args.both)
             summaries.append(summary)
             common.emit(summary)
             if out_file:
@@ -271,7 +293,10 @@ def cmd_table(args: argparse.Namespace) -> None:
             for line in f:
                 record = json.loads(line)
                 if not record.get("summary") and not record.get("error"):
-                    runs.setdefault((record["config"], record["model"]), []).append(record)
+                    config = record["config"]
+                    for key, value in sorted(record.get("overrides", {}).items()):  # --both runs: own rows
+                        config += f" {key}={json.dumps(value)}"
+                    runs.setdefault((config, record["model"]), []).append(record)
     print(
         "| config | model | runs | wall s/step posttrain | TRL | **wall ratio** | paired | CPU s/step posttrain | TRL "
         "| CPU ratio | peak RSS above interpreter posttrain / TRL (MiB) | **ratio** | above loaded model posttrain / "
@@ -396,6 +421,14 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--warmup", type=int, default=None, help="Untimed optimizer steps first.")
         p.add_argument("--threads", type=int, default=1, help="torch threads (1 for stable timings).")
         p.add_argument("--cache-dir", default=None, help=f"Saved models (default {common.DEFAULT_CACHE_DIR}).")
+        p.add_argument(
+            "--both",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="Override a config field (TRL's name) for posttrain AND TRL, e.g. --both gradient_checkpointing=false "
+            "(repeatable; recorded as `overrides`).",
+        )
 
     run = sub.add_parser("run", help="One run, one JSON line.")
     run.add_argument("--trainer", choices=list(DEFAULT_FOR_TRAINER), default=None)

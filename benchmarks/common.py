@@ -335,6 +335,20 @@ def versions(impl: str) -> dict[str, str]:
     return out
 
 
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """``["key=value", ...]`` → config overrides; values are read as JSON when they parse (numbers, true/false)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set/--both expects key=value, got {item!r}.")
+        try:
+            out[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key] = raw
+    return out
+
+
 def emit(record: dict[str, Any]) -> None:
     """Print one JSON line (the benchmark's output contract) and flush."""
     print(json.dumps(record, sort_keys=False), flush=True)

@@ -11,6 +11,7 @@ importable).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import tempfile
 
@@ -48,12 +49,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, required=True)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--profile", default=None, help="Write a torch.profiler table of one step here.")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="Config field override.")
     args = parser.parse_args(argv)
 
     common.env_setup(args.threads)
     from benchmarks.workloads import get_workload
 
     workload = get_workload(args.config)
+    if args.set:
+        workload = dataclasses.replace(workload, args={**workload.args, **common.parse_overrides(args.set)})
     try:
         from peft import LoraConfig
     except ImportError:
@@ -74,6 +78,8 @@ def main(argv: list[str] | None = None) -> None:
         )
     if "posttrain" in sys.modules:
         raise RuntimeError("The TRL runner imported posttrain; the comparison would not be clean.")
+    if args.set:
+        record["overrides"] = common.parse_overrides(args.set)
     common.emit(record)
 
 

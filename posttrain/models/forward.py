@@ -35,6 +35,7 @@ import torch
 
 from posttrain.core.logprobs import chunked_logprobs_from_hidden, entropy_from_logits, selective_log_softmax
 from posttrain.core.tied_embedding import in_place_tied_grad_supported, route_embedding_grad_in_place
+from posttrain.models.padding_free import PaddingFreeLayout, padding_free_layout
 from posttrain.models.unwrap import unwrap_base_model, unwrap_parallel
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,8 @@ class TokenStats:
         correct: bool, the top-1 prediction equals the target at scored positions, or None.
         aux_loss: the MoE load-balancing loss reported by the model (``outputs.aux_loss``), or None.
         chunked: whether the chunked path was used (False: plain full-logits path).
+        padding_free: the flat layout the model ran on (:mod:`posttrain.models.padding_free`), None for a padded
+            call; its ``to_rows`` maps a capture of that call (e.g. the LM head's input) back to ``(B, T)``.
     """
 
     logps: torch.Tensor
@@ -83,6 +86,7 @@ class TokenStats:
     correct: torch.Tensor | None = None
     aux_loss: torch.Tensor | None = None
     chunked: bool = True
+    padding_free: PaddingFreeLayout | None = None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -622,6 +626,42 @@ def _bucketed_token_stats(
     )
 
 
+def _padding_free_token_stats(
+    model: torch.nn.Module,
+    layout: PaddingFreeLayout,
+    *,
+    labels: torch.Tensor | None,
+    labels_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> TokenStats:
+    """:func:`forward_token_stats` of a right-padded batch run as one flat row (:mod:`posttrain.models.padding_free`),
+    its results put back into the ``(B, T)`` layout: padding and each row's first token unscored, as in the padded
+    call."""
+    scored = layout.rows if labels is None else labels != IGNORE_INDEX
+    if labels_mask is not None:
+        scored = scored & labels_mask.bool()
+    scored = scored & layout.rows
+    scored[:, 0] = False  # a row's first token is never scored (no predictor)
+    stats = forward_token_stats(
+        model,
+        layout.input_ids,
+        layout.attention_mask,
+        labels=None if labels is None else layout.flatten(labels),
+        labels_mask=layout.scored(scored),
+        position_ids=layout.position_ids,
+        **kwargs,
+    )
+    return TokenStats(
+        logps=layout.to_rows(stats.logps) * scored,
+        mask=scored,
+        entropy=None if stats.entropy is None else layout.to_rows(stats.entropy) * scored,
+        correct=None if stats.correct is None else layout.to_rows(stats.correct, False) & scored,
+        aux_loss=stats.aux_loss,
+        chunked=stats.chunked,
+        padding_free=layout,
+    )
+
+
 def sequence_scores(
     model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, length_buckets: bool = True
 ) -> torch.Tensor:
@@ -691,16 +731,36 @@ def forward_token_stats(
         chunked: False forces the plain full-logits path (TRL's ``nll`` loss type, and reference checks).
         entropy_requires_grad: return the entropy with its autograd graph (an entropy bonus in the loss); on the
             chunked path its gradient −p (log p + H) is recomputed chunk-wise, so still no ``(B, T, V)`` logits.
-        length_buckets: for right-padded rows of very different lengths, run the model on groups of similar
-            length, each trimmed to its longest row (:func:`plan_length_buckets`), when that is estimated to save
-            work. Rows never interact, so the result is the same; only padding work is skipped. Ignored with
-            ``logits_to_keep``, ``position_ids``, extra model inputs, 4-D masks, MoE router losses and several
-            processes (DDP/FSDP synchronise on every forward call, so all ranks must make the same calls).
+        length_buckets: skip the work on padding of right-padded rows. First choice: the padding-free layout
+            (:func:`posttrain.models.padding_free.padding_free_layout`: the real tokens as one flat row with block
+            attention per row, rows with the same prompt before their first ``labels_mask`` token sharing it;
+            sdpa on CPU, see there for when it applies; ``position_ids`` are carried over). Otherwise groups of
+            similar length, each trimmed to its longest row (:func:`plan_length_buckets`), when that is estimated
+            to save work; ignored with ``position_ids``, 4-D masks, MoE router losses and several processes
+            (DDP/FSDP synchronise on every forward call, so all ranks must make the same calls). Rows never
+            interact, so the result is the same up to float summation order. Both are off with
+            ``logits_to_keep`` and extra model inputs.
         **model_kwargs: passed to the model (e.g. ``pixel_values``).
 
     Returns:
         :class:`TokenStats` with ``(B, T)`` (or ``(B, K)``) float32 ``logps`` that carry gradients.
     """
+    if length_buckets and logits_to_keep is None and not model_kwargs and _accepts(model, "position_ids"):
+        share = labels_mask if labels is None else None  # scored tokens mark the prompt (preference rows)
+        layout = padding_free_layout(model, input_ids, attention_mask, position_ids, share_prompts=share)
+        if layout is not None:
+            return _padding_free_token_stats(
+                model,
+                layout,
+                labels=labels,
+                labels_mask=labels_mask,
+                temperature=temperature,
+                compute_entropy=compute_entropy,
+                compute_accuracy=compute_accuracy,
+                chunk_size=chunk_size,
+                chunked=chunked,
+                entropy_requires_grad=entropy_requires_grad,
+            )
     if length_buckets and logits_to_keep is None and position_ids is None and not model_kwargs:
         groups = length_bucket_groups(model, attention_mask)
         if groups is not None:

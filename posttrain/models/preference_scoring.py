@@ -206,7 +206,10 @@ def score_preference_completions(
     scores = PreferenceScores(
         logps=stats.logps, mask=stats.mask, entropy=stats.entropy, correct=stats.correct, aux_loss=stats.aux_loss
     )
-    hidden = _captured_hidden(captured, model, attention_mask, input_ids.shape[1])
+    if stats.padding_free is not None and len(captured) == 1:  # one flat row: back to the (B, T) rows
+        hidden = stats.padding_free.to_rows(captured[0])
+    else:
+        hidden = _captured_hidden(captured, model, attention_mask, input_ids.shape[1])
     if head is not None and hidden is not None and hidden.dim() == 3 and hidden.shape[1] >= input_ids.shape[1]:
         hidden = hidden[:, -input_ids.shape[1] :]
         sel = stats.mask[:, 1:]  # position t-1 predicts token t

@@ -181,3 +181,33 @@ def test_colour_reward():
     rewards = colour_reward(completions, answer=["red", "green", "red"])
     assert rewards[0] == 1.0 and rewards[1] == 0.5 and rewards[2] == 0.5
     assert colour_reward(["1 2"], answer=["red"]) == [0.0]
+
+
+def test_both_overrides_reach_both_sides_and_get_their_own_table_rows(tmp_path, capsys):
+    """`--both key=value` is parsed as JSON, passed to posttrain's run as --both and to TRL's runner as --set, and
+    `table` keeps runs with overrides apart from runs without."""
+    from benchmarks.__main__ import _posttrain_cmd, cmd_table
+
+    assert common.parse_overrides(["gradient_checkpointing=false", "loss_type=sigmoid"]) == {
+        "gradient_checkpointing": False,
+        "loss_type": "sigmoid",
+    }
+    with pytest.raises(ValueError, match="key=value"):
+        common.parse_overrides(["gradient_checkpointing"])
+    cmd = _posttrain_cmd("sft_unpacked", "small", 2, 1, 1, None, ["gradient_checkpointing=false"])
+    assert cmd[-2:] == ["--both", "gradient_checkpointing=false"]
+    args = build_parser().parse_args(["run", "--config", "dpo", "--both", "gradient_checkpointing=false"])
+    assert args.both == ["gradient_checkpointing=false"]
+    base = {"config": "dpo", "model": "tiny", "median_step_cpu_s": 1.0, "median_step_s": 1.0}
+    lines = [
+        {**base, "impl": "posttrain"},
+        {**base, "impl": "trl", "median_step_cpu_s": 2.0},
+        {**base, "impl": "posttrain", "overrides": {"gradient_checkpointing": False}},
+        {**base, "impl": "trl", "overrides": {"gradient_checkpointing": False}, "median_step_cpu_s": 4.0},
+    ]
+    path = tmp_path / "runs.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    cmd_table(build_parser().parse_args(["table", str(path)]))
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| dpo")]
+    assert [row.split("|")[1].strip() for row in rows] == ["dpo", "dpo gradient_checkpointing=false"]
+    assert "**0.50**" not in rows[0] and "| 0.50 |" in rows[0] and "| 0.25 |" in rows[1]  # CPU ratios 1/2, 1/4

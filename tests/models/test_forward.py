@@ -351,8 +351,12 @@ def test_plan_length_buckets_by_hand():
 
 @pytest.mark.invariance
 @pytest.mark.parametrize("use_labels", [True, False])
-def test_length_buckets_equal_one_padded_call(use_labels):
+def test_length_buckets_equal_one_padded_call(use_labels, monkeypatch):
     """Rows of very different lengths run in length groups: same log-probs, masks, entropies and gradients."""
+    import posttrain.models.forward as forward
+
+    # length groups are the fallback where the padding-free layout does not apply (tests/models/test_padding_free.py)
+    monkeypatch.setattr(forward, "padding_free_layout", lambda *a, **k: None)
     torch.manual_seed(0)
     model = build_tiny_model()
     g = torch.Generator().manual_seed(3)
