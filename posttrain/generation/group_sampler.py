@@ -242,9 +242,7 @@ class GroupSampler:
             self._trimmed_host_memory = True
             release_freed_host_memory()
         rows = [list(p) for p in prompt_ids for _ in range(num_generations)]
-        return Completions(
-            completion_ids, logprobs, finished, rows, log_kept_mass=kept_mass, sampling_mask=support
-        )
+        return Completions(completion_ids, logprobs, finished, rows, log_kept_mass=kept_mass, sampling_mask=support)
 
     def _batches(self, prompt_ids: list[list[int]], g: int, max_new_tokens: int) -> list[tuple[int, int]]:
         """Consecutive ``[start, stop)`` prompt ranges whose KV footprint stays under ``max_batch_tokens``."""

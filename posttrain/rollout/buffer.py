@@ -38,6 +38,8 @@ COMPLETION_KEYS = (
     "ref_per_token_logps",
     "sampling_per_token_logps",
     "sampling_log_kept_mass",
+    "sampling_mask_ids",  # (B, C, K): the sampler's kept ids per token (keep_sampling_mask)
+    "sampling_mask_threshold",
     "tool_mask",
     "importance_sampling_ratio",
 )
@@ -135,7 +137,7 @@ def trim_padding(batch: RolloutBatch) -> RolloutBatch:
         end = max(end, 1)
         for key in COMPLETION_KEYS:
             value = out.get(key)
-            if isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[1] > 1:
+            if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] > 1:
                 out[key] = value[:, :end]
     return out
 
