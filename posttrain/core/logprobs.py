@@ -265,12 +265,12 @@ class _ChunkedHiddenLogProbs(torch.autograd.Function):
                         compute_entropy,
                         vocab_chunk_size,
                         scratch,
-                        None if support is None else support.rows(s, e),
+                        None if support is None else support.rows(s, e, hidden[s:e].float(), w32, b32, temperature),
                     )
                 else:
                     z = _chunk_logits(hidden[s:e], w32, b32, temperature)
                     if support is not None:
-                        support.rows(s, e).apply_(z, 0)
+                        support.rows(s, e, hidden[s:e].float(), w32, b32, temperature).apply_(z, 0)
                     logp, lse, ent = _forward_chunk(z, labels[s:e], valid[s:e], compute_entropy)
                 logps[s:e], lses[s:e] = logp, lse
                 if compute_entropy:
@@ -319,7 +319,9 @@ class _ChunkedHiddenLogProbs(torch.autograd.Function):
                 rows = tuple(
                     None if t is None else t[s:e] for t in (lses, labels, valid, grad_logps, grad_entropies, entropies)
                 )
-                chunk_support = None if support is None else support.rows(s, e)
+                chunk_support = None
+                if support is not None:
+                    chunk_support = support.rows(s, e, hidden[s:e].float(), w32, b32, temperature)
                 if ctx.vocab_chunk_size is not None:
                     tile_args = (w32, b32, temperature, ctx.vocab_chunk_size)
                     gh = _backward_chunk_tiled(
@@ -351,14 +353,22 @@ class _ChunkedHiddenLogProbs(torch.autograd.Function):
         return grad_h, grad_w, grad_b, None, None, None, None, None, None, None, None, None, None
 
 
+# A dropped token's logit becomes the label's logit minus this many nats (not −inf): its probability is at most
+# e^−60 · p_label ≈ 1e−26 · p_label, so a whole vocabulary of them moves the log-sum-exp by less than float32 rounding
+# (V · e^−60 < 1e−20 for V < 10^6), while exp stays on its fast path (on CPU, exp of −inf or of an argument below
+# −87 runs a scalar fallback some 30× slower than the vectorised one; measured in issue 40).
+DROPPED_LOGIT_GAP = 60.0
+
+
 class _Support:
     """The sampling mask of some rows (``posttrain.core.sampling_mask``) and a reused bool buffer: ``apply_(z, v0)``
-    sets the logits of dropped tokens to −inf in place, for ``z`` the columns ``[v0, v0 + b)`` of those rows. A
-    −inf logit then has p = 0 in the log-sum-exp, the entropy and the gradient (already handled by the kernels:
-    its dL/dz is 0), so masking is the only change to the unmasked path."""
+    pushes the logits of dropped tokens far below the row's label logit (``DROPPED_LOGIT_GAP``), in place, for
+    ``z`` the columns ``[v0, v0 + b)`` of those rows. Their probability is then 0 to float32 precision in the
+    log-sum-exp, the entropy and the gradient, and the kernels run unchanged on the masked logits. The label is
+    always kept, so the reference logit is known before any vocabulary block (tiled or not) is seen."""
 
-    def __init__(self, ids: torch.Tensor, threshold: torch.Tensor, labels: torch.Tensor, buf: torch.Tensor):
-        self.ids, self.threshold, self.labels, self.buf = ids, threshold, labels, buf
+    def __init__(self, ids, threshold, labels, buf, anchor=None):
+        self.ids, self.threshold, self.labels, self.buf, self.anchor = ids, threshold, labels, buf, anchor
 
     @classmethod
     def make(cls, ids, threshold, labels, rows: int, vocab_chunk_size: int | None, weight) -> _Support | None:
@@ -368,12 +378,19 @@ class _Support:
         buf = torch.empty(rows * (cols + 1), dtype=torch.bool, device=labels.device)
         return cls(ids, threshold, labels, buf)
 
-    def rows(self, s: int, e: int) -> _Support:
-        return _Support(self.ids[s:e], self.threshold[s:e], self.labels[s:e], self.buf)
+    def rows(self, s: int, e: int, h32: torch.Tensor, w32: torch.Tensor, b32, temperature: float) -> _Support:
+        """The rows ``[s, e)``, with their fill value: label logit − gap, from ``h32`` (the chunk's hidden states)."""
+        labels = self.labels[s:e]
+        safe = labels.clamp(0, w32.shape[0] - 1)  # an ignored row's label (−100) reads row 0: any finite value
+        label_logit = (h32 * w32[safe]).sum(-1)  # (c,)
+        if b32 is not None:
+            label_logit = label_logit + b32[safe]
+        anchor = label_logit / temperature - DROPPED_LOGIT_GAP
+        return _Support(self.ids[s:e], self.threshold[s:e], labels, self.buf, anchor.unsqueeze(-1))
 
     def apply_(self, z: torch.Tensor, v0: int) -> None:
         keep = sampling_mask_keep(z, self.labels, self.ids, self.threshold, v0, out=self.buf)
-        z.masked_fill_(keep.logical_not_(), float("-inf"))
+        torch.where(keep, z, self.anchor, out=z)
 
 
 # Vocabulary tiling: with a large vocabulary a chunk of c tokens × all V logits is big (16 tokens × 151 936 rows
@@ -562,8 +579,9 @@ def chunked_logprobs_from_hidden(
         sampling_mask: ``(ids (..., K), threshold (...))`` with the leading shape of ``labels``: each position's
             kept support under the sampler's top-k / top-p / min-p (:mod:`posttrain.core.sampling_mask`). The
             log-softmax, the entropy and their gradients are then over that support only,
-            log p_y = z_y − logsumexp_{v kept} z_v (masked logits are −inf, one chunk or vocabulary block at a
-            time: still no ``N × V`` logits; a bool ``chunk × block`` buffer is the only extra memory). The label
+            log p_y = z_y − logsumexp_{v kept} z_v (a dropped logit is set 60 nats below the label's, p < 1e−26 · p_y:
+            zero to float32 precision; one chunk or vocabulary block at a time: still no ``N × V`` logits, and a
+            bool ``chunk × block`` buffer is the only extra memory). The label
             is always kept; threshold −inf with no ids is the full softmax. None: the full softmax everywhere.
 
     Returns:

@@ -71,21 +71,20 @@ def describe_kept_support(
         the kept scores from the dropped ones.
     """
     rows, vocab = truncated.shape
-    kept = truncated != float("-inf")  # (R, V)
-    count = kept.sum(-1)  # (R,)
-    k = min(max_ids, vocab)
+    k = min(max_ids + 1, vocab)
     values, top = truncated.topk(k, dim=-1)  # (R, k), decreasing: the kept ids first
-    ids = torch.full((rows, max_ids), -1, dtype=torch.int32, device=truncated.device)
-    ids[:, :k] = torch.where(values != float("-inf"), top, -1).to(torch.int32)
-    small = count <= max_ids  # (R,)
-    min_kept = untruncated.masked_fill(~kept, float("inf")).amin(-1)  # (R,)
-    max_dropped = untruncated.masked_fill(kept, float("-inf")).amax(-1)  # (R,)
-    separable = max_dropped < min_kept
-    threshold = torch.where(separable, (min_kept + max_dropped) / 2, float("-inf"))
-    threshold = torch.where(max_dropped == float("-inf"), float("-inf"), threshold)  # nothing dropped: full softmax
-    threshold = torch.where(small, float("inf"), threshold).float()
-    ids.masked_fill_(~small.unsqueeze(-1), -1)
-    return ids, threshold
+    # |K| ≤ max_ids ⟺ the (max_ids + 1)-th largest score was dropped (or the vocabulary is that small)
+    small = values[:, max_ids] == float("-inf") if k > max_ids else torch.ones_like(values[:, 0], dtype=torch.bool)
+    ids = torch.where((values[:, :max_ids] != float("-inf")) & small.unsqueeze(-1), top[:, :max_ids], -1)
+    if ids.shape[1] < max_ids:
+        ids = torch.nn.functional.pad(ids, (0, max_ids - ids.shape[1]), value=-1)
+    dropped = truncated == float("-inf")  # (R, V)
+    min_kept = truncated.masked_fill(dropped, float("inf")).amin(-1)  # (R,)
+    max_dropped = torch.where(dropped, untruncated, float("-inf")).amax(-1)  # (R,); −inf: nothing dropped
+    threshold = (min_kept + max_dropped).float().mul_(0.5)  # −inf when nothing was dropped: the full softmax
+    threshold.masked_fill_(max_dropped >= min_kept, float("-inf"))  # a tie at the cut: no threshold separates it
+    threshold.masked_fill_(small, float("inf"))
+    return ids.to(torch.int32), threshold
 
 
 def sampling_mask_entries(ids: torch.Tensor, threshold: torch.Tensor) -> list[SamplingMaskEntry]:

@@ -121,3 +121,6 @@ def test_on_policy_ratio_is_one_with_the_sampling_mask_replayed(tiny_model_path,
     assert "sampling_mask/frac_ids" not in full
     # the entropy is over the kept support too: smaller than the full softmax's
     assert masked["entropy"] < full["entropy"]
+    # π_ref over the same support: at the first step (policy = reference) the KL is 0 (a full-softmax π_ref against
+    # the masked π_θ would give k3(log S) > 0 on every truncated token)
+    assert masked["kl"] == pytest.approx(0.0, abs=1e-6)
