@@ -21,6 +21,13 @@ of the per-round ratios too)::
 
     .venv/bin/python benchmarks/bench_grpo.py --sampling-mask-ab --config grpo_beta --models tiny,bigvocab \
         --repeats 3 --steps 4 [--truncation '{"top_p": 0.8}']
+
+``--sampling-mask-micro`` times the two places the mask costs, in one process, off and on alternated ``--repeats``
+times (process CPU time, one thread: a loaded shared machine moves wall time far more than the mask does): the group
+sampler's generation of G=8 × 2 prompts × 32 tokens, and the scoring forward + backward of that batch (the chunked
+LM head; tiled on ``bigvocab``), on the tiny model (320-row vocabulary) and ``bigvocab`` (151 936 rows)::
+
+    .venv/bin/python benchmarks/bench_grpo.py --sampling-mask-micro --models tiny,bigvocab --repeats 15
 """
 
 from __future__ import annotations
@@ -105,6 +112,57 @@ def sampling_mask_ab(opts: argparse.Namespace) -> None:
         print(json.dumps(summary), flush=True)
 
 
+def sampling_mask_micro(opts: argparse.Namespace) -> None:
+    """keep_sampling_mask off vs on inside one process: sampler and scoring CPU time, alternated; JSON lines."""
+    import time
+
+    import torch
+
+    from posttrain.generation import GroupSampler, SamplingConfig
+    from posttrain.models.completion_scoring import completion_token_stats
+    from posttrain.models.tiny import BIG_VOCAB_SIZE, build_tiny_model, build_tiny_tokenizer
+    from posttrain.rollout.pipeline import collate_completions
+
+    torch.set_num_threads(opts.threads)
+    truncation = json.loads(opts.truncation)
+    tokenizer = build_tiny_tokenizer("left")
+    prompts = [tokenizer(f"What is {i} + {3 * i}? Answer:")["input_ids"] for i in range(2)]
+    for model_name in opts.models.split(","):
+        vocab = BIG_VOCAB_SIZE if model_name == "bigvocab" else None
+        model = build_tiny_model("qwen2", tokenizer=tokenizer, vocab_size=vocab)
+        times: dict[str, dict[bool, list[float]]] = {"generate": {False: [], True: []}, "score": {False: [], True: []}}
+        batches = {}
+        for r in range(opts.repeats + 1):  # round 0 warms up
+            for keep in (False, True):
+                sampling = SamplingConfig(32, eos_token_ids=[-1], pad_token_id=tokenizer.pad_token_id,
+                                          return_sampling_mask=keep, **truncation)  # fmt: skip
+                sampler = GroupSampler(model, generator=torch.Generator().manual_seed(r))
+                model.eval()
+                start = time.process_time()
+                out = sampler.generate(prompts, sampling, 8)
+                batch = collate_completions(out, pad_token_id=tokenizer.pad_token_id)
+                generate_s = time.process_time() - start
+                if keep:  # score the same tokens both ways: the off run drops the mask
+                    batches = {True: batch, False: {k: v for k, v in batch.items() if not k.startswith("sampling_mask")}}
+                    model.train()
+                    for variant in (False, True):
+                        model.zero_grad(set_to_none=True)
+                        start = time.process_time()
+                        stats = completion_token_stats(model, batches[variant], compute_entropy=True, share_prompts=True)
+                        stats.logps.sum().backward()
+                        if r:
+                            times["score"][variant].append(time.process_time() - start)
+                if r:
+                    times["generate"][keep].append(generate_s)
+        summary: dict = {"bench": "sampling_mask_micro", "model": model_name, "truncation": truncation,
+                         "repeats": opts.repeats, "threads": opts.threads}  # fmt: skip
+        for part, by_keep in times.items():
+            off, on = statistics.median(by_keep[False]), statistics.median(by_keep[True])
+            summary[f"{part}_cpu_s_off"], summary[f"{part}_cpu_s_on"] = round(off, 5), round(on, 5)
+            summary[f"{part}_ratio_on_over_off"] = round(on / off, 4)
+        print(json.dumps(summary), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="grpo", help="A GRPO/RLOO workload of benchmarks/workloads.py.")
@@ -114,6 +172,7 @@ def main() -> None:
     parser.add_argument("--models", default="tiny,bigvocab")
     parser.add_argument("--backends", default="posttrain,transformers")
     parser.add_argument("--sampling-mask-ab", action="store_true", help="keep_sampling_mask off vs on (see above).")
+    parser.add_argument("--sampling-mask-micro", action="store_true", help="keep_sampling_mask, in-process (above).")
     parser.add_argument("--truncation", default='{"top_p": 0.8}', help="JSON: the truncation knobs of the A/B.")
     parser.add_argument("--repeats", type=int, default=3, help="Rounds of the A/B (each: one off, one on run).")
     parser.add_argument("--single", nargs=2, metavar=("MODEL", "BACKEND"), help=argparse.SUPPRESS)
@@ -125,6 +184,9 @@ def main() -> None:
         return
     if opts.sampling_mask_ab:
         sampling_mask_ab(opts)
+        return
+    if opts.sampling_mask_micro:
+        sampling_mask_micro(opts)
         return
     for model in opts.models.split(","):
         for backend in opts.backends.split(","):
