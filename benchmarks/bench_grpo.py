@@ -133,7 +133,7 @@ def sampling_mask_micro(opts: argparse.Namespace) -> None:
         times: dict[str, dict[bool, list[float]]] = {"generate": {False: [], True: []}, "score": {False: [], True: []}}
         batches = {}
         for r in range(opts.repeats + 1):  # round 0 warms up
-            for keep in (False, True):
+            for keep in (False, True) if r % 2 else (True, False):
                 sampling = SamplingConfig(32, eos_token_ids=[-1], pad_token_id=tokenizer.pad_token_id,
                                           return_sampling_mask=keep, **truncation)  # fmt: skip
                 sampler = GroupSampler(model, generator=torch.Generator().manual_seed(r))
@@ -142,10 +142,10 @@ def sampling_mask_micro(opts: argparse.Namespace) -> None:
                 out = sampler.generate(prompts, sampling, 8)
                 batch = collate_completions(out, pad_token_id=tokenizer.pad_token_id)
                 generate_s = time.process_time() - start
-                if keep:  # score the same tokens both ways: the off run drops the mask
+                if keep:  # score the same tokens both ways (the off run without the mask), in alternating order
                     batches = {True: batch, False: {k: v for k, v in batch.items() if not k.startswith("sampling_mask")}}
                     model.train()
-                    for variant in (False, True):
+                    for variant in (False, True) if r % 2 else (True, False):  # alternate which goes first
                         model.zero_grad(set_to_none=True)
                         start = time.process_time()
                         stats = completion_token_stats(model, batches[variant], compute_entropy=True, share_prompts=True)
