@@ -71,20 +71,23 @@ def describe_kept_support(
         the kept scores from the dropped ones.
     """
     rows, vocab = truncated.shape
-    k = min(max_ids + 1, vocab)
-    values, top = truncated.topk(k, dim=-1)  # (R, k), decreasing: the kept ids first
-    # |K| ≤ max_ids ⟺ the (max_ids + 1)-th largest score was dropped (or the vocabulary is that small)
-    small = values[:, max_ids] == float("-inf") if k > max_ids else torch.ones_like(values[:, 0], dtype=torch.bool)
-    ids = torch.where((values[:, :max_ids] != float("-inf")) & small.unsqueeze(-1), top[:, :max_ids], -1)
-    if ids.shape[1] < max_ids:
-        ids = torch.nn.functional.pad(ids, (0, max_ids - ids.shape[1]), value=-1)
     dropped = truncated == float("-inf")  # (R, V)
-    min_kept = truncated.masked_fill(dropped, float("inf")).amin(-1)  # (R,)
-    max_dropped = torch.where(dropped, untruncated, float("-inf")).amax(-1)  # (R,); −inf: nothing dropped
-    threshold = (min_kept + max_dropped).float().mul_(0.5)  # −inf when nothing was dropped: the full softmax
-    threshold.masked_fill_(max_dropped >= min_kept, float("-inf"))  # a tie at the cut: no threshold separates it
-    threshold.masked_fill_(small, float("inf"))
-    return ids.to(torch.int32), threshold
+    small = dropped.sum(-1) >= vocab - max_ids  # (R,) |K| ≤ max_ids
+    any_small, all_small = torch.stack([small.any(), small.all()]).tolist()  # one host read: skip unneeded passes
+    ids = torch.full((rows, max_ids), -1, dtype=torch.int32, device=truncated.device)
+    if any_small:
+        k = min(max_ids, vocab)
+        values, top = truncated.topk(k, dim=-1)  # (R, k), decreasing: the kept ids first
+        keep = (values != float("-inf")) & small.unsqueeze(-1)
+        ids[:, :k] = torch.where(keep, top, -1).to(torch.int32)
+    threshold = torch.full((rows,), float("inf"), dtype=torch.float32, device=truncated.device)
+    if not all_small:
+        min_kept = truncated.masked_fill(dropped, float("inf")).amin(-1)  # (R,)
+        max_dropped = torch.where(dropped, untruncated, float("-inf")).amax(-1)  # (R,); −inf: nothing dropped
+        threshold = (min_kept + max_dropped).float().mul_(0.5)  # −inf when nothing was dropped: the full softmax
+        threshold.masked_fill_(max_dropped >= min_kept, float("-inf"))  # a tie at the cut: no threshold separates it
+        threshold.masked_fill_(small, float("inf"))
+    return ids, threshold
 
 
 def sampling_mask_entries(ids: torch.Tensor, threshold: torch.Tensor) -> list[SamplingMaskEntry]:
