@@ -46,6 +46,7 @@ __all__ = [
     "describe_kept_support",
     "sampling_mask_entries",
     "sampling_mask_keep",
+    "support_columns",
 ]
 
 SAMPLING_MASK_MAX_IDS = 16  # ids per token before switching to the threshold form (payload: 16 ints per token at most)
@@ -71,7 +72,9 @@ def describe_kept_support(
         the kept scores from the dropped ones.
     """
     rows, vocab = truncated.shape
-    dropped = truncated == float("-inf")  # (R, V)
+    # Float 1.0 / 0.0 masks and arithmetic instead of bool masks with where / masked_fill: on CPU the latter are
+    # ~10× slower per element, and these run over (R, V) at every decode step (V = 151 936 for Qwen).
+    dropped = torch.eq(truncated, float("-inf")).to(truncated.dtype)  # (R, V) 1.0 where truncation dropped
     small = dropped.sum(-1) >= vocab - max_ids  # (R,) |K| ≤ max_ids
     any_small, all_small = torch.stack([small.any(), small.all()]).tolist()  # one host read: skip unneeded passes
     ids = torch.full((rows, max_ids), -1, dtype=torch.int32, device=truncated.device)
@@ -82,8 +85,10 @@ def describe_kept_support(
         ids[:, :k] = torch.where(keep, top, -1).to(torch.int32)
     threshold = torch.full((rows,), float("inf"), dtype=torch.float32, device=truncated.device)
     if not all_small:
-        min_kept = truncated.masked_fill(dropped, float("inf")).amin(-1)  # (R,)
-        max_dropped = torch.where(dropped, untruncated, float("-inf")).amax(-1)  # (R,); −inf: nothing dropped
+        min_kept = truncated.nan_to_num(neginf=float("inf")).amin(-1)  # (R,) dropped scores are −inf there
+        # kept scores pushed 1e30 down, dropped ones exact: the max is the largest dropped score (≤ −1e29: none)
+        max_dropped = torch.add(untruncated, dropped.sub_(1.0), alpha=1e30).amax(-1)  # (R,)
+        max_dropped.masked_fill_(max_dropped < -1e29, float("-inf"))
         threshold = (min_kept + max_dropped).float().mul_(0.5)  # −inf when nothing was dropped: the full softmax
         threshold.masked_fill_(max_dropped >= min_kept, float("-inf"))  # a tie at the cut: no threshold separates it
         threshold.masked_fill_(small, float("inf"))
@@ -154,10 +159,15 @@ def sampling_mask_keep(
     buf = torch.empty(c * (b + 1), dtype=torch.bool, device=z.device) if out is None else out
     keep = buf[: c * (b + 1)].view(c, b + 1)
     torch.ge(z, threshold.unsqueeze(-1).to(z.dtype), out=keep[:, :b])
-    cols = torch.cat([ids.long(), labels.long().unsqueeze(-1)], dim=1) - v0  # (c, K + 1)
-    cols = torch.where((cols >= 0) & (cols < b), cols, b)  # −1 padding and other blocks' ids → the spare column
-    keep.scatter_(1, cols, True)
+    keep.scatter_(1, support_columns(ids, labels, v0, b), True)
     return keep[:, :b]
+
+
+def support_columns(ids: torch.Tensor, labels: torch.Tensor, v0: int, b: int) -> torch.Tensor:
+    """``(c, K + 1)`` block-local columns of each row's kept ids and label for the block ``[v0, v0 + b)``; −1
+    padding and ids outside the block map to column ``b`` (a spare column the caller's buffer has)."""
+    cols = torch.cat([ids.long(), labels.long().unsqueeze(-1)], dim=1) - v0
+    return torch.where((cols >= 0) & (cols < b), cols, b)
 
 
 def apply_sampling_mask(
