@@ -116,8 +116,9 @@ def collate_sampling_mask(
     A row of None (a completion no sampler described) and padding are unknown (full softmax). An id list longer than
     ``max_ids`` raises: the payload is bounded by design.
     """
-    ids = torch.full((len(rows), width, max_ids), -1, dtype=torch.int32)
-    threshold = torch.full((len(rows), width), float("-inf"), dtype=torch.float32)
+    inf = float("inf")
+    ids = [[[-1] * max_ids for _ in range(width)] for _ in rows]  # host lists, one tensor each at the end
+    threshold = [[-inf] * width for _ in rows]
     for b, row in enumerate(rows):
         for t, entry in enumerate((row or [])[:width]):
             if entry is None:
@@ -129,11 +130,14 @@ def collate_sampling_mask(
                         "larger kept set must be sent as its score threshold."
                     )
                 if entry:
-                    ids[b, t, : len(entry)] = torch.tensor(entry, dtype=torch.int32)
-                    threshold[b, t] = float("inf")
+                    ids[b][t][: len(entry)] = entry
+                    threshold[b][t] = inf
             else:
-                threshold[b, t] = float(entry)
-    return ids, threshold
+                threshold[b][t] = float(entry)
+    return (
+        torch.tensor(ids, dtype=torch.int32).reshape(len(rows), width, max_ids),
+        torch.tensor(threshold, dtype=torch.float32).reshape(len(rows), width),
+    )
 
 
 def sampling_mask_keep(
