@@ -74,7 +74,7 @@ def describe_kept_support(
     rows, vocab = truncated.shape
     # Float 1.0 / 0.0 masks and arithmetic instead of bool masks with where / masked_fill: on CPU the latter are
     # ~10× slower per element, and these run over (R, V) at every decode step (V = 151 936 for Qwen).
-    dropped = torch.eq(truncated, float("-inf")).to(truncated.dtype)  # (R, V) 1.0 where truncation dropped
+    dropped = torch.eq(truncated, float("-inf"), out=torch.empty_like(truncated))  # (R, V) 1.0 where dropped
     small = dropped.sum(-1) >= vocab - max_ids  # (R,) |K| ≤ max_ids
     any_small, all_small = torch.stack([small.any(), small.all()]).tolist()  # one host read: skip unneeded passes
     ids = torch.full((rows, max_ids), -1, dtype=torch.int32, device=truncated.device)
