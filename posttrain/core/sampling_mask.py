@@ -57,7 +57,10 @@ SamplingMaskEntry = list[int] | float | None
 
 
 def describe_kept_support(
-    untruncated: torch.Tensor, truncated: torch.Tensor, max_ids: int = SAMPLING_MASK_MAX_IDS
+    untruncated: torch.Tensor,
+    truncated: torch.Tensor,
+    max_ids: int = SAMPLING_MASK_MAX_IDS,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row, the compact description of the set truncation kept (see the module docstring).
 
@@ -65,6 +68,8 @@ def describe_kept_support(
         untruncated: ``(R, V)`` processed scores before top-k / top-p / min-p (after penalty and temperature).
         truncated: ``(R, V)`` the same after truncation (−inf outside the kept set).
         max_ids: largest kept set recorded as ids.
+        out: an ``(R, V)`` float buffer like ``truncated`` to use as scratch (a decode loop reuses one: a fresh
+            vocabulary-sized tensor per step costs page faults).
 
     Returns:
         ``(ids (R, max_ids) int32, −1 padded, threshold (R,) float32)``: ids form (threshold +inf), threshold form
@@ -74,7 +79,8 @@ def describe_kept_support(
     rows, vocab = truncated.shape
     # Float 1.0 / 0.0 masks and arithmetic instead of bool masks with where / masked_fill: on CPU the latter are
     # ~10× slower per element, and these run over (R, V) at every decode step (V = 151 936 for Qwen).
-    dropped = torch.eq(truncated, float("-inf"), out=torch.empty_like(truncated))  # (R, V) 1.0 where dropped
+    scratch = torch.empty_like(truncated) if out is None else out
+    dropped = torch.eq(truncated, float("-inf"), out=scratch)  # (R, V) 1.0 where dropped
     small = dropped.sum(-1) >= vocab - max_ids  # (R,) |K| ≤ max_ids
     any_small, all_small = torch.stack([small.any(), small.all()]).tolist()  # one host read: skip unneeded passes
     ids = torch.full((rows, max_ids), -1, dtype=torch.int32, device=truncated.device)

@@ -380,7 +380,9 @@ class GroupSampler:
                     full_lse = logsumexp_rows(untruncated, scratch.view(1, len(rows), vocab))
                     torch.sub(lse, full_lse, out=step_kept[written : written + len(rows)]).clamp_(max=0.0)
                     if record_support:
-                        ids, threshold = describe_kept_support(untruncated, scores)  # (R, 16), (R,)
+                        ids, threshold = describe_kept_support(  # (R, 16), (R,); the lse scratch is free now
+                            untruncated, scores, out=scratch.view(1, len(rows), vocab)
+                        )
                         step_ids[written : written + len(rows)] = ids
                         step_threshold[written : written + len(rows)] = threshold
                     del untruncated
