@@ -47,6 +47,9 @@ class SamplingConfig:
         generation_kwargs: Extra generation arguments merged last; they override the fields above (keys such as
             ``temperature`` or ``max_new_tokens`` replace the field, others go to the backend as is).
         cache_implementation: transformers ``generate`` cache implementation (``None`` = dynamic).
+        return_sampling_mask: Also return each token's kept support under top-k / top-p / min-p
+            (``Completions.sampling_mask``; the ``keep_sampling_mask`` config field). Backends that cannot describe
+            it (vLLM, ``transformers``) return none, which the trainer treats as the full softmax.
     """
 
     max_new_tokens: int
@@ -61,6 +64,7 @@ class SamplingConfig:
     pad_token_id: int = field(kw_only=True)
     generation_kwargs: dict[str, Any] | None = None
     cache_implementation: str | None = None
+    return_sampling_mask: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.eos_token_ids, int):
@@ -100,6 +104,7 @@ class SamplingConfig:
             pad_token_id=int(pad),
             generation_kwargs=dict(getattr(args, "generation_kwargs", None) or {}) or None,
             cache_implementation=getattr(args, "cache_implementation", None),
+            return_sampling_mask=bool(getattr(args, "keep_sampling_mask", False)),
         )
 
     def resolved(self) -> SamplingConfig:
@@ -165,6 +170,10 @@ class Completions:
             ``[prompt | completion]`` token at each router layer, ``(prompt + completion tokens, L, k)`` integer
             tensors storing ``expert + 1`` (0 = not recorded, e.g. the completion's last token, never fed back);
             see :mod:`posttrain.models.moe_routing`. ``None`` when not recorded.
+        sampling_mask: With ``SamplingConfig.return_sampling_mask``, per generated token the kept support of its
+            step (:mod:`posttrain.core.sampling_mask`): a list of at most 16 kept ids, a float score threshold
+            (keep z ≥ τ, z the logits / temperature), or None (unknown: the full softmax). ``None`` (the whole
+            field) when nothing truncated or the backend cannot describe it.
     """
 
     completion_ids: list[list[int]]
@@ -174,6 +183,7 @@ class Completions:
     extra: dict[str, list] = field(default_factory=dict)
     log_kept_mass: list[list[float]] | None = None
     routing: list[Any] | None = None
+    sampling_mask: list[list[Any]] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)
@@ -184,6 +194,8 @@ class Completions:
             checks["log_kept_mass"] = self.log_kept_mass
         if self.routing is not None:
             checks["routing"] = self.routing
+        if self.sampling_mask is not None:
+            checks["sampling_mask"] = self.sampling_mask
         for name, values in checks.items():
             if len(values) != n:
                 raise ValueError(f"Completions.{name} has {len(values)} rows but completion_ids has {n}.")

@@ -76,6 +76,8 @@ class Choice:
     finish_reason: str
     # posttrain servers under top-k / top-p / min-p: log of the kept mass per token (``Completions.log_kept_mass``)
     log_kept_mass: list[float] | None = None
+    # posttrain servers asked ``return_sampling_mask``: the kept support per token (``Completions.sampling_mask``)
+    sampling_mask: list[Any] | None = None
 
 
 @dataclass
@@ -151,11 +153,13 @@ def parse_completions(data: dict[str, Any], num_prompts: int, n: int) -> Complet
                 "(vLLM >= 0.10.2)."
             )
         kept = None if not lp else lp.get("log_kept_mass")
+        support = None if not lp else lp.get("sampling_mask")
         groups[idx // n][idx % n] = Choice(
             list(ids),
             None if token_lps is None else list(token_lps),
             c["finish_reason"],
             None if kept is None else list(kept),
+            None if support is None else list(support),
         )
     missing = [(p, j) for p, g in enumerate(groups) for j, c in enumerate(g) if c is None]
     if missing:

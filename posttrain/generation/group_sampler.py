@@ -12,7 +12,9 @@ completion is done. ``GroupSampler`` instead
    penalty → temperature → top-k → top-p → min-p) so the sampling distribution is the same, records each sampled
    token's log-prob under that processed distribution (and, when top-k / top-p / min-p truncate, the log of the
    probability mass they kept, ``Completions.log_kept_mass``, so the importance ratio can compare the trainer's
-   full softmax with the sampler's on the same scale),
+   full softmax with the sampler's on the same scale) and, with ``SamplingConfig.return_sampling_mask``, each
+   token's kept support (``Completions.sampling_mask``, :mod:`posttrain.core.sampling_mask`) for the trainer to
+   replay,
 4. runs decode steps through the model's own modules directly once that matched its forward bitwise
    (:mod:`posttrain.generation.lean_decode`), and
 5. drops finished rows from the decode batch (``batch_select_indices`` on the cache, and on the mask, positions and
@@ -33,6 +35,7 @@ from typing import Any
 import torch
 
 from posttrain.core.categorical import TWO_LEVEL_MIN_VOCAB, inverse_cdf, inverse_cdf_two_level
+from posttrain.core.sampling_mask import SAMPLING_MASK_MAX_IDS, describe_kept_support, sampling_mask_entries
 from posttrain.core.scratch import ScratchBuffers
 from posttrain.generation.base import Completions, SamplingConfig
 from posttrain.generation.host_memory import release_freed_host_memory
@@ -212,6 +215,10 @@ class GroupSampler:
         kept_mass: list[list[float]] | None = (
             [[] for _ in range(n_rows)] if logprobs is not None and truncation else None
         )
+        # the kept support per token (keep_sampling_mask): recorded alongside the kept mass, when truncation happens
+        support: list[list[Any]] | None = (
+            [[] for _ in range(n_rows)] if kept_mass is not None and s.return_sampling_mask else None
+        )
         finished = [False] * n_rows
         self.last_top_logprobs = [[] for _ in range(n_rows)] if self.return_logprobs and self.top_logprobs > 0 else None
         for i, ids in enumerate(prompt_ids):
@@ -244,6 +251,7 @@ class GroupSampler:
                     completion_ids, logprobs, finished,
                     vision=None if vision_inputs is None else vision_inputs[start:stop], kept_mass=kept_mass,
                     routing=None if recorder is None else (recorder, routing),
+                    support=support,
                 )  # fmt: skip
         if model_device(model).type == "cpu" and not self._trimmed_host_memory:
             # The first generation's freed decode buffers go back to the OS before training first allocates; later
@@ -252,7 +260,9 @@ class GroupSampler:
             self._trimmed_host_memory = True
             release_freed_host_memory()
         rows = [list(p) for p in prompt_ids for _ in range(num_generations)]
-        return Completions(completion_ids, logprobs, finished, rows, log_kept_mass=kept_mass, routing=routing)
+        return Completions(
+            completion_ids, logprobs, finished, rows, log_kept_mass=kept_mass, routing=routing, sampling_mask=support
+        )
 
     def _batches(self, prompt_ids: list[list[int]], g: int, max_new_tokens: int) -> list[tuple[int, int]]:
         """Consecutive ``[start, stop)`` prompt ranges whose KV footprint stays under ``max_batch_tokens``."""
@@ -282,12 +292,14 @@ class GroupSampler:
         vision: list[dict[str, Any]] | None = None,
         kept_mass: list[list[float]] | None = None,
         routing: tuple[Any, list] | None = None,
+        support: list[list[Any]] | None = None,
     ) -> None:
         """Prefill the unique prompts of ``prompts``, expand G ways, decode; write rows from ``row_offset`` on.
 
         ``vision``: each prompt's vision inputs (prompts with images are never merged: equal ids, other images).
         ``kept_mass``: when given (truncated sampling with log-probs), each token's log kept mass is appended.
-        ``routing``: ``(RoutingRecorder, per-row output list)`` to record the MoE routing of every fed token."""
+        ``routing``: ``(RoutingRecorder, per-row output list)`` to record the MoE routing of every fed token.
+        ``support``: when given (with ``kept_mass``), each token's kept-support entry is appended."""
         from transformers import DynamicCache
 
         from posttrain.generation.kv_cache import preallocate_cache
@@ -367,6 +379,10 @@ class GroupSampler:
         step_kept = torch.empty(
             s.max_new_tokens * len(source) if record_kept else 0, dtype=torch.float32, device=device
         )
+        record_support = record_kept and support is not None
+        support_rows = s.max_new_tokens * len(source) if record_support else 0
+        step_ids = torch.empty((support_rows, SAMPLING_MASK_MAX_IDS), dtype=torch.int32, device=device)
+        step_threshold = torch.empty(support_rows, dtype=torch.float32, device=device)
         step_logprobs: list[tuple[list[int], int]] = []  # (rows, offset of their log-probs in step_lps) per step
         written = 0
         top_k = min(self.top_logprobs, vocab) if self.last_top_logprobs is not None else 0
@@ -392,6 +408,12 @@ class GroupSampler:
                     # log S = logsumexp(kept) − logsumexp(all), ≤ 0 (clamped: the two sums round independently)
                     full_lse = logsumexp_rows(untruncated, scratch.view(1, len(rows), vocab))
                     torch.sub(lse, full_lse, out=step_kept[written : written + len(rows)]).clamp_(max=0.0)
+                    if record_support:
+                        ids, threshold = describe_kept_support(  # (R, 16), (R,); the lse scratch is free now
+                            untruncated, scores, out=scratch.view(1, len(rows), vocab)
+                        )
+                        step_ids[written : written + len(rows)] = ids
+                        step_threshold[written : written + len(rows)] = threshold
                     del untruncated
                 step_logprobs.append((rows, written))
                 written += len(rows)
@@ -443,6 +465,11 @@ class GroupSampler:
                 for step_rows, _ in step_logprobs:
                     for r in step_rows:
                         kept_mass[r].append(next(it))
+            if record_support and support is not None:
+                entries = iter(sampling_mask_entries(step_ids[:written].cpu(), step_threshold[:written].cpu()))
+                for step_rows, _ in step_logprobs:
+                    for r in step_rows:
+                        support[r].append(next(entries))
         if routing_log is not None:
             lengths = [len(completion_ids[row_offset + i]) for i in range(len(source))]
             for i, value in enumerate(routing_log.rows(lengths)):

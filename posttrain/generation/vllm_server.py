@@ -268,24 +268,30 @@ class VLLMServerBackend:
             min_p=(s.min_p or 0.0) if s.do_sample else 0.0,
             repetition_penalty=s.repetition_penalty,
         )
+        if s.return_sampling_mask and self.protocol == "posttrain":
+            extra["return_sampling_mask"] = True  # keep_sampling_mask: posttrain servers describe the kept support
         if self.protocol == "trl":
             ids, lps, kept = self._generate_trl(prompt_ids, fields, seed, extra)
+            supports = [None] * len(ids)
         else:
-            ids, lps, kept = self._generate_openai(prompt_ids, fields, seed, extra, s.eos_token_ids, images)
+            ids, lps, kept, supports = self._generate_openai(prompt_ids, fields, seed, extra, s.eos_token_ids, images)
         eos = set(s.eos_token_ids)
-        out_ids, out_lps, out_kept, finished = [], [], [], []
-        for row_ids, row_lps, row_kept in zip(ids, lps, kept):
+        out_ids, out_lps, out_kept, out_support, finished = [], [], [], [], []
+        for row_ids, row_lps, row_kept, row_support in zip(ids, lps, kept, supports):
             cut, done = truncate_at_eos(row_ids, eos)
             out_ids.append(cut)
             finished.append(done)
             out_lps.append(None if row_lps is None else list(row_lps[: len(cut)]))
             out_kept.append(None if row_kept is None else list(row_kept[: len(cut)]))
+            out_support.append(None if row_support is None else list(row_support[: len(cut)]))
         logprobs = None if any(lp is None for lp in out_lps) else out_lps
         # a posttrain server's kept mass under truncated sampling (vLLM reports none: the ratio stays uncorrected)
         log_kept_mass = None if logprobs is None or any(k is None for k in out_kept) else out_kept
-        return Completions(out_ids, logprobs, finished, rows, log_kept_mass=log_kept_mass)
+        # its kept support, when asked (a row without one, e.g. vLLM's, is the full softmax for the trainer)
+        sampling_mask = out_support if log_kept_mass is not None and any(r is not None for r in out_support) else None
+        return Completions(out_ids, logprobs, finished, rows, log_kept_mass=log_kept_mass, sampling_mask=sampling_mask)
 
-    def _generate_openai(self, prompt_ids, fields, seed, extra, eos_ids, images=None) -> tuple[list, list, list]:
+    def _generate_openai(self, prompt_ids, fields, seed, extra, eos_ids, images=None) -> tuple[list, list, list, list]:
         if self.protocol == "vllm" and fields["top_k"] == 0:
             fields["top_k"] = -1  # "all tokens" in every vLLM version
         if self.regex is not None:
@@ -297,7 +303,12 @@ class VLLMServerBackend:
         if self.protocol == "posttrain":
             self.version = result.version
         choices = [c for group in result.choices for c in group]
-        return [c.token_ids for c in choices], [c.logprobs for c in choices], [c.log_kept_mass for c in choices]
+        return (
+            [c.token_ids for c in choices],
+            [c.logprobs for c in choices],
+            [c.log_kept_mass for c in choices],
+            [c.sampling_mask for c in choices],
+        )
 
     def _generate_trl(self, prompt_ids, fields, seed, extra) -> tuple[list, list, list]:
         payload = {

@@ -70,6 +70,9 @@ def completion_token_stats(
 
     A batch carrying the sampler's MoE routing (``prompt_routing`` / ``completion_routing``: ``keep_routing``) is
     scored with that routing replayed (:func:`posttrain.models.moe_routing.replay_routing`), in either layout.
+
+    A batch carrying the sampler's kept support (``sampling_mask_ids`` ``(B, C, K)`` and ``sampling_mask_threshold``
+    ``(B, C)``, ``keep_sampling_mask``) is scored with the masked log-softmax over it (:mod:`posttrain.core.sampling_mask`).
     """
     vision_kwargs = vision_model_inputs(model, batch)
     if share_prompts and vision_kwargs and not _shares_vision_prompts(vision_kwargs):
@@ -109,8 +112,17 @@ def completion_token_stats(
             compute_entropy=compute_entropy,
             entropy_requires_grad=entropy_requires_grad,
             labels_mask=completion_attention,
+            sampling_mask=batch_sampling_mask(batch),
             **vision_kwargs,
         )
+
+
+def batch_sampling_mask(batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(sampling_mask_ids (B, C, K), sampling_mask_threshold (B, C))`` of a batch, or None when it has none."""
+    ids = batch.get("sampling_mask_ids")
+    if ids is None:
+        return None
+    return ids, batch["sampling_mask_threshold"]
 
 
 def _shares_vision_prompts(vision_kwargs: dict[str, torch.Tensor]) -> bool:
@@ -244,6 +256,7 @@ def shared_prompt_token_stats(
             temperature=temperature,
             compute_entropy=compute_entropy,
             entropy_requires_grad=entropy_requires_grad,
+            sampling_mask=_packed_sampling_mask(layout, batch_sampling_mask(batch)),
             **vision_kwargs,
         )
     shape = tuple(batch["completion_ids"].shape)
@@ -255,6 +268,22 @@ def shared_prompt_token_stats(
         aux_loss=stats.aux_loss,
         chunked=stats.chunked,
     )
+
+
+def _packed_sampling_mask(
+    layout: SharedPromptLayout, sampling_mask: tuple[torch.Tensor, torch.Tensor] | None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The ``(B, C)`` rows' sampling mask moved to the packs' ``(K, L)`` positions of the same tokens (unknown
+    support elsewhere: those positions are not scored)."""
+    if sampling_mask is None:
+        return None
+    ids, threshold = (t.to(layout.labels.device) for t in sampling_mask)
+    packs, length = layout.labels.shape
+    packed_ids = ids.new_full((packs, length, ids.shape[-1]), -1)
+    packed_threshold = threshold.new_full((packs, length), float("-inf"))
+    packed_ids[layout.pack_index, layout.pack_pos] = ids[layout.row_index, layout.col_index]
+    packed_threshold[layout.pack_index, layout.pack_pos] = threshold[layout.row_index, layout.col_index]
+    return packed_ids, packed_threshold
 
 
 def _is_compiled(model: torch.nn.Module) -> bool:

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from posttrain.core.logprobs import chunked_logprobs_from_hidden, entropy_from_logits, selective_log_softmax
+from posttrain.core.sampling_mask import apply_sampling_mask
 from posttrain.core.tied_embedding import in_place_tied_grad_supported, route_embedding_grad_in_place
 from posttrain.models.padding_free import PaddingFreeLayout, padding_free_layout
 from posttrain.models.unwrap import unwrap_base_model, unwrap_parallel
@@ -372,6 +373,7 @@ def _chunked_path(
     compute_accuracy,
     model_kwargs,
     entropy_requires_grad=False,
+    sampling_mask=None,
 ) -> TokenStats | None:
     """Chunked path; returns None when the one-time check finds the model's logits differ from the chunked head."""
     tied = _tied_embedding_for_in_place_grad(model, head)
@@ -402,6 +404,7 @@ def _chunked_path(
         entropy_requires_grad=entropy_requires_grad,
         weight_grad_in_place=tied is not None,
         vocab_chunk_size=vocab_chunk_size,
+        sampling_mask=None if sampling_mask is None else tuple(t[:, 1:][sel] for t in sampling_mask),
     )
     if entropy is not None and not entropy_requires_grad:
         entropy = entropy.detach()
@@ -449,6 +452,7 @@ def _plain_path(
     compute_accuracy,
     model_kwargs,
     entropy_requires_grad=False,
+    sampling_mask=None,
 ) -> TokenStats:
     """Full-logits path: the model's own logits (with every head transform), then log-softmax at scored positions."""
     seq_len = input_ids.shape[1]
@@ -465,13 +469,22 @@ def _plain_path(
         compute_entropy,
         compute_accuracy,
         entropy_requires_grad,
+        sampling_mask,
     )
     stats.aux_loss = getattr(outputs, "aux_loss", None)
     return stats
 
 
 def _stats_from_logits(
-    logits, targets, mask, temperature, chunk_size, compute_entropy, compute_accuracy, entropy_requires_grad=False
+    logits,
+    targets,
+    mask,
+    temperature,
+    chunk_size,
+    compute_entropy,
+    compute_accuracy,
+    entropy_requires_grad=False,
+    sampling_mask=None,
 ) -> TokenStats:
     chunk_size = 1024 if chunk_size is None else chunk_size
     seq_len = targets.shape[1]
@@ -486,11 +499,16 @@ def _stats_from_logits(
     if temperature != 1.0:
         z = z / temperature
     y = targets[:, seq_len - kept + 1 :][sel]
+    if sampling_mask is not None:  # the sampler's kept support: −inf outside it (these logits exist anyway)
+        ids, threshold = (t[:, seq_len - kept + 1 :][sel] for t in sampling_mask)
+        z = apply_sampling_mask(z.float(), y, ids, threshold)
     logp = selective_log_softmax(z, y, chunk_size=chunk_size)
     entropy = correct = None
     if compute_entropy and entropy_requires_grad:  # the entropy enters the loss: H = −Σ_v p log p, with its graph
         log_p = torch.log_softmax(z.float(), dim=-1)
-        entropy = _scatter(-(log_p.exp() * log_p).sum(dim=-1), full_sel)
+        # p log p = 0 outside a sampling mask's support (p = 0, log p = −inf)
+        finite = log_p if sampling_mask is None else log_p.masked_fill(torch.isinf(log_p), 0.0)
+        entropy = _scatter(-(log_p.exp() * finite).sum(dim=-1), full_sel)
     elif compute_entropy:
         with torch.no_grad():
             entropy = _scatter(entropy_from_logits(z.detach(), chunk_size=min(chunk_size, 128)), full_sel)
@@ -701,6 +719,7 @@ def forward_token_stats(
     chunked: bool = True,
     entropy_requires_grad: bool = False,
     length_buckets: bool = False,
+    sampling_mask: tuple[torch.Tensor, torch.Tensor] | None = None,
     **model_kwargs: Any,
 ) -> TokenStats:
     """Run ``model`` once and return per-token log-probs of the next tokens (plus entropy, top-1 hits, aux loss).
@@ -740,12 +759,17 @@ def forward_token_stats(
             (DDP/FSDP synchronise on every forward call, so all ranks must make the same calls). Rows never
             interact, so the result is the same up to float summation order. Both are off with
             ``logits_to_keep`` and extra model inputs.
+        sampling_mask: ``(ids (B, W, K), threshold (B, W))`` aligned with the targets (``W`` = T, or K =
+            ``logits_to_keep``): the sampler's kept support of each target's distribution
+            (:mod:`posttrain.core.sampling_mask`). Log-probs and entropies are then the masked log-softmax over it,
+            on both paths; None (default): the full softmax.
         **model_kwargs: passed to the model (e.g. ``pixel_values``).
 
     Returns:
         :class:`TokenStats` with ``(B, T)`` (or ``(B, K)``) float32 ``logps`` that carry gradients.
     """
-    if length_buckets and logits_to_keep is None and not model_kwargs and _accepts(model, "position_ids"):
+    padding_free = length_buckets and logits_to_keep is None and not model_kwargs and sampling_mask is None
+    if padding_free and _accepts(model, "position_ids"):  # (the kept-support path scores the padded layout)
         share = labels_mask if labels is None else None  # scored tokens mark the prompt (preference rows)
         layout = padding_free_layout(model, input_ids, attention_mask, position_ids, share_prompts=share)
         if layout is not None:
@@ -778,6 +802,7 @@ def forward_token_stats(
                     chunk_size=chunk_size,
                     chunked=chunked,
                     entropy_requires_grad=entropy_requires_grad,
+                    sampling_mask=None if sampling_mask is None else tuple(t[rows, :width] for t in sampling_mask),
                 ),
                 input_ids.shape,
             )
@@ -791,6 +816,8 @@ def forward_token_stats(
         raise ValueError(f"temperature must be > 0, got {temperature}.")
     targets, mask = _targets_and_mask(input_ids, attention_mask, labels, labels_mask, width)
     attention_mask = prepare_attention_mask(model, attention_mask)
+    if sampling_mask is not None:
+        sampling_mask = _align_sampling_mask(sampling_mask, input_ids.shape, width, input_ids.device)
     common = dict(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -803,6 +830,7 @@ def forward_token_stats(
         compute_accuracy=compute_accuracy,
         model_kwargs=model_kwargs,
         entropy_requires_grad=entropy_requires_grad,
+        sampling_mask=sampling_mask,
     )
     stats = None
     if chunked:
@@ -825,6 +853,25 @@ def forward_token_stats(
         stats.entropy = None if stats.entropy is None else stats.entropy[:, keep]
         stats.correct = None if stats.correct is None else stats.correct[:, keep]
     return stats
+
+
+def _align_sampling_mask(
+    sampling_mask: tuple[torch.Tensor, torch.Tensor], shape: torch.Size, width: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids, threshold)`` given for the last ``width`` positions (or all T), left-padded to ``(B, T, ·)`` with the
+    unknown support (ids −1, threshold −inf) and moved to the targets' device."""
+    ids, threshold = (t.to(device) for t in sampling_mask)
+    batch, seq_len = shape
+    if ids.dim() != 3 or ids.shape[:2] not in ((batch, width), (batch, seq_len)) or threshold.shape != ids.shape[:2]:
+        raise ValueError(
+            f"sampling_mask must be (ids (B, W, K), threshold (B, W)) with (B, W) = ({batch}, {width}) or "
+            f"({batch}, {seq_len}), got {tuple(ids.shape)} and {tuple(threshold.shape)}."
+        )
+    if ids.shape[1] != seq_len:
+        pad = seq_len - ids.shape[1]
+        ids = torch.nn.functional.pad(ids, (0, 0, pad, 0), value=-1)
+        threshold = torch.nn.functional.pad(threshold, (pad, 0), value=float("-inf"))
+    return ids, threshold
 
 
 def token_logprobs(

@@ -38,6 +38,8 @@ COMPLETION_KEYS = (
     "ref_per_token_logps",
     "sampling_per_token_logps",
     "sampling_log_kept_mass",
+    "sampling_mask_ids",  # (B, C, K): the sampler's kept ids per token (keep_sampling_mask)
+    "sampling_mask_threshold",
     "tool_mask",
     "importance_sampling_ratio",
     "completion_routing",  # keep_routing: (N, C, L, k)

@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from posttrain.core.importance import rollout_importance_weights
+from posttrain.core.sampling_mask import collate_sampling_mask
 from posttrain.data.response_parsing import parse_response
 from posttrain.data.tokenization import tokenize_prompt
 from posttrain.data.utils import is_conversational
@@ -333,7 +334,42 @@ def collate_completions(
             batch["prompt_ids"].shape[1],
             width,
         )
+    if completions.sampling_mask is not None:
+        # keep_sampling_mask: the trainer scores these tokens over the sampler's support, on the sampler's own
+        # (truncated) scale, so their kept-mass correction no longer applies; unknown-support tokens keep it.
+        ids, threshold = collate_sampling_mask(completions.sampling_mask, width)
+        batch["sampling_mask_ids"], batch["sampling_mask_threshold"] = ids, threshold
+        if "sampling_log_kept_mass" in batch:
+            known = threshold != float("-inf")
+            batch["sampling_log_kept_mass"] = batch["sampling_log_kept_mass"].masked_fill(known, 0.0)
     return batch
+
+
+def sampling_mask_metrics(batch: RolloutBatch, gather: Any) -> dict[str, float]:
+    """``sampling_mask/*``: over the completion tokens of all processes, the share described by kept ids, by a
+    threshold and not at all (full softmax), and the mean number of kept ids where ids describe the support."""
+    valid = batch["completion_mask"].bool()
+    threshold = batch["sampling_mask_threshold"][valid]
+    ids_form = threshold == float("inf")
+    kept_ids = (batch["sampling_mask_ids"][valid] >= 0).sum(-1).float()
+    counts = torch.stack(
+        [
+            ids_form.sum(),
+            torch.isfinite(threshold).sum(),
+            (threshold == float("-inf")).sum(),
+            kept_ids[ids_form].sum() if ids_form.any() else torch.zeros(()),
+        ]
+    ).float()
+    counts = gather(counts.reshape(1, 4)).reshape(-1, 4).sum(0)
+    total = float(counts[:3].sum())
+    if total == 0:
+        return {}
+    return {
+        "sampling_mask/frac_ids": float(counts[0]) / total,
+        "sampling_mask/frac_threshold": float(counts[1]) / total,
+        "sampling_mask/frac_full_softmax": float(counts[2]) / total,
+        "sampling_mask/mean_kept_ids": float(counts[3]) / max(float(counts[0]), 1.0),
+    }
 
 
 class RolloutPipeline:
@@ -475,6 +511,7 @@ class RolloutPipeline:
         (each chunk moved to ``device``): the π_old / π_ref passes of :meth:`run`, for trainers that redo them."""
         size = max(1, int(self.settings.logprob_batch_size))
         keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "completion_lengths")
+        keys += tuple(k for k in ("sampling_mask_ids", "sampling_mask_threshold") if k in batch)  # same support
         outputs = []
         with torch.no_grad():
             for start in range(0, batch["completion_ids"].shape[0], size):
@@ -707,6 +744,9 @@ class RolloutPipeline:
             record(name, value)
         for name, value in result.metrics.items():
             record(name, value)
+        if "sampling_mask_threshold" in batch:
+            for name, value in sampling_mask_metrics(batch, self.gather).items():
+                record(name, value)
         if "tool_call_count" in completions.extra:
             from posttrain.agents.loop import tool_metrics
 

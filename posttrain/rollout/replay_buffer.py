@@ -88,6 +88,10 @@ def slice_group(batch: RolloutBatch, group: int, num_generations: int) -> Rollou
     return out
 
 
+# padding of the sampling mask (keep_sampling_mask): no ids, threshold −inf — the unknown support (full softmax)
+_SAMPLING_MASK_FILL = {"sampling_mask_ids": -1, "sampling_mask_threshold": float("-inf")}
+
+
 def _pad_to(value: torch.Tensor, width: int, fill: float, left: bool) -> torch.Tensor:
     missing = width - value.shape[1]
     if missing <= 0:
@@ -140,7 +144,7 @@ def replace_zero_std_groups(
             continue
         left = key in PROMPT_KEYS
         token_aligned = left or _is_token_aligned(key, value, completion_width)
-        fill = pad_token_id if key in ("prompt_ids", "completion_ids") else 0
+        fill = pad_token_id if key in ("prompt_ids", "completion_ids") else _SAMPLING_MASK_FILL.get(key, 0)
         if token_aligned:
             value = _pad_to(value, width_p if left else width_c, fill, left)
         value = value.clone()

@@ -12,7 +12,10 @@ Endpoints (FastAPI on uvicorn):
   "multi_modal_data": {"image": [data URL, ...]}}`` (``multimodal_prompts``; images decoded here, rebuilt into
   vision inputs by the engine; 400 ``param="multi_modal_data"`` for what cannot be served). Each choice
   (``index = prompt * n + j``) carries ``token_ids``, ``prompt_token_ids``,
-  ``text``, ``logprobs.token_logprobs`` and ``finish_reason`` (``"stop"``/``"length"``).
+  ``text``, ``logprobs.token_logprobs`` and ``finish_reason`` (``"stop"``/``"length"``). posttrain's extensions under
+  top-k / top-p / min-p: ``logprobs.log_kept_mass`` (always) and, with ``"return_sampling_mask": true``,
+  ``logprobs.sampling_mask`` — per token the kept support (a list of at most 16 ids, a float logit threshold, or
+  null = unknown; ``posttrain.core.sampling_mask``), so the payload grows by at most 16 ints per token.
 - ``POST /v1/chat/completions`` — OpenAI's chat API (messages, tools through the chat template, parsed
   ``tool_calls``) with vLLM's ``prompt_token_ids`` / ``token_ids`` and the sampled log-probs: ``serving/chat.py``.
 - ``GET /health`` (and TRL's ``/health/``) — ``{"status": "ok", "server": "posttrain", "version": ...}``;
@@ -121,6 +124,8 @@ class CompletionBody(BaseModel):
     echo: bool = False
     structured_outputs: dict[str, Any] | None = None
     user: str | None = None
+    # posttrain's extension (keep_sampling_mask): with logprobs, each token's kept support under top-k/top-p/min-p
+    return_sampling_mask: bool = False
 
 
 class SequenceLogprobsBody(BaseModel):
@@ -151,6 +156,7 @@ class TRLGenerateBody(BaseModel):
     logprobs: int | None = Field(0, ge=0)
     structured_outputs_regex: str | None = None
     generation_kwargs: dict[str, Any] = Field(default_factory=dict)
+    return_sampling_mask: bool = False  # posttrain's extension, as on /v1/completions
 
 
 # -- errors ---------------------------------------------------------------------------------------------------------
@@ -299,7 +305,7 @@ def _batch_key(request: GenerationRequest) -> tuple | None:
         return None
     return (request.n, request.max_tokens, request.temperature, request.top_p, request.top_k, request.min_p,
             request.repetition_penalty, tuple(request.stop_token_ids), request.ignore_eos, request.logprobs,
-            request.top_logprobs)  # fmt: skip
+            request.top_logprobs, request.return_sampling_mask)  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -681,6 +687,7 @@ def completion_request(engine: Any, body: CompletionBody) -> GenerationRequest:
         logprobs=body.logprobs is not None,
         top_logprobs=body.logprobs or 0,
         seed=body.seed,
+        return_sampling_mask=body.return_sampling_mask,
         structured_outputs_regex=regex,
     )
 
@@ -708,6 +715,7 @@ def trl_request(engine: Any, body: TRLGenerateBody) -> GenerationRequest:
         repetition_penalty=body.repetition_penalty,
         logprobs=body.logprobs is not None,
         seed=seed,
+        return_sampling_mask=body.return_sampling_mask,
         structured_outputs_regex=body.structured_outputs_regex,
         extra=extra,
     )
@@ -816,6 +824,8 @@ def create_app(
                     }
                     if seq.log_kept_mass is not None:  # posttrain's extension: truncated sampling's kept mass
                         logprobs["log_kept_mass"] = seq.log_kept_mass
+                    if seq.sampling_mask is not None:  # posttrain's extension: the kept support per token
+                        logprobs["sampling_mask"] = seq.sampling_mask
                 choices.append(
                     {
                         "index": p * gen.n + j,
@@ -865,6 +875,8 @@ def create_app(
         }
         if seqs and all(s.log_kept_mass is not None for s in seqs):  # posttrain's extension (truncated sampling)
             body["log_kept_mass"] = [s.log_kept_mass for s in seqs]
+        if seqs and all(s.sampling_mask is not None for s in seqs):  # posttrain's extension (keep_sampling_mask)
+            body["sampling_mask"] = [s.sampling_mask for s in seqs]
         return JSONResponse(body)
 
     @app.post("/get_sequence_logprobs/")

@@ -42,7 +42,9 @@ class GenerationRequest:
     ``stop_token_ids`` end a completion in addition to the tokenizer's EOS (unless ``ignore_eos``); the stop token is
     kept as the completion's last token, as vLLM's ``token_ids`` keep it. ``top_logprobs`` (with ``logprobs``) asks
     for each step's most likely tokens too (vLLM's ``logprobs=N``). ``structured_outputs_regex`` and ``extra``
-    (more ``SamplingParams`` fields) are served by the vLLM engine only.
+    (more ``SamplingParams`` fields) are served by the vLLM engine only. ``return_sampling_mask`` (posttrain's
+    extension, ``keep_sampling_mask``) asks the posttrain engine for each token's kept support under top-k / top-p /
+    min-p (at most 16 ids or one float per token); the vLLM engine returns none.
     """
 
     prompts: list[list[int]]
@@ -58,6 +60,7 @@ class GenerationRequest:
     logprobs: bool = True
     top_logprobs: int = 0
     seed: int | None = None
+    return_sampling_mask: bool = False
     structured_outputs_regex: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     # Per prompt, its decoded images (vLLM's ``multi_modal_data["image"]``; ``None`` / ``[]`` = a text prompt); the
@@ -78,6 +81,8 @@ class GeneratedSequence:
     # per token, log of the mass top-k / top-p / min-p kept (None: nothing truncated); processed log-prob + this =
     # the log-prob under the untruncated distribution, for the trainer's importance ratio (TRL 1.17's correction)
     log_kept_mass: list[float] | None = None
+    # per token, the kept support (``Completions.sampling_mask``: ids, a threshold or None), when asked and truncated
+    sampling_mask: list[Any] | None = None
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -277,6 +282,7 @@ class PosttrainEngine:
             # -1 matches no token: with ignore_eos and no stop ids a completion runs to max_tokens.
             eos_token_ids=eos or [-1],
             pad_token_id=self.pad_token_id,
+            return_sampling_mask=request.return_sampling_mask and request.logprobs,
         )
         generator = self.generator
         if request.seed is not None:
@@ -305,6 +311,7 @@ class PosttrainEngine:
                         stop_reason,
                         sampler.last_top_logprobs[r] if sampler.last_top_logprobs is not None else None,
                         out.log_kept_mass[r] if out.log_kept_mass is not None else None,
+                        out.sampling_mask[r] if out.sampling_mask is not None else None,
                     )
                 )
             results.append(group)

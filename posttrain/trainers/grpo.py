@@ -74,7 +74,8 @@ class GRPOConfig(ObjectiveArguments, OnlineRLConfig):
     Shared online-RL fields (generation, batch arithmetic, vLLM, β, logging) are documented on
     ``OnlineRLConfig``; the objectives' own hyper-parameters (``delta``, ``sapo_*``, ``vespo_*``) on
     ``core.policy_objectives.ObjectiveArguments``, beside the objectives that read them. ``generation_backend``
-    ("posttrain" | "transformers") and ``rollout_importance_sampling`` are posttrain additions.
+    ("posttrain" | "transformers"), ``rollout_importance_sampling`` and ``keep_sampling_mask`` (train over the
+    sampler's top-k / top-p / min-p support, ``posttrain.core.sampling_mask``) are posttrain additions.
     """
 
     # older TRL's `max_prompt_length` (a plain cut to the last tokens) is reproduced for this config: posttrain.legacy

@@ -98,6 +98,16 @@ class OnlineRLConfig(BaseConfig):
     top_k: int = field(default=0, metadata={"help": "Top-k filtering; 0 = off."})
     min_p: float | None = field(default=None, metadata={"help": "Min-p filtering in [0, 1]; None = off."})
     repetition_penalty: float = field(default=1.0, metadata={"help": "Repetition penalty; 1.0 = off."})
+    keep_sampling_mask: bool = field(
+        default=False,
+        metadata={
+            "help": "posttrain (issue 40): with top_k / top_p / min_p, the sampler records each token's kept support "
+            "(at most 16 ids, else a logit threshold) and the trainer computes every log-prob (policy, old, "
+            "reference), the entropy and the KL over that support, so the policy trained is the one that sampled "
+            "(on-policy ratio exactly 1). Reported by the 'posttrain' backend and `posttrain serve`; tokens without "
+            "it (vLLM, rollout_func, 'transformers') use the full softmax. False: TRL's full softmax."
+        },
+    )
     generation_kwargs: dict | str | None = field(
         default=None, metadata={"help": "Extra generation arguments, merged last (they override the fields above)."}
     )
@@ -265,6 +275,13 @@ class OnlineRLConfig(BaseConfig):
                 stacklevel=3,
             )
             self.use_transformers_continuous_batching = True
+        if self.keep_sampling_mask and not (self.top_k or self.top_p < 1.0 or self.min_p is not None):
+            warnings.warn(
+                "keep_sampling_mask=True has no effect without top_k, top_p < 1 or min_p: nothing is truncated, so "
+                "the sampling support is the full vocabulary.",
+                UserWarning,
+                stacklevel=3,
+            )
         if self.generation_backend not in GENERATION_BACKENDS:
             raise ValueError(
                 f"Unknown generation_backend {self.generation_backend!r}. Valid values: "

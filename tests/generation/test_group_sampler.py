@@ -285,3 +285,43 @@ def test_no_truncation_records_no_kept_mass(llama, prompts, greedy):
     sampling = SamplingConfig(4, temperature=0.7, eos_token_ids=[EOS], pad_token_id=PAD)
     assert GroupSampler(llama).generate(prompts[:2], sampling, num_generations=2).log_kept_mass is None
     assert GroupSampler(llama).generate(prompts[:2], greedy, num_generations=2).log_kept_mass is None
+
+
+@pytest.mark.parametrize("knobs", [dict(top_p=0.8), dict(top_k=5), dict(min_p=0.1), dict(top_p=0.995)])
+def test_sampling_mask_replays_the_processed_distribution(llama, prompts, knobs):
+    """``return_sampling_mask``: per token its kept support; the masked log-softmax of a plain forward over it equals
+    the sampler's processed log-prob (no kept-mass correction needed), and the sampled token is always kept."""
+    sampling = SamplingConfig(
+        6, temperature=0.9, eos_token_ids=[EOS], pad_token_id=PAD, return_sampling_mask=True, **knobs
+    )
+    out = GroupSampler(llama).generate(prompts[:3], sampling, num_generations=3)
+    assert out.sampling_mask is not None and out.log_kept_mass is not None
+    forms = set()
+    for prompt, ids, lps, entries in zip(out.prompt_ids, out.completion_ids, out.logprobs, out.sampling_mask):
+        assert len(entries) == len(ids)
+        with torch.no_grad():
+            logits = llama(torch.tensor([prompt + ids])).logits[0]
+        z = logits[len(prompt) - 1 : -1].double() / 0.9  # (T, V)
+        for t, (token, lp, entry) in enumerate(zip(ids, lps, entries)):
+            if isinstance(entry, list):
+                forms.add("ids")
+                assert token in entry and len(entry) <= (knobs.get("top_k") or 16)
+                keep = torch.zeros_like(z[t], dtype=torch.bool)
+                keep[entry] = True
+            else:
+                forms.add("threshold" if entry is not None else "unknown")
+                keep = z[t] >= (entry if entry is not None else float("-inf"))
+                assert keep[token]
+            masked = torch.log_softmax(z[t].masked_fill(~keep, float("-inf")), -1)
+            assert abs(lp - masked[token].item()) < 1e-4
+    if "top_k" in knobs:
+        assert forms == {"ids"}
+    if knobs.get("top_p") == 0.995:
+        assert "threshold" in forms  # a near-flat tiny model keeps more than 16 tokens
+
+
+def test_no_sampling_mask_unless_asked_or_truncated(llama, prompts):
+    plain = SamplingConfig(4, temperature=0.7, top_k=5, eos_token_ids=[EOS], pad_token_id=PAD)
+    assert GroupSampler(llama).generate(prompts[:2], plain, num_generations=2).sampling_mask is None
+    untruncated = SamplingConfig(4, temperature=0.7, eos_token_ids=[EOS], pad_token_id=PAD, return_sampling_mask=True)
+    assert GroupSampler(llama).generate(prompts[:2], untruncated, num_generations=2).sampling_mask is None

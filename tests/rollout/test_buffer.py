@@ -47,6 +47,9 @@ def test_split_then_trim_drops_columns_that_are_padding_everywhere():
     assert trimmed["prompt_ids"].tolist() == [[0, 10], [11, 11]]
     assert trimmed["completion_ids"].tolist() == [[20, 0], [21, 21]]
     assert trimmed["completion_mask"].shape == (2, 2) and trimmed["num_items_in_batch"] == 10
+    # keep_sampling_mask's per-token (C, K) ids are trimmed along the completion dimension like the rest
+    first["sampling_mask_ids"] = torch.zeros(2, first["completion_ids"].shape[1], 16, dtype=torch.int32)
+    assert trim_padding(first)["sampling_mask_ids"].shape == (2, 2, 16)
 
 
 def test_buffer_generates_once_per_round_and_replays_micro_batches():

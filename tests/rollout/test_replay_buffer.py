@@ -75,3 +75,35 @@ def test_empty_buffer_or_no_zero_std_group_leaves_the_batch():
         batch, torch.tensor([0.0, 0.0]), ReplayBuffer(4), num_generations=2, pad_token_id=PAD
     )
     assert replaced == 0 and out is batch
+
+
+def test_sampling_mask_is_sliced_and_widened_with_the_unknown_support():
+    """keep_sampling_mask's (B, C, K) ids and (B, C) thresholds follow the completions: trimmed with the group and
+    padded, when a stored group is longer, with −1 ids and a −inf threshold (the full softmax)."""
+    batch = _batch()
+    batch["sampling_mask_ids"] = torch.arange(4 * 3 * 2, dtype=torch.int32).reshape(4, 3, 2)
+    batch["sampling_mask_threshold"] = torch.full((4, 3), 0.5)
+    group = slice_group(batch, 0, 2)
+    assert group["sampling_mask_ids"].shape == (2, 2, 2) and group["sampling_mask_threshold"].shape == (2, 2)
+    buffer = ReplayBuffer(4, seed=0)
+    long_group = {
+        "prompt_ids": torch.tensor([[1, 2, 3, 4]] * 2),
+        "prompt_mask": torch.ones(2, 4, dtype=torch.long),
+        "completion_ids": torch.tensor([[21, 22, 23, 24], [25, 0, 0, 0]]),
+        "completion_mask": torch.tensor([[1, 1, 1, 1], [1, 0, 0, 0]]),
+        "completion_lengths": torch.tensor([4, 1]),
+        "old_per_token_logps": torch.zeros(2, 4),
+        "sampling_mask_ids": torch.full((2, 4, 2), 7, dtype=torch.int32),
+        "sampling_mask_threshold": torch.full((2, 4), 1.5),
+        "advantages": torch.tensor([0.75, -0.75]),
+    }
+    buffer.add([100.0], [long_group])
+    out, replaced = replace_zero_std_groups(batch, torch.tensor([1.0, 0.0]), buffer, num_generations=2, pad_token_id=PAD)
+    assert replaced == 1
+    assert out["sampling_mask_ids"].shape == (4, 4, 2) and out["sampling_mask_threshold"].shape == (4, 4)
+    assert (out["sampling_mask_ids"][:2, 3] == -1).all() and (out["sampling_mask_threshold"][:2, 3] == -INF).all()
+    assert (out["sampling_mask_ids"][2:] == 7).all() and (out["sampling_mask_threshold"][2:] == 1.5).all()
+    assert torch.equal(out["sampling_mask_ids"][:2, :3], batch["sampling_mask_ids"][:2])
+
+
+INF = float("inf")

@@ -260,3 +260,60 @@ def test_no_server_at_startup_fails_after_timeout(tmp_path):
         port = s.getsockname()[1]
     with pytest.raises(ServerUnavailableError, match="did not become ready within 0.5 s"):
         VLLMServerBackend(base_url=f"http://127.0.0.1:{port}", timeout=0.5)
+
+
+@pytest.mark.parametrize("knobs", [dict(top_p=0.8), dict(top_k=5), dict(min_p=0.1, temperature=0.3)])
+def test_sampling_mask_from_the_server_equals_in_process(server_url, engine, knobs):
+    """keep_sampling_mask over the wire: the server's per-token kept support (ids, thresholds) equals the in-process
+    sampler's, on /v1/completions (the backend) and on TRL's /generate/; it is only sent when asked."""
+    backend = VLLMServerBackend(base_url=server_url, seed=11)
+    sampling = SamplingConfig(6, eos_token_ids=[EOS], pad_token_id=PAD, return_sampling_mask=True,
+                              **{"temperature": 0.9, **knobs})  # fmt: skip
+    remote = backend.generate(PROMPTS, sampling, 3)
+    local = _seeded(engine.model, 11, 0).generate(PROMPTS, sampling, 3)
+    assert remote.completion_ids == local.completion_ids and remote.logprobs == local.logprobs
+    assert local.sampling_mask is not None and remote.sampling_mask == local.sampling_mask
+    assert all(len(m) == len(ids) for m, ids in zip(remote.sampling_mask, remote.completion_ids))
+    entries = [e for row in remote.sampling_mask for e in row]
+    assert all(e is None or isinstance(e, float) or (isinstance(e, list) and len(e) <= 16) for e in entries)
+    plain = backend.generate(PROMPTS, SamplingConfig(6, eos_token_ids=[EOS], pad_token_id=PAD, **knobs), 3)
+    assert plain.sampling_mask is None and plain.log_kept_mass is not None
+    payload = {"prompts": PROMPTS, "n": 2, "max_tokens": 6, "temperature": 0.9, **knobs,
+               "generation_kwargs": {"seed": 5}, "return_sampling_mask": True}  # fmt: skip
+    data = backend.client.request("POST", "/generate/", json=payload).json()
+    local = GroupSampler(engine.model, generator=torch.Generator().manual_seed(5)).generate(
+        PROMPTS, SamplingConfig(6, eos_token_ids=list(engine.eos_token_ids), pad_token_id=PAD, return_sampling_mask=True,
+                                **{"temperature": 0.9, **knobs}), 2,
+    )  # fmt: skip
+    assert data["completion_ids"] == local.completion_ids and data["sampling_mask"] == local.sampling_mask
+
+
+@pytest.mark.slow
+def test_grpo_server_mode_with_sampling_mask_equals_in_process(tiny_model_path, tmp_path):
+    """keep_sampling_mask in server mode: the support comes back from ``posttrain serve`` and the run reaches the
+    in-process run's parameters bitwise (same tokens, same supports, same masked log-probs)."""
+    from posttrain.trainers.grpo import GRPOTrainer
+
+    common = dict(steps_per_generation=1, keep_sampling_mask=True, top_p=0.8)
+    local = GRPOTrainer(tiny_model_path, varied_reward, _grpo_args(tmp_path / "a", rollout_importance_sampling=True,
+                                                                   **common),
+                        train_dataset=_dataset())  # fmt: skip
+    local.pipeline.backend = _SeededInProcess(local.backend, seed=7)
+    local.pipeline.settings.defer_importance_sampling = True
+    local.train()
+    engine = PosttrainEngine.from_pretrained(tiny_model_path, device="cpu")
+    with serve_in_thread(engine) as url:
+        remote = GRPOTrainer(tiny_model_path, varied_reward, _grpo_args(tmp_path / "b", use_vllm=True,
+                                                                        vllm_mode="server", vllm_server_base_url=url,
+                                                                        **common),
+                             train_dataset=_dataset())  # fmt: skip
+        remote.train()
+    local_params = dict(local.model.named_parameters())
+    for name, value in remote.model.named_parameters():
+        assert torch.equal(value, local_params[name]), name
+    logs = {k: v for entry in remote.state.log_history for k, v in entry.items()}
+    local_logs = {k: v for entry in local.state.log_history for k, v in entry.items()}
+    assert logs["sampling_mask/frac_full_softmax"] == 0.0
+    for key in ("sampling_mask/frac_ids", "sampling/raw_importance_sampling_ratio/mean"):
+        assert logs[key] == local_logs[key], key
+    assert logs["sampling/raw_importance_sampling_ratio/min"] == pytest.approx(1.0, abs=1e-4)
