@@ -33,7 +33,9 @@ def _best_seconds(fn, repeats: int, clock=time.perf_counter) -> float:
     return best
 
 
-def measure(threads: int, repeats: int = 5, matmul_n: tuple[int, ...] = (512, 1024, 2048)) -> dict[str, Any]:
+def measure(
+    threads: int, repeats: int = 5, matmul_n: tuple[int, ...] = (512, 1024, 2048), stream_mib: int = 512
+) -> dict[str, Any]:
     """Peak fp32 matmul GFLOP/s (best size) and read/copy bandwidth in GB/s with ``threads`` torch threads."""
     import torch
 
@@ -47,7 +49,7 @@ def measure(threads: int, repeats: int = 5, matmul_n: tuple[int, ...] = (512, 10
         seconds = _best_seconds(lambda a=a, b=b, c=c: torch.mm(a, b, out=c), repeats, clock)
         out["matmul_gflops_by_n"][n] = round(2 * n**3 / seconds / 1e9, 1)
     out["matmul_gflops"] = max(out["matmul_gflops_by_n"].values())
-    numel = 512 * 2**20 // 4
+    numel = stream_mib * 2**20 // 4  # far above the last-level cache
     src, dst = torch.ones(numel), torch.empty(numel)
     out["read_gbs"] = round(numel * 4 / _best_seconds(lambda: src.sum(), repeats, clock) / 1e9, 2)
     out["copy_gbs"] = round(2 * numel * 4 / _best_seconds(lambda: dst.copy_(src), repeats, clock) / 1e9, 2)
