@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -57,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("command", nargs="*", help="the command (default: posttrain demo --quick into a temp dir)")
     args = parser.parse_args(argv)
     names = {item.split("=", 1)[0] for v in args.variants if v != "default" for item in v.split(",")}
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill still stops the busy loops (finally below)
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.load)]
     results: dict[str, list[dict[str, Any]]] = {v: [] for v in args.variants}
     try:

@@ -11,12 +11,12 @@ Reads the JSON lines of ``python -m benchmarks compare`` (one record per run) an
 FLOP counts are the linear layers' and the LM head's matmuls only (attention scores and element-wise work are left
 out: a few per cent at hidden 896 and 512-token sequences, much more on the tiny models, whose fractions are thus
 underestimates): ``P`` = per-token matmul parameters, ``6·P`` FLOP per trained token (forward + backward), ``2·P``
-per token of a no-grad forward (DPO's reference pass). Training time is the step's CPU time (the runs use one
+per token of a no-grad forward (DPO's reference pass). GRPO's trained tokens are its completion tokens (completions
+per step × mean length; prompts are shared by a group and encoded once per group by posttrain's layout). Training time is the step's CPU time (the runs use one
 torch thread, so CPU seconds are the seconds that thread ran, whatever else the machine did) minus, for GRPO, the
-generation share. Decode bound: a decode step reads every weight once (``4·P_all`` bytes, embedding table included
-once when tied), so one sequence decodes at most ``read_bandwidth / (4·P_all)`` tokens/s; rows decoded together
-share that read, so the table gives the bound for one row and the achieved rate per row (generated tokens/s
-divided by the completions decoded together).
+generation share. Decode bound: one decode step of the batch's rows (all completions of the step, decoded together)
+takes at least the longer of reading every weight once (``4·P_all`` bytes at the read bandwidth) and its matmuls
+(``2·P`` FLOP per row at the matmul peak); the table gives each row's tokens/s against that floor (1 / floor).
 
     python -m benchmarks compare --configs sft_packed@qwen05b grpo@qwen05b --steps 2 --warmup 1 --runs 1 --out s.jsonl
     python benchmarks/machine_peak.py --threads 1 > peak.jsonl
@@ -98,18 +98,21 @@ def tables(records: list[dict[str, Any]], peak: dict[str, Any] | None) -> str:
         if not cpu or not tokens:
             continue
         trainer = rows[0]["trainer"]
-        flop = 6 * per_token * tokens + (2 * per_token * tokens if trainer == "dpo" else 0)
         share = _median(rows, "generation_share") or 0.0
+        mean_len = _median(rows, "completions/mean_length")
+        if trainer == "grpo" and mean_len:  # the loss's tokens: prompts, shared by a group, are left out
+            tokens = _completions_per_step(config) * mean_len
+        flop = 6 * per_token * tokens + (2 * per_token * tokens if trainer == "dpo" else 0)
         train_s = cpu * (1 - share)
         achieved = flop / train_s / 1e9 if train_s > 0 else None
         decode, bound, of_bound = "–", "–", "–"
-        if trainer == "grpo" and share > 0:
-            mean_len = _median(rows, "completions/mean_length")
-            completions = _completions_per_step(config)
-            if mean_len:
-                per_row = completions * mean_len / (cpu * share) / completions
-                limit = read_gbs * 1e9 / (4 * total)
-                decode, bound, of_bound = f"{per_row:.1f}", f"{limit:.1f}", f"{per_row / limit:.0%}"
+        if trainer == "grpo" and share > 0 and mean_len:
+            rows_together = _completions_per_step(config)
+            per_row = mean_len / (cpu * share)  # each row's tokens/s while all rows decode together
+            # a decode step reads all weights once (bandwidth) and does 2·P FLOP per row (matmul peak)
+            step_floor = max(4 * total / (read_gbs * 1e9), 2 * per_token * rows_together / (gflops * 1e9))
+            limit = 1 / step_floor
+            decode, bound, of_bound = f"{per_row:.1f}", f"{limit:.1f}", f"{per_row / limit:.0%}"
         lines.append(
             f"| {config} | {model} | {impl} | {_fmt(achieved, 2)} | "
             f"{(achieved / gflops if achieved else 0):.1%} | {decode} | {bound} | {of_bound} |"
