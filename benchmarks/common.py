@@ -47,6 +47,18 @@ MODEL_SPECS: dict[str, dict[str, Any]] = {
     # A tiny LLaVA (CLIP vision tower + the tiny Qwen2 text model; posttrain.models.tiny.build_tiny_vlm): 64x64
     # images in 8x8 patches = 64 image tokens per prompt. Its processor needs no torchvision, so TRL's venv loads it.
     "tiny-vlm": {"vlm": {"family": "llava", "image_size": 64, "patch_size": 8}},
+    # Qwen2.5-0.5B's shape (its config.json; rope and norm constants aside, which cost nothing), random weights built
+    # locally: 494M parameters, ~1.9 GiB in fp32, ~7.4 GiB fp32 Adam floor. The same shape as benchmarks.gpu.run.
+    "qwen05b": {
+        "hidden_size": 896,
+        "num_layers": 24,
+        "num_heads": 14,
+        "num_kv_heads": 2,
+        "intermediate_size": 4864,
+        "vocab_size": 151_936,
+        "max_position_embeddings": 32_768,
+        "tie_word_embeddings": True,
+    },
 }
 # Bump when the tiny model definition or the warm-start recipe changes, so cached copies are rebuilt.
 MODEL_CACHE_VERSION = "1"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # verb -> (module:function taking the argv list after the verb and returning an exit code, help line)
@@ -54,8 +55,6 @@ def _run_report(argv: list[str]) -> int:
     from posttrain.cli.run import guarded
 
     def work() -> int:
-        import os
-
         from posttrain.report import write_report
 
         if not os.path.isdir(args.output_dir):
@@ -82,6 +81,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Set for every sub-command unless the user set them. OpenMP's default lets a worker thread spin for a while after
+# each parallel region before it sleeps; torch's CPU kernels open one region per op, so on small models the workers
+# spin nearly all the time: CPU time ~2x wall on an idle 2-core machine, and on a busy one the spinning threads take
+# the cores from the thread with work (benchmarks/RESULTS.md, "Loaded machines"). PASSIVE makes a waiting thread
+# sleep at once. Same threads, same work split, so results are unchanged. Read when torch loads its OpenMP runtime:
+# it has no effect on a process that imported torch before this runs.
+DEFAULT_THREAD_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def _default_thread_env() -> None:
+    for key, value in DEFAULT_THREAD_ENV.items():
+        os.environ.setdefault(key, value)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -90,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command is None:
             parser.print_help()
         return 0
+    _default_thread_env()
     target, _ = COMMANDS[argv[0]]
     module_name, func_name = target.split(":")
     return int(getattr(importlib.import_module(module_name), func_name)(argv[1:]) or 0)

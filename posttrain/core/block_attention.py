@@ -108,15 +108,19 @@ def block_attention(
     ``j``) pairs of pack ``n`` that a block allows. Differentiable in ``query``, ``key`` and ``value``.
     """
     buckets = [blocks] if isinstance(blocks, BlockIndex) else list(blocks)
-    # token-major (N, L, H, D) copies: each gathered position is then one contiguous H x D run
-    query_t, key_t, value_t = (x.transpose(1, 2).contiguous() for x in (query, key, value))
+    length = query.shape[2]  # keys and values are the same packs' positions: (N, Hk, L, D)
+    # token-major (N·L, H, D) copies: each gathered position is then one contiguous H x D run
+    query_t, key_t, value_t = (
+        x.transpose(1, 2).reshape(x.shape[0] * x.shape[2], x.shape[1], x.shape[3]) for x in (query, key, value)
+    )
     values, packs, positions = [], [], []
     for bucket in buckets:
-        q = query_t[bucket.pack, bucket.query_pos].transpose(1, 2)  # (nb, H, Q, D)
-        k = key_t[bucket.pack, bucket.key_pos].transpose(1, 2)  # (nb, Hk, K, D)
-        v = value_t[bucket.pack, bucket.key_pos].transpose(1, 2)
+        q = _gather_positions(query_t, bucket.pack * length + bucket.query_pos).transpose(1, 2)  # (nb, H, Q, D)
+        k = _gather_positions(key_t, bucket.pack * length + bucket.key_pos).transpose(1, 2)  # (nb, Hk, K, D)
+        v = _gather_positions(value_t, bucket.pack * length + bucket.key_pos).transpose(1, 2)
         tiles = F.scaled_dot_product_attention(q, k, v, attn_mask=bucket.allowed, scale=scale, enable_gqa=enable_gqa)
-        values.append(tiles.transpose(1, 2)[bucket.valid_block, bucket.valid_slot])  # (n, H, D)
+        tiles = tiles.transpose(1, 2).reshape(-1, *tiles.shape[1:2], tiles.shape[-1])  # (nb·Q, H, D)
+        values.append(tiles.index_select(0, bucket.valid_block * q.shape[2] + bucket.valid_slot))  # (n, H, D)
         packs.append(bucket.out_pack)
         positions.append(bucket.out_pos)
     if len(buckets) > 1:
@@ -125,6 +129,18 @@ def block_attention(
     out = values[0].new_zeros((batch, length, heads, dim))
     out = out.index_put((packs[0], positions[0]), values[0])
     return out.transpose(1, 2)  # (N, H, L, D), a view of the (N, L, H, D) buffer
+
+
+def _gather_positions(flat: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows ``index`` ``(nb, S)`` of ``flat`` ``(N·L, H, D)`` as ``(nb, S, H, D)``.
+
+    ``index_select``, not ``flat[index]`` (every gather here uses it): a key position is gathered by several blocks
+    (a shared prompt's keys by every completion behind it), and the backward of advanced indexing on CPU adds those
+    rows' gradients with parallel atomic adds, in an order that changes from run to run (more so when other work
+    takes the cores), so a seeded GRPO run would not repeat bit for bit. ``index_select``'s backward
+    (``index_add_``) adds them in index order on CPU, on any thread count.
+    """
+    return flat.index_select(0, index.reshape(-1)).view(*index.shape, *flat.shape[1:])
 
 
 def bucket_blocks(

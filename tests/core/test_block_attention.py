@@ -135,3 +135,52 @@ def test_block_attention_over_several_buckets_equals_one(seed):
         torch.autograd.grad((several * weight).sum(), (q, k, v)), torch.autograd.grad((one * weight).sum(), (q, k, v))
     ):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _graph_ops(tensor: torch.Tensor) -> set[str]:
+    seen, todo, names = set(), [tensor.grad_fn], set()
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        names.add(type(fn).__name__)
+        todo.extend(next_fn for next_fn, _ in fn.next_functions)
+    return names
+
+
+def test_block_attention_gradients_repeat_bit_for_bit():
+    # A shared prompt gathered by many blocks: its keys' and values' gradients add many blocks' contributions. The
+    # backward of advanced indexing (IndexBackward0) adds them on CPU with parallel atomic adds in an order set by
+    # thread timing (a seeded GRPO run drifted in the last bits); index_select's backward adds them in index order.
+    prompt, branches, width, heads, dim = 24, 16, 30, 4, 16
+    length = prompt + branches * width
+    mask = torch.zeros(1, 1, length, length, dtype=torch.bool)
+    blocks = [(0, list(range(prompt)), list(range(prompt)))]
+    for i in range(prompt):
+        mask[0, 0, i, : i + 1] = True
+    for b in range(branches):
+        a = prompt + b * width
+        for i in range(a, a + width):
+            mask[0, 0, i, :prompt] = True
+            mask[0, 0, i, a : i + 1] = True
+        blocks.append((0, list(range(a, a + width)), [*range(prompt), *range(a, a + width)]))
+    index = BlockIndex.from_mask(mask, blocks)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, heads, length, dim, generator=g, requires_grad=True) for _ in range(3))
+    weight = torch.randn(1, heads, length, dim, generator=g)
+    assert "IndexBackward0" not in _graph_ops(block_attention(q, k, v, index))
+
+    def grads() -> tuple[torch.Tensor, ...]:
+        return torch.autograd.grad((block_attention(q, k, v, index) * weight).sum(), (q, k, v))
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        serial = grads()
+        torch.set_num_threads(max(2, threads))
+        for _ in range(3):  # the same bits on more threads (with atomic adds this held only by luck of timing)
+            for a, b in zip(grads(), serial):
+                assert torch.equal(a, b)
+    finally:
+        torch.set_num_threads(threads)

@@ -1,0 +1,60 @@
+"""The sweep's FLOP accounting and tables, and the machine-peak probe (benchmarks/sweep.py, machine_peak.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.machine_peak import measure
+from benchmarks.sweep import matmul_params, tables
+
+
+def test_qwen05b_has_qwen25_05b_parameter_count():
+    per_token, total = matmul_params("qwen05b")
+    assert total == 494_032_768  # Qwen/Qwen2.5-0.5B's published size (tied embedding counted once)
+    # per token: 24 layers x (q, o: 896^2; k, v: 896 x 128; MLP: 3 x 896 x 4864) + the 151,936 x 896 head
+    assert per_token == 24 * (2 * 896 * 896 + 2 * 896 * 128 + 3 * 896 * 4864) + 151_936 * 896
+
+
+def test_tables_fraction_of_peak_and_decode_bound():
+    per_token, total = matmul_params("tiny")
+    sft = {
+        "impl": "posttrain",
+        "config": "sft_packed",
+        "model": "tiny",
+        "trainer": "sft",
+        "median_step_s": 2.0,
+        "median_step_cpu_s": 1.0,
+        "tokens_per_step": 1000,
+        "tokens_per_s": 500.0,
+        "peak_rss_above_interpreter_mib": 30.0,
+        "adam_floor_mib": 10.0,
+    }
+    grpo = {
+        "impl": "trl",
+        "config": "grpo",
+        "model": "tiny",
+        "trainer": "grpo",
+        "median_step_s": 1.0,
+        "median_step_cpu_s": 1.0,
+        "tokens_per_step": 800,
+        "generation_share": 0.5,
+        "completions/mean_length": 32.0,
+    }
+    text = tables([sft, grpo, {"summary": True}], {"matmul_gflops": 100.0, "read_gbs": 10.0})
+    first_table = text.split("Peak (one thread)")[0]
+    # SFT: 6 P T FLOP in 1 s of CPU
+    gflops = 6 * per_token * 1000 / 1e9
+    assert f"| {gflops:.2f} | {gflops / 100:.1%} |" in text
+    assert "| sft_packed | tiny | posttrain | 2.000 | 1.000 | 500 | 30 | 10 | 3.00 | 1 |" in first_table
+    # GRPO: the loss's 16 x 32 completion tokens in the non-generation half second; each row decoded 32 tokens in
+    # 0.5 s (64/s) against a step floor of max(weight bytes / bandwidth, 16 rows' matmuls / peak)
+    train = 6 * per_token * 16 * 32 / 0.5 / 1e9
+    bound = 1 / max(4 * total / 10e9, 2 * per_token * 16 / 100e9)
+    assert f"| {train:.2f} | {train / 100:.1%} | 64.0 | {bound:.1f} | {64 / bound:.0%} |" in text
+
+
+@pytest.mark.parametrize("threads", [1])
+def test_machine_peak_reports_positive_rates(threads):
+    out = measure(threads, repeats=1, matmul_n=(64,), stream_mib=8)
+    assert out["matmul_gflops"] > 0 and out["read_gbs"] > 0 and out["copy_gbs"] > 0
+    assert out["clock"] == "thread_time"
