@@ -183,3 +183,37 @@ def test_image_only_qwen_processor_saves_loads_and_refuses_videos(tmp_path, fami
 def test_unknown_family_names_the_choices():
     with pytest.raises(ValueError, match="family='pixtral' is not a tiny VLM family; choose one of llava, qwen2_vl"):
         build_tiny_vlm(family="pixtral")
+
+
+@pytest.mark.parametrize("family", VLM_FAMILIES)
+def test_each_family_with_an_uneven_last_batch_an_eval_dataset_and_a_stream(tmp_path, family):
+    """Per family: 5 image/text rows at 2 prompts a step — the epoch's last, incomplete generation batch is dropped as
+    TRL's ``RepeatSampler`` drops it (2 steps) — evaluation on an ``eval_dataset`` of 3 rows (an uneven last eval
+    batch at 2 prompts) during and after training, and the same rows as a streaming ``IterableDataset``."""
+    model, processor = build_tiny_vlm(family=family)
+    rows = mixed_rows() + [mixed_rows()[1]]  # 5 rows: 2 full steps of 2 prompts, 1 row left over
+    trainer = GRPOTrainer(
+        model,
+        reward_funcs=RecordingReward(),
+        args=config(GRPOConfig, tmp_path / "map", max_steps=-1, num_train_epochs=1, per_device_train_batch_size=4,
+                    per_device_eval_batch_size=4, eval_strategy="steps", eval_steps=2),  # fmt: skip
+        train_dataset=Dataset.from_list(rows),
+        eval_dataset=Dataset.from_list(mixed_rows()[:3]),
+        processing_class=processor,
+    )
+    trainer.train()
+    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    assert trainer.state.global_step == 2 and len(losses) == 2 and all(map(math.isfinite, losses))
+    assert any("eval_loss" in log for log in trainer.state.log_history)
+    metrics = trainer.evaluate()
+    assert math.isfinite(metrics["eval_loss"]) and math.isfinite(metrics["eval_reward"])
+    streamed = GRPOTrainer(
+        build_tiny_vlm(family=family)[0],
+        reward_funcs=RecordingReward(),
+        args=config(GRPOConfig, tmp_path / "stream", max_steps=2, per_device_train_batch_size=4),
+        train_dataset=Dataset.from_list(rows).to_iterable_dataset(),
+        processing_class=processor,
+    )
+    streamed.train()
+    assert streamed.state.global_step == 2
+    assert all(math.isfinite(log["loss"]) for log in streamed.state.log_history if "loss" in log)
