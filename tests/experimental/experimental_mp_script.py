@@ -175,7 +175,8 @@ def _build(kind: str, paths: dict, out: str, per_device: int):
 
 
 def _single_process_configs(out: str) -> None:
-    """Build each single-process-by-design trainer's config under this launch; write what each one raised."""
+    """Build each async trainer's config under this launch (they once refused several processes); write what each
+    one raised (None: built)."""
     from posttrain.experimental.async_distillation import AsyncDistillationConfig
     from posttrain.experimental.async_grpo import AsyncGRPOConfig
 

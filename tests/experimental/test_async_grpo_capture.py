@@ -65,9 +65,12 @@ def test_async_grpo_trains_on_captured_agent_rows(ascii_model_path, tmp_path, mo
 
     assert [(r["round"], r["staleness"]) for r in trainer.async_rollout.trained_rounds] == [(0, 0), (1, 0)]
     assert [r["step"] for r in rounds] == [0, 1]
-    sampled = sorted(json.loads(line)["sampled"] for line in token_log.read_text().splitlines())
-    assert len(sampled) == 8  # 2 rounds × 4 agent runs
-    assert sorted(t for r in rounds for t in r["model_tokens"]) == sampled  # the mask covers the model's tokens only
+    # the agents' own record of what the server sampled for them; the worker may already have started round 2's
+    # agents (admitted once version 2 was pushed) before training stopped, so it can hold more than the 8 trained
+    sampled = [json.loads(line)["sampled"] for line in token_log.read_text().splitlines()]
+    trained = [t for r in rounds for t in r["model_tokens"]]
+    assert len(trained) == 8 and len(sampled) >= 8  # 2 rounds × 4 agent runs
+    assert all(t in sampled for t in trained)  # each row's loss mask covers exactly one agent's sampled tokens
     for r in rounds:
         assert r["diff"] < 1e-4, r  # captured log-probs = the trainer's forward: IS ratio 1 to float tolerance
         assert r["context_logps_zero"]

@@ -171,9 +171,9 @@ def test_a2po_stage_one_is_sharded_and_shared(runs):
             assert rank["values"][key] == pytest.approx(value, rel=1e-6)
 
 
-def test_async_trainers_refuse_two_processes(runs):
+def test_async_configs_build_under_two_processes(runs):
+    """The async trainers train with several processes now (one rollout worker on rank 0; their 2-process runs are
+    tests/experimental/test_async_multiprocess.py): their configs build under a 2-process launch."""
     _, two = runs
     errors = json.load(open(two / "single_process.json"))
-    assert set(errors) == {"AsyncGRPOConfig", "AsyncDistillationConfig"}
-    for name, message in errors.items():
-        assert message is not None and "single training process" in message, (name, message)
+    assert errors == {"AsyncGRPOConfig": None, "AsyncDistillationConfig": None}
