@@ -31,7 +31,7 @@ SFT_OVERRIDES = {
     "quick": ["--max_steps", "6", "--logging_steps", "2", "--per_device_train_batch_size", "8"],
 }
 GRPO_OVERRIDES = {"full": {}, "quick": {"max_steps": 2, "logging_steps": 1, "per_device_train_batch_size": 16}}
-SFT_ROWS = {"full": 16000, "quick": 48}  # = max_steps x batch size: one pass, no repeated rows
+SFT_ROWS = {"full": 19200, "quick": 48}  # = max_steps x batch size: one pass, no repeated rows
 RL_ROWS = {"full": 2000, "quick": 16}
 EVAL_SIZE = {"full": 200, "quick": 12}
 EVAL_SAMPLES = {"full": 4, "quick": 2}

@@ -16,7 +16,10 @@ three-digit numbers in its head, and it learns that copy within the demo's SFT b
 budget (measured: README, "Run the agent demo").
 
 The SFT traces come from a *lazy teacher* that calls the calculator only ``TOOL_RATE`` (30%) of the time and
-otherwise boxes its estimate (almost always wrong). Imitation learns that habit: the model answers from its head most
+otherwise boxes its estimate (almost always wrong). Half of the SFT rows are *copy drills*: the prompt already holds
+the problem, the call and the tool's answer, and the completion is the boxed copy. They give the copy as much practice
+as the arithmetic demo's traces give theirs without touching the choice of route, which only the other rows (the
+teacher's whole traces) show, 30% of them with the tool. Imitation learns the teacher's habit: the model answers from its head most
 of the time, and greedily always. GRPO rewards verified answers (:func:`verified_answer_reward`, the product checked
 against the rollout's environment), so the sampled rollouts that used the tool win, and tool use — with the held-out
 success it brings — rises.
@@ -32,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 TOOL_RATE = 0.3  # how often the lazy teacher calls the calculator
+COPY_DRILL_RATE = 0.5  # share of SFT rows that start after the tool's answer (the copy into the box, nothing else)
 LOW, HIGH = 100, 1000  # both factors are three-digit numbers
 MIN_PRODUCT = 100_000  # only six-digit products: the copy from the tool's answer into the box has one fixed distance
 PROMPT_TEMPLATES = ["What is {a} * {b}?"]
@@ -196,13 +200,14 @@ def calculator_tools() -> list[dict[str, Any]]:
 
 
 def make_agent_datasets(*, n_sft: int = 4000, n_rl: int = 2000, eval_size: int = 200, tool_rate: float = TOOL_RATE,
-                        seed: int = 0):  # fmt: skip
+                        copy_drill_rate: float = COPY_DRILL_RATE, seed: int = 0):  # fmt: skip
     """Build the three splits of the agent demo.
 
     Returns:
         ``(sft, rl, eval)`` ``datasets.Dataset`` objects. SFT rows are conversational prompt-completion rows with a
-        ``tools`` column (the calculator's schema, rendered as GRPO renders it), the completion a calculator trace
-        ``tool_rate`` of the time and a mental-math trace otherwise. RL and evaluation rows are prompt-only with
+        ``tools`` column (the calculator's schema, rendered as GRPO renders it): ``copy_drill_rate`` of them copy
+        drills (prompt: the problem, the call and the tool's answer; completion: the boxed answer), the others whole
+        traces from the problem on, a calculator trace ``tool_rate`` of the time and a mental-math trace otherwise. RL and evaluation rows are prompt-only with
         ``a`` and ``b`` columns (what :meth:`CalculatorEnv.reset` reads).
     """
     from datasets import Dataset
@@ -213,14 +218,13 @@ def make_agent_datasets(*, n_sft: int = 4000, n_rl: int = 2000, eval_size: int =
     sft_rows = []
     for i in range(n_sft):
         p = train[i % len(train)]
-        use_tool = rng.random() < tool_rate
-        sft_rows.append(
-            {
-                "prompt": [{"role": "user", "content": p.prompt_text(rng.randrange(len(PROMPT_TEMPLATES)))}],
-                "completion": p.tool_trace() if use_tool else p.mental_trace(),
-                "tools": tools,
-            }
-        )
+        user = [{"role": "user", "content": p.prompt_text(rng.randrange(len(PROMPT_TEMPLATES)))}]
+        if rng.random() < copy_drill_rate:
+            trace = p.tool_trace()
+            prompt, completion = user + trace[:2], trace[2:]
+        else:
+            prompt, completion = user, p.tool_trace() if rng.random() < tool_rate else p.mental_trace()
+        sft_rows.append({"prompt": prompt, "completion": completion, "tools": tools})
     rl_rng = random.Random(seed + 2)
 
     def prompt_rows(problems: list[MulProblem], rng: random.Random | None) -> list[dict[str, Any]]:

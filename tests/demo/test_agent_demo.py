@@ -59,10 +59,21 @@ def test_traces_and_estimates():
 
 
 def test_lazy_teacher_calls_the_tool_at_the_set_rate_and_held_out_pairs_are_unseen():
-    sft, rl, ev = make_agent_datasets(n_sft=3000, n_rl=500, eval_size=100, tool_rate=0.3, seed=0)
-    assert len(sft) == 3000 and len(rl) == 500 and len(ev) == 100
-    calls = right_mental = 0
+    sft, rl, ev = make_agent_datasets(n_sft=6000, n_rl=500, eval_size=100, tool_rate=0.3, copy_drill_rate=0.5, seed=0)
+    assert len(sft) == 6000 and len(rl) == 500 and len(ev) == 100
+    calls = right_mental = drills = 0
     for row in sft:
+        if len(row["prompt"]) == 3:  # a copy drill: call and tool answer given, the completion is the boxed copy
+            drills += 1
+            (a, b), (_, call, tool), (answer,) = (
+                _factors(row["prompt"][0]["content"]),
+                row["prompt"],
+                row["completion"],
+            )
+            assert call["tool_calls"][0]["function"] == {"name": "calculate", "arguments": {}}
+            assert tool["content"] == str(a * b) and answer["content"] == f"\\boxed{{{a * b}}}"
+            continue
+        assert len(row["prompt"]) == 1
         a, b = _factors(row["prompt"][0]["content"])
         assert 100 <= a < 1000 and 100 <= b < 1000 and a * b >= 100_000  # six-digit products only
         completion = row["completion"]
@@ -75,8 +86,9 @@ def test_lazy_teacher_calls_the_tool_at_the_set_rate_and_held_out_pairs_are_unse
             assert final_answer(completion) == MulProblem(a, b).estimate
             right_mental += MulProblem(a, b).estimate == a * b
         assert row["tools"][0]["function"]["name"] == "calculate"
-    assert 0.27 < calls / 3000 < 0.33
-    assert right_mental < 0.02 * (3000 - calls)  # mental math is (almost) never right
+    whole = 6000 - drills
+    assert 0.47 < drills / 6000 < 0.53 and 0.27 < calls / whole < 0.33  # the route is chosen in whole traces only
+    assert right_mental < 0.02 * (whole - calls)  # mental math is (almost) never right
     held = {frozenset((r["a"], r["b"])) for r in ev}
     assert len(held) == 100
     assert not held & {frozenset(_factors(r["prompt"][0]["content"])) for r in sft}
