@@ -6,7 +6,7 @@
 2. Stage 1 — SFT with ``recipes/agent_sft.yaml`` through the same code path as ``posttrain sft`` (rows carry the
    tool schema, the loss is on the assistant turns).
 3. Stage 2 — GRPO with ``recipes/agent_grpo.yaml`` and ``environment_factory=CalculatorEnv``: one environment per
-   rollout, its ``multiply`` method the tool, :func:`verified_answer_reward` checking the final answer against the
+   rollout, its argument-free ``calculate`` method the tool, :func:`verified_answer_reward` checking the final answer against the
    rollout's environment. (The CLI's ``posttrain grpo`` takes reward functions by name only, so this stage builds
    ``GRPOTrainer`` in Python: the environment class and the reward function are objects.)
 4. Evaluate after each stage on the held-out problems with the same tool loop (``agent_evaluate``): success and
@@ -31,7 +31,7 @@ SFT_OVERRIDES = {
     "quick": ["--max_steps", "6", "--logging_steps", "2", "--per_device_train_batch_size", "8"],
 }
 GRPO_OVERRIDES = {"full": {}, "quick": {"max_steps": 2, "logging_steps": 1, "per_device_train_batch_size": 16}}
-SFT_ROWS = {"full": 8000, "quick": 48}  # = max_steps x batch size: one pass, no repeated rows
+SFT_ROWS = {"full": 19200, "quick": 48}  # = max_steps x batch size: one pass, no repeated rows
 RL_ROWS = {"full": 2000, "quick": 16}
 EVAL_SIZE = {"full": 200, "quick": 12}
 EVAL_SAMPLES = {"full": 4, "quick": 2}

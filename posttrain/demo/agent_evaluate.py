@@ -14,7 +14,7 @@ from typing import Any
 
 from posttrain.demo.evaluate import mean_and_stderr
 
-MAX_COMPLETION_LENGTH = 128  # tool call (~53 tokens) + tool answer (~28) + boxed answer (~15), with room
+MAX_COMPLETION_LENGTH = 128  # tool call (~48 tokens) + tool answer (~45) + boxed answer (~11), with room
 
 
 @dataclass
@@ -59,7 +59,7 @@ class AgentEvalResult:
 
 
 def transcript(messages: list[dict[str, Any]]) -> str:
-    """A readable one-rollout transcript: tool calls as ``→ multiply(a=.., b=..)``, tool answers as ``← ...``."""
+    """A readable one-rollout transcript: tool calls as ``→ calculate()``, tool answers as ``← ...``."""
     lines = []
     for m in messages:
         if m.get("role") == "tool":

@@ -1,20 +1,28 @@
 """The agent demo's task (``posttrain demo --task agent``): three-digit multiplication with a calculator tool.
 
-The model is asked ``What is 347 * 826?``. It may call the calculator — a tool of :class:`CalculatorEnv`, the
+The model is asked ``What is 347 * 826?``. It may call the calculator — the one tool of :class:`CalculatorEnv`, the
 environment GRPO builds once per rollout through ``environment_factory`` — and then state the answer::
 
-    347 * 826 = <tool_call>{"name": "multiply", "arguments": {"a": 347, "b": 826}}</tool_call>
+    <tool_call>{"name": "calculate", "arguments": {}}</tool_call>
     (tool) 286622
     \\boxed{286622}
 
-or answer at once from "mental math" (``347 * 826 ≈ 350 * 830 = \\boxed{290500}``). A tiny model cannot multiply three-digit numbers in its
-head, but it can copy digits: into the call, and from the tool's answer into the box.
+or answer at once from "mental math" (``\\boxed{290500}``: both factors rounded to tens, then multiplied). The
+calculator takes no arguments: the environment was reset with the rollout's problem, so it knows what to compute. The
+call is therefore one constant string, and the only digits the model has to copy are the tool's answer into the box,
+a few tokens after it, at a fixed distance (every product has six digits). A tiny byte-level model cannot multiply
+three-digit numbers in its head, and it learns that copy within the demo's SFT budget; a calculator called as
+``multiply(a, b)`` would also need the operands copied into the call, which the same model does not learn in that
+budget (measured: README, "Run the agent demo").
 
 The SFT traces come from a *lazy teacher* that calls the calculator only ``TOOL_RATE`` (30%) of the time and
-otherwise writes its estimate (both factors rounded to tens, then multiplied — almost always wrong). Imitation
-learns that habit: the model answers from its head most of the time, and greedily always. GRPO rewards verified
-answers (:func:`verified_answer_reward`, the product checked against the rollout's environment), so the sampled
-rollouts that used the tool win, and tool use — with the held-out success it brings — rises.
+otherwise boxes its estimate (almost always wrong). Half of the SFT rows are *copy drills*: the prompt already holds
+the problem, the call and the tool's answer, and the completion is the boxed copy. They give the copy as much practice
+as the arithmetic demo's traces give theirs without touching the choice of route, which only the other rows (the
+teacher's whole traces) show, 30% of them with the tool. Imitation learns the teacher's habit: the model answers from its head most
+of the time, and greedily always. GRPO rewards verified answers (:func:`verified_answer_reward`, the product checked
+against the rollout's environment), so the sampled rollouts that used the tool win, and tool use — with the held-out
+success it brings — rises.
 
 Held-out problems use unordered operand pairs that never appear in training, in either order.
 """
@@ -27,8 +35,10 @@ from dataclasses import dataclass
 from typing import Any
 
 TOOL_RATE = 0.3  # how often the lazy teacher calls the calculator
+COPY_DRILL_RATE = 0.5  # share of SFT rows that start after the tool's answer (the copy into the box, nothing else)
 LOW, HIGH = 100, 1000  # both factors are three-digit numbers
-PROMPT_TEMPLATES = ["What is {a} * {b}?"]  # one layout: each digit to copy sits at a fixed distance
+MIN_PRODUCT = 100_000  # only six-digit products: the copy from the tool's answer into the box has one fixed distance
+PROMPT_TEMPLATES = ["What is {a} * {b}?"]
 _BOXED = re.compile(r"\\boxed\{(-?\d+)\}")
 _LAST_NUMBER = re.compile(r"(-?\d+)\D*$")
 
@@ -51,21 +61,19 @@ class MulProblem:
         return PROMPT_TEMPLATES[template % len(PROMPT_TEMPLATES)].format(a=self.a, b=self.b)
 
     def tool_trace(self) -> list[dict[str, Any]]:
-        """The completion messages of a calculator trace: the problem restated and the call, the tool's answer, the
-        boxed result. Both kinds of trace start by restating the problem, so the choice between the tool and mental
-        math is one token (``=`` or ``≈``) and the call copies its arguments from just before it."""
-        call = {"type": "function", "function": {"name": "multiply", "arguments": {"a": self.a, "b": self.b}}}
+        """The completion messages of a calculator trace: the call (no arguments: the environment knows the
+        problem), the tool's answer, the boxed result copied from it."""
+        call = {"type": "function", "function": {"name": "calculate", "arguments": {}}}
         return [
-            {"role": "assistant", "content": f"{self.a} * {self.b} = ", "tool_calls": [call]},
-            {"role": "tool", "name": "multiply", "content": str(self.answer)},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "name": "calculate", "content": str(self.answer)},
             {"role": "assistant", "content": f"\\boxed{{{self.answer}}}"},
         ]
 
     def mental_trace(self) -> list[dict[str, Any]]:
-        """The completion messages of a mental-math trace: the problem restated, rounded, and the estimate boxed
-        (``347 * 826 ≈ 350 * 830 = \\boxed{290500}``)."""
-        rounded = f"{_round_ten(self.a)} * {_round_ten(self.b)}"
-        return [{"role": "assistant", "content": f"{self.a} * {self.b} ≈ {rounded} = \\boxed{{{self.estimate}}}"}]
+        """The completion messages of a mental-math trace: the estimate boxed at once (``\\boxed{290500}``). The
+        choice between the two routes is the completion's first token (``<tool_call>`` or ``\\``)."""
+        return [{"role": "assistant", "content": f"\\boxed{{{self.estimate}}}"}]
 
 
 def _round_ten(x: int) -> int:
@@ -73,9 +81,9 @@ def _round_ten(x: int) -> int:
 
 
 class CalculatorEnv:
-    """One rollout's environment: a calculator, and the problem it was reset with (for the verifier).
+    """One rollout's environment: a calculator for the problem it was reset with (also the verifier's truth).
 
-    GRPO builds one per rollout (``environment_factory=CalculatorEnv``); its public method :meth:`multiply` is the
+    GRPO builds one per rollout (``environment_factory=CalculatorEnv``); its public method :meth:`calculate` is the
     tool the chat template shows the model. ``calls`` counts the tool calls of the current rollout.
     """
 
@@ -89,15 +97,10 @@ class CalculatorEnv:
         self.a, self.b, self.calls = int(a), int(b), 0
         return None
 
-    def multiply(self, a: int, b: int) -> int:
-        """Exact product.
-
-        Args:
-            a: int
-            b: int
-        """
+    def calculate(self) -> int:
+        """Exact answer to the problem of this conversation."""
         self.calls += 1
-        return int(a) * int(b)
+        return self.a * self.b
 
 
 def final_answer(completion: Any) -> int | None:
@@ -126,13 +129,14 @@ def verified_answer_reward(completions: list[Any], environments: list[Calculator
     return [float(final_answer(c) == env.a * env.b) for c, env in zip(completions, environments)]
 
 
-def split_problems(eval_size: int, seed: int, pool: int = 6000) -> tuple[list[MulProblem], list[MulProblem]]:
-    """``pool`` random unordered factor pairs, split: ``eval_size`` held out, the rest (both orders) for training."""
+def split_problems(eval_size: int, seed: int, pool: int = 9000) -> tuple[list[MulProblem], list[MulProblem]]:
+    """``pool`` random unordered factor pairs with six-digit products, split: ``eval_size`` held out, the rest (both orders) for training."""
     rng = random.Random(seed)
     pairs: set[tuple[int, int]] = set()
     while len(pairs) < pool:
         a, b = rng.randrange(LOW, HIGH), rng.randrange(LOW, HIGH)
-        pairs.add((min(a, b), max(a, b)))
+        if a * b >= MIN_PRODUCT:
+            pairs.add((min(a, b), max(a, b)))
     ordered = sorted(pairs)
     rng.shuffle(ordered)
     held = [MulProblem(a, b) if rng.random() < 0.5 else MulProblem(b, a) for a, b in ordered[:eval_size]]
@@ -164,7 +168,7 @@ _COMPACT_TOOLS_HEADER = (
 
 
 def agent_chat_template() -> str:
-    """posttrain's tiny ChatML training template with a one-line tool header (``# Tools: multiply(a, b)``).
+    """posttrain's tiny ChatML training template with a one-line tool header (``# Tools: calculate()``).
 
     The full header spells out every tool's JSON schema (~470 byte tokens before each prompt), which would make the
     demo's CPU budget mostly prefix. The compact one names each tool and its parameters; tool calls and tool
@@ -196,13 +200,14 @@ def calculator_tools() -> list[dict[str, Any]]:
 
 
 def make_agent_datasets(*, n_sft: int = 4000, n_rl: int = 2000, eval_size: int = 200, tool_rate: float = TOOL_RATE,
-                        seed: int = 0):  # fmt: skip
+                        copy_drill_rate: float = COPY_DRILL_RATE, seed: int = 0):  # fmt: skip
     """Build the three splits of the agent demo.
 
     Returns:
         ``(sft, rl, eval)`` ``datasets.Dataset`` objects. SFT rows are conversational prompt-completion rows with a
-        ``tools`` column (the calculator's schema, rendered as GRPO renders it), the completion a calculator trace
-        ``tool_rate`` of the time and a mental-math trace otherwise. RL and evaluation rows are prompt-only with
+        ``tools`` column (the calculator's schema, rendered as GRPO renders it): ``copy_drill_rate`` of them copy
+        drills (prompt: the problem, the call and the tool's answer; completion: the boxed answer), the others whole
+        traces from the problem on, a calculator trace ``tool_rate`` of the time and a mental-math trace otherwise. RL and evaluation rows are prompt-only with
         ``a`` and ``b`` columns (what :meth:`CalculatorEnv.reset` reads).
     """
     from datasets import Dataset
@@ -213,14 +218,13 @@ def make_agent_datasets(*, n_sft: int = 4000, n_rl: int = 2000, eval_size: int =
     sft_rows = []
     for i in range(n_sft):
         p = train[i % len(train)]
-        use_tool = rng.random() < tool_rate
-        sft_rows.append(
-            {
-                "prompt": [{"role": "user", "content": p.prompt_text(rng.randrange(len(PROMPT_TEMPLATES)))}],
-                "completion": p.tool_trace() if use_tool else p.mental_trace(),
-                "tools": tools,
-            }
-        )
+        user = [{"role": "user", "content": p.prompt_text(rng.randrange(len(PROMPT_TEMPLATES)))}]
+        if rng.random() < copy_drill_rate:
+            trace = p.tool_trace()
+            prompt, completion = user + trace[:2], trace[2:]
+        else:
+            prompt, completion = user, p.tool_trace() if rng.random() < tool_rate else p.mental_trace()
+        sft_rows.append({"prompt": prompt, "completion": completion, "tools": tools})
     rl_rng = random.Random(seed + 2)
 
     def prompt_rows(problems: list[MulProblem], rng: random.Random | None) -> list[dict[str, Any]]:

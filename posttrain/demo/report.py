@@ -348,10 +348,11 @@ def write_agent_report(output_dir: str, summary: dict, after_sft, after_grpo, *,
         f"{after_sft.num_samples} samples · {timings.get('total_wall_s', 0):.0f} s wall, "
         f"{timings.get('total_cpu_s', 0):.0f} s CPU ({summary.get('torch_threads', '?')} torch threads)</p>",
         "<div class='task'><b>The task.</b> Three-digit multiplication, e.g. <code>What is 347 * 826?</code>, with a "
-        "calculator tool: <code>multiply(a, b)</code>, a method of <code>CalculatorEnv</code>, the environment GRPO "
-        "builds once per rollout (<code>environment_factory</code>). A tiny model cannot multiply in its head but can "
-        'copy digits: <code>&lt;tool_call&gt;{"name": "multiply", "arguments": {"a": 347, "b": 826}}'
-        "&lt;/tool_call&gt;</code> → <code>286622</code> → <code>\\boxed{286622}</code>. The SFT traces come from a "
+        "calculator tool: <code>calculate()</code>, a method of <code>CalculatorEnv</code>, the environment GRPO "
+        "builds once per rollout (<code>environment_factory</code>) and resets with the rollout's problem, so the call "
+        "takes no arguments. A tiny model cannot multiply in its head but can copy the tool's answer: "
+        '<code>&lt;tool_call&gt;{"name": "calculate", "arguments": {}}&lt;/tool_call&gt;</code> → '
+        "<code>286622</code> → <code>\\boxed{286622}</code>. The SFT traces come from a "
         f"<i>lazy teacher</i> that calls the calculator only {TOOL_RATE:.0%} of the time and otherwise boxes its "
         "estimate (both factors rounded to tens). GRPO samples 8 rollouts per training problem and rewards verified "
         "answers (the product checked against the rollout's environment); the rollouts that used the tool win. "

@@ -30,53 +30,65 @@ def _factors(text):
 
 
 def test_calculator_env_is_one_tool_and_counts_calls():
-    assert environment_tool_names(CalculatorEnv) == ["multiply"]
+    assert environment_tool_names(CalculatorEnv) == ["calculate"]
     env = CalculatorEnv()
     assert env.reset(a=347, b=826, prompt=[{"role": "user", "content": "x"}]) is None
     assert (env.a, env.b, env.calls) == (347, 826, 0)
-    assert env.multiply(347, 826) == 286622 and env.multiply(a=2, b=3) == 6 and env.calls == 2
+    assert env.calculate() == 286622 and env.calculate() == 286622 and env.calls == 2
     env.reset(a=100, b=101)
-    assert env.calls == 0  # a new rollout starts with no calls
+    assert env.calls == 0 and env.calculate() == 10100  # a new rollout: its own problem, no calls yet
     # the pool builds one per rollout and GRPO renders its schema from the docstring and hints
     batch = EnvironmentPool(CalculatorEnv).prepare([{"a": 1, "b": 2, "prompt": []}, {"a": 3, "b": 4, "prompt": []}])
     assert [(e.a, e.b) for e in batch.environments] == [(1, 2), (3, 4)]
     assert batch.environments[0] is not batch.environments[1]
     (schema,) = calculator_tools()
-    assert schema["function"]["name"] == "multiply"
-    assert schema["function"]["parameters"]["properties"]["a"]["type"] == "integer"
+    assert schema["function"]["name"] == "calculate"
+    assert schema["function"]["parameters"]["properties"] == {}  # no arguments: the call is a constant string
 
 
 def test_traces_and_estimates():
     p = MulProblem(347, 826)
     assert p.answer == 286622 and p.estimate == 350 * 830
     call, tool, answer = p.tool_trace()
-    assert call["tool_calls"][0]["function"] == {"name": "multiply", "arguments": {"a": 347, "b": 826}}
-    assert call["content"] == "347 * 826 = "  # both routes restate the problem: the choice is "=" or "≈"
-    assert tool == {"role": "tool", "name": "multiply", "content": "286622"}
+    assert call["tool_calls"][0]["function"] == {"name": "calculate", "arguments": {}}
+    assert call["content"] == ""  # the route is chosen by the first token: <tool_call> or \boxed
+    assert tool == {"role": "tool", "name": "calculate", "content": "286622"}
     assert answer["content"] == "\\boxed{286622}"
-    assert p.mental_trace() == [{"role": "assistant", "content": "347 * 826 ≈ 350 * 830 = \\boxed{290500}"}]
+    assert p.mental_trace() == [{"role": "assistant", "content": "\\boxed{290500}"}]
     assert MulProblem(125, 996).estimate == 130 * 1000  # rounds half up
 
 
 def test_lazy_teacher_calls_the_tool_at_the_set_rate_and_held_out_pairs_are_unseen():
-    sft, rl, ev = make_agent_datasets(n_sft=3000, n_rl=500, eval_size=100, tool_rate=0.3, seed=0)
-    assert len(sft) == 3000 and len(rl) == 500 and len(ev) == 100
-    calls = right_mental = 0
+    sft, rl, ev = make_agent_datasets(n_sft=6000, n_rl=500, eval_size=100, tool_rate=0.3, copy_drill_rate=0.5, seed=0)
+    assert len(sft) == 6000 and len(rl) == 500 and len(ev) == 100
+    calls = right_mental = drills = 0
     for row in sft:
+        if len(row["prompt"]) == 3:  # a copy drill: call and tool answer given, the completion is the boxed copy
+            drills += 1
+            (a, b), (_, call, tool), (answer,) = (
+                _factors(row["prompt"][0]["content"]),
+                row["prompt"],
+                row["completion"],
+            )
+            assert call["tool_calls"][0]["function"] == {"name": "calculate", "arguments": {}}
+            assert tool["content"] == str(a * b) and answer["content"] == f"\\boxed{{{a * b}}}"
+            continue
+        assert len(row["prompt"]) == 1
         a, b = _factors(row["prompt"][0]["content"])
-        assert 100 <= a < 1000 and 100 <= b < 1000
+        assert 100 <= a < 1000 and 100 <= b < 1000 and a * b >= 100_000  # six-digit products only
         completion = row["completion"]
         assert final_answer(completion) is not None  # every trace ends in a boxed answer
         if len(completion) == 3:
             calls += 1
-            assert completion[0]["tool_calls"][0]["function"]["arguments"] == {"a": a, "b": b}
-            assert final_answer(completion) == a * b
+            assert completion[0]["tool_calls"][0]["function"]["arguments"] == {}
+            assert completion[1]["content"] == str(a * b) and final_answer(completion) == a * b
         else:
             assert final_answer(completion) == MulProblem(a, b).estimate
             right_mental += MulProblem(a, b).estimate == a * b
-        assert row["tools"][0]["function"]["name"] == "multiply"
-    assert 0.27 < calls / 3000 < 0.33
-    assert right_mental < 0.02 * (3000 - calls)  # mental math is (almost) never right
+        assert row["tools"][0]["function"]["name"] == "calculate"
+    whole = 6000 - drills
+    assert 0.47 < drills / 6000 < 0.53 and 0.27 < calls / whole < 0.33  # the route is chosen in whole traces only
+    assert right_mental < 0.02 * (whole - calls)  # mental math is (almost) never right
     held = {frozenset((r["a"], r["b"])) for r in ev}
     assert len(held) == 100
     assert not held & {frozenset(_factors(r["prompt"][0]["content"])) for r in sft}
@@ -113,19 +125,17 @@ def test_compact_template_keeps_the_tool_format_and_the_tool_loop_checks():
     p = MulProblem(347, 826)
     prompt = [{"role": "user", "content": p.prompt_text()}]
     text = tok.apply_chat_template(prompt + p.tool_trace(), tools=calculator_tools(), tokenize=False)
-    assert text.startswith("<|im_start|>system\n# Tools: multiply(a, b)<|im_end|>\n")
+    assert text.startswith("<|im_start|>system\n# Tools: calculate()<|im_end|>\n")
     turn = text.split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0]
     _, (call,) = TOOL_CALL_PARSERS.get("hermes")(turn)
-    assert (call.name, call.arguments) == ("multiply", {"a": 347, "b": 826})
-    assert "<tool_response>286622</tool_response>" in text
-    assert len(tok(text, add_special_tokens=False)["input_ids"]) < 200  # the full schema header is ~650
+    assert (call.name, call.arguments) == ("calculate", {})
+    # the only copy: the tool's answer into the box, a fixed number of tokens later
+    assert "<tool_response>286622</tool_response><|im_end|>\n<|im_start|>assistant\n\\boxed{286622}" in text
+    assert len(tok(text, add_special_tokens=False)["input_ids"]) < 160  # the full schema header is ~470 more
 
 
 def test_transcript_and_pooled_rates():
-    assert (
-        transcript(MulProblem(347, 826).tool_trace())
-        == "347 * 826 = \n→ multiply(a=347, b=826)\n← 286622\n\\boxed{286622}"
-    )
+    assert transcript(MulProblem(347, 826).tool_trace()) == "→ calculate()\n← 286622\n\\boxed{286622}"
     result = AgentEvalResult(
         num_samples=2,
         greedy_success=[1.0, 0.0],
