@@ -50,6 +50,9 @@ class SamplingConfig:
         return_sampling_mask: Also return each token's kept support under top-k / top-p / min-p
             (``Completions.sampling_mask``; the ``keep_sampling_mask`` config field). Backends that cannot describe
             it (vLLM, ``transformers``) return none, which the trainer treats as the full softmax.
+        return_routing: Ask a ``posttrain serve`` server to record a mixture-of-experts model's routing
+            (``Completions.routing``; the ``keep_routing`` config field in server mode). The in-process group
+            sampler records it when built with ``record_routing=True``; other backends cannot and refuse it.
     """
 
     max_new_tokens: int
@@ -65,6 +68,7 @@ class SamplingConfig:
     generation_kwargs: dict[str, Any] | None = None
     cache_implementation: str | None = None
     return_sampling_mask: bool = False
+    return_routing: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.eos_token_ids, int):
@@ -105,6 +109,7 @@ class SamplingConfig:
             generation_kwargs=dict(getattr(args, "generation_kwargs", None) or {}) or None,
             cache_implementation=getattr(args, "cache_implementation", None),
             return_sampling_mask=bool(getattr(args, "keep_sampling_mask", False)),
+            return_routing=bool(getattr(args, "keep_routing", False)),
         )
 
     def resolved(self) -> SamplingConfig:
@@ -166,7 +171,7 @@ class Completions:
             kept at that step (0.0 where nothing was truncated), so that ``logprobs + log_kept_mass`` is the token's
             log-prob under the untruncated distribution the trainer computes. ``None`` when the backend did not
             truncate or cannot report it (vLLM, ``rollout_func``): the importance ratio then uses ``logprobs`` as is.
-        routing: MoE routing replay (``keep_routing``, the group sampler only): per row, the top-k experts of each
+        routing: MoE routing replay (``keep_routing``: the group sampler, in-process or behind ``posttrain serve``): per row, the top-k experts of each
             ``[prompt | completion]`` token at each router layer, ``(prompt + completion tokens, L, k)`` integer
             tensors storing ``expert + 1`` (0 = not recorded, e.g. the completion's last token, never fed back);
             see :mod:`posttrain.models.moe_routing`. ``None`` when not recorded.

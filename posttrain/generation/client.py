@@ -78,6 +78,10 @@ class Choice:
     log_kept_mass: list[float] | None = None
     # posttrain servers asked ``return_sampling_mask``: the kept support per token (``Completions.sampling_mask``)
     sampling_mask: list[Any] | None = None
+    # posttrain servers asked ``return_routing`` (keep_routing): the MoE routing of the completion tokens and of the
+    # prompt, in the wire form ``{"dtype", "shape", "data"}`` (``posttrain.models.moe_routing.routing_from_wire``)
+    routing: dict[str, Any] | None = None
+    prompt_routing: dict[str, Any] | None = None
 
 
 @dataclass
@@ -140,7 +144,9 @@ def completion_payload(
 
 
 def parse_completions(data: dict[str, Any], num_prompts: int, n: int) -> CompletionResult:
-    """Group the response's choices by prompt (``index = prompt * n + j``)."""
+    """Group the response's choices by prompt (``index = prompt * n + j``); a choice's ``prompt_routing`` is its own
+    or else its prompt's entry of the response's ``prompt_routing`` (keep_routing)."""
+    shared_routing = data.get("prompt_routing") or []
     groups: list[list[Choice | None]] = [[None] * n for _ in range(num_prompts)]
     for c in data.get("choices", []):
         idx = int(c["index"])
@@ -160,6 +166,8 @@ def parse_completions(data: dict[str, Any], num_prompts: int, n: int) -> Complet
             c["finish_reason"],
             None if kept is None else list(kept),
             None if support is None else list(support),
+            c.get("routing"),
+            c.get("prompt_routing") or (shared_routing[idx // n] if idx // n < len(shared_routing) else None),
         )
     missing = [(p, j) for p, g in enumerate(groups) for j, c in enumerate(g) if c is None]
     if missing:

@@ -184,6 +184,7 @@ class VLLMServerBackend:
             raise ValueError(f"protocol must be one of {PROTOCOLS}, got {self.protocol!r}.")
         self.version: int | None = info.get("version") if self.protocol == "posttrain" else 0
         self.model_name = info.get("model")
+        self.engine = info.get("backend") if self.protocol == "posttrain" else self.protocol  # posttrain serve's engine
         if self.protocol == "vllm":
             self.model_name = self.client.request("GET", "/v1/models").json()["data"][0]["id"]
         self._requests = 0
@@ -270,28 +271,73 @@ class VLLMServerBackend:
         )
         if s.return_sampling_mask and self.protocol == "posttrain":
             extra["return_sampling_mask"] = True  # keep_sampling_mask: posttrain servers describe the kept support
+        if s.return_routing:
+            self.check_routing_support()
+            extra["return_routing"] = True  # keep_routing: the server's group sampler records the MoE routing
         if self.protocol == "trl":
             ids, lps, kept = self._generate_trl(prompt_ids, fields, seed, extra)
             supports = [None] * len(ids)
+            wires: list = [None] * len(ids)
         else:
-            ids, lps, kept, supports = self._generate_openai(prompt_ids, fields, seed, extra, s.eos_token_ids, images)
+            ids, lps, kept, supports, wires = self._generate_openai(
+                prompt_ids, fields, seed, extra, s.eos_token_ids, images
+            )
         eos = set(s.eos_token_ids)
         out_ids, out_lps, out_kept, out_support, finished = [], [], [], [], []
-        for row_ids, row_lps, row_kept, row_support in zip(ids, lps, kept, supports):
+        routing: list[Any] | None = [] if s.return_routing else None
+        for row, row_ids, row_lps, row_kept, row_support, wire in zip(rows, ids, lps, kept, supports, wires):
             cut, done = truncate_at_eos(row_ids, eos)
             out_ids.append(cut)
             finished.append(done)
             out_lps.append(None if row_lps is None else list(row_lps[: len(cut)]))
             out_kept.append(None if row_kept is None else list(row_kept[: len(cut)]))
             out_support.append(None if row_support is None else list(row_support[: len(cut)]))
+            if routing is not None:
+                routing.append(self._row_routing(wire, len(row), len(row_ids), len(cut)))
         logprobs = None if any(lp is None for lp in out_lps) else out_lps
         # a posttrain server's kept mass under truncated sampling (vLLM reports none: the ratio stays uncorrected)
         log_kept_mass = None if logprobs is None or any(k is None for k in out_kept) else out_kept
         # its kept support, when asked (a row without one, e.g. vLLM's, is the full softmax for the trainer)
         sampling_mask = out_support if log_kept_mass is not None and any(r is not None for r in out_support) else None
-        return Completions(out_ids, logprobs, finished, rows, log_kept_mass=log_kept_mass, sampling_mask=sampling_mask)
+        return Completions(
+            out_ids, logprobs, finished, rows, log_kept_mass=log_kept_mass, sampling_mask=sampling_mask, routing=routing
+        )
 
-    def _generate_openai(self, prompt_ids, fields, seed, extra, eos_ids, images=None) -> tuple[list, list, list, list]:
+    def check_routing_support(self) -> None:
+        """``keep_routing`` needs a ``posttrain serve`` server running the posttrain engine (its group sampler
+        records the MoE routing): ``ValueError`` naming the fix for a vLLM or ``trl vllm-serve`` server, or
+        ``posttrain serve --backend vllm``."""
+        if self.protocol != "posttrain" or self.engine == "vllm":
+            what = f"a {self.protocol} server" if self.protocol != "posttrain" else "`posttrain serve --backend vllm`"
+            raise ValueError(
+                f"keep_routing=True: the generation server at {self.base_url} is {what}, whose MoE routing posttrain "
+                "does not read (vLLM's `--enable-return-routed-experts` output is not supported yet). Serve the "
+                "model with `posttrain serve --backend posttrain` (its group sampler records the routing), generate "
+                "in-process (use_vllm=False), or set keep_routing=False."
+            )
+
+    @staticmethod
+    def _row_routing(wire: Any, prompt_len: int, sent: int, kept: int) -> Any:
+        """One row's ``(prompt + kept completion tokens, L, k)`` routing from the server's ``(prompt wire,
+        completion wire)``: the completion part cut where ``truncate_at_eos`` cut the ids (``kept`` of ``sent``)."""
+        import torch
+
+        from posttrain.models.moe_routing import routing_from_wire
+
+        if wire is None or wire[0] is None or wire[1] is None:
+            raise RuntimeError(
+                "keep_routing=True: the posttrain server returned no routing for a completion; it predates "
+                "return_routing: upgrade the server to this posttrain version."
+            )
+        prompt, completion = routing_from_wire(wire[0]), routing_from_wire(wire[1])
+        if prompt.shape[0] != prompt_len or completion.shape[0] != sent or prompt.shape[1:] != completion.shape[1:]:
+            raise RuntimeError(
+                f"keep_routing: the server's routing covers {prompt.shape[0]} prompt + {completion.shape[0]} completion "
+                f"tokens {tuple(completion.shape[1:])}, but the row has {prompt_len} prompt + {sent} completion tokens."
+            )
+        return torch.cat([prompt, completion[:kept]])
+
+    def _generate_openai(self, prompt_ids, fields, seed, extra, eos_ids, images=None) -> tuple[list, ...]:
         if self.protocol == "vllm" and fields["top_k"] == 0:
             fields["top_k"] = -1  # "all tokens" in every vLLM version
         if self.regex is not None:
@@ -308,6 +354,7 @@ class VLLMServerBackend:
             [c.logprobs for c in choices],
             [c.log_kept_mass for c in choices],
             [c.sampling_mask for c in choices],
+            [(c.prompt_routing, c.routing) for c in choices],
         )
 
     def _generate_trl(self, prompt_ids, fields, seed, extra) -> tuple[list, list, list]:

@@ -33,6 +33,10 @@ How (no transformers code is copied, nothing is patched at class level):
   ``gradient_checkpointing_enable`` sets) is wrapped so that the function it checkpoints re-installs the replay
   hooks of that layer's routers when it is re-run: the recompute routes by the same record as the forward.
 
+* **Over the wire** (``posttrain serve``, ``return_routing``): :func:`routing_to_wire` /
+  :func:`routing_from_wire` carry a stored routing tensor as ``{"dtype", "shape", "data"}``, ``data`` the base64 of
+  its little-endian bytes: ``L · k`` bytes per token for a model with at most 255 experts (4/3 of that in base64).
+
 Whether a router renormalises its top-k weights (Mixtral, Qwen3-MoE by default: yes; Qwen2-MoE by default: no) is
 read from its ``norm_topk_prob`` attribute when it has one and checked against its own output at its first call; a
 router whose weights are neither form raises (routing replay would change its mixing).
@@ -40,6 +44,7 @@ router whose weights are neither form raises (routing replay would change its mi
 
 from __future__ import annotations
 
+import base64
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -59,6 +64,8 @@ __all__ = [
     "require_routers",
     "routing_for_packs",
     "routing_for_rows",
+    "routing_from_wire",
+    "routing_to_wire",
 ]
 
 # router module -> whether it renormalises its top-k weights (checked once against its own output)
@@ -339,3 +346,43 @@ def routing_for_packs(
     out = routing[row, column]  # (K, T, L, k)
     out[token_row < 0] = 0
     return out
+
+
+# the stored routing dtypes that travel over the wire, by name (little-endian on the wire)
+_WIRE_DTYPES = {"uint8": (torch.uint8, "|u1"), "int16": (torch.int16, "<i2"), "int32": (torch.int32, "<i4")}
+
+
+def routing_to_wire(routing: torch.Tensor) -> dict[str, Any]:
+    """A stored routing tensor (``(T, L, k)``, :func:`posttrain.core.routing.encode_routing`'s dtype) as JSON:
+    ``{"dtype": "uint8" | "int16" | "int32", "shape": [T, L, k], "data": base64 of its little-endian bytes}``."""
+    import numpy as np
+
+    names = {dtype: (name, code) for name, (dtype, code) in _WIRE_DTYPES.items()}
+    if routing.dtype not in names:
+        raise TypeError(f"keep_routing: cannot send routing of dtype {routing.dtype}; expected uint8, int16 or int32.")
+    name, code = names[routing.dtype]
+    raw = np.ascontiguousarray(routing.detach().cpu().numpy()).astype(code, copy=False).tobytes()
+    return {"dtype": name, "shape": [int(d) for d in routing.shape], "data": base64.b64encode(raw).decode("ascii")}
+
+
+def routing_from_wire(wire: dict[str, Any]) -> torch.Tensor:
+    """Inverse of :func:`routing_to_wire` (a CPU tensor); ``ValueError`` naming what is malformed."""
+    import numpy as np
+
+    try:
+        dtype, code = _WIRE_DTYPES[wire["dtype"]]
+        shape = tuple(int(d) for d in wire["shape"])
+        raw = base64.b64decode(wire["data"], validate=True)
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(
+            f"keep_routing: the server's routing is malformed ({err!r}); expected {{'dtype': 'uint8' | 'int16' | "
+            "'int32', 'shape': [tokens, layers, top_k], 'data': base64}."
+        ) from err
+    count = int(np.prod(shape)) if shape else 1
+    array = np.frombuffer(raw, dtype=code)
+    if len(shape) != 3 or array.size != count:
+        raise ValueError(
+            f"keep_routing: the server's routing has {array.size} {wire['dtype']} values for shape {list(shape)}; "
+            "expected [tokens, layers, top_k] and one value per entry."
+        )
+    return torch.from_numpy(array.astype(array.dtype.newbyteorder("="), copy=True)).to(dtype).view(shape)

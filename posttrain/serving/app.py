@@ -15,7 +15,13 @@ Endpoints (FastAPI on uvicorn):
   ``text``, ``logprobs.token_logprobs`` and ``finish_reason`` (``"stop"``/``"length"``). posttrain's extensions under
   top-k / top-p / min-p: ``logprobs.log_kept_mass`` (always) and, with ``"return_sampling_mask": true``,
   ``logprobs.sampling_mask`` — per token the kept support (a list of at most 16 ids, a float logit threshold, or
-  null = unknown; ``posttrain.core.sampling_mask``), so the payload grows by at most 16 ints per token.
+  null = unknown; ``posttrain.core.sampling_mask``), so the payload grows by at most 16 ints per token. With
+  ``"return_routing": true`` (``keep_routing``; posttrain engine, MoE models) each choice carries ``routing`` — the
+  top-k experts per router layer of its completion tokens — and the response ``prompt_routing`` (one per prompt, the
+  routing of its prefill, shared by the prompt's ``n`` choices; a choice whose prefill routed otherwise carries its
+  own ``prompt_routing``), each ``{"dtype", "shape": [tokens, layers, top_k], "data": base64}`` storing
+  ``expert + 1`` (0 = not recorded: a completion's last token, never fed back), ``layers · top_k`` bytes per token
+  for up to 255 experts (``posttrain.models.moe_routing.routing_to_wire``).
 - ``POST /v1/chat/completions`` — OpenAI's chat API (messages, tools through the chat template, parsed
   ``tool_calls``) with vLLM's ``prompt_token_ids`` / ``token_ids`` and the sampled log-probs: ``serving/chat.py``.
 - ``GET /health`` (and TRL's ``/health/``) — ``{"status": "ok", "server": "posttrain", "version": ...}``;
@@ -126,6 +132,8 @@ class CompletionBody(BaseModel):
     user: str | None = None
     # posttrain's extension (keep_sampling_mask): with logprobs, each token's kept support under top-k/top-p/min-p
     return_sampling_mask: bool = False
+    # posttrain's extension (keep_routing): a MoE model's top-k experts per router layer, per prompt/completion token
+    return_routing: bool = False
 
 
 class SequenceLogprobsBody(BaseModel):
@@ -305,7 +313,7 @@ def _batch_key(request: GenerationRequest) -> tuple | None:
         return None
     return (request.n, request.max_tokens, request.temperature, request.top_p, request.top_k, request.min_p,
             request.repetition_penalty, tuple(request.stop_token_ids), request.ignore_eos, request.logprobs,
-            request.top_logprobs, request.return_sampling_mask)  # fmt: skip
+            request.top_logprobs, request.return_sampling_mask, request.return_routing)  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -688,6 +696,7 @@ def completion_request(engine: Any, body: CompletionBody) -> GenerationRequest:
         top_logprobs=body.logprobs or 0,
         seed=body.seed,
         return_sampling_mask=body.return_sampling_mask,
+        return_routing=body.return_routing,
         structured_outputs_regex=regex,
     )
 
@@ -719,6 +728,24 @@ def trl_request(engine: Any, body: TRLGenerateBody) -> GenerationRequest:
         structured_outputs_regex=body.structured_outputs_regex,
         extra=extra,
     )
+
+
+def _add_routing(choice: dict[str, Any], routing: Any, prompt_len: int, shared: Any, prompt_routing: list) -> Any:
+    """Put one sequence's MoE routing ``(P + C, L, k)`` into its ``choice`` (completion part: ``routing``) and its
+    prompt part into ``prompt_routing`` (once per prompt: ``shared``, the first sequence's); a prompt part unlike the
+    shared one travels in the choice itself. Returns the prompt's shared prompt routing."""
+    import torch
+
+    from posttrain.models.moe_routing import routing_to_wire
+
+    head = routing[:prompt_len]
+    choice["routing"] = routing_to_wire(routing[prompt_len:])
+    if shared is None:
+        prompt_routing.append(routing_to_wire(head))
+        return head
+    if not torch.equal(head, shared):
+        choice["prompt_routing"] = routing_to_wire(head)
+    return shared
 
 
 # -- the app --------------------------------------------------------------------------------------------------------
@@ -811,7 +838,9 @@ def create_app(
         version, groups = result
         state.count("completed")
         choices, completion_tokens = [], 0
+        prompt_routing: list[Any] = []
         for p, group in enumerate(groups):
+            shared = None  # this prompt's prefill routing (P, L, k), sent once in prompt_routing
             for j, seq in enumerate(group):
                 completion_tokens += len(seq.token_ids)
                 logprobs = None
@@ -826,17 +855,18 @@ def create_app(
                         logprobs["log_kept_mass"] = seq.log_kept_mass
                     if seq.sampling_mask is not None:  # posttrain's extension: the kept support per token
                         logprobs["sampling_mask"] = seq.sampling_mask
-                choices.append(
-                    {
-                        "index": p * gen.n + j,
-                        "text": engine.decode(seq.token_ids, body.skip_special_tokens),
-                        "token_ids": seq.token_ids,
-                        "prompt_token_ids": gen.prompts[p],
-                        "logprobs": logprobs,
-                        "finish_reason": seq.finish_reason,
-                        "stop_reason": seq.stop_reason,
-                    }
-                )
+                choice = {
+                    "index": p * gen.n + j,
+                    "text": engine.decode(seq.token_ids, body.skip_special_tokens),
+                    "token_ids": seq.token_ids,
+                    "prompt_token_ids": gen.prompts[p],
+                    "logprobs": logprobs,
+                    "finish_reason": seq.finish_reason,
+                    "stop_reason": seq.stop_reason,
+                }
+                if seq.routing is not None:  # posttrain's extension (keep_routing): the MoE routing, compactly
+                    shared = _add_routing(choice, seq.routing, len(gen.prompts[p]), shared, prompt_routing)
+                choices.append(choice)
         prompt_tokens = sum(len(p) for p in gen.prompts)
         # A JSONResponse skips FastAPI's jsonable_encoder walk over every token and log-prob.
         return JSONResponse({
@@ -851,6 +881,7 @@ def create_app(
                 "total_tokens": prompt_tokens + completion_tokens,
             },
             "version": version,
+            **({"prompt_routing": prompt_routing} if prompt_routing else {}),
         })
 
     @app.post("/generate/")

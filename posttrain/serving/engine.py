@@ -44,7 +44,10 @@ class GenerationRequest:
     for each step's most likely tokens too (vLLM's ``logprobs=N``). ``structured_outputs_regex`` and ``extra``
     (more ``SamplingParams`` fields) are served by the vLLM engine only. ``return_sampling_mask`` (posttrain's
     extension, ``keep_sampling_mask``) asks the posttrain engine for each token's kept support under top-k / top-p /
-    min-p (at most 16 ids or one float per token); the vLLM engine returns none.
+    min-p (at most 16 ids or one float per token); the vLLM engine returns none. ``return_routing`` (posttrain's
+    extension, ``keep_routing``) asks the posttrain engine to record a mixture-of-experts model's top-k experts per
+    router layer for every prompt and completion token (``GeneratedSequence.routing``); a dense model, an image
+    prompt on a multimodal-RoPE model and the vLLM engine refuse it (400 naming ``return_routing``).
     """
 
     prompts: list[list[int]]
@@ -61,6 +64,7 @@ class GenerationRequest:
     top_logprobs: int = 0
     seed: int | None = None
     return_sampling_mask: bool = False
+    return_routing: bool = False
     structured_outputs_regex: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     # Per prompt, its decoded images (vLLM's ``multi_modal_data["image"]``; ``None`` / ``[]`` = a text prompt); the
@@ -83,6 +87,9 @@ class GeneratedSequence:
     log_kept_mass: list[float] | None = None
     # per token, the kept support (``Completions.sampling_mask``: ids, a threshold or None), when asked and truncated
     sampling_mask: list[Any] | None = None
+    # with ``return_routing``: the MoE routing of the ``[prompt | completion]`` tokens, ``(P + C, L, k)`` stored as
+    # ``expert + 1`` (0 = not recorded: the completion's last token), as ``Completions.routing`` holds it in-process
+    routing: torch.Tensor | None = None
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -239,6 +246,8 @@ class PosttrainEngine:
     def check(self, request: GenerationRequest) -> None:
         """Raise ``RequestError`` for what this engine cannot serve."""
         self.check_images(request)
+        if request.return_routing:
+            self.check_routing(request)
         if request.structured_outputs_regex is not None:
             raise RequestError(
                 "structured_outputs",
@@ -263,6 +272,30 @@ class PosttrainEngine:
                     f"prompt[{i}] has {len(ids)} tokens and max_tokens is {request.max_tokens}: together more than "
                     f"the model's context length {self.max_model_len}.",
                 )
+
+    def check_routing(self, request: GenerationRequest) -> None:
+        """``return_routing`` (keep_routing) needs a mixture-of-experts model whose prompts the group sampler
+        decodes itself: ``RequestError`` naming ``return_routing`` otherwise."""
+        from posttrain.models.moe_routing import find_routers
+
+        if not find_routers(self.model):
+            raise RequestError(
+                "return_routing",
+                f"return_routing=true records the expert routing of a mixture-of-experts model, but the served model "
+                f"{self.model_name!r} ({type(self.model).__name__}) has no MoE router (Qwen2-MoE, Qwen3-MoE, Mixtral "
+                "...). Serve a MoE model, or train with keep_routing=False (do not send return_routing).",
+            )
+        if request.images and any(request.images) and self._uses_mrope():
+            raise RequestError(
+                "return_routing",
+                "return_routing=true: prompts with images on a multimodal-RoPE model are sampled with "
+                "model.generate, which records no MoE routing. Send text prompts, or set keep_routing=False.",
+            )
+
+    def _uses_mrope(self) -> bool:
+        """Whether image prompts go through ``model.generate`` (multimodal RoPE: an ``image_grid_thw`` input)."""
+        names = set(getattr(self.processor, "model_input_names", None) or [])
+        return "image_grid_thw" in names
 
     def generate(self, request: GenerationRequest) -> list[list[GeneratedSequence]]:
         from posttrain.generation.base import SamplingConfig
@@ -289,7 +322,7 @@ class PosttrainEngine:
             generator = torch.Generator(device=self.device).manual_seed(request.seed)
         sampler = GroupSampler(
             self.model, return_logprobs=request.logprobs, max_batch_tokens=self.max_batch_tokens, generator=generator,
-            top_logprobs=request.top_logprobs if request.logprobs else 0,
+            top_logprobs=request.top_logprobs if request.logprobs else 0, record_routing=request.return_routing,
         )  # fmt: skip
         vision = None
         if request.images and any(request.images):
@@ -312,6 +345,7 @@ class PosttrainEngine:
                         sampler.last_top_logprobs[r] if sampler.last_top_logprobs is not None else None,
                         out.log_kept_mass[r] if out.log_kept_mass is not None else None,
                         out.sampling_mask[r] if out.sampling_mask is not None else None,
+                        out.routing[r] if out.routing is not None else None,
                     )
                 )
             results.append(group)

@@ -73,6 +73,13 @@ class VLLMEngine:
     def check(self, request: GenerationRequest) -> None:
         from vllm import SamplingParams
 
+        if request.return_routing:
+            raise RequestError(
+                "return_routing",
+                "return_routing=true (keep_routing) is recorded by the posttrain engine's group sampler; this server "
+                "runs the vLLM engine, which returns no MoE routing. Start it with `posttrain serve --backend "
+                "posttrain`, or train with keep_routing=False.",
+            )
         known = set(getattr(SamplingParams, "__struct_fields__", ()) or ())
         unknown = sorted(k for k in request.extra if known and k not in known)
         if unknown:

@@ -546,7 +546,14 @@ class OnlineTrainerBase(BaseTrainer):
 
             return RolloutFuncBackend(rollout_func, self, tokenizer=self.processing_class)
         if args.use_vllm:
-            return get_backend(f"vllm_{args.vllm_mode}", model, self.processing_class, args=args)
+            backend = get_backend(f"vllm_{args.vllm_mode}", model, self.processing_class, args=args)
+            if getattr(args, "keep_routing", False):
+                # server mode: the posttrain server's group sampler records the routing the policy replays
+                from posttrain.models.moe_routing import require_routers
+
+                require_routers(model)
+                backend.check_routing_support()
+            return backend
         name = args.generation_backend
         if args.use_transformers_continuous_batching:
             warnings.warn(

@@ -70,8 +70,9 @@ class OnlineRLConfig(BaseConfig):
             "training-side forward (π_old, π_ref, the policy and its gradient-checkpoint recompute) routes each "
             "token to those experts, with gate weights recomputed from the current router logits over them (the "
             "router keeps its gradient; the load-balancing aux loss is unchanged). Removes the sampler-vs-trainer "
-            "mismatch that different expert choices cause. Needs generation_backend='posttrain' in-process (not "
-            "vLLM / `posttrain serve`, rollout_func or tool loops); an error for a dense model."
+            "mismatch that different expert choices cause. Needs posttrain's group sampler: "
+            "generation_backend='posttrain' in-process, or server mode against `posttrain serve` (its posttrain "
+            "engine returns the routing; not vLLM, rollout_func or tool loops); an error for a dense model."
         },
     )
     pad_to_multiple_of: int | str | None = field(
@@ -287,11 +288,14 @@ class OnlineRLConfig(BaseConfig):
                 f"Unknown generation_backend {self.generation_backend!r}. Valid values: "
                 f"{', '.join(GENERATION_BACKENDS)} (use use_vllm=True for vLLM)."
             )
-        if self.keep_routing and (self.use_vllm or self.generation_backend != "posttrain"):
+        if self.keep_routing and (
+            (self.use_vllm and self.vllm_mode != "server") or (not self.use_vllm and self.generation_backend != "posttrain")
+        ):
             raise ValueError(
-                "keep_routing=True records the MoE routing in posttrain's in-process group sampler: set "
-                "generation_backend='posttrain' and use_vllm=False (vLLM and `posttrain serve` do not return it), "
-                "or set keep_routing=False."
+                "keep_routing=True records the MoE routing in posttrain's group sampler: generate in-process with "
+                "generation_backend='posttrain' (use_vllm=False), or through a `posttrain serve` server "
+                "(use_vllm=True, vllm_mode='server'); vLLM in colocate mode does not return it. Or set "
+                "keep_routing=False."
             )
         if self.vllm_mode not in ("colocate", "server"):
             raise ValueError(f"vllm_mode must be 'colocate' or 'server', got {self.vllm_mode!r}.")

@@ -99,6 +99,12 @@ class AsyncGRPOConfig(AsyncRolloutConfig, GRPOConfig):
             return
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
             raise ValueError(f"partial_rollout_max_tokens must be a positive integer or None, got {budget!r}.")
+        if self.keep_routing:
+            raise ValueError(
+                "keep_routing=True cannot be combined with partial_rollout_max_tokens: a continued completion is "
+                "prefilled again under newer weights, so one row's routing would mix two samplers. Set "
+                "partial_rollout_max_tokens=None (whole rounds) or keep_routing=False."
+            )
         if self.max_completion_length is not None and budget >= self.max_completion_length:
             raise ValueError(
                 f"partial_rollout_max_tokens={budget} >= max_completion_length={self.max_completion_length}: no "
