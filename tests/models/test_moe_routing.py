@@ -272,3 +272,36 @@ def test_multimodal_rope_prompts_are_a_clear_error():
     sampling = SamplingConfig(max_new_tokens=2, eos_token_ids=[2], pad_token_id=0)
     with pytest.raises(ValueError, match="keep_routing=True.*multimodal-RoPE"):
         sampler.generate([[5, 6]], sampling, vision_inputs=[{"image_grid_thw": torch.ones(1, 3, dtype=torch.long)}])
+
+
+@pytest.mark.parametrize("num_experts", [8, 300, 40000])
+def test_routing_wire_round_trip(num_experts):
+    """``return_routing``'s wire form: the stored dtype (uint8 up to 255 experts, then int16 / int32) and its bytes
+    survive base64 exactly; uint8 costs layers × top_k bytes per token."""
+    import base64
+
+    from posttrain.models.moe_routing import routing_from_wire, routing_to_wire
+
+    experts = torch.tensor([[[0, num_experts - 1], [3, 1]], [[2, 5], [num_experts - 2, 0]], [[1, 0], [4, 7]]])
+    stored = encode_routing(experts, num_experts)  # (T=3, L=2, k=2)
+    stored[2] = 0  # a token without a record
+    wire = routing_to_wire(stored)
+    assert wire["shape"] == [3, 2, 2] and wire["dtype"] == str(stored.dtype).removeprefix("torch.")
+    assert len(base64.b64decode(wire["data"])) == 3 * 2 * 2 * stored.element_size()
+    back = routing_from_wire(wire)
+    assert back.dtype == stored.dtype and torch.equal(back, stored)
+    assert torch.equal(decode_routing(back)[:2], experts[:2]) and bool((decode_routing(back)[2] == -1).all())
+
+
+def test_malformed_routing_wire_is_a_clear_error():
+    from posttrain.models.moe_routing import routing_from_wire, routing_to_wire
+
+    wire = routing_to_wire(torch.ones((2, 3, 2), dtype=torch.uint8))
+    with pytest.raises(ValueError, match="12 uint8 values for shape \\[2, 3, 3\\]"):
+        routing_from_wire({**wire, "shape": [2, 3, 3]})
+    with pytest.raises(ValueError, match="routing is malformed"):
+        routing_from_wire({**wire, "dtype": "float32"})
+    with pytest.raises(ValueError, match="routing is malformed"):
+        routing_from_wire({**wire, "data": "not base64!"})
+    with pytest.raises(TypeError, match="cannot send routing of dtype torch.int64"):
+        routing_to_wire(torch.ones((1, 1, 1), dtype=torch.int64))
