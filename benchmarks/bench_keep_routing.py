@@ -10,8 +10,15 @@ gives the on/off ratio of the medians over rounds and the peak-RSS difference.
 ``--micro`` times the training forward + backward alone on one sampled batch, replay on and off alternating in one
 process (the hooks' own cost without the generation's variance).
 
-Run: ``python benchmarks/bench_keep_routing.py [--rounds 3] [--steps 6] [--warmup 2] [--device cpu|cuda]`` and
-``python benchmarks/bench_keep_routing.py --micro [--reps 20]``.
+``--wire`` measures what the routing costs over ``posttrain serve`` (``return_routing``): the server runs in this
+process on 127.0.0.1, the same seeded ``/v1/completions`` request is sent with and without ``return_routing``
+alternating (``--reps`` pairs); it reports the response bytes, the routing's bytes per token (raw and base64) and the
+median CPU time of a request (server and client: one process), and, computed, the bytes per token of a real
+Qwen3-30B-A3B's shape (48 MoE layers × top-8).
+
+Run: ``python benchmarks/bench_keep_routing.py [--rounds 3] [--steps 6] [--warmup 2] [--device cpu|cuda]``,
+``python benchmarks/bench_keep_routing.py --micro [--reps 20]`` and ``python benchmarks/bench_keep_routing.py
+--wire [--reps 20]``.
 """
 
 from __future__ import annotations
@@ -135,6 +142,55 @@ def micro(args: argparse.Namespace) -> dict:
     return {"micro": True, "fwd_bwd_cpu_s_off": off, "fwd_bwd_cpu_s_on": on, "ratio": on / off, "pairs": args.reps}
 
 
+def wire(args: argparse.Namespace) -> dict:
+    """``return_routing`` over ``posttrain serve``: response bytes and request CPU time with and without it."""
+    import base64
+
+    import httpx
+    import torch
+
+    from posttrain.models.tiny import build_tiny_moe_model, build_tiny_tokenizer
+    from posttrain.serving.app import serve_in_thread
+    from posttrain.serving.engine import PosttrainEngine
+
+    torch.set_num_threads(args.threads)
+    tokenizer = build_tiny_tokenizer()
+    model = build_tiny_moe_model(
+        "qwen3_moe", num_experts=args.experts, num_experts_per_tok=args.top_k, hidden_size=args.hidden,
+        num_layers=args.layers, num_heads=8, num_kv_heads=4, expert_intermediate_size=args.hidden, tokenizer=tokenizer,
+    )  # fmt: skip
+    prompts = [tokenizer(f"Question {i}: say something.").input_ids for i in range(args.batch // args.generations)]
+    body = {"prompt": prompts, "n": args.generations, "max_tokens": args.completion_length, "temperature": 1.0,
+            "seed": 0, "logprobs": 0, "ignore_eos": True}  # fmt: skip
+    sizes: dict[str, int] = {}
+    times: dict[str, list[float]] = {"on": [], "off": []}
+    routing_raw = routing_b64 = tokens = 0
+    with serve_in_thread(PosttrainEngine(model, tokenizer, "moe")) as url, httpx.Client(timeout=600) as client:
+        for rep in range(args.reps + 2):
+            for mode in ("off", "on") if rep % 2 == 0 else ("on", "off"):
+                start = time.process_time()
+                resp = client.post(f"{url}/v1/completions", json={**body, "return_routing": mode == "on"})
+                resp.raise_for_status()
+                data = resp.json()
+                if rep >= 2:  # two warm-up pairs
+                    times[mode].append(time.process_time() - start)
+                sizes[mode] = len(resp.content)
+                if mode == "on":
+                    wires = data["prompt_routing"] + [c["routing"] for c in data["choices"]]
+                    routing_b64 = sum(len(w["data"]) for w in wires)
+                    routing_raw = sum(len(base64.b64decode(w["data"])) for w in wires)
+                    tokens = sum(len(c["token_ids"]) + len(c["prompt_token_ids"]) for c in data["choices"])
+    on, off = statistics.median(times["on"]), statistics.median(times["off"])
+    return {
+        "wire": True, "layers": args.layers, "top_k": args.top_k, "experts": args.experts,
+        "bytes_per_token_raw": args.layers * args.top_k, "response_bytes_off": sizes["off"],
+        "response_bytes_on": sizes["on"], "routing_bytes_raw": routing_raw, "routing_bytes_base64": routing_b64,
+        "prompt_plus_completion_tokens": tokens, "request_cpu_s_off": off, "request_cpu_s_on": on,
+        "request_cpu_ratio": on / off, "pairs": args.reps,
+        "qwen3_30b_a3b_bytes_per_token_raw": 48 * 8, "qwen3_30b_a3b_bytes_per_token_base64": 48 * 8 * 4 // 3,
+    }  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -151,11 +207,15 @@ def main() -> None:
     parser.add_argument("--completion-length", type=int, default=32)
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--micro", action="store_true", help="time the training forward + backward alone")
+    parser.add_argument("--wire", action="store_true", help="the routing's cost over posttrain serve")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--child", dest="keep_routing", choices=["on", "off"], default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.micro:
         print(json.dumps(micro(args)), flush=True)
+        return
+    if args.wire:
+        print(json.dumps(wire(args)), flush=True)
         return
     if args.keep_routing is not None:
         print(json.dumps(child(args)), flush=True)
