@@ -294,12 +294,21 @@ class ServerPoolBackend:
         self._record_round(requests, tokens, timing)
         parts = [results[c] for c in sorted(results)]
         logprobs = None if any(p.logprobs is None for p in parts) else [lp for p in parts for lp in p.logprobs]
+        # keep_routing: every server's sampler recorded its chunk's routing (each asked return_routing)
+        routing = None if any(p.routing is None for p in parts) else [r for p in parts for r in p.routing]
         return Completions(
             [ids for p in parts for ids in p.completion_ids],
             logprobs,
             [f for p in parts for f in p.finished],
             [r for p in parts for r in p.prompt_ids],
+            routing=routing,
         )
+
+    def check_routing_support(self) -> None:
+        """``keep_routing``: every server must be a ``posttrain serve`` with the posttrain engine
+        (:meth:`VLLMServerBackend.check_routing_support`)."""
+        for server in self.servers:
+            server.check_routing_support()
 
     def _record_round(self, requests: dict[int, int], tokens: dict[int, int], timing: dict[int, float]) -> None:
         for i in range(len(self.base_urls)):

@@ -12,6 +12,9 @@ Three kinds of server are recognised from their ``/health`` answer (or forced wi
   with token-id prompts, ``n = num_generations``, processed sampling log-probs; prompts with images (GRPO/RLOO on a
   vision-language model) as vLLM's multimodal token prompts (``multi_modal_data``, PNG data URLs). Weights: safetensors over HTTP
   (``/v1/load_weights``, CPU-portable, bitwise); the version the server reports is kept in ``self.version``.
+  ``keep_routing`` (``SamplingConfig.return_routing``): each request asks ``return_routing`` and the server's group
+  sampler returns a MoE model's routing, rebuilt here into ``Completions.routing`` exactly as in-process
+  (``check_routing_support`` refuses the other protocols and ``posttrain serve --backend vllm``).
 - ``"vllm"`` — a real ``vllm serve`` started as the TRL docs say (``VLLM_SERVER_DEV_MODE=1 vllm serve <model>
   --weight-transfer-config '{"backend":"nccl"}' --logprobs-mode processed_logprobs --max-logprobs -1``).
   Generation: ``/v1/completions`` (``return_token_ids``); weights: vLLM's NCCL weight-transfer engine

@@ -148,3 +148,34 @@ def test_grpo_server_mode_replays_the_servers_routing(moe_path, tmp_path):
 def test_grpo_server_mode_with_a_dense_policy_fails_at_construction(server_url, tiny_model_path, tmp_path):
     with pytest.raises(ValueError, match="keep_routing=True.*no MoE router"):
         _grpo_server(tiny_model_path, tmp_path, server_url, keep_routing=True)
+
+
+def test_server_pool_reassembles_each_servers_routing(moe_path):
+    """Two servers (``vllm_server_base_urls``): each chunk's routing comes from the server that sampled it and the
+    rows keep their order: it equals the chunks sent one by one to a single server with the chunks' seeds."""
+    from types import SimpleNamespace
+
+    from posttrain.generation.registry import get_backend
+    from posttrain.generation.server_pool import ServerPoolBackend, chunk_seed, split_groups
+
+    engines = [PosttrainEngine.from_pretrained(moe_path, device="cpu") for _ in range(2)]
+    sampling = _sampling(engines[0])
+    with serve_in_thread(engines[0]) as url0, serve_in_thread(engines[1]) as url1:
+        args = SimpleNamespace(vllm_server_base_url=None, vllm_server_base_urls=[url0, url1], vllm_server_timeout=10.0,
+                               seed=5)  # fmt: skip
+        pool = get_backend("vllm_server", None, None, args=args)
+        assert isinstance(pool, ServerPoolBackend)
+        pool.check_routing_support()
+        out = pool.generate(PROMPTS, sampling, 2)
+        single = VLLMServerBackend(base_url=url1, timeout=5.0)
+        expected = []
+        for c, groups in enumerate(split_groups(len(PROMPTS), 2)):
+            chunk = SamplingConfig(6, temperature=0.9, eos_token_ids=sampling.eos_token_ids,
+                                   pad_token_id=sampling.pad_token_id, return_routing=True,
+                                   generation_kwargs={"seed": chunk_seed(request_seed(5, 0, 0), c)})  # fmt: skip
+            expected.append(single.generate([PROMPTS[g] for g in groups], chunk, 2))
+        single.close()
+        pool.close()
+    rows = [r for e in expected for r in e.routing]
+    assert out.routing is not None and len(out.routing) == len(rows) == 6
+    assert all(torch.equal(a, b) for a, b in zip(out.routing, rows))
