@@ -301,7 +301,9 @@ class ServerPoolBackend:
             logprobs,
             [f for p in parts for f in p.finished],
             [r for p in parts for r in p.prompt_ids],
+            log_kept_mass=_per_token_field(parts, "log_kept_mass", 0.0),
             routing=routing,
+            sampling_mask=_per_token_field(parts, "sampling_mask", None),
         )
 
     def check_routing_support(self) -> None:
@@ -422,3 +424,19 @@ class PushFanout:
     def close(self) -> None:
         for client in self.clients:
             client.close()
+
+
+def _per_token_field(parts: list[Completions], name: str, neutral: Any) -> list[list[Any]] | None:
+    """Concatenate a per-token ``Completions`` field (``log_kept_mass``, ``sampling_mask``) over the servers' chunks.
+
+    ``None`` when no chunk carries it. A chunk without it (its server truncated nothing) contributes its rows filled
+    with the field's neutral value, which means the same thing per token: log S = 0.0 (nothing cut) and a support of
+    ``None`` (the full softmax) — so mixing chunks never drops a correction that another chunk needs.
+    """
+    if all(getattr(p, name) is None for p in parts):
+        return None
+    rows: list[list[Any]] = []
+    for p in parts:
+        values = getattr(p, name)
+        rows.extend(values if values is not None else [[neutral] * len(ids) for ids in p.completion_ids])
+    return rows

@@ -92,6 +92,42 @@ def test_pool_reassembles_chunks_in_order_and_a_chunk_is_server_independent(tiny
         pool.close()
 
 
+def test_pool_keeps_each_chunks_kept_mass_and_sampling_mask(tiny_model_path):
+    """Truncated sampling over two servers: the kept mass (the IS correction) and the kept support
+    (``keep_sampling_mask``) of every row survive the reassembly, equal to the chunks served one by one."""
+    truncated = dict(temperature=0.9, top_p=0.8, eos_token_ids=[EOS], pad_token_id=PAD, return_sampling_mask=True)
+    with serve_in_thread(_engine(tiny_model_path)) as url0, serve_in_thread(_engine(tiny_model_path)) as url1:
+        args = SimpleNamespace(vllm_server_base_url=None, vllm_server_base_urls=[url0, url1],
+                               vllm_server_timeout=10.0, seed=5)  # fmt: skip
+        pool = get_backend("vllm_server", None, None, args=args)
+        out = pool.generate(PROMPTS, SamplingConfig(6, **truncated), 2)
+        single = VLLMServerBackend(base_url=url1, timeout=5.0)
+        expected = [
+            single.generate([PROMPTS[g] for g in groups], SamplingConfig(
+                6, **truncated, generation_kwargs={"seed": chunk_seed(request_seed(5, 0, 0), c)}), 2)
+            for c, groups in enumerate(split_groups(len(PROMPTS), 2))
+        ]  # fmt: skip
+        single.close()
+        pool.close()
+    assert out.log_kept_mass is not None and out.sampling_mask is not None
+    assert out.log_kept_mass == [m for e in expected for m in e.log_kept_mass]
+    assert out.sampling_mask == [m for e in expected for m in e.sampling_mask]
+    assert any(m < 0.0 for row in out.log_kept_mass for m in row)  # top_p=0.8 did cut
+
+
+def test_pool_fills_a_chunk_without_truncation_with_neutral_values():
+    """One server truncated nothing (its fields are None), the other did: the first's rows read log S = 0 and an
+    unknown (full-softmax) support, rather than the whole round losing the other chunk's correction."""
+    from posttrain.generation.base import Completions
+    from posttrain.generation.server_pool import _per_token_field
+
+    plain = Completions([[1, 2], [3]], None, [True, True], [[9], [9]])
+    cut = Completions([[4]], None, [True], [[8]], log_kept_mass=[[-0.5]], sampling_mask=[[[4, 5]]])
+    assert _per_token_field([plain, cut], "log_kept_mass", 0.0) == [[0.0, 0.0], [0.0], [-0.5]]
+    assert _per_token_field([plain, cut], "sampling_mask", None) == [[None, None], [None], [[4, 5]]]
+    assert _per_token_field([plain, plain], "log_kept_mass", 0.0) is None
+
+
 def _grpo_args(tmp_path, urls, **overrides):
     from posttrain.trainers.grpo import GRPOConfig
 
