@@ -145,6 +145,50 @@ def test_grpo_server_mode_replays_the_servers_routing(moe_path, tmp_path):
     assert plain["sampling/sampling_logp_difference/max"] > 1e-3
 
 
+def _rloo_server(path: str, tmp_path, url: str, keep_routing: bool) -> float:
+    """One on-policy RLOO step against ``posttrain serve``; the largest |π_old − π_sampler| per-token log-prob gap
+    over the trained tokens of every micro-batch (RLOO has no IS correction: the gap is the mismatch itself)."""
+    from posttrain.trainers.rloo import RLOOConfig, RLOOTrainer
+
+    args = RLOOConfig(
+        output_dir=str(tmp_path), report_to="none", save_strategy="no", logging_steps=1, gradient_checkpointing=False,
+        write_report=False, disable_tqdm=True, per_device_train_batch_size=8, num_generations=4,
+        max_completion_length=12, max_steps=1, learning_rate=1e-3, seed=7, beta=0.0, keep_routing=keep_routing,
+        use_vllm=True, vllm_mode="server", vllm_server_base_url=url,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    dataset = Dataset.from_list([{"prompt": f"Question {i}:"} for i in range(8)])
+    trainer = RLOOTrainer(path, varied_reward, args, train_dataset=dataset)
+    assert isinstance(trainer.backend, VLLMServerBackend)
+    gaps, routed = [], []
+    compute_loss = trainer._compute_loss
+
+    def watching(model, inputs):
+        mask = inputs["completion_mask"].bool()
+        gap = (inputs["old_per_token_logps"] - inputs["sampling_per_token_logps"]).abs()[mask]
+        gaps.append(float(gap.max()))
+        routed.append("completion_routing" in inputs)
+        return compute_loss(model, inputs)
+
+    trainer._compute_loss = watching
+    trainer.train()
+    assert gaps and set(routed) == {keep_routing}
+    return max(gaps)
+
+
+@pytest.mark.slow
+def test_rloo_server_mode_replays_the_servers_routing(moe_path, tmp_path):
+    """RLOO in server mode goes through the same path as GRPO: the server's routing reaches the batch, π_old (the
+    pipeline's forward) replays it and equals the server's sampling log-probs on every trained token (on-policy
+    ratio π_old / π_sampler = 1); without replay the near-tied routers make them differ."""
+    engine = PosttrainEngine.from_pretrained(moe_path, device="cpu")
+    with serve_in_thread(engine) as url:
+        replayed = _rloo_server(moe_path, tmp_path / "replay", url, keep_routing=True)
+        plain = _rloo_server(moe_path, tmp_path / "plain", url, keep_routing=False)
+    assert replayed < 1e-4
+    assert plain > 1e-3
+
+
 def test_grpo_server_mode_with_a_dense_policy_fails_at_construction(server_url, tiny_model_path, tmp_path):
     with pytest.raises(ValueError, match="keep_routing=True.*no MoE router"):
         _grpo_server(tiny_model_path, tmp_path, server_url, keep_routing=True)
