@@ -165,6 +165,8 @@ class TRLGenerateBody(BaseModel):
     structured_outputs_regex: str | None = None
     generation_kwargs: dict[str, Any] = Field(default_factory=dict)
     return_sampling_mask: bool = False  # posttrain's extension, as on /v1/completions
+    # keep_routing's return_routing is a /v1/completions extension only: named here to answer a clear 400
+    return_routing: bool = False
 
 
 # -- errors ---------------------------------------------------------------------------------------------------------
@@ -709,6 +711,14 @@ def trl_request(engine: Any, body: TRLGenerateBody) -> GenerationRequest:
         )  # fmt: skip
     if body.logprobs not in (None, 0):
         raise RequestError("logprobs", f"logprobs={body.logprobs} is not supported: use 0 (sampled token only).")
+    if body.return_routing or body.generation_kwargs.get("return_routing"):
+        # TRL's /generate/ response has no per-prompt part to carry the prompt's prefill routing
+        raise RequestError(
+            "return_routing", "return_routing=true (keep_routing) is answered on /v1/completions only (posttrain's "
+            "protocol, whose response carries each prompt's and each completion's MoE routing); TRL's /generate/ "
+            "does not return it. Point the trainer at this server with the posttrain protocol (posttrain's "
+            "VLLMServerBackend detects it), or train with keep_routing=False.",
+        )  # fmt: skip
     extra = dict(body.generation_kwargs)
     seed = extra.pop("seed", None)
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED):

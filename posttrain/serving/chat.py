@@ -84,6 +84,8 @@ class ChatCompletionBody(BaseModel):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     rollout_id: str | None = None  # capture mode (posttrain): see ``posttrain.serving.capture``
+    # keep_routing's return_routing is a /v1/completions extension only: named here to answer a clear 400
+    return_routing: bool = False
 
 
 # -- validation -----------------------------------------------------------------------------------------------------
@@ -249,6 +251,13 @@ def chat_request(
     below ``temperature_floor`` is served as greedy)."""
     if body.stream:
         raise RequestError("stream", "stream=true is not supported; send stream=false (the default).")
+    if body.return_routing:
+        raise RequestError(
+            "return_routing", "return_routing=true (keep_routing) is not recorded for chat calls: captured agent "
+            "rows merge several calls, and the training rows agent_rollout_func builds carry no MoE routing "
+            "(keep_routing refuses rollout_func). Request /v1/completions with return_routing for routing replay, "
+            "or train the agent with keep_routing=False.",
+        )  # fmt: skip
     if body.model is not None and body.model != engine.model_name:
         raise RequestError(
             "model", f"The model {body.model!r} is not served here; this server serves {engine.model_name!r}."

@@ -370,10 +370,13 @@ class OnlineTrainerBase(BaseTrainer):
             or self.agent is not None
             or type(self)._generate is not OnlineTrainerBase._generate
         ):
+            used = ("rollout_func (agent_rollout_func included)" if rollout_func is not None
+                    else "tools / environment_factory" if self.agent is not None else "a _generate override")  # fmt: skip
             raise ValueError(
-                "keep_routing=True replays the routing the group sampler records for plain completions; it does not "
-                "support rollout_func, tools / environments or a _generate override (their completions carry no "
-                "routing). Set keep_routing=False."
+                f"keep_routing=True cannot be combined with {used}: it replays the routing the group sampler records "
+                "for plain completions, and these completions carry none (a tool loop or a captured agent row "
+                "joins several generation calls plus tool-output tokens, which no single sampler call routed). "
+                "Set keep_routing=False, or train without it."
             )
         self.backend = self._make_backend(rollout_func)
         if type(self)._generate is not OnlineTrainerBase._generate:

@@ -223,3 +223,23 @@ def test_server_pool_reassembles_each_servers_routing(moe_path):
     rows = [r for e in expected for r in e.routing]
     assert out.routing is not None and len(out.routing) == len(rows) == 6
     assert all(torch.equal(a, b) for a, b in zip(out.routing, rows))
+
+
+@pytest.mark.parametrize(
+    "route, body",
+    [
+        ("/generate/", {"prompts": [[5, 6, 7]], "max_tokens": 2, "return_routing": True}),
+        ("/generate/", {"prompts": [[5, 6, 7]], "max_tokens": 2, "generation_kwargs": {"return_routing": True}}),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "return_routing": True},
+        ),
+    ],
+)
+def test_routes_without_routing_answer_a_clear_400(client, route, body):
+    """``return_routing`` is answered on ``/v1/completions`` only: TRL's ``/generate/`` (its response has no place for
+    the prompt's routing) and the chat route (captured agent rows carry no routing) answer a 400 naming it and the
+    fix, instead of a generic unknown-field error or a silent drop."""
+    with pytest.raises(ServerRequestError, match=r"return_routing=true \(keep_routing\).*/v1/completions") as err:
+        client.request("POST", route, json=body)
+    assert err.value.status == 400 and err.value.param == "return_routing"
