@@ -48,6 +48,8 @@ worker (``StreamRoundSource``; on resume the stream is re-read and the consumed 
 Several training processes (accelerate / torchrun; DDP, FSDP2): one worker on rank 0 produces each round as one shard
 per rank, rank 0 sends each rank its shard and pushes the weights (``posttrain.rollout.multiprocess``: why one worker,
 the bounded waits, the distributed modes refused); ``max_staleness=0`` equals synchronous N-process server-mode GRPO.
+A shard is the rank's whole pipeline batch, so per-row extras travel with it: ``keep_routing``'s prompt/completion
+routing reaches every rank and is replayed there.
 
 Agent training as in ``GRPOTrainer`` (TRL's ``tools=`` and ``environment_factory``): the tool-calling loop runs in
 the rollout worker around its server requests (see ``rollout_worker``), one environment per rollout.
