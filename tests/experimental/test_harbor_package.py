@@ -103,7 +103,7 @@ def test_a_harbor_that_does_not_compile_on_this_python_is_reported_not_raised(mo
 # --- with a harbor that imports (Python >= 3.12) -------------------------------------------------------------------
 
 _UNAVAILABLE = harbor_unavailable(
-    ("harbor.environments.factory", "harbor.verifier.factory", "harbor.registry.client.factory")
+    ("harbor.environments.factory", "harbor.verifier.factory", "harbor.registry.client.harbor.harbor")
 )
 needs_harbor = pytest.mark.skipif(
     _UNAVAILABLE is not None,

@@ -53,9 +53,10 @@ def harbor_unavailable(modules: tuple[str, ...] = HARBOR_BACKEND_MODULES) -> str
     for name in modules:
         try:
             importlib.import_module(name)
-        except (ImportError, SyntaxError) as e:
-            where = f" ({e.filename}:{e.lineno})" if isinstance(e, SyntaxError) and e.filename else ""
-            return f"importing {name} failed: {type(e).__name__}: {e}{where}"
+        except SyntaxError as e:  # the full path: the message alone names only the file
+            return f"importing {name} failed: SyntaxError: {e.msg} ({e.filename}:{e.lineno})"
+        except ImportError as e:
+            return f"importing {name} failed: {type(e).__name__}: {e}"
     return None
 
 

@@ -56,12 +56,17 @@ def download_registry_dataset(name: str) -> list[Path]:
     if not bare or not ref:
         raise HarborTaskError(f"Harbor dataset {name!r}: a registry name is name@version (e.g. 'terminal-bench@2.0').")
     package = "/" in bare
-    module = "harbor.registry.client.package" if package else "harbor.registry.client.factory"
+    # The client modules themselves: on Python 3.11 the factory imports but the clients do not (typing.override).
+    modules = (
+        ("harbor.registry.client.package",)
+        if package
+        else ("harbor.registry.client.factory", "harbor.registry.client.harbor.harbor")
+    )
     fallback = (
         f"Or run `harbor download {name} -o DIR` where harbor works and pass HarborSpec('DIR/{bare.split('/')[-1]}', "
         f"...) (a local directory)."
     )
-    problem = harbor_unavailable((module,))
+    problem = harbor_unavailable(modules)
     if problem is not None:
         raise HarborTaskError(
             f"Harbor dataset {name!r} is not a local directory; as a Harbor registry name it needs the harbor "
