@@ -72,6 +72,8 @@ def download_registry_dataset(name: str) -> list[Path]:
             f"Harbor dataset {name!r} is not a local directory; as a Harbor registry name it needs the harbor "
             f"package to resolve, which failed: {problem}. Install it: {harbor_install_hint()}. {fallback}"
         )
+    # Written against harbor 0.26.0 (harbor/cli/download.py does the same calls); not exercised on Python 3.11,
+    # where these clients cannot import (the test for it skips there).
     out = registry_cache_dir(name)
     registry = "Harbor's package registry" if package else "Harbor's dataset registry"
 
