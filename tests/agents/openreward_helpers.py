@@ -12,6 +12,14 @@ from server_process import ServerProcess
 
 SERVER = Path(__file__).resolve().parents[2] / "examples" / "openreward" / "echo_env.py"
 
+# Why the OpenReward tests skip. openreward is not in the dev extra (its sse-starlette==2.3.6 pin clashes with mcp's
+# sse-starlette>=3); .ci/run installs it into .venv before README's test command (see README, "OpenReward environments").
+OPENREWARD_MISSING = (
+    'the openreward package is not installed: `pip install "posttrain[openreward]"` in an environment without '
+    "openenv-core, or next to the dev extra as .ci/run does: `pip install --no-deps openreward==0.1.167` plus its "
+    "other requirements (README, OpenReward environments)"
+)
+
 
 class OrsServer(ServerProcess):
     """The example ORS server (``examples/openreward/echo_env.py``) as a subprocess on 127.0.0.1, on a free port."""

@@ -19,15 +19,13 @@ import time
 
 import pytest
 from agent_helpers import last_user, scripted_sampler, tool_responses
-from openreward_helpers import OrsServer, peek_then_echo
+from openreward_helpers import OPENREWARD_MISSING, OrsServer, peek_then_echo
 
 from posttrain import GRPOConfig, GRPOTrainer
 from posttrain.agents.tools import EnvironmentUnavailableError
 
 HAVE_OPENREWARD = importlib.util.find_spec("openreward") is not None
-needs_openreward = pytest.mark.skipif(
-    not HAVE_OPENREWARD, reason='the openreward package is not installed (pip install "posttrain[openreward]")'
-)
+needs_openreward = pytest.mark.skipif(not HAVE_OPENREWARD, reason=OPENREWARD_MISSING)
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
@@ -35,7 +33,7 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 @pytest.fixture(scope="module")
 def ors_server():
     if not HAVE_OPENREWARD:
-        pytest.skip('the openreward package is not installed (pip install "posttrain[openreward]")')
+        pytest.skip(OPENREWARD_MISSING)
     server = OrsServer()
     yield server
     server.stop()
@@ -46,7 +44,7 @@ def ors_server():
 def own_ors_server():
     """A server this test alone uses (it gets killed or paused)."""
     if not HAVE_OPENREWARD:
-        pytest.skip('the openreward package is not installed (pip install "posttrain[openreward]")')
+        pytest.skip(OPENREWARD_MISSING)
     server = OrsServer()
     yield server
     server.stop()

@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip(
-    "openreward", reason='the openreward package is not installed (pip install "posttrain[openreward]")'
-)
-pytest.importorskip("fastapi")
-
 _AGENTS = str(Path(__file__).resolve().parents[1] / "agents")
 if _AGENTS not in sys.path:
     sys.path.insert(0, _AGENTS)
+
+from openreward_helpers import OPENREWARD_MISSING  # noqa: E402
+
+pytest.importorskip("openreward", reason=OPENREWARD_MISSING)
+pytest.importorskip("fastapi")
 
 from agent_helpers import ScriptedLM, tool_responses  # noqa: E402
 from openreward_helpers import OrsServer, peek_then_echo  # noqa: E402

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import sys
 import tempfile
 import threading
@@ -31,19 +32,54 @@ _NO_REWARD = object()  # the verifier has not run for this rollout yet (0.0 is a
 _OUTPUT_CHARS = 8000
 
 
+# The harbor modules the sandbox backend and the registry resolution use. ``import harbor`` alone is not enough: its
+# __init__ imports lazily, so on Python 3.11 (harbor installed with --ignore-requires-python) it succeeds while these
+# raise SyntaxError (harbor 0.26 uses PEP 695 generics, ``def f[T](...)``, and PEP 701 multi-line f-strings).
+HARBOR_BACKEND_MODULES = (
+    "harbor.environments.factory",
+    "harbor.models.task.task",
+    "harbor.models.trial.config",
+    "harbor.models.trial.paths",
+    "harbor.verifier.factory",
+)
+
+
+def harbor_unavailable(modules: tuple[str, ...] = HARBOR_BACKEND_MODULES) -> str | None:
+    """Why the ``harbor`` package cannot be used here (``None`` when every one of ``modules`` imports).
+
+    Catches SyntaxError as well as ImportError: harbor requires Python >= 3.12 and, forced onto an older one, fails
+    to compile rather than to import.
+    """
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except SyntaxError as e:  # the full path: the message alone names only the file
+            return f"importing {name} failed: SyntaxError: {e.msg} ({e.filename}:{e.lineno})"
+        except ImportError as e:
+            return f"importing {name} failed: {type(e).__name__}: {e}"
+    return None
+
+
+def harbor_install_hint() -> str:
+    """How to get a working ``harbor`` package, naming this interpreter's version."""
+    return (
+        f"`pip install harbor` (it requires Python >= 3.12; this is Python {sys.version_info.major}."
+        f"{sys.version_info.minor})"
+    )
+
+
 def require_harbor(environment_type: str) -> None:
-    """Raise a clear ImportError when ``environment_type`` needs the ``harbor`` package and it is absent."""
+    """Raise a clear ImportError when ``environment_type`` needs the ``harbor`` package and it is absent or cannot
+    be imported on this Python."""
     if environment_type == BUBBLEWRAP:
         return
-    try:
-        import harbor  # noqa: F401
-    except ImportError as e:
+    problem = harbor_unavailable()
+    if problem is not None:
         raise ImportError(
             f"environment_type={environment_type!r} runs tasks in Harbor's own sandboxes and needs the harbor "
-            f"package: `pip install harbor` (it requires Python >= 3.12; this is Python "
-            f"{sys.version_info.major}.{sys.version_info.minor}). Without Docker or Harbor, use "
+            f"package: {harbor_install_hint()}; {problem}. Without Docker or Harbor, use "
             f"environment_type={BUBBLEWRAP!r}: posttrain's bubblewrap sandbox on this host's userland."
-        ) from e
+        )
 
 
 class _HarborPackageSandbox:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import importlib
 import importlib.util
 import os
@@ -12,7 +14,13 @@ from functools import cached_property, partial
 from pathlib import Path
 from typing import Any
 
-from posttrain.experimental.harbor._env import AGENTS, HarborEnv, require_harbor
+from posttrain.experimental.harbor._env import (
+    AGENTS,
+    HarborEnv,
+    harbor_install_hint,
+    harbor_unavailable,
+    require_harbor,
+)
 from posttrain.experimental.harbor._local import BUBBLEWRAP, SandboxLimits, check_supported, warn_dockerfile_not_built
 from posttrain.experimental.harbor._task import HarborTaskError, find_task_dirs, load_task, metadata_row
 
@@ -27,6 +35,76 @@ def _outcome_reward_func(
     if environments is None:
         raise ValueError("The Harbor reward needs environments=: use it with GRPOTrainer(environment_factory=...).")
     return [float(env.reward) for env in environments]
+
+
+def registry_cache_dir(name: str) -> Path:
+    """Where a Harbor registry dataset is downloaded: ``$POSTTRAIN_HARBOR_CACHE`` (default
+    ``~/.cache/posttrain/harbor``) / the name with ``/`` and ``@`` made path-safe."""
+    base = Path(os.environ.get("POSTTRAIN_HARBOR_CACHE", Path.home() / ".cache" / "posttrain" / "harbor"))
+    return base.expanduser() / name.replace("/", "__").replace("@", "--")
+
+
+def download_registry_dataset(name: str) -> list[Path]:
+    """The task directories of the Harbor registry dataset ``name`` (``"terminal-bench@2.0"``: Harbor's registry;
+    ``"org/name@ref"``: its package registry), downloaded by the ``harbor`` package as ``harbor download`` does.
+
+    Raises:
+        HarborTaskError: harbor cannot be imported here, or the download failed (offline, unknown name): the message
+            names the dataset, what was tried, and the way out (download it elsewhere and pass the directory).
+    """
+    bare, _, ref = name.partition("@")
+    if not bare or not ref:
+        raise HarborTaskError(f"Harbor dataset {name!r}: a registry name is name@version (e.g. 'terminal-bench@2.0').")
+    package = "/" in bare
+    # The client modules themselves: on Python 3.11 the factory imports but the clients do not (typing.override).
+    modules = (
+        ("harbor.registry.client.package",)
+        if package
+        else ("harbor.registry.client.factory", "harbor.registry.client.harbor.harbor")
+    )
+    fallback = (
+        f"Or run `harbor download {name} -o DIR` where harbor works and pass HarborSpec('DIR/{bare.split('/')[-1]}', "
+        f"...) (a local directory)."
+    )
+    problem = harbor_unavailable(modules)
+    if problem is not None:
+        raise HarborTaskError(
+            f"Harbor dataset {name!r} is not a local directory; as a Harbor registry name it needs the harbor "
+            f"package to resolve, which failed: {problem}. Install it: {harbor_install_hint()}. {fallback}"
+        )
+    # Written against harbor 0.26.0 (harbor/cli/download.py does the same calls); not exercised on Python 3.11,
+    # where these clients cannot import (the test for it skips there).
+    out = registry_cache_dir(name)
+    registry = "Harbor's package registry" if package else "Harbor's dataset registry"
+
+    async def fetch() -> list[Any]:
+        if package:
+            from harbor.registry.client.package import PackageDatasetClient
+
+            client: Any = PackageDatasetClient()
+        else:
+            from harbor.registry.client.factory import RegistryClientFactory
+
+            client = RegistryClientFactory.create()
+        return await client.download_dataset(name, output_dir=out, export=True)
+
+    try:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # no loop here (the usual case)
+            items = asyncio.run(fetch())
+        else:  # called from inside a running loop (a notebook): run harbor's coroutine on a loop of its own
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                items = pool.submit(asyncio.run, fetch()).result()
+    except Exception as e:  # noqa: BLE001 -- offline, unknown name or version, no access: one clear message
+        raise HarborTaskError(
+            f"Harbor dataset {name!r} is not a local directory, and downloading it from {registry} with the harbor "
+            f"package failed ({type(e).__name__}: {e}). {fallback}"
+        ) from e
+    dirs = [Path(item.downloaded_path) for item in items]
+    if not dirs:
+        raise HarborTaskError(f"Harbor dataset {name!r}: {registry} listed no tasks for it.")
+    return dirs
 
 
 def _load_module_from_file(path: str) -> Any:
@@ -71,8 +149,10 @@ class HarborSpec:
     """A Harbor task suite for ``GRPOTrainer``: read ``train_dataset``, ``environment_factory`` and ``reward_funcs``.
 
     Args:
-        dataset: A local directory of Harbor tasks (holding the task directories, or a ``tasks/`` subtree), or a
-            Hugging Face dataset repo id whose ``tasks/`` tree is downloaded (TRL's behaviour).
+        dataset: A local directory of Harbor tasks (holding the task directories, or a ``tasks/`` subtree), a
+            Hugging Face dataset repo id whose ``tasks/`` tree is downloaded (TRL's behaviour), or a Harbor registry
+            name (``"terminal-bench@2.0"``, ``"org/name@ref"``; beyond TRL) downloaded by the ``harbor`` package
+            into ``$POSTTRAIN_HARBOR_CACHE`` (default ``~/.cache/posttrain/harbor``).
         agent: The harness: ``"bash"`` (:class:`HarborBashEnv`), ``"package.module:Class"``,
             ``"path/to/file.py:Class"``, or a :class:`HarborEnv` subclass.
         environment_type: ``"bubblewrap"`` (posttrain's sandbox on this host: no Docker, no credentials; see
@@ -116,10 +196,23 @@ class HarborSpec:
         self.sandbox_limits = sandbox_limits
         self.env_cls = resolve_agent(agent)
 
-    def _suite_root(self) -> Path:
-        local = Path(self.dataset)
-        if local.exists() or self.dataset.startswith((".", "/", "~")) or self.dataset.count("/") != 1:
-            return local.expanduser()
+    def _suite_root(self) -> Path | list[Path]:
+        """A local suite root, or the task directories Harbor's registry downloaded.
+
+        Resolution order: an existing local path (or one spelled as a path); a Harbor registry name (it contains
+        ``@``: ``"terminal-bench@2.0"``, ``"org/name@ref"``; never a valid Hub repo id), resolved by the ``harbor``
+        package; an ``owner/name`` Hugging Face dataset repo id holding a ``tasks/`` tree (TRL's behaviour).
+        """
+        local = Path(self.dataset).expanduser()
+        if local.exists() or self.dataset.startswith((".", "/", "~")):
+            return local
+        if "@" in self.dataset:
+            return download_registry_dataset(self.dataset)
+        if self.dataset.count("/") != 1:
+            raise HarborTaskError(
+                f"Harbor dataset {self.dataset!r} is not a local directory, nor a Hugging Face dataset repo id "
+                "(owner/name), nor a Harbor registry name (name@version, e.g. 'terminal-bench@2.0'; org/name@ref)."
+            )
         from huggingface_hub import snapshot_download  # a Hub dataset repo id holding a tasks/ tree
 
         try:
@@ -127,13 +220,15 @@ class HarborSpec:
         except Exception as e:  # noqa: BLE001 -- offline, missing repo, no access: one clear message
             raise HarborTaskError(
                 f"Harbor dataset {self.dataset!r} is not a local directory, and downloading it as a Hugging Face "
-                f"dataset repo failed ({type(e).__name__}: {e})."
+                f"dataset repo failed ({type(e).__name__}: {e}). For a Harbor registry dataset, add its version "
+                f"({self.dataset}@<version>)."
             ) from e
 
     @cached_property
     def task_dirs(self) -> list[Path]:
         """The selected task directories, in suite order (checked for the ``"bubblewrap"`` backend)."""
-        dirs = find_task_dirs(self._suite_root())
+        root = self._suite_root()
+        dirs = sorted(root, key=lambda p: p.name) if isinstance(root, list) else find_task_dirs(root)
         if self.indices is not None:
             bad = [i for i in self.indices if i >= len(dirs)]
             if bad:
