@@ -113,14 +113,11 @@ def block_attention(
     query_t, key_t, value_t = (
         x.transpose(1, 2).reshape(x.shape[0] * x.shape[2], x.shape[1], x.shape[3]) for x in (query, key, value)
     )
-    # one gather per tensor for all buckets (then split): one gradient buffer and one index_add each in the backward
-    query_index = [bucket.pack * length + bucket.query_pos for bucket in buckets]  # (nb, Q) per bucket
-    key_index = [bucket.pack * length + bucket.key_pos for bucket in buckets]  # (nb, K) per bucket
-    queries = _gather_split(query_t, query_index)
-    keys, vals = _gather_split(key_t, key_index), _gather_split(value_t, key_index)
     values, packs, positions = [], [], []
-    for bucket, q, k, v in zip(buckets, queries, keys, vals):
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (nb, H, Q, D), (nb, Hk, K, D)
+    for bucket in buckets:
+        q = _gather_positions(query_t, bucket.pack * length + bucket.query_pos).transpose(1, 2)  # (nb, H, Q, D)
+        k = _gather_positions(key_t, bucket.pack * length + bucket.key_pos).transpose(1, 2)  # (nb, Hk, K, D)
+        v = _gather_positions(value_t, bucket.pack * length + bucket.key_pos).transpose(1, 2)
         tiles = F.scaled_dot_product_attention(q, k, v, attn_mask=bucket.allowed, scale=scale, enable_gqa=enable_gqa)
         tiles = tiles.transpose(1, 2).reshape(-1, *tiles.shape[1:2], tiles.shape[-1])  # (nb·Q, H, D)
         values.append(tiles.index_select(0, bucket.valid_block * q.shape[2] + bucket.valid_slot))  # (n, H, D)
@@ -134,24 +131,8 @@ def block_attention(
     return out.transpose(1, 2)  # (N, H, L, D), a view of the (N, L, H, D) buffer
 
 
-def _gather_split(flat: torch.Tensor, indices: list[torch.Tensor]) -> list[torch.Tensor]:
-    """:func:`_gather_positions` of several index tensors ``(nb_i, S_i)`` as one gather: ``[(nb_i, S_i, H, D)]``.
-
-    One ``index_select`` instead of one per bucket: its backward fills one ``(N·L, H, D)`` gradient buffer and adds
-    every bucket's rows into it in one ``index_add_`` (index order, deterministic on CPU as before), instead of a
-    zero buffer and a sum per bucket."""
-    if len(indices) == 1:
-        return [_gather_positions(flat, indices[0])]
-    rows = _gather_positions(flat, torch.cat([index.reshape(-1) for index in indices]))  # (Σ nb_i·S_i, H, D)
-    out, start = [], 0
-    for index in indices:
-        out.append(rows[start : start + index.numel()].view(*index.shape, *flat.shape[1:]))
-        start += index.numel()
-    return out
-
-
 def _gather_positions(flat: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Rows ``index`` ``(nb, S)`` (or flat ``(n,)``) of ``flat`` ``(N·L, H, D)`` as ``(nb, S, H, D)``.
+    """Rows ``index`` ``(nb, S)`` of ``flat`` ``(N·L, H, D)`` as ``(nb, S, H, D)``.
 
     ``index_select``, not ``flat[index]`` (every gather here uses it): a key position is gathered by several blocks
     (a shared prompt's keys by every completion behind it), and the backward of advanced indexing on CPU adds those
