@@ -317,18 +317,7 @@ def _materialize(
     flat_pos[index[own]] = positions[own].to(torch.long)
     first = torch.zeros(total, dtype=torch.bool, device=device)
     first[torch.tensor(starts, device=device)] = True
-    # dense (N, N) mask: causal inside a segment, plus the source's shared tokens
-    seg_of = torch.repeat_interleave(
-        torch.arange(len(segments), device=device), torch.tensor([s.length for s in segments], device=device)
-    )
-    anc_lo = torch.tensor(
-        [row_start[s.source] if s.source >= 0 else 0 for s in segments], dtype=torch.long, device=device
-    )
-    anc_hi = anc_lo + torch.tensor([s.skip for s in segments], dtype=torch.long, device=device)
-    pos = torch.arange(total, device=device)
-    dense = (seg_of.unsqueeze(1) == seg_of.unsqueeze(0)) & (pos.unsqueeze(0) <= pos.unsqueeze(1))
-    dense |= (pos.unsqueeze(0) >= anc_lo[seg_of].unsqueeze(1)) & (pos.unsqueeze(0) < anc_hi[seg_of].unsqueeze(1))
-    dense = dense.view(1, 1, total, total)
+    dense = _dense_mask(segments, starts, row_start, total, device).view(1, 1, total, total)
     blocks = _blocks(segments, starts, chunk)
     buckets, _ = bucket_blocks([(len(q), len(k)) for _, q, k in blocks])
     index_buckets = tuple(BlockIndex.from_mask(dense, [blocks[i] for i in bucket]) for bucket in buckets)
@@ -341,3 +330,24 @@ def _materialize(
         first=first.unsqueeze(0),
         shared=any(seg.source >= 0 for seg in segments),
     )
+
+
+def _dense_mask(
+    segments: list[_Segment], starts: list[int], row_start: dict[int, int], total: int, device: torch.device
+) -> torch.Tensor:
+    """The flat row's ``(N, N)`` bool mask: causal inside each segment, plus each sharing segment's view of its
+    source's first ``skip`` tokens.
+
+    Written block by block (a causal triangle per segment, a full rectangle per shared prefix) into a zero mask,
+    so the work is the allowed pairs (about ``Σ n_i² / 2``), not ``N²`` comparisons per condition.
+    """
+    dense = torch.zeros((total, total), dtype=torch.bool, device=device)
+    longest = max(seg.length for seg in segments)
+    causal = torch.ones((longest, longest), dtype=torch.bool, device=device).tril_()
+    for seg, start in zip(segments, starts):
+        end = start + seg.length
+        dense[start:end, start:end] = causal[: seg.length, : seg.length]
+        if seg.source >= 0:
+            lo = row_start[seg.source]
+            dense[start:end, lo : lo + seg.skip] = True
+    return dense

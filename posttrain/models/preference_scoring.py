@@ -206,18 +206,21 @@ def score_preference_completions(
     scores = PreferenceScores(
         logps=stats.logps, mask=stats.mask, entropy=stats.entropy, correct=stats.correct, aux_loss=stats.aux_loss
     )
-    if stats.padding_free is not None and len(captured) == 1:  # one flat row: back to the (B, T) rows
-        hidden = stats.padding_free.to_rows(captured[0])
+    sel = stats.mask[:, 1:]  # position t-1 predicts token t
+    predictors = None  # (n, H): the LM head's input at the positions that predict the scored tokens
+    layout = stats.padding_free
+    if layout is not None and len(captured) == 1 and captured[0].dim() == 3:  # one flat row: read it directly
+        predictors = captured[0][0].index_select(0, layout.index[:, :-1][sel])
     else:
         hidden = _captured_hidden(captured, model, attention_mask, input_ids.shape[1])
-    if head is not None and hidden is not None and hidden.dim() == 3 and hidden.shape[1] >= input_ids.shape[1]:
-        hidden = hidden[:, -input_ids.shape[1] :]
-        sel = stats.mask[:, 1:]  # position t-1 predicts token t
+        if hidden is not None and hidden.dim() == 3 and hidden.shape[1] >= input_ids.shape[1]:
+            predictors = hidden[:, -input_ids.shape[1] :][:, :-1][sel]
+    if head is not None and predictors is not None:
         argmax_mask = None
         if accuracy_rows is not None:
             argmax_mask = accuracy_rows.to(sel.device).unsqueeze(1).expand_as(sel)[sel]
         head_stats = _head_stats(
-            hidden[:, :-1][sel],
+            predictors,
             head,
             mean_logits=compute_mean_logits,
             wpo=compute_wpo,
