@@ -35,7 +35,13 @@ from typing import Any
 import torch
 
 from posttrain.core.categorical import TWO_LEVEL_MIN_VOCAB, inverse_cdf, inverse_cdf_two_level
-from posttrain.core.sampling_mask import SAMPLING_MASK_MAX_IDS, describe_kept_support, sampling_mask_entries
+from posttrain.core.sampling_mask import (
+    SAMPLING_MASK_MAX_IDS,
+    describe_kept_support,
+    describe_top_k_support,
+    sampling_mask_entries,
+    truncate_top_k,
+)
 from posttrain.core.scratch import ScratchBuffers
 from posttrain.generation.base import Completions, SamplingConfig
 from posttrain.generation.host_memory import release_freed_host_memory
@@ -95,6 +101,21 @@ def split_truncation(processors: Any) -> tuple[Any, Any]:
     before = LogitsProcessorList([p for p in processors if not isinstance(p, cut)])
     truncation = LogitsProcessorList([p for p in processors if isinstance(p, cut)])
     return before, truncation
+
+
+def _top_k_first(truncation: Any, vocab: int) -> tuple[int, Any]:
+    """``(k, rest)`` when ``truncation`` starts with a top-k warper keeping 1 ≤ k ≤ ``SAMPLING_MASK_MAX_IDS`` of
+    ``vocab`` tokens (filter −inf): the decode loop then truncates with :func:`truncate_top_k` and applies ``rest``
+    (a processor list, None when empty) after it. ``(0, None)`` otherwise: the warpers run as they are."""
+    from transformers import LogitsProcessorList, TopKLogitsWarper
+
+    if not truncation or not isinstance(truncation[0], TopKLogitsWarper):
+        return 0, None
+    warper = truncation[0]
+    k = min(warper.top_k, vocab)
+    if not (1 <= k < vocab and k <= SAMPLING_MASK_MAX_IDS and warper.filter_value == float("-inf")):
+        return 0, None
+    return k, (LogitsProcessorList(truncation[1:]) if len(truncation) > 1 else None)
 
 
 def sample_categorical(
@@ -382,6 +403,8 @@ class GroupSampler:
         record_support = record_kept and support is not None
         support_rows = s.max_new_tokens * len(source) if record_support else 0
         step_ids = torch.empty((support_rows, SAMPLING_MASK_MAX_IDS), dtype=torch.int32, device=device)
+        # top_k ≤ 16 first: one topk both truncates and names the kept ids (no pass over the vocabulary to find them)
+        top_k_cut, after_top_k = _top_k_first(truncation, vocab) if record_support else (0, None)
         step_threshold = torch.empty(support_rows, dtype=torch.float32, device=device)
         step_logprobs: list[tuple[list[int], int]] = []  # (rows, offset of their log-probs in step_lps) per step
         written = 0
@@ -392,7 +415,12 @@ class GroupSampler:
                 repetition.prompt_ignore_length = pad_lens
             if record_kept:
                 untruncated = before(history, logits)  # (R, V) after repetition penalty and temperature
-                scores = truncation(history, untruncated)  # (R, V) float32, processed as in generate
+                if top_k_cut:
+                    scores, top_ids, untied = truncate_top_k(untruncated, top_k_cut)  # the top-k warper's scores
+                    if after_top_k:
+                        scores = after_top_k(history, scores)  # top-p / min-p narrow the top-k set further
+                else:
+                    scores = truncation(history, untruncated)  # (R, V) float32, processed as in generate
             else:
                 scores = processors(history, logits)  # (R, V) float32, processed as in generate
             if s.do_sample:
@@ -409,9 +437,12 @@ class GroupSampler:
                     full_lse = logsumexp_rows(untruncated, scratch.view(1, len(rows), vocab))
                     torch.sub(lse, full_lse, out=step_kept[written : written + len(rows)]).clamp_(max=0.0)
                     if record_support:
-                        ids, threshold = describe_kept_support(  # (R, 16), (R,); the lse scratch is free now
-                            untruncated, scores, out=scratch.view(1, len(rows), vocab)
-                        )
+                        if top_k_cut and bool(untied.all()):  # the kept ids are among the top-k ones
+                            ids, threshold = describe_top_k_support(scores, top_ids)  # (R, 16), (R,)
+                        else:
+                            ids, threshold = describe_kept_support(  # (R, 16), (R,); the lse scratch is free now
+                                untruncated, scores, out=scratch.view(1, len(rows), vocab)
+                            )
                         step_ids[written : written + len(rows)] = ids
                         step_threshold[written : written + len(rows)] = threshold
                     del untruncated
