@@ -544,15 +544,16 @@ class _Support:
     for a 256 × 2048 block; the former ``z · k + fill · (1 − k)`` took three passes, 0.23 ms). ``ids`` None: no row
     lists ids (threshold-form rows), so only the label column is written back."""
 
-    def __init__(self, ids, threshold, labels, buf, block, neg_anchor=None, col_block=None, col_local=None):
+    def __init__(self, ids, threshold, labels, buf, block, vocab, fill=None, kept_cols=None):
         self.ids, self.threshold, self.labels, self.buf, self.block = ids, threshold, labels, buf, block
-        self.neg_anchor, self.col_block, self.col_local = neg_anchor, col_block, col_local
+        self.vocab, self.fill, self.kept_cols = vocab, fill, kept_cols
 
     @classmethod
     def make(cls, ids, threshold, labels, rows: int, vocab_chunk_size: int | None, weight) -> _Support:
-        cols = weight.shape[0] if vocab_chunk_size is None else min(vocab_chunk_size, weight.shape[0])
+        vocab = weight.shape[0]
+        cols = vocab if vocab_chunk_size is None else min(vocab_chunk_size, vocab)
         buf = torch.empty(rows * (cols + 1), dtype=torch.float32, device=labels.device)
-        return cls(ids, threshold.unsqueeze(-1), labels, buf, cols)
+        return cls(ids, threshold.unsqueeze(-1), labels, buf, cols, vocab)
 
     def rows(self, s: int, e: int, h32: torch.Tensor, w32: torch.Tensor, b32, temperature: float) -> _Support:
         """The rows ``[s, e)``, with their fill value (label logit − gap, from ``h32``, the chunk's hidden states)
@@ -562,22 +563,26 @@ class _Support:
         label_logit = (h32 * w32[safe]).sum(-1)  # (c,)
         if b32 is not None:
             label_logit = label_logit + b32[safe]
-        neg_anchor = DROPPED_LOGIT_GAP - label_logit / temperature  # −(fill)
+        fill = label_logit / temperature - DROPPED_LOGIT_GAP  # (c,)
         kept = labels.unsqueeze(-1) if self.ids is None else torch.cat([self.ids[s:e].long(), labels[:, None]], 1)
-        col_block = kept.div(self.block, rounding_mode="floor")  # (c, K + 1); −1 padding / −100: a negative block
+        # every block's columns of the kept ids and label at once, (blocks, c, K + 1): the spare column b where a
+        # kept id lies outside the block (−1 padding and an ignored label −100 included)
+        n_blocks = -(-self.vocab // self.block)
+        col_block = kept.div(self.block, rounding_mode="floor")  # (c, K + 1)
+        here = col_block.unsqueeze(0) == torch.arange(n_blocks, device=kept.device).view(-1, 1, 1)
+        kept_cols = torch.where(here, kept - col_block * self.block, self.block)
         ids = None if self.ids is None else self.ids[s:e]
-        return _Support(
-            ids, self.threshold[s:e], labels, self.buf, self.block, neg_anchor.unsqueeze(-1), col_block,
-            kept - col_block * self.block,
-        )  # fmt: skip
+        return _Support(ids, self.threshold[s:e], labels, self.buf, self.block, self.vocab, fill[:, None], kept_cols)
 
     def apply_(self, z: torch.Tensor, v0: int) -> None:
         c, b = z.shape
         drop = self.buf[: c * (b + 1)].view(c, b + 1)  # the spare last column absorbs ids outside the block
         torch.lt(z, self.threshold, out=drop[:, :b])  # 1.0 where z < τ
-        cols = torch.where(self.col_block == v0 // self.block, self.col_local, b)  # blocks start at multiples
+        cols = self.kept_cols[v0 // self.block]  # (c, K + 1); blocks start at multiples of the block size
+        if b < self.block:  # the last, shorter block: its spare column is b
+            cols = cols.clamp(max=b)
         drop.scatter_(1, cols, 0.0)  # the kept ids and the label
-        z.lerp_((-self.neg_anchor).expand(c, b), drop[:, :b])  # z where kept, the fill where dropped
+        z.lerp_(self.fill.expand(c, b), drop[:, :b])  # z where kept, the fill where dropped
 
 
 # Vocabulary tiling: with a large vocabulary a chunk of c tokens × all V logits is big (16 tokens × 151 936 rows
