@@ -771,9 +771,11 @@ def chunked_logprobs_from_hidden(
         sampling_mask: ``(ids (..., K), threshold (...))`` with the leading shape of ``labels``: each position's
             kept support under the sampler's top-k / top-p / min-p (:mod:`posttrain.core.sampling_mask`). The
             log-softmax, the entropy and their gradients are then over that support only,
-            log p_y = z_y − logsumexp_{v kept} z_v (a dropped logit is set 60 nats below the label's, p < 1e−26 · p_y:
-            zero to float32 precision; one chunk or vocabulary block at a time: still no ``N × V`` logits, and a
-            bool ``chunk × block`` buffer is the only extra memory). The label
+            log p_y = z_y − logsumexp_{v kept} z_v. A position described by ids alone (threshold +inf) needs only
+            its ≤ K + 1 kept logits: it is computed from those (a gather of head rows, no vocabulary pass). The
+            others go through the chunks: a dropped logit is set 60 nats below the label's, p < 1e−26 · p_y, zero
+            to float32 precision; one chunk or vocabulary block at a time, still no ``N × V`` logits, and a float
+            ``chunk × block`` buffer is the only extra memory. The label
             is always kept; threshold −inf with no ids is the full softmax. None: the full softmax everywhere.
 
     Returns:
