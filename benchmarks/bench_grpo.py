@@ -120,7 +120,7 @@ def sampling_mask_micro(opts: argparse.Namespace) -> None:
 
     from posttrain.generation import GroupSampler, SamplingConfig
     from posttrain.models.completion_scoring import completion_token_stats
-    from posttrain.models.tiny import BIG_VOCAB_SIZE, build_tiny_model, build_tiny_tokenizer
+    from posttrain.models.tiny import build_tiny_model, build_tiny_tokenizer
     from posttrain.rollout.pipeline import collate_completions
 
     torch.set_num_threads(opts.threads)
@@ -128,8 +128,9 @@ def sampling_mask_micro(opts: argparse.Namespace) -> None:
     tokenizer = build_tiny_tokenizer("left")
     prompts = [tokenizer(f"What is {i} + {3 * i}? Answer:")["input_ids"] for i in range(2)]
     for model_name in opts.models.split(","):
-        vocab = BIG_VOCAB_SIZE if model_name == "bigvocab" else None
-        model = build_tiny_model("qwen2", tokenizer=tokenizer, vocab_size=vocab)
+        if model_name not in common.MODEL_SPECS or "vlm" in common.MODEL_SPECS[model_name]:
+            raise ValueError(f"--models: {model_name!r} is not a text model of benchmarks/common.py MODEL_SPECS.")
+        model = build_tiny_model("qwen2", tokenizer=tokenizer, **common.MODEL_SPECS[model_name])
         times: dict[str, dict[bool, list[float]]] = {"generate": {False: [], True: []}, "score": {False: [], True: []}}
         batches = {}
         for r in range(opts.repeats + 1):  # round 0 warms up

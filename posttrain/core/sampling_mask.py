@@ -44,9 +44,11 @@ __all__ = [
     "apply_sampling_mask",
     "collate_sampling_mask",
     "describe_kept_support",
+    "describe_top_k_support",
     "sampling_mask_entries",
     "sampling_mask_keep",
     "support_columns",
+    "truncate_top_k",
 ]
 
 SAMPLING_MASK_MAX_IDS = 16  # ids per token before switching to the threshold form (payload: 16 ints per token at most)
@@ -99,6 +101,51 @@ def describe_kept_support(
         threshold.masked_fill_(max_dropped >= min_kept, float("-inf"))  # a tie at the cut: no threshold separates it
         threshold.masked_fill_(small, float("inf"))
     return ids, threshold
+
+
+def truncate_top_k(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Top-k truncation that also returns the kept ids: one ``topk`` for both (issue 40's cost work).
+
+    The truncated scores are the top-k warper's, bit for bit: every score below the k-th largest becomes −inf (ties
+    at the k-th score are kept). One extra candidate, the (k + 1)-th, tells whether a tie crosses the cut.
+
+    Args:
+        scores: ``(R, V)`` processed scores (after penalty and temperature).
+        k: the number of tokens kept, ``1 ≤ k < V``.
+
+    Returns:
+        ``(truncated (R, V), top ids (R, k) int64 in decreasing score order, untied (R,) bool)``; ``untied`` rows keep
+        exactly their top ids (the k-th score is strictly above the (k + 1)-th).
+    """
+    vocab = scores.shape[-1]
+    if not 1 <= k < vocab:
+        raise ValueError(f"truncate_top_k needs 1 <= k < V = {vocab}, got k = {k}.")
+    values, top = scores.topk(k + 1, dim=-1)  # (R, k + 1), decreasing
+    truncated = scores.masked_fill(scores < values[:, k - 1 : k], float("-inf"))
+    return truncated, top[:, :k], values[:, k] < values[:, k - 1]
+
+
+def describe_top_k_support(
+    truncated: torch.Tensor, top: torch.Tensor, max_ids: int = SAMPLING_MASK_MAX_IDS
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`describe_kept_support` for rows whose kept set lies within known candidate ids, without a pass over
+    the vocabulary: after a top-k cut (:func:`truncate_top_k`, untied rows), possibly narrowed further by top-p /
+    min-p, the kept set is the candidates whose truncated score is still finite.
+
+    Args:
+        truncated: ``(R, V)`` the final truncated scores (−inf outside the kept set).
+        top: ``(R, k)`` candidate ids containing every kept id, ``k ≤ max_ids``.
+
+    Returns:
+        ``(ids (R, max_ids) int32, −1 padded, threshold (R,) float32 +inf)``: the ids form for every row.
+    """
+    rows, k = top.shape
+    if k > max_ids:
+        raise ValueError(f"describe_top_k_support takes at most max_ids = {max_ids} candidates, got {k}.")
+    ids = torch.full((rows, max_ids), -1, dtype=torch.int32, device=truncated.device)
+    kept = truncated.gather(-1, top) != float("-inf")  # (R, k)
+    ids[:, :k] = torch.where(kept, top, -1).to(torch.int32)
+    return ids, torch.full((rows,), float("inf"), dtype=torch.float32, device=truncated.device)
 
 
 def sampling_mask_entries(ids: torch.Tensor, threshold: torch.Tensor) -> list[SamplingMaskEntry]:

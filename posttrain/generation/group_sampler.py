@@ -35,7 +35,13 @@ from typing import Any
 import torch
 
 from posttrain.core.categorical import TWO_LEVEL_MIN_VOCAB, inverse_cdf, inverse_cdf_two_level
-from posttrain.core.sampling_mask import SAMPLING_MASK_MAX_IDS, describe_kept_support, sampling_mask_entries
+from posttrain.core.sampling_mask import (
+    SAMPLING_MASK_MAX_IDS,
+    describe_kept_support,
+    describe_top_k_support,
+    sampling_mask_entries,
+    truncate_top_k,
+)
 from posttrain.core.scratch import ScratchBuffers
 from posttrain.generation.base import Completions, SamplingConfig
 from posttrain.generation.host_memory import release_freed_host_memory
@@ -95,6 +101,21 @@ def split_truncation(processors: Any) -> tuple[Any, Any]:
     before = LogitsProcessorList([p for p in processors if not isinstance(p, cut)])
     truncation = LogitsProcessorList([p for p in processors if isinstance(p, cut)])
     return before, truncation
+
+
+def _top_k_first(truncation: Any, vocab: int) -> tuple[int, Any]:
+    """``(k, rest)`` when ``truncation`` starts with a top-k warper keeping 1 ≤ k ≤ ``SAMPLING_MASK_MAX_IDS`` of
+    ``vocab`` tokens (filter −inf): the decode loop then truncates with :func:`truncate_top_k` and applies ``rest``
+    (a processor list, None when empty) after it. ``(0, None)`` otherwise: the warpers run as they are."""
+    from transformers import LogitsProcessorList, TopKLogitsWarper
+
+    if not truncation or not isinstance(truncation[0], TopKLogitsWarper):
+        return 0, None
+    warper = truncation[0]
+    k = min(warper.top_k, vocab)
+    if not (1 <= k < vocab and k <= SAMPLING_MASK_MAX_IDS and warper.filter_value == float("-inf")):
+        return 0, None
+    return k, (LogitsProcessorList(truncation[1:]) if len(truncation) > 1 else None)
 
 
 def sample_categorical(
@@ -215,9 +236,9 @@ class GroupSampler:
         kept_mass: list[list[float]] | None = (
             [[] for _ in range(n_rows)] if logprobs is not None and truncation else None
         )
-        # the kept support per token (keep_sampling_mask): recorded alongside the kept mass, when truncation happens
+        # the kept support per token (keep_sampling_mask): recorded when truncation happens, with or without log-probs
         support: list[list[Any]] | None = (
-            [[] for _ in range(n_rows)] if kept_mass is not None and s.return_sampling_mask else None
+            [[] for _ in range(n_rows)] if truncation and s.return_sampling_mask else None
         )
         finished = [False] * n_rows
         self.last_top_logprobs = [[] for _ in range(n_rows)] if self.return_logprobs and self.top_logprobs > 0 else None
@@ -299,7 +320,7 @@ class GroupSampler:
         ``vision``: each prompt's vision inputs (prompts with images are never merged: equal ids, other images).
         ``kept_mass``: when given (truncated sampling with log-probs), each token's log kept mass is appended.
         ``routing``: ``(RoutingRecorder, per-row output list)`` to record the MoE routing of every fed token.
-        ``support``: when given (with ``kept_mass``), each token's kept-support entry is appended."""
+        ``support``: when given, each token's kept-support entry is appended (with or without log-probs)."""
         from transformers import DynamicCache
 
         from posttrain.generation.kv_cache import preallocate_cache
@@ -379,20 +400,28 @@ class GroupSampler:
         step_kept = torch.empty(
             s.max_new_tokens * len(source) if record_kept else 0, dtype=torch.float32, device=device
         )
-        record_support = record_kept and support is not None
+        record_support = support is not None and len(truncation) > 0
         support_rows = s.max_new_tokens * len(source) if record_support else 0
         step_ids = torch.empty((support_rows, SAMPLING_MASK_MAX_IDS), dtype=torch.int32, device=device)
+        # top_k ≤ 16 first: one topk both truncates and names the kept ids (no pass over the vocabulary to find them)
+        top_k_cut, after_top_k = _top_k_first(truncation, vocab) if record_support else (0, None)
         step_threshold = torch.empty(support_rows, dtype=torch.float32, device=device)
         step_logprobs: list[tuple[list[int], int]] = []  # (rows, offset of their log-probs in step_lps) per step
-        written = 0
+        step_support: list[tuple[list[int], int]] = []  # (rows, offset of their supports in step_ids) per step
+        written = described = 0
         top_k = min(self.top_logprobs, vocab) if self.last_top_logprobs is not None else 0
         step_tops: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []  # (rows, values (R, N), ids (R, N))
         for step in range(s.max_new_tokens):
             if repetition is not None:
                 repetition.prompt_ignore_length = pad_lens
-            if record_kept:
+            if record_kept or record_support:
                 untruncated = before(history, logits)  # (R, V) after repetition penalty and temperature
-                scores = truncation(history, untruncated)  # (R, V) float32, processed as in generate
+                if top_k_cut:
+                    scores, top_ids, untied = truncate_top_k(untruncated, top_k_cut)  # the top-k warper's scores
+                    if after_top_k:
+                        scores = after_top_k(history, scores)  # top-p / min-p narrow the top-k set further
+                else:
+                    scores = truncation(history, untruncated)  # (R, V) float32, processed as in generate
             else:
                 scores = processors(history, logits)  # (R, V) float32, processed as in generate
             if s.do_sample:
@@ -408,18 +437,24 @@ class GroupSampler:
                     # log S = logsumexp(kept) − logsumexp(all), ≤ 0 (clamped: the two sums round independently)
                     full_lse = logsumexp_rows(untruncated, scratch.view(1, len(rows), vocab))
                     torch.sub(lse, full_lse, out=step_kept[written : written + len(rows)]).clamp_(max=0.0)
-                    if record_support:
-                        ids, threshold = describe_kept_support(  # (R, 16), (R,); the lse scratch is free now
-                            untruncated, scores, out=scratch.view(1, len(rows), vocab)
-                        )
-                        step_ids[written : written + len(rows)] = ids
-                        step_threshold[written : written + len(rows)] = threshold
-                    del untruncated
                 step_logprobs.append((rows, written))
                 written += len(rows)
                 if top_k:
                     values, ids = scores.topk(top_k, dim=-1)
                     step_tops.append((rows, values - lse[:, None], ids))
+            if record_support:
+                if top_k_cut and bool(untied.all()):  # the kept ids are among the top-k ones
+                    ids, threshold = describe_top_k_support(scores, top_ids)  # (R, 16), (R,)
+                else:
+                    ids, threshold = describe_kept_support(  # (R, 16), (R,); the lse scratch is free now
+                        untruncated, scores, out=scratch.view(1, len(rows), vocab)
+                    )
+                step_ids[described : described + len(rows)] = ids
+                step_threshold[described : described + len(rows)] = threshold
+                step_support.append((rows, described))
+                described += len(rows)
+            if record_kept or record_support:
+                del untruncated
             # The one host transfer per step: finished rows and the next decode batch are decided on the host.
             keep = []
             for i, (r, t) in enumerate(zip(rows, tokens.tolist())):
@@ -465,11 +500,11 @@ class GroupSampler:
                 for step_rows, _ in step_logprobs:
                     for r in step_rows:
                         kept_mass[r].append(next(it))
-            if record_support and support is not None:
-                entries = iter(sampling_mask_entries(step_ids[:written].cpu(), step_threshold[:written].cpu()))
-                for step_rows, _ in step_logprobs:
-                    for r in step_rows:
-                        support[r].append(next(entries))
+        if record_support and support is not None and step_support:
+            entries = iter(sampling_mask_entries(step_ids[:described].cpu(), step_threshold[:described].cpu()))
+            for step_rows, _ in step_support:
+                for r in step_rows:
+                    support[r].append(next(entries))
         if routing_log is not None:
             lengths = [len(completion_ids[row_offset + i]) for i in range(len(source))]
             for i, value in enumerate(routing_log.rows(lengths)):

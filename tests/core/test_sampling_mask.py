@@ -177,3 +177,74 @@ def test_entries_and_collation_round_trip():
     assert out_threshold[0, 3] == -INF and (out_threshold[1] == -INF).all() and (out_ids[1] == -1).all()
     with pytest.raises(ValueError, match="more than the 3 allowed"):
         collate_sampling_mask([[[1, 2, 3, 4]]], width=1, max_ids=3)
+
+
+def test_truncate_top_k_is_the_warper_and_names_the_kept_ids():
+    """One topk both truncates (bit for bit the transformers top-k warper, ties at the cut kept) and names the kept
+    ids; rows with a tie at the cut are flagged (their kept set can exceed k)."""
+    from posttrain.core.sampling_mask import describe_top_k_support, truncate_top_k
+
+    g = torch.Generator().manual_seed(2)
+    scores = torch.randn(5, 200, generator=g)
+    scores[3, :4] = scores[3].max() + 1.0  # four tied leaders with k = 3: a tie across the cut
+    truncated, top, untied = truncate_top_k(scores, 3)
+    assert torch.equal(truncated, _warp("top_k", 3, scores))
+    assert untied.tolist() == [True, True, True, False, True]
+    ids, threshold = describe_top_k_support(truncated, top)
+    ref_ids, ref_threshold = describe_kept_support(scores, truncated)
+    assert ids.shape == (5, 16) and (threshold == INF).all()
+    for row in (0, 1, 2, 4):  # untied rows: the same kept set as the general description
+        assert set(ids[row].tolist()) - {-1} == set(ref_ids[row].tolist()) - {-1} and len(set(ids[row].tolist())) == 4
+    narrowed = _warp("top_p", 0.5, truncated)  # top-p after top-k keeps a subset of the top ids
+    ids, _ = describe_top_k_support(narrowed, top)
+    assert torch.equal(
+        torch.isfinite(apply_sampling_mask(scores, narrowed.argmax(-1), ids, ids.new_zeros(5).float() + INF))[
+            [0, 1, 2, 4]
+        ],
+        torch.isfinite(narrowed)[[0, 1, 2, 4]],
+    )
+    with pytest.raises(ValueError, match="1 <= k < V"):
+        truncate_top_k(scores, 200)
+
+
+@pytest.mark.parametrize("vocab_chunk_size", [None, 5])
+def test_ids_form_rows_alone_take_the_sparse_path_exactly(vocab_chunk_size):
+    """Every row in ids form (the sparse path: only the kept logits are computed), duplicated ids and an ignored
+    position among them: values and gradients equal the naive masked softmax."""
+    hidden, weight, bias, labels, _, _ = _random_problem(seed=3)
+    n = labels.shape[0]
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, 37, (n, 4), generator=g, dtype=torch.int32)
+    ids[:, 3] = ids[:, 0]  # a duplicate id per row
+    ids[5, 1:] = -1
+    threshold = torch.full((n,), INF)
+    labels = labels.clone()
+    labels[2] = -100  # an ignored position: logp 0, no gradient, entropy over its ids
+    results = []
+    for kind in ("kernel", "naive"):
+        leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+        if kind == "kernel":
+            logp, entropy = chunked_logprobs_from_hidden(
+                leaves[0], leaves[1], labels, bias=leaves[2], temperature=0.7, chunk_size=4,
+                vocab_chunk_size=vocab_chunk_size, compute_entropy=True, entropy_requires_grad=True,
+                sampling_mask=(ids, threshold),
+            )  # fmt: skip
+        else:
+            safe = labels.clamp(min=0)
+            logp, entropy = _naive(*leaves, safe, 0.7, ids, threshold)
+            keep_label_out = safe != labels  # the naive reference keeps the (clamped) label: recompute row 2
+            ids2 = ids[2:3].long()
+            z2 = (leaves[0][2:3] @ leaves[1].T + leaves[2]) / 0.7
+            kept = torch.zeros_like(z2, dtype=torch.bool).scatter_(1, ids2, True)
+            lp2 = torch.log_softmax(z2.masked_fill(~kept, float("-inf")), -1)
+            ent2 = -(lp2.exp() * torch.where(kept, lp2, torch.zeros_like(lp2))).sum(-1)
+            logp = torch.where(keep_label_out, torch.zeros_like(logp), logp)
+            entropy = torch.cat([entropy[:2], ent2, entropy[3:]])
+        grads = torch.autograd.grad(logp.sum() + 0.5 * entropy.sum(), leaves)
+        results.append((logp.detach(), entropy.detach(), grads))
+    (lp, ent, gr), (lp_ref, ent_ref, gr_ref) = results
+    torch.testing.assert_close(lp, lp_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent, ent_ref, atol=1e-5, rtol=1e-5)
+    for got, want in zip(gr, gr_ref):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert lp[2] == 0.0

@@ -325,3 +325,39 @@ def test_no_sampling_mask_unless_asked_or_truncated(llama, prompts):
     assert GroupSampler(llama).generate(prompts[:2], plain, num_generations=2).sampling_mask is None
     untruncated = SamplingConfig(4, temperature=0.7, eos_token_ids=[EOS], pad_token_id=PAD, return_sampling_mask=True)
     assert GroupSampler(llama).generate(prompts[:2], untruncated, num_generations=2).sampling_mask is None
+
+
+@pytest.mark.parametrize("knobs", [dict(top_k=5), dict(top_k=4, top_p=0.9), dict(top_k=16, min_p=0.05)])
+def test_sampling_mask_top_k_path_samples_what_the_warpers_sample(llama, prompts, knobs):
+    """With a top-k ≤ 16 cut the decode loop truncates and names the kept ids with one topk (issue 40's cost work):
+    the same tokens and log-probs as with the mask off (the transformers warpers), and ids-form supports that hold
+    the sampled token and at most k ids."""
+    outs = []
+    for keep in (False, True):
+        sampling = SamplingConfig(
+            6, temperature=0.9, eos_token_ids=[EOS], pad_token_id=PAD, return_sampling_mask=keep, **knobs
+        )
+        outs.append(GroupSampler(llama, generator=torch.Generator().manual_seed(3)).generate(prompts[:3], sampling, 2))
+    off, on = outs
+    assert on.completion_ids == off.completion_ids and on.logprobs == off.logprobs
+    assert on.log_kept_mass == off.log_kept_mass
+    for ids, entries in zip(on.completion_ids, on.sampling_mask):
+        for token, entry in zip(ids, entries):
+            assert isinstance(entry, list) and token in entry and len(entry) <= knobs["top_k"]
+
+
+@pytest.mark.parametrize("knobs", [dict(top_k=5), dict(top_p=0.995)])
+def test_sampling_mask_is_recorded_without_sampling_logprobs(llama, prompts, knobs):
+    """A trainer that applies no importance sampling builds its sampler without log-probs; ``keep_sampling_mask``
+    must still get each token's kept support (it used to be recorded only next to the log-probs)."""
+    outs = []
+    for return_logprobs in (True, False):
+        sampling = SamplingConfig(
+            5, temperature=0.9, eos_token_ids=[EOS], pad_token_id=PAD, return_sampling_mask=True, **knobs
+        )
+        sampler = GroupSampler(llama, return_logprobs=return_logprobs, generator=torch.Generator().manual_seed(5))
+        outs.append(sampler.generate(prompts[:2], sampling, 2))
+    with_lps, without = outs
+    assert without.logprobs is None and without.log_kept_mass is None
+    assert without.completion_ids == with_lps.completion_ids
+    assert without.sampling_mask == with_lps.sampling_mask and all(without.sampling_mask)

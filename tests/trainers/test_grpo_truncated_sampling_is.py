@@ -124,3 +124,22 @@ def test_on_policy_ratio_is_one_with_the_sampling_mask_replayed(tiny_model_path,
     # π_ref over the same support: at the first step (policy = reference) the KL is 0 (a full-softmax π_ref against
     # the masked π_θ would give k3(log S) > 0 on every truncated token)
     assert masked["kl"] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_sampling_mask_is_replayed_without_an_importance_correction(tiny_model_path, tmp_path):
+    """keep_sampling_mask alone (no rollout_importance_sampling: the sampler returns no log-probs) still records
+    and replays the support: every token described, the entropy over the kept ids only (it used to do nothing)."""
+    logs = {}
+    for keep in (True, False):
+        args = fast_config(
+            GRPOConfig, tmp_path / str(keep), per_device_train_batch_size=4, num_generations=2,
+            max_completion_length=8, max_steps=1, learning_rate=1e-2, top_k=5, keep_sampling_mask=keep,
+        )  # fmt: skip
+        dataset = Dataset.from_list([{"prompt": f"Question {i}:", "solution": str(i)} for i in range(8)])
+        trainer = GRPOTrainer(tiny_model_path, varied_reward, args, train_dataset=dataset)
+        trainer.train()
+        logs[keep] = _logs(trainer)
+    masked, full = logs[True], logs[False]
+    assert masked["sampling_mask/frac_ids"] == 1.0 and 1.0 <= masked["sampling_mask/mean_kept_ids"] <= 5.0
+    assert "sampling_mask/frac_ids" not in full
+    assert masked["entropy"] <= math.log(5) + 1e-4 < full["entropy"]  # at most 5 kept tokens: H ≤ log 5
