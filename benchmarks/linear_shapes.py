@@ -4,7 +4,7 @@ The ceiling the sweep's "fraction of matmul peak" can reach: ``machine_peak.py``
 multiplies (tokens × hidden) activations by the model's own weight shapes, some of them skinny (grouped-query k/v
 projections) or wide (the LM head). Each shape is timed as ``linear`` forward + backward (three matmuls, 6·t·in·out
 FLOP) on ``--tokens`` rows (the LM head on ``--head-chunk`` rows, as a chunked head does), best of ``--repeats`` by
-the thread's CPU time. Prints one JSON line with each shape's GFLOP/s and the per-token-weighted whole-model rate,
+the thread's CPU time, and forward only (``--tokens 16 --head-chunk 16``: a decode step of 16 rows). Prints one JSON line with each shape's GFLOP/s and the per-token-weighted whole-model rate,
 with and without recomputing the layers' forward (gradient checkpointing: + 2 FLOP per layer parameter per token).
 
     python benchmarks/linear_shapes.py --model qwen05b
@@ -32,6 +32,25 @@ def _fwd_bwd(x, w) -> None:
     x.grad = w.grad = None
 
 
+def _fwd(x, w) -> None:
+    """``linear(x, w)`` forward only, without autograd (a decode step's matmul): one matmul."""
+    import torch
+
+    with torch.no_grad():
+        torch.nn.functional.linear(x, w)
+
+
+def _best(fn, x, w, repeats: int) -> float:
+    """Best thread-CPU seconds of ``fn(x, w)`` over ``repeats`` calls after one warm-up call."""
+    fn(x, w)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.thread_time()
+        fn(x, w)
+        best = min(best, time.thread_time() - start)
+    return best
+
+
 def measure(model: str, tokens: int = 2048, head_chunk: int = 512, repeats: int = 3) -> dict[str, Any]:
     """GFLOP/s of each linear shape of ``model`` and the whole model's matmul-only rate (6·P per trained token)."""
     import torch
@@ -52,19 +71,18 @@ def measure(model: str, tokens: int = 2048, head_chunk: int = 512, repeats: int 
         f"lm head {h}x{vocab} ({head_chunk}-row chunk)": (h, vocab, head_chunk, 0),
     }
     rates: dict[str, float] = {}
+    fwd_rates: dict[str, float] = {}  # forward only, no autograd
     layer_s = head_s = 0.0  # seconds per token of forward + backward
+    fwd_s = 0.0  # seconds per token of forward only (layers + head)
     for name, (n_in, n_out, rows, per_layer) in shapes.items():
         x = torch.randn(rows, n_in, requires_grad=True)  # (rows, in)
         w = (torch.randn(n_out, n_in) * 0.02).requires_grad_()  # (out, in)
 
-        _fwd_bwd(x, w)  # warm-up
-        best = float("inf")
-        for _ in range(repeats):
-            start = time.thread_time()
-            _fwd_bwd(x, w)
-            best = min(best, time.thread_time() - start)
-        flop = 6 * rows * n_in * n_out
-        rates[name] = round(flop / best / 1e9, 1)
+        best = _best(_fwd_bwd, x, w, repeats)
+        rates[name] = round(6 * rows * n_in * n_out / best / 1e9, 1)
+        fwd_best = _best(_fwd, x, w, repeats)
+        fwd_rates[name] = round(2 * rows * n_in * n_out / fwd_best / 1e9, 1)
+        fwd_s += (per_layer * s["num_layers"] if per_layer else 1) * fwd_best / rows
         if per_layer:
             layer_s += per_layer * best / rows
         else:
@@ -78,8 +96,10 @@ def measure(model: str, tokens: int = 2048, head_chunk: int = 512, repeats: int 
         "model": model,
         "tokens": tokens,
         "fwd_bwd_gflops": rates,
+        "fwd_only_gflops": fwd_rates,
         "model_gflops_no_recompute": round(model_flop / plain_s / 1e9, 1),
         "model_gflops_with_recompute": round(model_flop / (plain_s + recompute_s) / 1e9, 1),
+        "model_gflops_forward_only": round(model_flop / 3 / fwd_s / 1e9, 1),
     }
 
 
