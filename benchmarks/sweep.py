@@ -1,12 +1,13 @@
 """Model-size sweep tables: per-step cost of both libraries, memory against the fp32 Adam floor, distance to the limit.
 
 Reads the JSON lines of ``python -m benchmarks compare`` (one record per run) and of ``benchmarks/machine_peak.py``
-(the single-thread fp32 matmul peak and read bandwidth) and prints two markdown tables:
+(the single-thread fp32 matmul peak and read bandwidth) and prints three markdown tables:
 
 1. per (config, model, library): median step wall and CPU seconds, tokens/s, peak RSS above the interpreter, and
    posttrain's peak RSS over the fp32 Adam floor (params + grads + two moments, with the model itself);
 2. per (config, model, library): achieved model FLOP/s as a fraction of the matmul peak for the training part, and
-   for GRPO the decode tokens/s against the bandwidth bound.
+   for GRPO the generation tokens/s per row against its floor (prefill + decode);
+3. per (config, model): posttrain / TRL of step CPU, step wall and peak RSS.
 
 FLOP counts are the linear layers' and the LM head's matmuls only (attention scores and element-wise work are left
 out: a few per cent at hidden 896 and 512-token sequences, much more on the tiny models, whose fractions are thus
@@ -14,18 +15,18 @@ underestimates): ``P`` = per-token matmul parameters, ``6·P`` FLOP per trained 
 per token of a no-grad forward (DPO's reference pass). They are "model FLOPs": the work the step needs at least,
 counted the same for both libraries, so recompute (gradient checkpointing) and tokens a layout trains needlessly
 lower the fraction. GRPO's trained tokens are every completion token plus each distinct prompt once (a group's G
-completions share one prompt; the gradient flows through the prompt's keys and values, so its forward and backward
-are needed once per group): completions per step × mean length + (tokens per step − completion tokens) / G, where
+completions share one prompt; the gradient flows through the prompt's keys and values, so its layers' forward and
+backward are needed once per group — not the LM head: a prompt position has no loss): completions per step × mean length + (tokens per step − completion tokens) / G, where
 tokens per step (TRL's ``num_tokens``) counts every row's prompt and completion. Training time is the step's CPU time
 (the runs use one torch thread, so CPU seconds are the seconds that thread ran, whatever else the machine did) minus,
 for GRPO, the generation share.
 
 Generation bound (GRPO): generation needs at least the prefill of each distinct prompt (``2·P`` FLOP per prompt token
-at the matmul peak) and, for each of the mean-length decode steps of the batch's rows (all completions of the step,
+without the LM head, at the matmul peak) and, for each of the mean-length decode steps of the batch's rows (all completions of the step,
 decoded together), the longer of reading every weight once (``4·P_all`` bytes at the read bandwidth) and the rows'
 matmuls (``2·P`` FLOP per row at the matmul peak). The table gives each row's tokens/s (mean length / generation CPU
 seconds) against that floor's (mean length / floor seconds), and the decode-only bound per row (1 / step floor) for
-reference. A third table gives posttrain / TRL per (config, model): step CPU, step wall and peak RSS.
+reference.
 
     python -m benchmarks compare --configs sft_packed@qwen05b grpo@qwen05b --steps 2 --warmup 1 --runs 1 --out s.jsonl
     python benchmarks/machine_peak.py --threads 1 > peak.jsonl
@@ -126,7 +127,7 @@ def tables(records: list[dict[str, Any]], peak: dict[str, Any] | None) -> str:
             per_row = mean_len / (cpu * share)  # each row's tokens/s while all rows generate together
             # a decode step reads all weights once (bandwidth) and does 2·P FLOP per row (matmul peak)
             step_floor = max(4 * total / (read_gbs * 1e9), 2 * per_token * rows_together / (gflops * 1e9))
-            prefill_floor = 2 * per_token * unique_prompt_tokens / (gflops * 1e9)
+            prefill_floor = 2 * (per_token - _head_params(model)) * unique_prompt_tokens / (gflops * 1e9)
             limit = mean_len / (prefill_floor + mean_len * step_floor)
             gen, bound, of_bound = f"{per_row:.1f}", f"{limit:.1f}", f"{per_row / limit:.0%}"
             decode_bound = f"{1 / step_floor:.1f}"

@@ -49,11 +49,11 @@ def test_tables_fraction_of_peak_and_decode_bound():
     assert "| sft_packed | tiny | posttrain | 2.000 | 1.000 | 500 | 30 | 10 | 3.00 | 1 |" in first_table
     # GRPO: the loss's 16 x 32 completion tokens plus the two groups' prompts once each ((800 - 512) / 8 = 36
     # tokens, through the layers only) in the non-generation half second; each row generated 32 tokens in 0.5 s (64/s) against a floor of
-    # the distinct prompts' prefill at the matmul peak plus 32 decode steps, each max(weight bytes / bandwidth,
+    # the distinct prompts' prefill (no LM head) at the matmul peak plus 32 decode steps, each max(weight bytes / bandwidth,
     # 16 rows' matmuls / peak)
     train = (6 * per_token * (16 * 32 + 36) - 6 * 320 * 64 * 36) / 0.5 / 1e9  # no LM head (320 x 64) on prompts
     step_floor = max(4 * total / 10e9, 2 * per_token * 16 / 100e9)
-    bound = 32 / (2 * per_token * 36 / 100e9 + 32 * step_floor)
+    bound = 32 / (2 * (per_token - 320 * 64) * 36 / 100e9 + 32 * step_floor)
     assert (
         f"| grpo | tiny | trl | {train:.2f} | {train / 100:.1%} | 64.0 | {bound:.1f} | {64 / bound:.0%} "
         f"| {1 / step_floor:.1f} |"
