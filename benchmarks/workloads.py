@@ -298,6 +298,16 @@ WORKLOADS: dict[str, Workload] = {
             warmup=1,
         ),
         Workload(
+            "grpo_long",
+            "grpo",
+            "GRPO long shared prompt: the ~330-token system prompt of grpo_realistic, G=8, 16 completions/step, "
+            "32 new tokens, beta=0, no warm start (random weights: every completion runs to 32 tokens). The "
+            "long-prompt row of the model-size sweep: grpo_realistic's warm start costs ~1 h of CPU at 0.5B",
+            {**_GRPO, "beta": 0.0},
+            "arithmetic_prompts_system",
+            reward_funcs=("arithmetic_reward",),
+        ),
+        Workload(
             "grpo_vlm",
             "grpo",
             "VLM GRPO: tiny LLaVA, one 64x64 image per prompt (64 image tokens), G=8, 16 completions/step, "

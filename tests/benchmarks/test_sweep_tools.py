@@ -40,17 +40,27 @@ def test_tables_fraction_of_peak_and_decode_bound():
         "generation_share": 0.5,
         "completions/mean_length": 32.0,
     }
-    text = tables([sft, grpo, {"summary": True}], {"matmul_gflops": 100.0, "read_gbs": 10.0})
+    grpo_posttrain = {**grpo, "impl": "posttrain", "median_step_s": 4.0, "median_step_cpu_s": 0.5}
+    text = tables([sft, grpo, grpo_posttrain, {"summary": True}], {"matmul_gflops": 100.0, "read_gbs": 10.0})
     first_table = text.split("Peak (one thread)")[0]
     # SFT: 6 P T FLOP in 1 s of CPU
     gflops = 6 * per_token * 1000 / 1e9
     assert f"| {gflops:.2f} | {gflops / 100:.1%} |" in text
     assert "| sft_packed | tiny | posttrain | 2.000 | 1.000 | 500 | 30 | 10 | 3.00 | 1 |" in first_table
-    # GRPO: the loss's 16 x 32 completion tokens in the non-generation half second; each row decoded 32 tokens in
-    # 0.5 s (64/s) against a step floor of max(weight bytes / bandwidth, 16 rows' matmuls / peak)
-    train = 6 * per_token * 16 * 32 / 0.5 / 1e9
-    bound = 1 / max(4 * total / 10e9, 2 * per_token * 16 / 100e9)
-    assert f"| {train:.2f} | {train / 100:.1%} | 64.0 | {bound:.1f} | {64 / bound:.0%} |" in text
+    # GRPO: the loss's 16 x 32 completion tokens plus the two groups' prompts once each ((800 - 512) / 8 = 36
+    # tokens, through the layers only) in the non-generation half second; each row generated 32 tokens in 0.5 s (64/s) against a floor of
+    # the distinct prompts' prefill (no LM head) at the matmul peak plus 32 decode steps, each max(weight bytes / bandwidth,
+    # 16 rows' matmuls / peak)
+    train = (6 * per_token * (16 * 32 + 36) - 6 * 320 * 64 * 36) / 0.5 / 1e9  # no LM head (320 x 64) on prompts
+    step_floor = max(4 * total / 10e9, 2 * per_token * 16 / 100e9)
+    bound = 32 / (2 * (per_token - 320 * 64) * 36 / 100e9 + 32 * step_floor)
+    assert (
+        f"| grpo | tiny | trl | {train:.2f} | {train / 100:.1%} | 64.0 | {bound:.1f} | {64 / bound:.0%} "
+        f"| {1 / step_floor:.1f} |"
+    ) in text
+    # the ratio table: posttrain / TRL of step CPU and wall; no RSS recorded, and SFT has no TRL row
+    assert "| grpo | tiny | 0.50 | 4.00 | – |" in text
+    assert "| sft_packed | tiny |" not in text.split("posttrain / TRL step CPU")[1]
 
 
 @pytest.mark.parametrize("threads", [1])
