@@ -33,6 +33,18 @@ import tempfile
 import time
 
 
+def _build_model(args: argparse.Namespace):
+    """The benchmark's tiny Qwen3-MoE (shape from the command line) and its byte-level tokenizer."""
+    from posttrain.models.tiny import build_tiny_moe_model, build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer()
+    model = build_tiny_moe_model(
+        "qwen3_moe", num_experts=args.experts, num_experts_per_tok=args.top_k, hidden_size=args.hidden,
+        num_layers=args.layers, num_heads=8, num_kv_heads=4, expert_intermediate_size=args.hidden, tokenizer=tokenizer,
+    )  # fmt: skip
+    return model, tokenizer
+
+
 def child(args: argparse.Namespace) -> dict:
     import resource
 
@@ -40,15 +52,10 @@ def child(args: argparse.Namespace) -> dict:
     from datasets import Dataset
     from transformers import TrainerCallback
 
-    from posttrain.models.tiny import build_tiny_moe_model, build_tiny_tokenizer
     from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
 
     torch.set_num_threads(args.threads)
-    tokenizer = build_tiny_tokenizer()
-    model = build_tiny_moe_model(
-        "qwen3_moe", num_experts=args.experts, num_experts_per_tok=args.top_k, hidden_size=args.hidden,
-        num_layers=args.layers, num_heads=8, num_kv_heads=4, expert_intermediate_size=args.hidden, tokenizer=tokenizer,
-    )  # fmt: skip
+    model, tokenizer = _build_model(args)
     times: list[float] = []
     cpu_times: list[float] = []
     routing_bytes: list[int] = []
@@ -111,15 +118,11 @@ def micro(args: argparse.Namespace) -> dict:
     from posttrain.generation.base import SamplingConfig
     from posttrain.generation.group_sampler import GroupSampler
     from posttrain.models.completion_scoring import completion_token_stats
-    from posttrain.models.tiny import build_tiny_moe_model, build_tiny_tokenizer
     from posttrain.rollout.pipeline import collate_completions
 
     torch.set_num_threads(args.threads)
-    tokenizer = build_tiny_tokenizer()
-    model = build_tiny_moe_model(
-        "qwen3_moe", num_experts=args.experts, num_experts_per_tok=args.top_k, hidden_size=args.hidden,
-        num_layers=args.layers, num_heads=8, num_kv_heads=4, expert_intermediate_size=args.hidden, tokenizer=tokenizer,
-    ).to(args.device)  # fmt: skip
+    model, tokenizer = _build_model(args)
+    model = model.to(args.device)
     prompts = [tokenizer(f"Question {i}: say something.").input_ids for i in range(args.batch // args.generations)]
     sampler = GroupSampler(model, record_routing=True, generator=torch.Generator(args.device).manual_seed(0))
     sampling = SamplingConfig(max_new_tokens=args.completion_length, eos_token_ids=[-1], pad_token_id=0)
@@ -149,16 +152,11 @@ def wire(args: argparse.Namespace) -> dict:
     import httpx
     import torch
 
-    from posttrain.models.tiny import build_tiny_moe_model, build_tiny_tokenizer
     from posttrain.serving.app import serve_in_thread
     from posttrain.serving.engine import PosttrainEngine
 
     torch.set_num_threads(args.threads)
-    tokenizer = build_tiny_tokenizer()
-    model = build_tiny_moe_model(
-        "qwen3_moe", num_experts=args.experts, num_experts_per_tok=args.top_k, hidden_size=args.hidden,
-        num_layers=args.layers, num_heads=8, num_kv_heads=4, expert_intermediate_size=args.hidden, tokenizer=tokenizer,
-    )  # fmt: skip
+    model, tokenizer = _build_model(args)
     prompts = [tokenizer(f"Question {i}: say something.").input_ids for i in range(args.batch // args.generations)]
     body = {"prompt": prompts, "n": args.generations, "max_tokens": args.completion_length, "temperature": 1.0,
             "seed": 0, "logprobs": 0, "ignore_eos": True}  # fmt: skip
