@@ -233,7 +233,8 @@ def test_full_agent_demo_learns_to_use_the_tool(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["seed"] == 0 and summary["mode"] == "full"
     sft, grpo = summary["after_sft"], summary["after_grpo"]
-    assert sft["sampled: success when the tool was used"] > 0.8, summary["verdict"]  # the copy formed in SFT
+    assert summary["sft_copy_accuracy"] >= 0.8, summary["verdict"]  # the copy formed in SFT (greedy, given the call)
+    assert sft["sampled: success when the tool was used"] > 0.8, summary["verdict"]  # ... and in the sampled rollouts
     assert sft["sampled (T=1): tool-use rate"] < 0.5  # ... while the route choice still follows the lazy teacher
     gain = summary["gains"]["greedy: success (verified answer)"]
     assert gain["mean"] >= 0.5 and gain["mean"] > 3 * gain["standard_error"], summary["verdict"]
