@@ -22,7 +22,7 @@ import os
 import time
 from pathlib import Path
 
-from posttrain.demo.common import RECIPES, _print_table, _stage, _torch_threads, _write_jsonl
+from posttrain.demo.common import RECIPES, _print_table, _stage, _write_jsonl, demo_summary, finish_demo
 
 # model size, stage lengths and evaluation size: (full demo, --quick)
 MODEL_SIZE = {"full": {"hidden_size": 128, "num_layers": 4}, "quick": {"hidden_size": 64, "num_layers": 2}}
@@ -31,7 +31,7 @@ SFT_OVERRIDES = {
     "quick": ["--max_steps", "6", "--logging_steps", "2", "--per_device_train_batch_size", "8"],
 }
 GRPO_OVERRIDES = {"full": {}, "quick": {"max_steps": 2, "logging_steps": 1, "per_device_train_batch_size": 16}}
-SFT_ROWS = {"full": 19200, "quick": 48}  # = max_steps x batch size: one pass, no repeated rows
+SFT_ROWS = {"full": 16000, "quick": 48}  # full: max_steps x batch size / 2 (two passes: half the tokenizing)
 RL_ROWS = {"full": 2000, "quick": 16}
 EVAL_SIZE = {"full": 200, "quick": 12}
 EVAL_SAMPLES = {"full": 4, "quick": 2}
@@ -84,9 +84,10 @@ def run_agent_demo(
     import yaml
     from datasets import Dataset
 
-    from posttrain.demo.agent_evaluate import evaluate_agent
+    from posttrain.demo.agent_evaluate import copy_accuracy, evaluate_agent
     from posttrain.demo.agent_task import (
         CalculatorEnv,
+        MulProblem,
         build_agent_tokenizer,
         make_agent_datasets,
         verified_answer_reward,
@@ -150,8 +151,16 @@ def run_agent_demo(
         )
         timings["sft_wall_s"] = round(time.time() - t0, 1)
         timings["sft_cpu_s"] = round(time.process_time() - c0, 1)
-    after_sft = timed_eval("sft", create_model_from_path(str(out / "sft")))
+    sft_model = create_model_from_path(str(out / "sft"))
+    after_sft = timed_eval("sft", sft_model)
     print(f"[demo agent] after SFT: {json.dumps({k: round(v, 3) for k, v in after_sft.row().items()})}", flush=True)
+    copy_rate, _ = copy_accuracy(sft_model, tokenizer, [MulProblem(int(r["a"]), int(r["b"])) for r in eval_data])
+    print(
+        f"[demo agent] after SFT the model copies the calculator's answer into the box on {copy_rate:.0%} of the "
+        "held-out problems"
+        + ("" if copy_rate >= 0.5 else " — too rarely for GRPO to find rewarded rollouts (README, agent demo)"),
+        flush=True,
+    )
 
     print("[demo agent] stage 2/2: GRPO with a calculator environment per rollout", flush=True)
     t0, c0 = time.time(), time.process_time()
@@ -181,35 +190,25 @@ def run_agent_demo(
     )
     timings["total_wall_s"] = round(time.time() - started, 1)
     timings["total_cpu_s"] = round(time.process_time() - cpu_started, 1)
-    summary = {
-        "task": "agent",
-        "mode": mode,
-        "seed": seed,
-        "seconds": timings["total_wall_s"],
-        "timings": timings,
-        "torch_threads": _torch_threads(),
-        "eval_problems": len(eval_data),
-        "eval_samples_per_problem": n_samples,
-        "after_sft": after_sft.row(),
-        "after_grpo": after_grpo.row(),
-        "standard_errors": {
-            stage: {k: se for k, (_, se) in m.items()}
-            for stage, m in (("after_sft", metrics["after SFT"]), ("after_grpo", metrics["after GRPO"]))
+    summary = demo_summary(
+        mode=mode,
+        seed=seed,
+        timings=timings,
+        n_eval=len(eval_data),
+        n_samples=n_samples,
+        after_sft=after_sft,
+        after_grpo=after_grpo,
+        metrics=metrics,
+        gains=gains,
+        verdict=verdict,
+        out=out,
+        extra={
+            "task": "agent",
+            "sft_copy_accuracy": copy_rate,
+            "success_gain": gains[HEADLINE][0],
+            "tool_use_gain": gains["sampled (T=1): tool-use rate"][0],
         },
-        "gains": {k: {"mean": g, "standard_error": se} for k, (g, se) in gains.items()},
-        "success_gain": gains[HEADLINE][0],
-        "tool_use_gain": gains["sampled (T=1): tool-use rate"][0],
-        "verdict": verdict,
-        "stage_reports": {stage: str(out / stage / "report" / "index.html") for stage in ("sft", "grpo")},
-    }
-    summary["report"] = write_agent_report(str(out), summary, after_sft, after_grpo)
-    with open(out / "summary.json", "w") as f:
-        json.dump(summary, f, indent=2)
-    print(
-        f"[demo agent] finished in {timings['total_wall_s']:.0f} s wall / {timings['total_cpu_s']:.0f} s CPU "
-        f"(SFT {timings.get('sft_wall_s', 0):.0f} s, GRPO {timings['grpo_wall_s']:.0f} s, evaluation "
-        f"{timings['eval_sft_wall_s'] + timings['eval_grpo_wall_s']:.0f} s). Report: {summary['report']}; "
-        f"summary: {out / 'summary.json'}",
-        flush=True,
     )
+    summary["report"] = write_agent_report(str(out), summary, after_sft, after_grpo)
+    finish_demo("demo agent", summary, out)
     return summary

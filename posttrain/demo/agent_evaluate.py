@@ -75,6 +75,52 @@ def transcript(messages: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def copy_accuracy(model, tokenizer, problems, *, batch_size: int = 64) -> tuple[float, list[str]]:
+    """How often the model copies the calculator's answer into the box: the skill GRPO cannot teach.
+
+    Each problem is rendered as a copy drill — the question, the ``calculate()`` call and the tool's answer, then the
+    assistant's turn — and the model continues greedily. GRPO only rewards verified answers, so a model that calls the
+    tool but does not copy its answer never gets a reward to learn from; this measures that step alone, after SFT.
+
+    Returns:
+        ``(fraction of problems whose continuation starts with the exact \\boxed{product}, the continuations)``.
+    """
+    import torch
+
+    from posttrain.demo.agent_task import calculator_tools
+
+    tools = calculator_tools()
+    was_training, side = model.training, tokenizer.padding_side
+    model.eval()
+    tokenizer.padding_side = "left"
+    right, texts = 0, []
+    try:
+        for start in range(0, len(problems), batch_size):
+            chunk = problems[start : start + batch_size]
+            prompts = [
+                tokenizer.apply_chat_template(
+                    [{"role": "user", "content": p.prompt_text()}, *p.tool_trace()[:2]],
+                    tools=tools,
+                    tokenize=False,
+                    add_generation_prompt=True,
+                )
+                for p in chunk
+            ]
+            enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+            with torch.no_grad():
+                ids = model.generate(
+                    **enc, max_new_tokens=16, do_sample=False, pad_token_id=tokenizer.pad_token_id
+                )  # (batch, prompt + new)
+            for p, row in zip(chunk, ids[:, enc["input_ids"].shape[1] :]):
+                text = tokenizer.decode(row, skip_special_tokens=True)
+                texts.append(text)
+                right += text.startswith(f"\\boxed{{{p.answer}}}")
+    finally:
+        model.train(was_training)
+        tokenizer.padding_side = side
+    return right / max(len(problems), 1), texts
+
+
 def _rollouts(agent, sampler, tokenizer, rows: list[dict], sampling, k: int):
     """``k`` tool-loop rollouts per row: ``(completions, environments)`` in ``[r0 s0, r0 s1, ..., r1 s0, ...]``."""
     from posttrain.rollout.pipeline import render_prompts

@@ -16,13 +16,15 @@ three-digit numbers in its head, and it learns that copy within the demo's SFT b
 budget (measured: README, "Run the agent demo").
 
 The SFT traces come from a *lazy teacher* that calls the calculator only ``TOOL_RATE`` (30%) of the time and
-otherwise boxes its estimate (almost always wrong). Half of the SFT rows are *copy drills*: the prompt already holds
-the problem, the call and the tool's answer, and the completion is the boxed copy. They give the copy as much practice
-as the arithmetic demo's traces give theirs without touching the choice of route, which only the other rows (the
-teacher's whole traces) show, 30% of them with the tool. Imitation learns the teacher's habit: the model answers from its head most
-of the time, and greedily always. GRPO rewards verified answers (:func:`verified_answer_reward`, the product checked
-against the rollout's environment), so the sampled rollouts that used the tool win, and tool use — with the held-out
-success it brings — rises.
+otherwise boxes its estimate (almost always wrong). ``COPY_DRILL_RATE`` (80%) of the SFT rows are *copy drills*: the
+prompt already holds the problem, the call and the tool's answer, and the completion is the boxed copy. The copy is
+the one step GRPO cannot teach (a rollout that calls the tool but does not copy its answer is never rewarded), and
+when it forms in a tiny model is a matter of the seed: with half the rows drills and a cosine schedule over 600 steps
+it formed on one seed of three, with 80% drills and a constant learning rate on all three (README). Drills do not
+touch the choice of route, which only the other rows (the teacher's whole traces) show, 30% of them with the tool.
+Imitation learns the teacher's habit: the model answers from its head most of the time, and greedily always. GRPO
+rewards verified answers (:func:`verified_answer_reward`, the product checked against the rollout's environment), so
+the sampled rollouts that used the tool win, and tool use — with the held-out success it brings — rises.
 
 Held-out problems use unordered operand pairs that never appear in training, in either order.
 """
@@ -35,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 TOOL_RATE = 0.3  # how often the lazy teacher calls the calculator
-COPY_DRILL_RATE = 0.5  # share of SFT rows that start after the tool's answer (the copy into the box, nothing else)
+COPY_DRILL_RATE = 0.8  # share of SFT rows that start after the tool's answer (the copy into the box, nothing else)
 LOW, HIGH = 100, 1000  # both factors are three-digit numbers
 MIN_PRODUCT = 100_000  # only six-digit products: the copy from the tool's answer into the box has one fixed distance
 PROMPT_TEMPLATES = ["What is {a} * {b}?"]

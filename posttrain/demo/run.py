@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from posttrain.demo.common import RECIPES, _print_table, _stage, _torch_threads, _write_jsonl
+from posttrain.demo.common import RECIPES, _print_table, _stage, _write_jsonl, demo_summary, finish_demo
 
 # model size, stage lengths and evaluation size: (full demo, --quick)
 MODEL_SIZE = {"full": {"hidden_size": 128, "num_layers": 4}, "quick": {"hidden_size": 64, "num_layers": 2}}
@@ -189,37 +189,22 @@ def run_demo(
     _print_table(metrics, gains, rich_verdict, len(eval_data))
     timings["total_wall_s"] = round(time.time() - started, 1)
     timings["total_cpu_s"] = round(time.process_time() - cpu_started, 1)
-    summary = {
-        "mode": mode,
-        "seed": seed,
-        "seconds": timings["total_wall_s"],
-        "timings": timings,
-        "torch_threads": _torch_threads(),
-        "eval_problems": len(eval_data),
-        "eval_samples_per_problem": n_samples,
-        "after_sft": after_sft.row(),
-        "after_grpo": after_grpo.row(),
-        "standard_errors": {
-            stage: {k: se for k, (_, se) in m.items()}
-            for stage, m in (("after_sft", metrics["after SFT"]), ("after_grpo", metrics["after GRPO"]))
-        },
-        "gains": {k: {"mean": g, "standard_error": se} for k, (g, se) in gains.items()},
-        "greedy_gain": gains[HEADLINE][0],
-        "sampled_gain": gains["sampled (T=1): verified correct"][0],
-        "verdict": verdict,
-        "report": str(out / "report.html"),
-        "stage_reports": {stage: str(out / stage / "report" / "index.html") for stage in ("sft", "grpo")},
-    }
-    summary["report"] = write_demo_report(str(out), summary, after_sft, after_grpo)
-    with open(out / "summary.json", "w") as f:
-        json.dump(summary, f, indent=2)
-    print(
-        f"[demo] finished in {timings['total_wall_s']:.0f} s wall / {timings['total_cpu_s']:.0f} s CPU "
-        f"(SFT {timings.get('sft_wall_s', 0):.0f} s, GRPO {timings['grpo_wall_s']:.0f} s, evaluation "
-        f"{timings['eval_sft_wall_s'] + timings['eval_grpo_wall_s']:.0f} s). Report: {summary['report']}; "
-        f"summary: {out / 'summary.json'}",
-        flush=True,
+    summary = demo_summary(
+        mode=mode,
+        seed=seed,
+        timings=timings,
+        n_eval=len(eval_data),
+        n_samples=n_samples,
+        after_sft=after_sft,
+        after_grpo=after_grpo,
+        metrics=metrics,
+        gains=gains,
+        verdict=verdict,
+        out=out,
+        extra={"greedy_gain": gains[HEADLINE][0], "sampled_gain": gains["sampled (T=1): verified correct"][0]},
     )
+    summary["report"] = write_demo_report(str(out), summary, after_sft, after_grpo)
+    finish_demo("demo", summary, out)
     return summary
 
 
