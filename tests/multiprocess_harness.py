@@ -25,6 +25,24 @@ SGD_ARGS.update(optim="sgd", learning_rate=0.5, lr_scheduler_type="constant", gr
 COMPLETIONS = ["a", "bb bb", "ccc ccc ccc", "d"]
 
 
+def finish_rank() -> None:
+    """End a torchrun scenario script's rank once its results are on disk: meet the other rank, then leave at once.
+
+    Every rank waits at a barrier (so no rank leaves while the other still needs it), flushes its output and exits
+    through ``os._exit(0)``, skipping the gloo process group's teardown. That teardown — in ``destroy_process_group()``
+    or, without it, in the interpreter's finalisation — sometimes aborts a rank on a loaded machine with "terminate
+    called without an active exception" (gloo worker threads still joinable when their C++ objects are destroyed;
+    pytorch/pytorch#179291 describes the finalisation case). It was seen after every scenario had written its
+    results (the files were complete, the abort came after), so it is an exit-time crash in torch, not in what the
+    tests check; leaving through ``os._exit`` after the barrier removes it without hiding anything a test reads.
+    """
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def launch_two_processes(script: str, args: Sequence[str], timeout: float = 240) -> None:
     """Run ``script ARGS...`` under ``torchrun --nproc_per_node 2`` (gloo on CPU); fail with its stderr tail."""
     pythonpath = os.pathsep.join(p for p in (HERE, os.path.dirname(script), os.environ.get("PYTHONPATH")) if p)

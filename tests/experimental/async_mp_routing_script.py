@@ -17,6 +17,7 @@ import sys
 
 import torch
 from datasets import Dataset
+from multiprocess_harness import finish_rank
 from reward_helpers import varied_reward
 
 # 2 prompts × 4 completions per round, 4 rows per process; max_staleness=0: every round is sampled from the weights
@@ -89,6 +90,4 @@ if __name__ == "__main__":
     model_path, server_url, out_dir, kinds = sys.argv[1:5]
     for scenario in kinds.split(","):
         run(scenario, model_path, server_url, out_dir)
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    finish_rank()  # barrier, then leave without gloo's teardown (see multiprocess_harness)

@@ -17,6 +17,7 @@ import time
 
 import torch
 from datasets import Dataset
+from multiprocess_harness import finish_rank
 from reward_helpers import varied_reward
 
 # 3 prompts per round, 4 completions each, 6 rows per process: the middle prompt's group is split 2 + 2 across the
@@ -141,7 +142,4 @@ if __name__ == "__main__":
     model_path, teacher_path, server_url, out_dir, kinds = sys.argv[1:6]
     for scenario in kinds.split(","):
         run(scenario, model_path, teacher_path, server_url, out_dir)
-    # Tear the gloo groups down before the interpreter does (see reliability_mp_script.py).
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    finish_rank()  # barrier, then leave without gloo's teardown (see multiprocess_harness)

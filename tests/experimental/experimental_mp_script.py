@@ -18,7 +18,7 @@ import sys
 
 import torch
 from datasets import Dataset
-from multiprocess_harness import SGD_ARGS, PromptKeyedBackend, group_position_rollout
+from multiprocess_harness import SGD_ARGS, PromptKeyedBackend, finish_rank, group_position_rollout
 
 from posttrain.generation.rollout_func import RolloutFuncBackend
 
@@ -236,8 +236,4 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     model, abc, merged, out, per_device, kinds = sys.argv[1:7]
     run_all({"model": model, "abc": abc, "merged": merged}, out, int(per_device), kinds.split(","))
-    # Tear the gloo group down before the interpreter does: left to exit-time destructors, its threads can still be
-    # joinable on a loaded machine, and the rank aborts with "terminate called without an active exception".
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    finish_rank()  # barrier, then leave without gloo's teardown (see multiprocess_harness)

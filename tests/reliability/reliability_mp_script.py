@@ -21,7 +21,7 @@ import sys
 
 import torch
 from datasets import Dataset
-from multiprocess_harness import SGD_ARGS, group_position_rollout
+from multiprocess_harness import SGD_ARGS, finish_rank, group_position_rollout
 
 
 def _reward(completions, **kwargs):
@@ -145,8 +145,4 @@ def run_all(model_path: str, out: str, per_device: int, kinds=("sft", "dpo", "gr
 if __name__ == "__main__":
     torch.set_num_threads(1)
     run_all(sys.argv[1], sys.argv[2], int(sys.argv[3]), kinds=sys.argv[4].split(","))
-    # Tear the gloo group down before the interpreter does: left to exit-time destructors, its threads can still be
-    # joinable on a loaded machine, and the rank aborts with "terminate called without an active exception".
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    finish_rank()  # barrier, then leave without gloo's teardown (see multiprocess_harness)
