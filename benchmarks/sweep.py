@@ -14,15 +14,21 @@ out: a few per cent at hidden 896 and 512-token sequences, much more on the tiny
 underestimates): ``P`` = per-token matmul parameters, ``6·P`` FLOP per trained token (forward + backward), ``2·P``
 per token of a no-grad forward (DPO's reference pass). They are "model FLOPs": the work the step needs at least,
 counted the same for both libraries, so recompute (gradient checkpointing) and tokens a layout trains needlessly
-lower the fraction. GRPO's trained tokens are every completion token plus each distinct prompt once (a group's G
-completions share one prompt; the gradient flows through the prompt's keys and values, so its layers' forward and
-backward are needed once per group — not the LM head: a prompt position has no loss): completions per step × mean length + (tokens per step − completion tokens) / G, where
-tokens per step (TRL's ``num_tokens``) counts every row's prompt and completion. Training time is the step's CPU time
+lower the fraction. GRPO's trained tokens are every completion token plus each distinct prompt token once (a group's G
+completions share one prompt, and the step's prompts share a common prefix — ``grpo_long``'s system prompt, 437 of
+≈ 458 tokens, or the chat template's opening; the gradient flows through the prompt's keys and values, so its layers'
+forward and backward are needed once per distinct token — not the LM head: a prompt position has no loss):
+completions per step × mean length + the shared prefix ``S`` once + each group's rest, groups × (mean prompt − ``S``),
+where the mean prompt is (tokens per step − completion tokens) / completions per step and tokens per step (TRL's
+``num_tokens``) counts every row's prompt and completion. ``S`` is the common prefix of the workload's prompts under
+the sweep models' byte-level tokenizer and chat template (:func:`shared_prompt_prefix`); posttrain's shared-prompt
+layout runs exactly that (one pack per micro-batch: the common prefix, each group's rest, each completion).
+Training time is the step's CPU time
 (the runs use one torch thread, so CPU seconds are the seconds that thread ran, whatever else the machine did) minus,
 for GRPO, the generation share.
 
-Generation bound (GRPO): generation needs at least the prefill of each distinct prompt (``2·P`` FLOP per prompt token
-without the LM head, at the matmul peak) and, for each of the mean-length decode steps of the batch's rows (all completions of the step,
+Generation bound (GRPO): generation needs at least the prefill of the same distinct prompt tokens (``2·P`` FLOP per
+token without the LM head, at the matmul peak: the shared prefix once, each group's rest) and, for each of the mean-length decode steps of the batch's rows (all completions of the step,
 decoded together), the longer of reading every weight once (``4·P_all`` bytes at the read bandwidth) and the rows'
 matmuls (``2·P`` FLOP per row at the matmul peak). The table gives each row's tokens/s (mean length / generation CPU
 seconds) against that floor's (mean length / floor seconds), and the decode-only bound per row (1 / step floor) for
@@ -71,7 +77,11 @@ def _median(rows: list[dict[str, Any]], key: str) -> float | None:
     return statistics.median(values) if values else None
 
 
-def tables(records: list[dict[str, Any]], peak: dict[str, Any] | None) -> str:
+def tables(
+    records: list[dict[str, Any]], peak: dict[str, Any] | None, shared_prefix: dict[str, int] | None = None
+) -> str:
+    """The three markdown tables (module docstring). ``shared_prefix`` maps a GRPO config to its prompts' common
+    prefix in tokens (:func:`shared_prompt_prefix`; a config not in it counts each group's prompt in full)."""
     runs = [r for r in records if not r.get("summary") and "impl" in r and "error" not in r]
     groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     for r in runs:
@@ -114,7 +124,10 @@ def tables(records: list[dict[str, Any]], peak: dict[str, Any] | None) -> str:
         if trainer == "grpo" and mean_len:
             completions, group = _completions_per_step(config), _num_generations(config)
             completion_tokens = completions * mean_len
-            unique_prompt_tokens = max(tokens - completion_tokens, 0.0) / group
+            mean_prompt = max(tokens - completion_tokens, 0.0) / completions
+            shared = min(float((shared_prefix or {}).get(config, 0)), mean_prompt)
+            # the common prefix once, then each group's rest of its prompt
+            unique_prompt_tokens = shared + completions / group * (mean_prompt - shared)
             tokens = completion_tokens + unique_prompt_tokens
         flop = 6 * per_token * tokens + (2 * per_token * tokens if trainer == "dpo" else 0)
         # a prompt position has no loss: it needs the layers, not the LM head
@@ -159,6 +172,30 @@ def _completions_per_step(config: str) -> int:
     return int(args.get("per_device_train_batch_size", 8)) * int(args.get("gradient_accumulation_steps", 1))
 
 
+def shared_prompt_prefix(config: str, limit: int = 64) -> int:
+    """Tokens every prompt of ``config``'s dataset shares at its start (the first ``limit`` prompts), under the
+    byte-level tokenizer and chat template all sweep models use (``posttrain.models.tiny``), as the trainers see them
+    (``apply_chat_template(..., add_generation_prompt=True)``). Needs posttrain's venv."""
+    from benchmarks.workloads import DATASETS, get_workload
+    from posttrain.models.tiny import build_tiny_tokenizer
+
+    workload = get_workload(config)
+    tokenizer = build_tiny_tokenizer()
+    rows = DATASETS[workload.dataset](**workload.dataset_kwargs)[:limit]
+    prompts = [
+        tokenizer(
+            tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False),
+            add_special_tokens=False,
+        )["input_ids"]
+        for row in rows
+    ]
+    shared = min(len(p) for p in prompts)
+    for i in range(shared):
+        if any(p[i] != prompts[0][i] for p in prompts[1:]):
+            return i
+    return shared
+
+
 def _head_params(model: str) -> int:
     """The LM head's matmul parameters (vocabulary × hidden)."""
     shape = model_shape(model)
@@ -191,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         one_thread = [p for p in peaks if p.get("threads") == 1]
         # several probes (reruns): the highest matmul peak, so the fractions are not flattered by a disturbed run
         peak = max(one_thread, key=lambda p: p["matmul_gflops"]) if one_thread else None
-    print(tables(records, peak))
+    grpo = {r["config"] for r in records if r.get("trainer") == "grpo" and "config" in r}
+    print(tables(records, peak, {config: shared_prompt_prefix(config) for config in sorted(grpo)}))
     return 0
 
 

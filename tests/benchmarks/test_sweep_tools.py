@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.machine_peak import measure
-from benchmarks.sweep import matmul_params, tables
+from benchmarks.sweep import matmul_params, shared_prompt_prefix, tables
+from benchmarks.workloads import SYSTEM_PROMPT
 
 
 def test_qwen05b_has_qwen25_05b_parameter_count():
@@ -61,6 +62,34 @@ def test_tables_fraction_of_peak_and_decode_bound():
     # the ratio table: posttrain / TRL of step CPU and wall; no RSS recorded, and SFT has no TRL row
     assert "| grpo | tiny | 0.50 | 4.00 | – |" in text
     assert "| sft_packed | tiny |" not in text.split("posttrain / TRL step CPU")[1]
+
+
+def test_shared_prompt_prefix_is_the_chat_template_opening_and_system_prompt():
+    # byte-level ChatML: <|im_start|> "system\n" SYSTEM_PROMPT <|im_end|> "\n" <|im_start|> "user\n" "What is "
+    assert shared_prompt_prefix("grpo_long") == 1 + 7 + len(SYSTEM_PROMPT.encode()) + 1 + 1 + 1 + 5 + 8 == 437
+    assert shared_prompt_prefix("grpo") == 1 + 5 + 8  # no system prompt: <|im_start|> "user\n" "What is "
+
+
+def test_grpo_flops_count_the_shared_prefix_once():
+    per_token, _ = matmul_params("tiny")
+    grpo = {
+        "impl": "posttrain",
+        "config": "grpo",
+        "model": "tiny",
+        "trainer": "grpo",
+        "median_step_s": 1.0,
+        "median_step_cpu_s": 1.0,
+        "tokens_per_step": 800,
+        "generation_share": 0.5,
+        "completions/mean_length": 32.0,
+    }
+    peak = {"matmul_gflops": 100.0, "read_gbs": 10.0}
+    # 16 rows of (800 - 512) / 16 = 18 prompt tokens, 2 groups, 10 shared: 10 + 2 x 8 = 26 distinct prompt tokens
+    train = (6 * per_token * (16 * 32 + 26) - 6 * 320 * 64 * 26) / 0.5 / 1e9
+    assert f"| grpo | tiny | posttrain | {train:.2f} | {train / 100:.1%} |" in tables([grpo], peak, {"grpo": 10})
+    # a prefix longer than the prompts is capped at the prompt: 18 tokens once
+    train = (6 * per_token * (16 * 32 + 18) - 6 * 320 * 64 * 18) / 0.5 / 1e9
+    assert f"| grpo | tiny | posttrain | {train:.2f} | {train / 100:.1%} |" in tables([grpo], peak, {"grpo": 50})
 
 
 @pytest.mark.parametrize("threads", [1])
