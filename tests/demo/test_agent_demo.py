@@ -217,6 +217,7 @@ def test_sft_on_copy_drills_teaches_the_copy_of_the_tools_answer(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.run_first  # ~9 minutes of CPU: started first so that -n 2 overlaps it with the rest
 def test_full_agent_demo_learns_to_use_the_tool(tmp_path):
     """The full default schedule on the default seed (0), exactly as README's command runs it: SFT must teach the copy
     of the tool's answer into the box (without it no rollout is ever verified and GRPO has nothing to learn from),
