@@ -239,9 +239,11 @@ def test_rollout_func_runs_in_the_worker(tiny_model_path, server, tmp_path):
         e["rewards/step_seen_reward/mean"] for e in trainer.state.log_history if "rewards/step_seen_reward/mean" in e
     ]
     assert len(rewards) == 3
-    # the reward is the version the function saw (+ a small length term): it is the round's version
+    # the reward is the step the function saw (+ a small length term): the round's version, give or take the one
+    # optimizer step that can complete while the function runs (the worker reads global_step after its generate;
+    # the weight push of step v lands before the trainer's global_step reads v) — on a loaded machine both happen
     for r, reward in zip(rounds, rewards):
-        assert int(reward) == r["version"]
+        assert abs(int(reward) - r["version"]) <= 1, (reward, r)
     assert any(not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
 
 
