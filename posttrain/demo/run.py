@@ -86,8 +86,12 @@ def run_demo(
     seed: int = 0,
     eval_size: int | None = None,
     reuse_sft: bool = False,
+    grpo_seed: int | None = None,
 ) -> dict:
-    """Run the whole demo and return the summary (also written to ``output_dir/summary.json``)."""
+    """Run the whole demo and return the summary (also written to ``output_dir/summary.json``).
+
+    ``grpo_seed``: the GRPO stage's seed (default ``seed``); with ``reuse_sft``, a cheap probe of how much the GRPO
+    result depends on its path from the same SFT model."""
 
     from posttrain.demo.evaluate import evaluate as evaluate_model
     from posttrain.demo.evaluate import paired_gain
@@ -169,7 +173,8 @@ def run_demo(
             paths["rl"],
             "--output_dir",
             str(out / "grpo"),
-            *common,
+            "--seed",
+            str(seed if grpo_seed is None else grpo_seed),
             *STAGE_OVERRIDES[mode]["grpo"],
         ],
     )
@@ -201,7 +206,11 @@ def run_demo(
         gains=gains,
         verdict=verdict,
         out=out,
-        extra={"greedy_gain": gains[HEADLINE][0], "sampled_gain": gains["sampled (T=1): verified correct"][0]},
+        extra={
+            "greedy_gain": gains[HEADLINE][0],
+            "sampled_gain": gains["sampled (T=1): verified correct"][0],
+            "grpo_seed": seed if grpo_seed is None else grpo_seed,
+        },
     )
     summary["report"] = write_demo_report(str(out), summary, after_sft, after_grpo)
     finish_demo("demo", summary, out)
@@ -243,7 +252,16 @@ def main(argv: list[str] | None = None) -> int:
         help="Reuse output_dir/sft from an earlier run with the same seed and mode (re-run only GRPO and the "
         "evaluations, e.g. after editing the GRPO recipe).",
     )
+    parser.add_argument(
+        "--grpo_seed",
+        type=int,
+        default=None,
+        help="Seed of the GRPO stage only (default: --seed). With --reuse_sft it re-runs GRPO from the same SFT model "
+        "on another path (another draw of prompts and samples). Arithmetic task only.",
+    )
     args = parser.parse_args(sys.argv[2:] if argv is None else argv)
+    if args.task == "agent" and args.grpo_seed is not None:
+        parser.error("--grpo_seed applies to the arithmetic demo only (--task arithmetic).")
     if args.task == "agent":
         from posttrain.demo.agent import run_agent_demo
 
@@ -261,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         eval_size=args.eval_size,
         reuse_sft=args.reuse_sft,
+        grpo_seed=args.grpo_seed,
     )
     return 0
 
