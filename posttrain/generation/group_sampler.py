@@ -5,7 +5,9 @@ group of G shares its prompt, and keeps decoding finished rows (feeding them pad
 completion is done. ``GroupSampler`` instead
 
 1. prefills each *unique* prompt once (left-padded batch, attention mask, ``position_ids`` counted from the first
-   real token, only the last position's logits),
+   real token, only the last position's logits); when the unique prompts share a long common prefix (a system
+   prompt: ``SHARED_PREFIX_MIN_TOKENS`` or more), that prefix is prefilled once at batch 1 and each prompt's rest
+   after it (padding between the two, masked; positions over real tokens only),
 2. expands the ``DynamicCache`` G ways along the batch (``batch_repeat_interleave``; ``batch_select_indices`` when
    identical prompts were merged),
 3. decodes step by step with transformers' own ``LogitsProcessor`` classes in ``generate``'s order (repetition
@@ -155,8 +157,9 @@ class GroupSampler:
             ``Completions.routing``, for the training forward to replay.
 
     After each ``generate`` call, ``last_stats`` holds ``prefill_rows`` (unique prompts prefilled),
-    ``prefill_tokens`` (padded prompt tokens run), ``decode_batch_sizes`` (rows per decode forward) and
-    ``num_batches``.
+    ``prefill_tokens`` (padded prompt tokens run), ``shared_prefix_tokens`` (prefix tokens prefilled once for all of
+    a batch's unique prompts, summed over batches; 0 when no batch shared one), ``decode_batch_sizes`` (rows per
+    decode forward) and ``num_batches``.
     """
 
     def __init__(
@@ -228,7 +231,10 @@ class GroupSampler:
                 "is ignored. Use the 'transformers' generation backend to honour it.",
                 s.cache_implementation,
             )
-        self.last_stats = {"prefill_rows": 0, "prefill_tokens": 0, "decode_batch_sizes": [], "num_batches": 0}
+        self.last_stats = {
+            "prefill_rows": 0, "prefill_tokens": 0, "shared_prefix_tokens": 0, "decode_batch_sizes": [],
+            "num_batches": 0,
+        }  # fmt: skip
         n_rows = len(prompt_ids) * num_generations
         completion_ids: list[list[int]] = [[] for _ in range(n_rows)]
         logprobs: list[list[float]] | None = [[] for _ in range(n_rows)] if self.return_logprobs else None
@@ -336,33 +342,52 @@ class GroupSampler:
                 unique[key] = len(unique)
                 unique_ids.append(list(ids))
             source.extend([unique[key]] * g)
-        input_ids, attention_mask = left_pad(unique_ids, s.pad_token_id, device)  # (U, P)
-        # Positions count real tokens only, as generate's cumsum - 1 (pad positions are masked; 0 is arbitrary).
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (U, P)
-        cache = preallocate_cache(DynamicCache(config=model.config), reserve=s.max_new_tokens)
+        # (U, P) the full prompts, left-padded: the repetition penalty's token history, and the prefill's input
+        input_ids, prompt_mask = left_pad(unique_ids, s.pad_token_id, device)
         cache_kw = _cache_kwarg(model)
-        vision_kwargs: dict[str, Any] = {}
-        suppress: list[int] = []
-        if vision is not None:
-            from posttrain.generation.transformers_backend import image_token_ids, vision_generate_inputs
-
-            vision_kwargs = vision_generate_inputs(model, vision, 1, input_ids.shape[1])
-            suppress = image_token_ids(model)
-        # the vision tower runs here, once per prompt; decode steps read the image features from the cache
-        logits = _forward_last(
-            model, input_ids, attention_mask, position_ids, cache, cache_kw, **vision_kwargs
-        )  # (U, V)
         routing_log = None
         if routing is not None:
             from posttrain.models.moe_routing import SampledRouting
 
             lengths = [len(prompts[i // g]) for i in range(len(source))]
             routing_log = SampledRouting(routing[0], lengths, source, s.max_new_tokens)
-            routing_log.prefill(len(unique), input_ids.shape[1])
+        # A long prefix all distinct prompts share (a system prompt) is prefilled once (not with images: their
+        # features are spliced per prompt by the model's own forward).
+        prefix = _shared_prefix_length(unique_ids) if vision is None else 0
+        if prefix and not _may_share_prefix(model):
+            prefix = 0
+        suppress: list[int] = []
+        if prefix:
+            # Cache layout per unique row: [prefix | left padding | the rest of its prompt]; `attention_mask` is the
+            # mask of that layout (U, S + R), the decode steps' mask and positions follow from it.
+            rest_width = max(len(ids) for ids in unique_ids) - prefix
+            cache = preallocate_cache(DynamicCache(config=model.config), reserve=rest_width + s.max_new_tokens)
+            logits, attention_mask = _prefill_shared_prefix(
+                model, unique_ids, prefix, s.pad_token_id, cache, cache_kw, routing_log
+            )  # (U, V), (U, S + R)
+            self.last_stats["prefill_tokens"] += prefix + len(unique_ids) * rest_width
+        else:
+            attention_mask = prompt_mask  # (U, P)
+            # Positions count real tokens only, as generate's cumsum - 1 (pad positions are masked; 0 is arbitrary).
+            position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (U, P)
+            cache = preallocate_cache(DynamicCache(config=model.config), reserve=s.max_new_tokens)
+            vision_kwargs: dict[str, Any] = {}
+            if vision is not None:
+                from posttrain.generation.transformers_backend import image_token_ids, vision_generate_inputs
+
+                vision_kwargs = vision_generate_inputs(model, vision, 1, input_ids.shape[1])
+                suppress = image_token_ids(model)
+            # the vision tower runs here, once per prompt; decode steps read the image features from the cache
+            logits = _forward_last(
+                model, input_ids, attention_mask, position_ids, cache, cache_kw, **vision_kwargs
+            )  # (U, V)
+            if routing_log is not None:
+                routing_log.prefill(len(unique), input_ids.shape[1])
+            self.last_stats["prefill_tokens"] += input_ids.numel()
         if suppress:
             logits[:, suppress] = float("-inf")
         self.last_stats["prefill_rows"] += len(unique)
-        self.last_stats["prefill_tokens"] += input_ids.numel()
+        self.last_stats["shared_prefix_tokens"] += prefix
         self.last_stats["num_batches"] += 1
 
         # Expand the prefill G ways: cache, last logits, mask and (for the repetition penalty) token history.
@@ -378,8 +403,8 @@ class GroupSampler:
         vocab = logits.shape[-1]
         scratch = ScratchBuffers(3 if s.do_sample else 2, len(source) * vocab, device)
         logits = torch.index_select(logits, 0, index, out=scratch.view(0, len(source), vocab))  # (R, V)
-        attention_mask, history = attention_mask[index], input_ids[index]  # (R, ·)
-        positions = attention_mask.sum(-1)  # (R,) position of the next token
+        attention_mask, history = attention_mask[index], input_ids[index]  # (R, ·) cache layout, full prompts
+        positions = attention_mask.sum(-1)  # (R,) position of the next token: the prompt's length
         rows = list(range(row_offset, row_offset + len(source)))  # output row of each decode-batch row
         four_d = _takes_boolean_4d_mask(model) and vision is None  # a VLM decodes through its own forward
         mask = DecodeMask(attention_mask, s.max_new_tokens, four_d=four_d)
@@ -394,7 +419,7 @@ class GroupSampler:
         before, truncation = split_truncation(processors)
         record_kept = kept_mass is not None and len(truncation) > 0
         if repetition is not None:
-            pad_lens = attention_mask.shape[1] - positions  # (R,) left padding the penalty must not see
+            pad_lens = history.shape[1] - positions  # (R,) left padding of `history` the penalty must not see
         eos = set(s.eos_token_ids)
         step_lps = torch.empty(s.max_new_tokens * len(source), dtype=torch.float32, device=device)
         step_kept = torch.empty(
@@ -515,6 +540,85 @@ class GroupSampler:
                     self.last_top_logprobs[r].append(list(zip(toks, vals)))
 
 
+# The shortest common prefix of a batch's distinct prompts worth prefilling once (tokens). Sharing it costs one more
+# forward call (the prefix alone at batch 1, then every prompt's rest), whose per-layer call overhead outweighs the
+# (U - 1) · S prefix tokens it saves when S is short: measured on `grpo_long`'s 2 prompts cut to an S-token common
+# prefix (G = 8, 32 new tokens, one thread, `benchmarks/bench_prefix_prefill.py --prefix-tokens S`), the sampler's
+# CPU time shared / full is 1.09 at S = 8 and 16 and 0.97 at S = 32 on the 4-layer `small` model; at S = 437 it is
+# 0.87 there and 0.83 at the Qwen2.5-0.5B shape. A chat-template opening (≈ 14 tokens under the benchmarks'
+# template) stays under it; a system prompt is over it. Below it the batch is prefilled as it always was, bit for bit.
+SHARED_PREFIX_MIN_TOKENS = 32
+
+
+def _shared_prefix_length(unique_ids: list[list[int]]) -> int:
+    """The tokens all of ``unique_ids`` (≥ 2 distinct prompts) start with, at most the shortest prompt's length − 1
+    (each prompt keeps ≥ 1 token: its last position's logits are the first sampled token's); 0 when fewer than
+    ``SHARED_PREFIX_MIN_TOKENS`` or fewer than 2 prompts."""
+    if len(unique_ids) < 2:
+        return 0
+    first, limit = unique_ids[0], min(len(ids) for ids in unique_ids) - 1
+    n = 0
+    while n < limit and all(ids[n] == first[n] for ids in unique_ids):
+        n += 1
+    return n if n >= SHARED_PREFIX_MIN_TOKENS else 0
+
+
+def _may_share_prefix(model: Any) -> bool:
+    """Whether the shared-prefix prefill gives the full prefill's results for ``model``.
+
+    It leaves padding *between* the prefix and each prompt's rest. Full attention masks those slots by the 2-D mask
+    whatever their place; a sliding or chunked window counts cache slots (the padding would shrink the window), and
+    linear-attention or recurrent layers would fold the padding into their state, so those models, and PEFT prompt
+    learning (virtual tokens prepended per forward), keep the full prefill.
+    """
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    peft_config = getattr(model, "active_peft_config", None)
+    if peft_config is not None and getattr(peft_config, "is_prompt_learning", False):
+        return False
+    if not _full_attention_only(model.config):
+        return False
+    layers = DynamicCache(config=model.config).layers
+    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
+
+
+def _prefill_shared_prefix(
+    model: Any,
+    unique_ids: list[list[int]],
+    prefix: int,
+    pad_token_id: int,
+    cache: Any,
+    cache_kw: str,
+    routing_log: Any = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prefill the ``prefix`` tokens every prompt of ``unique_ids`` starts with once, then each prompt's rest.
+
+    The prefix runs at batch 1 into ``cache``, which is then repeated to the U prompts; the rests run left-padded
+    among themselves, with the 2-D mask ``[ones(S) | rest mask]`` and positions continuing from ``S`` over real tokens
+    only, so every real token sees the keys, values and positions the full left-padded prefill would give it.
+
+    Returns ``(logits (U, V) of each prompt's last token, attention_mask (U, S + R))``: the mask of the cache layout
+    ``[prefix | padding | rest]`` that the decode steps extend. ``routing_log`` (a ``SampledRouting``) records both
+    forwards' routing.
+    """
+    device = model_device(model)
+    head = torch.tensor([unique_ids[0][:prefix]], dtype=torch.long, device=device)  # (1, S)
+    _forward_last(
+        model, head, torch.ones_like(head), torch.arange(prefix, device=device)[None], cache, cache_kw
+    )  # its logits are not needed: every prompt goes on past the prefix
+    if routing_log is not None:
+        routing_log.prefill_prefix()
+    cache.batch_repeat_interleave(len(unique_ids))
+    rest_ids, rest_mask = left_pad([ids[prefix:] for ids in unique_ids], pad_token_id, device)  # (U, R)
+    position_ids = prefix + (rest_mask.cumsum(-1) - 1).clamp(min=0)  # (U, R); pads' positions are masked
+    attention_mask = torch.cat([rest_mask.new_ones((len(unique_ids), prefix)), rest_mask], dim=1)  # (U, S + R)
+    logits = _forward_last(model, rest_ids, attention_mask, position_ids, cache, cache_kw)  # (U, V)
+    if routing_log is not None:
+        routing_log.prefill(len(unique_ids), rest_ids.shape[1], [len(ids) - prefix for ids in unique_ids])
+    return logits, attention_mask
+
+
 def _routing_recorder(model: Any) -> Any:
     """A :class:`~posttrain.models.moe_routing.RoutingRecorder` on ``model`` (``keep_routing``)."""
     from posttrain.models.moe_routing import RoutingRecorder
@@ -572,6 +676,11 @@ def _takes_boolean_4d_mask(model: Any) -> bool:
     config = model.config
     if getattr(config, "_attn_implementation", None) != "sdpa" or not getattr(config, "is_causal", True):
         return False
+    return _full_attention_only(config)
+
+
+def _full_attention_only(config: Any) -> bool:
+    """Whether every attention layer of ``config`` is full (causal) attention: no sliding-window or chunked layer."""
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:
         return set(layer_types) <= {"full_attention"}

@@ -271,7 +271,8 @@ def routing_for_rows(batch: dict[str, Any]) -> torch.Tensor | None:
 class SampledRouting:
     """The routing of one group-sampler batch, assembled per output row as ``[prompt | completion]`` tokens.
 
-    The sampler calls :meth:`prefill` after its prefill forward over the ``(U, P)`` left-padded unique prompts,
+    The sampler calls :meth:`prefill` after its prefill forward over the ``(U, P)`` left-padded unique prompts
+    (after :meth:`prefill_prefix` and over the prompts' rests when their shared prefix was prefilled once),
     :meth:`step` after each decode forward (which fed completion token ``step`` of the live rows), and
     :meth:`rows` at the end. A row's completion token that was never fed (its last) has no record (0).
     """
@@ -281,12 +282,30 @@ class SampledRouting:
         self.prompt_lengths = prompt_lengths  # (R0,) real prompt tokens of each batch row
         self.source = source  # (R0,) unique prefill row of each batch row
         self.max_new_tokens = max_new_tokens
+        self.prefix: torch.Tensor | None = None  # (S, L, k) the shared prefix's routing, when prefilled once
         self.prompts: torch.Tensor | None = None  # (U, P, L, k)
         self.steps: torch.Tensor | None = None  # (max_new_tokens, R0, L, k)
 
-    def prefill(self, unique_rows: int, width: int) -> None:
-        taken = self.recorder.take()  # (U·P, L, k)
-        self.prompts = taken.view(unique_rows, width, *taken.shape[1:])
+    def prefill_prefix(self) -> None:
+        """Record the forward of the prompts' shared prefix (batch 1, ``S`` tokens); :meth:`prefill` follows."""
+        self.prefix = self.recorder.take()  # (S, L, k)
+
+    def prefill(self, unique_rows: int, width: int, rest_lengths: list[int] | None = None) -> None:
+        """Record the prefill forward over ``(U, width)`` left-padded rows. After :meth:`prefill_prefix`, those rows
+        are each prompt's rest (``rest_lengths`` real tokens) and the prompts are laid out as the full left-padded
+        prefill would have them: ``[padding | prefix | rest]``, ``(U, S + width)``."""
+        taken = self.recorder.take()  # (U·width, L, k)
+        taken = taken.view(unique_rows, width, *taken.shape[1:])
+        if self.prefix is not None:
+            if rest_lengths is None:
+                raise ValueError("SampledRouting.prefill: rest_lengths is required after prefill_prefix.")
+            s = self.prefix.shape[0]
+            prompts = taken.new_zeros((unique_rows, s + width, *taken.shape[2:]))
+            for u, r in enumerate(rest_lengths):
+                prompts[u, width - r : s + width - r] = self.prefix
+                prompts[u, s + width - r :] = taken[u, width - r :]
+            taken = prompts
+        self.prompts = taken
 
     def step(self, step: int, batch_rows: list[int]) -> None:
         """Record the decode forward of completion token ``step`` for the batch rows ``batch_rows`` (live ones)."""

@@ -5,7 +5,9 @@ expansion and row dropping all happen for real) and then replaces the logits wit
 the next token of ``script(context)``, where ``context`` is the conversation text up to the current assistant turn.
 The sampler never tells the model which rows it keeps, so the wrapper shadows the token history on the cache
 object itself: ``batch_repeat_interleave`` / ``batch_select_indices`` (the cache calls the sampler makes) are
-patched to re-index the shadow history the same way.
+patched to re-index the shadow history the same way. A prefill may come in two forwards (a long prefix the prompts
+share, at batch 1, then each prompt's left-padded rest): a multi-token forward after the first extends each row's
+history with its rest's real tokens.
 """
 
 from __future__ import annotations
@@ -79,6 +81,10 @@ class ScriptedLM(torch.nn.Module):
         if getattr(cache, "_script_history", None) is None:  # prefill: the real tokens of each left-padded row
             mask = attention_mask[:, -input_ids.shape[1] :].bool()
             _track(cache, [row[m].tolist() for row, m in zip(input_ids, mask)])
+        elif input_ids.shape[1] > 1:  # the prompts' rests after their shared prefix (2-D mask, padding masked)
+            mask = attention_mask[:, -input_ids.shape[1] :].bool()
+            for history, row, m in zip(cache._script_history, input_ids, mask):
+                history.extend(row[m].tolist())
         else:
             for history, token in zip(cache._script_history, input_ids[:, -1].tolist()):
                 history.append(token)
