@@ -102,7 +102,21 @@ def _extract_git(source: Source, git_dir: str, dest: Path) -> None:
         capture_output=True,
     ).stdout
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-        tar.extractall(dest, filter="data")
+        safe_extract(tar, dest, tar.getmembers(), source.origin)
+
+
+def safe_extract(tar: tarfile.TarFile, dest: Path, members: list[tarfile.TarInfo], origin: str) -> None:
+    """Extract ``members`` into ``dest`` with the ``"data"`` extraction filter where this Python has it; on Pythons
+    without extraction filters (3.10, and 3.11 before 3.11.4 — Debian 12's ``python3`` is 3.11.2) make the refusals
+    that matter for these sources by hand: only regular files and directories, relative paths with no ``..``."""
+    if hasattr(tarfile, "data_filter"):
+        tar.extractall(dest, members=members, filter="data")
+        return
+    for member in members:
+        path = Path(member.name)
+        if not (member.isfile() or member.isdir()) or path.is_absolute() or ".." in path.parts:
+            raise ValueError(f"{origin}: refusing to extract {member.name!r} (only plain files under the root)")
+    tar.extractall(dest, members=members)
 
 
 def _clone(source: Source, workdir: Path) -> str:
@@ -131,7 +145,7 @@ def _extract_sdist(source: Source, sdist: str | None, dest: Path, workdir: Path)
         ]
         for member in members:
             member.name = member.name[len(top) + 1:]
-        tar.extractall(dest, members=members, filter="data")
+        safe_extract(tar, dest, members, sdist)
 
 
 def fetch(name: str, git_dir: str | None = None, sdist: str | None = None) -> Path:

@@ -73,3 +73,48 @@ def test_recipe_override_changes_only_paths_budget_and_hardware(tmp_path):
     assert [e["split"] for e in entries] == ["train_sft", "test_sft"] and entries[0]["weight"] == 0.5
     assert out["dataset_mixture"]["test_split_size"] == 4
     assert recipe["model_name_or_path"] == "org/big-model"  # the loaded recipe itself is untouched
+
+
+def _sdist(path, members):
+    """A trl-1.16.0.tar.gz stand-in: ``members`` maps names under ``trl-1.16.0/`` to file text (None: a symlink)."""
+    import io
+    import tarfile
+
+    with tarfile.open(path, "w:gz") as tar:
+        for name, text in members.items():
+            info = tarfile.TarInfo(f"trl-1.16.0/{name}")
+            if text is None:
+                info.type, info.linkname = tarfile.SYMTYPE, "/etc/passwd"
+                tar.addfile(info)
+            else:
+                data = text.encode()
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    return str(path)
+
+
+@pytest.mark.parametrize("with_filter", [True, False])
+def test_sdist_extraction_with_and_without_tarfile_filters(tmp_path, monkeypatch, with_filter):
+    """`script_sources.py trl-scripts` extracts the pinned paths on Pythons with extraction filters and on those
+    without (Debian 12's python3 3.11.2, which .ci/run uses: `filter=` raised TypeError there, and CI skipped the
+    9 TRL-script tests), and refuses a link in either case."""
+    import tarfile
+
+    import script_sources as src
+
+    if not with_filter:  # this Python as 3.11.2: no data_filter, and extractall takes no `filter=`
+        monkeypatch.delattr(tarfile, "data_filter", raising=False)
+        extractall = tarfile.TarFile.extractall
+
+        def extractall_without_filter(self, path=".", members=None, *, numeric_owner=False):
+            return extractall(self, path, members, numeric_owner=numeric_owner)
+
+        monkeypatch.setattr(tarfile.TarFile, "extractall", extractall_without_filter)
+    monkeypatch.setenv("POSTTRAIN_SCRIPT_SOURCES", str(tmp_path / "sources"))
+    good = _sdist(tmp_path / "good.tar.gz", {"trl/scripts/sft.py": "print(1)\n", "LICENSE": "Apache\n", "setup.py": ""})
+    dest = src.fetch("trl-scripts", sdist=good)
+    assert (dest / "trl" / "scripts" / "sft.py").read_text() == "print(1)\n" and (dest / "LICENSE").is_file()
+    assert not (dest / "setup.py").exists()  # only the pinned paths
+    bad = _sdist(tmp_path / "bad.tar.gz", {"trl/scripts/sft.py": "", "trl/scripts/evil": None, "LICENSE": ""})
+    with pytest.raises((ValueError, tarfile.TarError)):
+        src.fetch("trl-scripts", sdist=bad)
