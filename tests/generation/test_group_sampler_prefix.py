@@ -23,7 +23,7 @@ def shared() -> list[list[int]]:
     the shared prefix is ``SYSTEM``."""
     assert len(SYSTEM) >= gs.SHARED_PREFIX_MIN_TOKENS
     return [SYSTEM + list(b"Hi"), SYSTEM + list(b"H"), SYSTEM + list(b"How far is the capital of France?"),
-            SYSTEM + list(b"Hzz top"), SYSTEM + list(b"Hmm: 2+2?")]  # fmt: skip
+            SYSTEM + list(b"Hzz top"), SYSTEM + list(b"Hmm: 2+2?")]
 
 
 def _full_prefill(monkeypatch, run):
@@ -97,7 +97,7 @@ def test_sampled_tokens_logprobs_kept_mass_and_masks_equal_the_full_prefill(requ
     sampling = SamplingConfig(
         16, temperature=0.8, top_p=0.9, min_p=0.02, repetition_penalty=1.2, eos_token_ids=[EOS], pad_token_id=PAD,
         return_sampling_mask=True,
-    )  # fmt: skip
+    )
 
     def run():
         sampler = GroupSampler(model, generator=torch.Generator().manual_seed(11), top_logprobs=3)
@@ -180,7 +180,7 @@ def test_not_taken_for_one_distinct_prompt_or_windowed_attention(llama, shared, 
         vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, use_sliding_window=True, sliding_window=16, max_window_layers=0,
         layer_types=["sliding_attention", "full_attention"],
-    )  # fmt: skip
+    )
     torch.manual_seed(0)
     windowed = Qwen2ForCausalLM(config).eval()
     assert not gs._may_share_prefix(windowed)  # padding inside the window would shrink it
